@@ -1,0 +1,231 @@
+"""Typed, frozen configuration of one engine instance.
+
+One dataclass per component, validated in `__post_init__`, in the style of
+nano-vllm's `Config` and mini-sglang's frozen configs. `EngineConfig` groups
+them; `engine.args` builds it from SGLang-named command-line flags.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.assets import DEFAULT_MODEL
+
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
+ROLES = ("mixed", "prefill", "decode")
+Role = Literal["mixed", "prefill", "decode"]
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``2GiB``, ``512MiB``, ``1.5GB`` or ``1048576``.
+
+    Binary suffixes (KiB, MiB, GiB, TiB) are powers of 1024; decimal ones
+    (KB, MB, GB, TB) powers of 1000.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (examples: 2GiB, 512MiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(num_bytes: float) -> str:
+    """Format bytes in GiB/MiB/KiB with two decimals, e.g. ``1.50 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how to load it.
+
+    Attributes:
+        model: an HF checkpoint folder; None means the embedded stories260K.
+        tokenizer: a tokenizer folder; None means the model folder.
+        dtype: ``auto`` (the checkpoint's), ``float32``, ``bfloat16`` or ``float16``.
+        load_format: ``auto`` (safetensors) or ``dummy`` (random weights of the
+            config's shape, for benchmarks without weights; as vLLM's flag).
+        served_model_name: the name in ``/v1/models``; default: the folder name.
+        seed: seed of the dummy weights.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    served_model_name: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+
+    @property
+    def path(self) -> str:
+        """The checkpoint folder actually used."""
+        return self.model or DEFAULT_MODEL
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    @property
+    def name(self) -> str:
+        """The served model name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.path.rstrip("/").split("/")[-1]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool.
+
+    Attributes:
+        page_size: tokens per page, 1..256. Default 64: a 2k-token prompt is
+            32 pages (short block tables, few transfer descriptors: vLLM RFC
+            #50913 measured 58 ms saved by 64 over 16 on a 5k pull), and a page
+            of one KV head is a full 64-row tile for the attention kernels. The
+            cost is at most 63 tokens of slack per request.
+        kv_cache_dtype: ``auto`` (the model dtype), ``bf16``, ``fp16``, ``fp32``
+            or ``fp8_e4m3`` (per-layer k/v scales; SGLang/vLLM flag name).
+        mem_fraction_static: on GPU, the fraction of device memory for weights
+            plus KV pool (SGLang's flag).
+        kv_cache_memory: bytes for the KV pool; required meaning on CPU,
+            overrides `mem_fraction_static` on GPU when set.
+        num_pages: exact number of usable pages (tests and planners); overrides
+            both budgets when set.
+    """
+
+    page_size: int = 64
+    kv_cache_dtype: str = "auto"
+    mem_fraction_static: float = 0.88
+    kv_cache_memory: int | None = None
+    num_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.page_size <= 256:
+            raise ValueError(f"page_size must be in 1..256, got {self.page_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The token-budget scheduler (vLLM v1 model, SGLang flag names).
+
+    Attributes:
+        context_length: the longest prompt + output accepted; None: the model's
+            ``max_position_embeddings``. It never sizes the pool.
+        chunked_prefill_size: the most prompt tokens of one request per step.
+        max_prefill_tokens: the token budget of one step (prefill plus decode).
+        max_running_requests: the most requests in the running batch.
+        max_queued_requests: waiting requests beyond which new ones are refused.
+        schedule_conservativeness: scales the new-token-ratio reservation (SGLang).
+        schedule_policy: ``fcfs``.
+        decode_log_interval: log a ``Decode batch.`` line every this many decode steps.
+    """
+
+    context_length: int | None = None
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    max_running_requests: int | None = None
+    max_queued_requests: int = 4096
+    schedule_conservativeness: float = 1.0
+    schedule_policy: str = "fcfs"
+    decode_log_interval: int = 40
+
+    def __post_init__(self) -> None:
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.schedule_conservativeness <= 0:
+            raise ValueError(f"schedule_conservativeness must be > 0, got {self.schedule_conservativeness}")
+        if self.schedule_policy != "fcfs":
+            raise ValueError(f"schedule_policy must be fcfs, got {self.schedule_policy!r}")
+        if self.decode_log_interval < 1:
+            raise ValueError(f"decode_log_interval must be >= 1, got {self.decode_log_interval}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: this process is rank `tp_rank` of `tp_size`."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {self.tp_size}, {self.tp_rank}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs and which kernels it uses.
+
+    Attributes:
+        device: ``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda[:N]``.
+        attention_backend: ``auto`` (triton on cuda, torch elsewhere), ``torch`` or ``triton``.
+        disable_cuda_graph: replay no CUDA graphs (SGLang flag).
+        cuda_graph_max_bs: the largest decode batch captured in a graph (SGLang flag).
+    """
+
+    device: str = "auto"
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+
+    def __post_init__(self) -> None:
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine instance needs. `role` picks the scheduler's role."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    role: Role = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")

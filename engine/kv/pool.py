@@ -1,0 +1,186 @@
+"""The paged KV pool: one tensor that holds every layer's K and V pages.
+
+Layout (page-major, heads-then-tokens inside a page)::
+
+    kv[num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim]
+
+Index 0 of the first axis is the null page (see `allocator.NULL_PAGE`); index
+2 is K (0) or V (1). A page therefore holds all layers of `page_size` tokens in
+one contiguous block of `page_nbytes` bytes: the whole pool is one region to
+register with NIXL, and one request's KV is one descriptor per run of
+consecutive pages. Inside a page, one KV head's `page_size x head_dim` tile is
+contiguous, which is what the attention kernels load.
+
+The pool owns quantisation (`store_kv`) and dequantisation (`gather`): for
+``fp8_e4m3`` the storage is uint8 holding float8_e4m3fn bits, with one float32
+scale per layer for K and one for V (``x_fp8 = clamp(x / scale, -448, 448)``,
+clamped before the cast because PyTorch's cast does not saturate). Callers never
+see uint8 views or scales unless they ask for them (`layer_cache`, `scales`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+
+_STORAGE = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp8_e4m3": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What two pools must agree on to exchange pages byte for byte.
+
+    Attributes:
+        num_layers, num_kv_heads (per TP rank), head_dim, page_size: the shape.
+        kv_cache_dtype: ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
+        k_scales, v_scales: per-layer FP8 scales (1.0 when not FP8).
+        tp_size, tp_rank: which slice of the KV heads this pool holds.
+        page_nbytes: bytes of one page (all layers, K and V).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_cache_dtype: str
+    k_scales: tuple[float, ...]
+    v_scales: tuple[float, ...]
+    tp_size: int = 1
+    tp_rank: int = 0
+    order: str = "page,layer,kv,head,token,dim"
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=_STORAGE[self.kv_cache_dtype]).element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.page_nbytes // self.page_size
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["page_nbytes"] = self.page_nbytes
+        return d
+
+    def hash(self) -> str:
+        """A short stable hash of the layout, for `/server_info` and logs."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class KVPool:
+    """Paged K/V storage for all layers of one TP rank.
+
+    Args:
+        layout: shape, dtype and scales of the pool.
+        num_pages: usable pages (the null page comes on top).
+        device: where the pool lives (``cpu`` or ``cuda:N``).
+        compute_dtype: dtype `gather` returns (the model's activation dtype).
+
+    The tensor is zero-filled at creation so its memory is really committed.
+    """
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str,
+                 compute_dtype: torch.dtype) -> None:
+        self.layout = layout
+        self.num_pages = num_pages
+        self.page_size = layout.page_size
+        self.device = torch.device(device)
+        self.compute_dtype = compute_dtype
+        self.is_fp8 = layout.kv_cache_dtype == "fp8_e4m3"
+        shape = (num_pages + 1, layout.num_layers, 2, layout.num_kv_heads, layout.page_size, layout.head_dim)
+        self.kv = torch.zeros(shape, dtype=_STORAGE[layout.kv_cache_dtype], device=self.device)
+        self.scales = torch.tensor([layout.k_scales, layout.v_scales], dtype=torch.float32,
+                                   device=self.device).t().contiguous()  # [num_layers, 2]
+        self._k_scale = [float(s) for s in layout.k_scales]
+        self._v_scale = [float(s) for s in layout.v_scales]
+
+    # ---- sizes -------------------------------------------------------------
+    @property
+    def max_total_num_tokens(self) -> int:
+        """Capacity in tokens (SGLang's ``max_total_num_tokens``)."""
+        return self.num_pages * self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.scales.numel() * 4
+
+    def regions(self) -> list[torch.Tensor]:
+        """The tensors to register for RDMA: the page tensor and the scales."""
+        return [self.kv, self.scales]
+
+    # ---- write -------------------------------------------------------------
+    def store_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write one layer's K and V of a step into their slots.
+
+        Args:
+            k, v: [num_tokens, num_kv_heads, head_dim], any float dtype.
+            slot_mapping: [num_tokens] int64, ``page * page_size + offset``;
+                -1 marks a padded token whose write is discarded (it lands in the
+                null page, which is never read unmasked).
+        """
+        slots = slot_mapping.clamp(min=0)
+        pages = slots // self.page_size
+        offsets = slots % self.page_size
+        self.kv[:, layer, 0][pages, :, offsets] = self._quantize(k, self._k_scale[layer])
+        self.kv[:, layer, 1][pages, :, offsets] = self._quantize(v, self._v_scale[layer])
+
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.is_fp8:
+            return x.to(self.kv.dtype)
+        x = x.float()
+        if scale != 1.0:
+            x = x / scale
+        return x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+    # ---- read --------------------------------------------------------------
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantised K and V of whole pages, for the reference attention.
+
+        Args:
+            block_tables: [batch, num_pages_per_seq] int page ids (pad with 0).
+
+        Returns:
+            k, v: [batch, num_kv_heads, num_pages_per_seq * page_size, head_dim]
+            in `compute_dtype`.
+        """
+        pages = self.kv[block_tables.long(), layer]  # [B, n, 2, H, ps, D]
+        b, n, _, h, ps, d = pages.shape
+        pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h, n * ps, d)
+        return self._dequantize(pages[0], self._k_scale[layer]), self._dequantize(pages[1], self._v_scale[layer])
+
+    def _dequantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if not self.is_fp8:
+            return x.to(self.compute_dtype)
+        x = x.view(torch.float8_e4m3fn).to(self.compute_dtype)
+        return x * scale if scale != 1.0 else x
+
+    def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw views for kernels: K and V of `layer`, [num_pages + 1, num_kv_heads, page_size, head_dim],
+        in the storage dtype (float8_e4m3fn for FP8), strided over the page axis."""
+        k, v = self.kv[:, layer, 0], self.kv[:, layer, 1]
+        if self.is_fp8:
+            k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+        return k, v
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """The FP8 (k_scale, v_scale) of `layer`; (1.0, 1.0) for other dtypes."""
+        return self._k_scale[layer], self._v_scale[layer]
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of the raw bytes of `pages` ([len(pages), *page shape]); for checks and tests."""
+        return self.kv[torch.tensor(pages, dtype=torch.long, device=self.device)].clone()

@@ -1,0 +1,198 @@
+"""Load a Llama-family HF checkpoint folder into `LlamaForCausalLM`.
+
+Reads ``config.json`` and ``*.safetensors`` (single file, or sharded with
+``model.safetensors.index.json``). HF's separate q/k/v and gate/up tensors are
+copied into the model's fused matrices. FP8 KV scales, where a checkpoint has
+them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
+ModelOpt), are returned for the KV pool. ``load_format="dummy"`` fills the
+weights with seeded random values instead (vLLM's ``--load-format dummy``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model.arch import ArchConfig
+from engine.model.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_FUSED = {  # HF name part -> (fused name part, shard index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.output_scale|(k|v)_scale)$")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, plus what the KV pool and the transfer handshake need.
+
+    Attributes:
+        model: the module, in eval mode on its device.
+        arch: the architecture.
+        dtype: the weights' dtype.
+        k_scales, v_scales: per-layer FP8 KV scales (1.0 where the checkpoint has none).
+        identity: sha256 over the config and the weights' names, shapes and dtypes.
+        weights_nbytes: bytes of parameters.
+    """
+
+    model: LlamaForCausalLM
+    arch: ArchConfig
+    dtype: torch.dtype
+    k_scales: list[float]
+    v_scales: list[float]
+    identity: str
+    weights_nbytes: int
+
+
+def resolve_dtype(name: str, arch: ArchConfig) -> torch.dtype:
+    """``auto`` gives the checkpoint's dtype; else the named one.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    key = arch.torch_dtype if name == "auto" else name
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {key!r}; use float32, bfloat16 or float16")
+    return _DTYPES[key]
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    return files
+
+
+def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) -> str:
+    """A hash naming the exact model: config plus every tensor's name, shape and dtype.
+
+    Dummy weights hash the seed instead of files. Used by the KV transfer
+    handshake to refuse pages from a different model.
+    """
+    h = hashlib.sha256(json.dumps(arch.__dict__, sort_keys=True, default=str).encode())
+    if load_format == "dummy":
+        h.update(f"dummy:{seed}".encode())
+        return h.hexdigest()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                sl = f.get_slice(name)
+                h.update(f"{name}:{sl.get_shape()}:{sl.get_dtype()}".encode())
+    return h.hexdigest()
+
+
+def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig) -> tuple[list[float], list[float]]:
+    params = dict(model.named_parameters())
+    k_scales = [1.0] * arch.num_hidden_layers
+    v_scales = [1.0] * arch.num_hidden_layers
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                m = _SCALE_RE.match(hf_name)
+                if m:
+                    which = m.group(2) or m.group(3)
+                    (k_scales if which == "k" else v_scales)[int(m.group(1))] = float(f.get_tensor(hf_name).float().item())
+                    continue
+                if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
+                    continue
+                name = hf_name.removeprefix("model.")
+                _copy(params, name, f.get_tensor(hf_name), arch, loaded)
+    missing = set(params) - loaded
+    if arch.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
+    return k_scales, v_scales
+
+
+def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, loaded: set[str]) -> None:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            target = ".".join(parts[:i] + [fused] + parts[i + 1:])
+            param = params[target]
+            if fused == "qkv_proj":
+                sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+            else:
+                sizes = [arch.intermediate_size] * 2
+            start = sum(sizes[:shard])
+            param.data[start:start + sizes[shard]].copy_(tensor)
+            loaded.add(target)
+            return
+    if name not in params:
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            return
+        raise ValueError(f"unexpected weight {name!r} in checkpoint")
+    params[name].data.copy_(tensor)
+    loaded.add(name)
+
+
+def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> None:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=gen)  # HF's initializer_range
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Build the model of the folder `path` on `device`.
+
+    Raises:
+        FileNotFoundError: no config.json or no weights.
+        ValueError: unsupported architecture or dtype; missing or unexpected tensors.
+    """
+    folder = Path(path)
+    arch = ArchConfig.from_pretrained(folder)
+    dtype = resolve_dtype(dtype_name, arch)
+    device = torch.device(device)
+    with torch.device(device), _default_dtype(dtype):
+        model = LlamaForCausalLM(arch)
+    model.rope.inv_freq = model.rope.inv_freq.float()  # RoPE frequencies stay float32
+    if load_format == "dummy":
+        _init_dummy(model, seed, device)
+        k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
+    else:
+        k_scales, v_scales = _load_tensors(model, folder, arch)
+    model.eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    identity = model_identity(folder, arch, load_format, seed)
+    logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
+                arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
+                arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+    return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes)

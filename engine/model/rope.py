@@ -1,0 +1,132 @@
+"""Rotary position embedding (RoPE) with the scaling types Llama-family configs use.
+
+Scaling types (the ``rope_type`` of HF's ``rope_scaling``):
+- ``default``: Su et al., "RoFormer" (2021).
+- ``linear``: position interpolation, Chen et al. 2023 (inverse frequencies / factor).
+- ``dynamic``: NTK-aware base scaling, fixed at the longest context
+  (``max_position_embeddings * factor``) as vLLM does, so that cached keys stay valid
+  as a sequence grows (HF instead changes the base with the current length).
+- ``llama3``: Llama 3.1's frequency-dependent scaling (Meta's reference code).
+- ``yarn``: Peng et al., "YaRN" (2023), with its attention factor on cos/sin.
+
+cos/sin are computed per step from the positions, never as a table sized by
+the context length, so a 10M-token context costs nothing at start-up.
+The rotation is the "rotate half" (NeoX) form that HF Llama checkpoints use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3(inv_freq: torch.Tensor, p: dict[str, Any], max_pos: int) -> torch.Tensor:
+    factor = p["factor"]
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_len = p.get("original_max_position_embeddings", max_pos)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = p["factor"]
+    orig = p.get("original_max_position_embeddings") or max_pos
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = _yarn_mscale(factor, p["mscale"]) / _yarn_mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extrapolation = _default_inv_freq(base, dim)
+    interpolation = extrapolation / factor
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
+                    max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for a RoPE configuration.
+
+    Args:
+        head_dim: rotary dimension (the full head).
+        base: ``rope_theta``.
+        scaling: HF ``rope_scaling`` dict or None.
+        max_position_embeddings: the config's value.
+
+    Returns:
+        (inv_freq [head_dim // 2] float32, attention_factor).
+
+    Raises:
+        ValueError: unsupported ``rope_type``.
+    """
+    if not scaling:
+        return _default_inv_freq(base, head_dim), 1.0
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return _default_inv_freq(base, head_dim), 1.0
+    if kind == "linear":
+        return _default_inv_freq(base, head_dim) / scaling["factor"], 1.0
+    if kind == "dynamic":
+        f = scaling["factor"]
+        return _default_inv_freq(base * (f * f - f + 1) ** (head_dim / (head_dim - 2)), head_dim), 1.0
+    if kind == "llama3":
+        return _llama3(_default_inv_freq(base, head_dim), scaling, max_position_embeddings), 1.0
+    if kind == "yarn":
+        return _yarn(base, head_dim, scaling, max_position_embeddings)
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, dynamic, llama3, yarn")
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Applies RoPE to q and k at given positions.
+
+    Args:
+        head_dim, base, scaling, max_position_embeddings: see `rope_parameters`.
+    """
+
+    def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None,
+                 max_position_embeddings: int) -> None:
+        super().__init__()
+        inv_freq, self.attention_factor = rope_parameters(head_dim, base, scaling, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [T, head_dim // 2] for positions [T] (computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim // 2] (rotate-half form)."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
