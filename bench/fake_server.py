@@ -1,0 +1,466 @@
+"""A fast fake OpenAI-compatible worker with exact, known delays.
+
+Run it as ``python -m bench.fake_server --port 8100 --ttft-ms 50 --itl-ms 10 --num-tokens 20``.
+It speaks the worker contract of ``docs/worker-api.md``: ``/v1/completions`` and
+``/v1/chat/completions`` (SSE streaming ending in ``data: [DONE]``, or one JSON
+body with ``usage``), ``/v1/models``, ``/health``, ``/get_load``, ``/server_info``
+and ``/metrics`` (``pd:`` names, measured on the fake itself), plus
+``GET /debug/requests`` listing recent requests and the headers they carried.
+
+Timing: token ``i`` (0-based) of a request is written at
+``arrival + ttft + i * itl`` on the monotonic clock, each against its own
+deadline, so errors do not accumulate. The time to first token is split into
+emulated phases: ``--queue-ms`` waiting, then prefill, then ``--transfer-ms``
+of KV transfer (prefill gets the rest). As the contract says, the status line
+and headers go out with the first token (``--early-headers`` sends them, and the
+chat role chunk, on arrival instead, as vLLM does).
+
+The number of tokens is ``min(max_tokens, --num-tokens)`` (``finish_reason``
+``stop`` when ``--num-tokens`` ends it first, as an EOS would); with
+``ignore_eos`` it is ``max_tokens``. Prompt tokens are counted with
+``--tokenizer`` when given, else as whitespace-separated words.
+
+Fault injection: ``--fail-status 503 --fail-every N`` answers every N-th OpenAI
+request with that status and an OpenAI error body; ``--die-after N`` makes the
+process exit abruptly half-way through streaming the N-th request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from bench.fake_metrics import FakeMetrics
+from bench.httpserver import HttpServer, Request, Responder
+
+JSON = ("content-type", "application/json")
+SSE = ("content-type", "text/event-stream")
+WORDS = (" Once", " upon", " a", " time", " there", " was", " little", " girl")
+
+
+@dataclass(frozen=True)
+class FakeServerConfig:
+    """Behaviour of one fake worker. Times are in milliseconds."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    role: str = "mixed"
+    model: str = "stories260K"
+    ttft_ms: float = 50.0
+    itl_ms: float = 10.0
+    num_tokens: int | None = None
+    queue_ms: float = 0.0
+    transfer_ms: float = 0.0
+    kv_bytes_per_token: int = 1024
+    page_size: int = 16
+    max_total_num_tokens: int = 65536
+    context_length: int = 512
+    max_running_requests: int = 256
+    early_headers: bool = False
+    fail_status: int = 503
+    fail_every: int = 0
+    die_after: int = 0
+    tokenizer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "mixed"):
+            raise ValueError(f"role must be prefill, decode or mixed, not {self.role!r}")
+        if min(self.ttft_ms, self.itl_ms, self.queue_ms, self.transfer_ms) < 0:
+            raise ValueError("delays must be >= 0")
+        if self.queue_ms + self.transfer_ms > self.ttft_ms:
+            raise ValueError("queue_ms + transfer_ms must not exceed ttft_ms")
+
+
+@dataclass(slots=True)
+class _Job:
+    """One OpenAI request in flight on the fake."""
+
+    rid: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+    prompt_tokens: int
+    n_tokens: int
+    finish_reason: str
+    pages: int = 0
+    generated: int = 0
+
+
+class FakeServer:
+    """The request handler and state of one fake worker.
+
+    ``on_die`` is called by ``--die-after``; the command line passes ``os._exit``.
+    """
+
+    def __init__(self, config: FakeServerConfig, on_die: Callable[[], None] | None = None) -> None:
+        self.config = config
+        self.metrics = FakeMetrics(config.max_total_num_tokens)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=1024)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self._on_die = on_die
+        self._ids = itertools.count(1)
+        self._num_openai = 0
+        self._running = 0
+        self._queued = 0
+        self._transferring = 0
+        self._used_pages = 0
+        self._generated_total = 0
+        self._total_pages = config.max_total_num_tokens // config.page_size
+        self._tokenizer = _load_tokenizer(config.tokenizer)
+        m = self.metrics
+        m.num_running_reqs.set_function(lambda: self._running)
+        m.num_queue_reqs.set_function(lambda: self._queued)
+        m.decode_transfer.set_function(lambda: self._transferring)
+        m.token_usage.set_function(self.token_usage)
+        self._routes = {
+            ("POST", "/v1/completions"): self._openai,
+            ("POST", "/v1/chat/completions"): self._openai,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/get_load"): self._get_load,
+            ("GET", "/server_info"): self._server_info,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/debug/requests"): self._debug_requests,
+        }
+
+    def token_usage(self) -> float:
+        return self._used_pages / self._total_pages if self._total_pages else 0.0
+
+    async def handle(self, req: Request, resp: Responder) -> None:
+        route = self._routes.get((req.method, req.path))
+        if route is None:
+            _error(resp, 404, f"no route {req.method} {req.path}", "NotFoundError", [])
+            return
+        await route(req, resp)
+
+    # small endpoints ---------------------------------------------------------------------
+    async def _health(self, req: Request, resp: Responder) -> None:
+        resp.send(200, b'{"status": "ok"}', [JSON])
+
+    async def _models(self, req: Request, resp: Responder) -> None:
+        c = self.config
+        card = {"id": c.model, "object": "model", "created": 0, "owned_by": "pd-cluster",
+                "root": c.model, "max_model_len": c.context_length}
+        resp.send(200, json.dumps({"object": "list", "data": [card]}).encode(), [JSON])
+
+    async def _get_load(self, req: Request, resp: Responder) -> None:
+        resp.send(200, json.dumps(self.load()).encode(), [JSON])
+
+    def load(self) -> dict[str, Any]:
+        """The ``/get_load`` body of the contract."""
+        c = self.config
+        return {"role": c.role, "num_running_reqs": self._running, "num_queue_reqs": self._queued,
+                "token_usage": self.token_usage(), "num_free_pages": self._total_pages - self._used_pages,
+                "num_total_pages": self._total_pages, "max_running_requests": c.max_running_requests,
+                "num_prefill_bootstrap_queue_reqs": 0, "num_prefill_inflight_queue_reqs": 0,
+                "num_decode_prealloc_queue_reqs": 0, "num_decode_transfer_queue_reqs": self._transferring}
+
+    async def _server_info(self, req: Request, resp: Responder) -> None:
+        c = self.config
+        info = {"role": c.role, "model": c.model, "served_model_name": c.model, "page_size": c.page_size,
+                "kv_cache_dtype": "fp8_e4m3", "max_total_num_tokens": c.max_total_num_tokens,
+                "context_length": c.context_length, "max_running_requests": c.max_running_requests,
+                "layout_hash": "fake-" + c.model, "incarnation": self.incarnation}
+        resp.send(200, json.dumps(info).encode(), [JSON])
+
+    async def _metrics(self, req: Request, resp: Responder) -> None:
+        body = self.metrics.render(self._generated_total)
+        resp.send(200, body, [("content-type", "text/plain; version=0.0.4; charset=utf-8")])
+
+    async def _debug_requests(self, req: Request, resp: Responder) -> None:
+        resp.send(200, json.dumps(list(self.recent)).encode(), [JSON])
+
+    # OpenAI endpoints --------------------------------------------------------------------
+    async def _openai(self, req: Request, resp: Responder) -> None:
+        c = self.config
+        rid = req.headers.get("x-request-id") or f"cmpl-{self.incarnation}-{next(self._ids)}"
+        hdrs = [("x-request-id", rid)]
+        entry = {"request_id": rid, "path": req.path, "arrival": req.arrival, "headers": req.headers}
+        self.recent.append(entry)
+        if c.role == "prefill":
+            entry["status"] = 404
+            _error(resp, 404, "a prefill worker serves no OpenAI API", "NotFoundError", hdrs)
+            return
+        self._num_openai += 1
+        number = self._num_openai
+        if c.fail_every and number % c.fail_every == 0:
+            entry["status"] = c.fail_status
+            _error(resp, c.fail_status, f"injected failure (request {number})", "ServiceUnavailable", hdrs)
+            return
+        try:
+            job = self._parse(req, rid)
+        except _ClientError as exc:
+            entry["status"] = exc.status
+            _error(resp, exc.status, str(exc), "BadRequestError", hdrs)
+            return
+        entry["status"] = 200
+        die_at = job.n_tokens // 2 if c.die_after and number == c.die_after else -1
+        self._running += 1
+        self._take_pages(job, job.prompt_tokens)
+        try:
+            await self._generate(req, resp, job, hdrs, die_at)
+        finally:
+            self._running -= 1
+            self._used_pages -= job.pages
+
+    def _parse(self, req: Request, rid: str) -> _Job:
+        try:
+            body = json.loads(req.body)
+        except ValueError:
+            raise _ClientError(400, "malformed JSON body") from None
+        if not isinstance(body, dict):
+            raise _ClientError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise _ClientError(404, f"the model `{model}` does not exist")
+        chat = req.path == "/v1/chat/completions"
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise _ClientError(400, "messages must be a non-empty list")
+            prompt: Any = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        else:
+            prompt = body.get("prompt")
+            if prompt is None:
+                raise _ClientError(400, "prompt is required")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise _ClientError(400, "max_tokens must be a positive integer")
+        n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
+        opts = body.get("stream_options") or {}
+        return _Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")),
+                    self._count_prompt(prompt), n, reason)
+
+    def _num_output(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
+        eos_at = self.config.num_tokens
+        if max_tokens is None:
+            return (eos_at, "stop") if eos_at is not None else (16, "length")
+        if eos_at is None or ignore_eos or max_tokens <= eos_at:
+            return max_tokens, "length"
+        return eos_at, "stop"
+
+    def _count_prompt(self, prompt: Any) -> int:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt)
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text, add_special_tokens=True))
+        return len(text.split())
+
+    def _take_pages(self, job: _Job, tokens: int) -> None:
+        need = -(-tokens // self.config.page_size)
+        if need > job.pages:
+            self._used_pages += need - job.pages
+            job.pages = need
+
+    async def _generate(self, req: Request, resp: Responder, job: _Job, hdrs: list, die_at: int) -> None:
+        c, m, t0 = self.config, self.metrics, req.arrival
+        fmt = _ChunkFormat(job, c.model)
+        headers = hdrs + [SSE, ("cache-control", "no-cache")] if job.stream else hdrs + [JSON]
+        if job.stream and c.early_headers:
+            resp.start_stream(200, headers, fmt.role_chunk())
+        await self._phases(job, t0)
+        pieces: list[str] = []
+        first = last = t0
+        for i in range(job.n_tokens):
+            await _sleep_until(t0 + (c.ttft_ms + i * c.itl_ms) / 1000.0)
+            if resp.closed:
+                return
+            now = time.monotonic()
+            if i == 0:
+                first = now
+                m.ttft.observe(now - t0)
+            else:
+                m.itl.observe(now - last)
+            last = now
+            word = WORDS[i % len(WORDS)]
+            job.generated += 1
+            self._generated_total += 1
+            self._take_pages(job, job.prompt_tokens + job.generated)
+            if job.stream:
+                data = fmt.token_chunk(word)
+                if resp.started:
+                    resp.write(data)
+                else:
+                    resp.start_stream(200, headers, fmt.role_chunk() + data)
+            else:
+                pieces.append(word)
+            if i == die_at and self._on_die is not None:
+                self._on_die()
+                return
+        self._finish(resp, job, fmt, headers, "".join(pieces), t0, last - first)
+
+    async def _phases(self, job: _Job, t0: float) -> None:
+        """Emulated queue, prefill and KV transfer phases; each measured as it ran."""
+        c, m = self.config, self.metrics
+        q_end = t0 + c.queue_ms / 1000.0
+        p_end = t0 + (c.ttft_ms - c.transfer_ms) / 1000.0
+        self._queued += 1
+        await _sleep_until(q_end)
+        self._queued -= 1
+        t_admit = time.monotonic()
+        m.queue_time.observe(t_admit - t0)
+        await _sleep_until(p_end)
+        t_prefilled = time.monotonic()
+        m.prefill_time.observe(t_prefilled - t_admit)
+        m.prompt_tokens.inc(job.prompt_tokens)
+        if c.transfer_ms > 0:
+            self._transferring += 1
+            await _sleep_until(t0 + c.ttft_ms / 1000.0)
+            self._transferring -= 1
+            took = time.monotonic() - t_prefilled
+            m.transfer_time.observe(took)
+            nbytes = job.prompt_tokens * c.kv_bytes_per_token
+            m.observe_transfer(nbytes, took, max(1, -(-job.prompt_tokens // c.page_size)))
+
+    def _finish(self, resp: Responder, job: _Job, fmt: "_ChunkFormat", headers: list,
+                text: str, t0: float, decode_s: float) -> None:
+        m = self.metrics
+        m.e2e.observe(time.monotonic() - t0)
+        m.decode_time.observe(decode_s)
+        m.generation_tokens.inc(job.n_tokens)
+        m.request_success.labels(finish_reason=job.finish_reason).inc()
+        if job.stream:
+            tail = fmt.final_chunk() + (fmt.usage_chunk() if job.include_usage else b"") + b"data: [DONE]\n\n"
+            if resp.started:
+                resp.end_stream(tail)
+            else:
+                resp.start_stream(200, headers, fmt.role_chunk() + tail)
+                resp.end_stream()
+        else:
+            resp.send(200, fmt.full_body(text), headers)
+
+
+class _ClientError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _ChunkFormat:
+    """Pre-rendered pieces of the OpenAI response JSON for one request."""
+
+    def __init__(self, job: _Job, model: str) -> None:
+        self.job = job
+        created = int(time.time())
+        kind = "chat.completion.chunk" if job.chat else "text_completion"
+        self._head = (f'data: {{"id":{json.dumps(job.rid)},"object":"{kind}","created":{created},'
+                      f'"model":{json.dumps(model)},"choices":[')
+        self._model = model
+        self._created = created
+
+    def _usage(self) -> dict[str, int]:
+        j = self.job
+        return {"prompt_tokens": j.prompt_tokens, "completion_tokens": j.n_tokens,
+                "total_tokens": j.prompt_tokens + j.n_tokens}
+
+    def role_chunk(self) -> bytes:
+        if not self.job.chat:
+            return b""
+        body = '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}'
+        return f"{self._head}{body}]}}\n\n".encode()
+
+    def token_chunk(self, word: str) -> bytes:
+        if self.job.chat:
+            body = f'{{"index":0,"delta":{{"content":"{word}"}},"logprobs":null,"finish_reason":null}}'
+        else:
+            body = f'{{"index":0,"text":"{word}","logprobs":null,"finish_reason":null}}'
+        return f"{self._head}{body}]}}\n\n".encode()
+
+    def final_chunk(self) -> bytes:
+        reason = self.job.finish_reason
+        if self.job.chat:
+            body = f'{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}'
+        else:
+            body = f'{{"index":0,"text":"","logprobs":null,"finish_reason":"{reason}"}}'
+        return f"{self._head}{body}]}}\n\n".encode()
+
+    def usage_chunk(self) -> bytes:
+        return f'{self._head}],"usage":{json.dumps(self._usage())}}}\n\n'.encode()
+
+    def full_body(self, text: str) -> bytes:
+        j = self.job
+        if j.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": j.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": j.finish_reason}
+        out = {"id": j.rid, "object": "chat.completion" if j.chat else "text_completion",
+               "created": self._created, "model": self._model, "choices": [choice], "usage": self._usage()}
+        return json.dumps(out).encode()
+
+
+def _error(resp: Responder, status: int, message: str, kind: str, headers: list) -> None:
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    resp.send(status, json.dumps(body).encode(), headers + [JSON])
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
+    p = argparse.ArgumentParser(prog="python -m bench.fake_server", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
+    p.add_argument("--role", choices=("prefill", "decode", "mixed"), default="mixed")
+    p.add_argument("--model", "--served-model-name", dest="model", default="stories260K")
+    p.add_argument("--ttft-ms", type=float, default=50.0)
+    p.add_argument("--itl-ms", type=float, default=10.0)
+    p.add_argument("--num-tokens", type=int, default=None, help="tokens before an emulated EOS")
+    p.add_argument("--queue-ms", type=float, default=0.0, help="part of the TTFT spent queued")
+    p.add_argument("--transfer-ms", type=float, default=0.0, help="part of the TTFT spent in KV transfer")
+    p.add_argument("--kv-bytes-per-token", type=int, default=1024)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-num-tokens", type=int, default=65536)
+    p.add_argument("--context-length", type=int, default=512)
+    p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--early-headers", action="store_true", help="send headers on arrival (vLLM style)")
+    p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument("--fail-every", type=int, default=0, help="fail every N-th OpenAI request (0: never)")
+    p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the N-th request (0: never)")
+    p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer")
+    a = p.parse_args(argv)
+    return FakeServerConfig(**{k: v for k, v in vars(a).items()})
+
+
+async def serve(config: FakeServerConfig, on_die: Callable[[], None] | None = None) -> None:
+    """Run a fake server until cancelled; prints ``listening on http://HOST:PORT`` once bound."""
+    server = FakeServer(config, on_die)
+    http = HttpServer(server.handle, config.host, config.port)
+    await http.start()
+    print(f"fake OpenAI server ({config.role}) listening on http://{config.host}:{http.port}", flush=True)
+    try:
+        await http.serve_forever()
+    finally:
+        await http.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    try:
+        asyncio.run(serve(config, on_die=lambda: os._exit(1)))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The fake OpenAI worker: contract endpoints, exact delays, headers, fault injection."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.fake_process import FakeServerProcess
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    with FakeServerProcess(["--ttft-ms", "50", "--itl-ms", "10", "--num-tokens", "20",
+                            "--queue-ms", "5", "--transfer-ms", "15", "--role", "decode"]) as f:
+        yield f
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_streaming_completions_with_openai_client_has_exact_timing(fake):
+    client = openai.OpenAI(base_url=fake.url + "/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["stories260K"]  # warms the connection
+    t0 = time.monotonic()
+    stream = client.completions.create(model="stories260K", prompt="one two three", max_tokens=64,
+                                       stream=True, stream_options={"include_usage": True})
+    times, text, usage, reasons = [], [], None, []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.monotonic() - t0)
+            text.append(chunk.choices[0].text)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            reasons.append(chunk.choices[0].finish_reason)
+        if chunk.usage:
+            usage = chunk.usage
+    assert len(times) == 20
+    assert "".join(text).startswith(" Once upon a time there was little girl Once")
+    assert reasons == ["stop"]  # --num-tokens 20 < max_tokens 64 acts as an EOS
+    assert usage.completion_tokens == 20 and usage.prompt_tokens == 3
+    assert times[0] == pytest.approx(0.050, abs=0.010)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert sorted(gaps)[len(gaps) // 2] == pytest.approx(0.010, abs=0.003)
+
+
+def test_non_streaming_chat_honours_max_tokens_and_echoes_request_id(fake):
+    r = httpx.post(fake.url + "/v1/chat/completions", timeout=10,
+                   headers={"X-Request-Id": "req-42", "X-PD-Prefill-Url": "http://10.0.0.7:9000"},
+                   json={"model": "stories260K", "max_tokens": 3,
+                         "messages": [{"role": "user", "content": "a b"}]})
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] == "req-42"
+    body = r.json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": " Once upon a"}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    recent = httpx.get(fake.url + "/debug/requests", timeout=10).json()
+    mine = [e for e in recent if e["request_id"] == "req-42"]
+    assert mine[0]["headers"]["x-pd-prefill-url"] == "http://10.0.0.7:9000"
+
+
+def test_contract_endpoints(fake):
+    assert httpx.get(fake.url + "/health").json() == {"status": "ok"}
+    info = httpx.get(fake.url + "/server_info").json()
+    assert info["role"] == "decode" and info["served_model_name"] == "stories260K"
+    load = httpx.get(fake.url + "/get_load").json()
+    assert load["num_total_pages"] == 65536 // 16 and load["num_running_reqs"] == 0
+    models = httpx.get(fake.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "stories260K"
+
+
+def test_errors_are_openai_shaped(fake):
+    r = httpx.post(fake.url + "/v1/completions", content=b"{nope", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    r = httpx.post(fake.url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10)
+    assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+
+
+def test_metrics_measure_the_emulated_phases(fake):
+    before = _samples(httpx.get(fake.url + "/metrics").text)
+    n = 4
+    for _ in range(n):
+        httpx.post(fake.url + "/v1/completions", json={"prompt": "w " * 32, "max_tokens": 5}, timeout=10)
+    after = _samples(httpx.get(fake.url + "/metrics").text)
+
+    def delta(name):
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    assert delta("pd:request_queue_time_seconds_count") == n
+    mean = lambda base: delta(base + "_sum") / delta(base + "_count")  # noqa: E731
+    assert mean("pd:request_queue_time_seconds") == pytest.approx(0.005, abs=0.003)
+    assert mean("pd:request_prefill_time_seconds") == pytest.approx(0.030, abs=0.003)
+    assert mean("pd:request_transfer_time_seconds") == pytest.approx(0.015, abs=0.003)
+    assert mean("pd:request_decode_time_seconds") == pytest.approx(0.040, abs=0.004)
+    assert mean("pd:time_to_first_token_seconds") == pytest.approx(0.050, abs=0.003)
+    assert delta("pd:kv_transfer_bytes_total") == n * 32 * 1024
+    assert delta("pd:prompt_tokens_total") == n * 32
+    assert delta("pd:generation_tokens_total") == n * 5
+
+
+def test_fail_every_injects_the_status():
+    with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "0", "--fail-every", "3", "--fail-status", "503"]) as f:
+        codes = [httpx.post(f.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code
+                 for _ in range(6)]
+    assert codes == [200, 200, 503, 200, 200, 503]
+
+
+def test_die_after_exits_mid_stream():
+    with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "5", "--num-tokens", "10", "--die-after", "2"]) as f:
+        body = {"prompt": "x", "max_tokens": 10, "stream": True}
+        ok = httpx.post(f.url + "/v1/completions", json=body, timeout=10).text
+        assert ok.endswith("data: [DONE]\n\n")
+        events = []
+        with pytest.raises(httpx.HTTPError):
+            with httpx.stream("POST", f.url + "/v1/completions", json=body, timeout=10) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+        assert 1 <= len(events) < 10
+        f.proc.wait(timeout=10)
+        assert not f.alive
+
+
+def test_prefill_role_serves_no_openai_api():
+    with FakeServerProcess(["--role", "prefill"]) as f:
+        r = httpx.post(f.url + "/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 404
+        assert httpx.get(f.url + "/server_info").json()["role"] == "prefill"
