@@ -1,0 +1,154 @@
+"""The router as one ASGI application.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` go to the raw-ASGI
+:class:`router.proxy.GenerateHandler`; every other path goes to the FastAPI
+control plane. The ASGI lifespan opens the upstream sessions, registers the
+static workers and checks them once, then starts the health, load, eviction
+and discovery loops; shutdown stops them in reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from router.asgi import Receive, Scope, Send
+from router.config import Role, RouterConfig
+from router.control import ControlPlane
+from router.discovery.base import DiscoverySource, RegistrySink
+from router.health import HealthMonitor
+from router.limiter import ConcurrencyLimiter
+from router.metrics import RouterMetrics, StateCollector
+from router.models import ModelNames
+from router.proxy import ENDPOINTS, GenerateHandler
+from router.relay import AttemptFailure
+from router.selection import PairSelector
+from router.upstream import Upstreams
+from router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("router.app")
+
+
+class RouterApp:
+    """ASGI callable; build with a :class:`RouterConfig`, serve with uvicorn."""
+
+    def __init__(self, config: RouterConfig,
+                 sources: list[tuple[str, DiscoverySource]] | None = None) -> None:
+        self.config = config
+        self.registry = WorkerRegistry(config.circuit)
+        self.selector = PairSelector(self.registry, config.policy)
+        lim = config.limits
+        self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
+                                          lim.queue_timeout_secs)
+        self.metrics = RouterMetrics()
+        self.metrics.attach_state(StateCollector(
+            self.registry, lambda: self.limiter.queued, lambda: self.limiter.running,
+            {r.value: p for r, p in self.selector.policies.items()}))
+        self.models = ModelNames(config.served_model_names, self.registry)
+        self.upstreams = Upstreams(lim)
+        self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
+                                     self.selector.needs_load)
+        self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
+                                        self.models, self.upstreams)
+        self.generate.on_failure = self._on_attempt_failure
+        self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
+                                    self.models, self.upstreams, lambda: self.generate.draining,
+                                    self.can_route).build()
+        self.sources = sources or []
+        self._loops: list[asyncio.Task] = []
+
+    def can_route(self) -> bool:
+        """True when a PD pair or a mixed worker is usable now."""
+        usable = self.registry.usable
+        return bool((usable(Role.PREFILL) and usable(Role.DECODE)) or usable(Role.MIXED))
+
+    def begin_drain(self) -> None:
+        """Refuse new generate requests (503); in-flight ones continue."""
+        if not self.generate.draining:
+            log.info("draining: new requests are refused, in-flight requests continue")
+        self.generate.draining = True
+
+    def _on_attempt_failure(self, worker: Worker, failure: AttemptFailure) -> None:
+        if failure.reason in ("decode_unreachable", "decode_disconnected"):
+            self.monitor.apply(worker, False)
+        self.monitor.poke(worker)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["method"] == "POST" and scope["path"] in ENDPOINTS:
+                await self.generate(scope, receive, send)
+            else:
+                await self.control(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.control(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # reported to uvicorn, which exits
+                    log.exception("router startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _add_static(self) -> None:
+        cfg = self.config
+        for urls, role in ((cfg.prefill_urls, Role.PREFILL), (cfg.decode_urls, Role.DECODE),
+                           (cfg.worker_urls, Role.MIXED)):
+            for url in urls:
+                self.registry.add(url, role, "static")
+
+    async def startup(self) -> None:
+        """Open sessions, register and check static workers, start the loops and sources."""
+        await self.upstreams.start()
+        self._add_static()
+        self.registry.subscribe(on_added=lambda w: w.healthy or self.monitor.poke(w))
+        try:
+            await asyncio.wait_for(self.monitor.check_all(), self.config.health.timeout_secs * 2 + 1)
+        except TimeoutError:
+            log.warning("first health checks did not all answer in time")
+        loop = asyncio.get_running_loop()
+        for name, source in self.sources:
+            source.start(RegistrySink(self.registry, name, loop, source.ready_means_healthy))
+        self._loops = [asyncio.create_task(c) for c in (
+            self.monitor.run_checks(), self.monitor.run_load_polls(), self._run_eviction())]
+        log.info("router started", extra={
+            "workers": len(self.registry.all()),
+            "healthy": sum(w.healthy for w in self.registry.all()),
+            "prefill_policy": self.config.policy.prefill, "decode_policy": self.config.policy.decode})
+
+    async def _run_eviction(self) -> None:
+        interval = self.config.policy.cache_aware.eviction_interval_secs
+        while True:
+            await asyncio.sleep(interval)
+            started = time.perf_counter()
+            self.selector.evict()
+            log.debug("cache-aware eviction", extra={"secs": time.perf_counter() - started})
+
+    async def shutdown(self) -> None:
+        """Stop sources and loops, then close the sessions."""
+        self.begin_drain()
+        for _, source in self.sources:
+            source.stop()
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        await self.monitor.close()
+        await self.upstreams.close()
+        log.info("router stopped")
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {"workers": [w.describe(now) for w in self.registry.all()]}

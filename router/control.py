@@ -1,0 +1,149 @@
+"""Control-plane endpoints (FastAPI): health, readiness, metrics, models, admin API.
+
+``GET /health`` is liveness (503 once draining); ``GET /readiness`` says
+whether a request could be routed now. ``/v1/models`` needs the API key;
+``/workers`` needs the admin key: when ``--admin-api-key`` is unset the admin
+API is open only if ``--api-key`` is unset too (a router with an API key never
+leaves its admin API open).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from router.config import Role, RouterConfig
+from router.errors import error_body
+from router.health import HealthMonitor
+from router.metrics import RouterMetrics
+from router.models import ModelNames
+from router.upstream import Upstreams
+from router.workers import WorkerRegistry, normalize_url
+
+
+class AddWorker(BaseModel):
+    url: str
+    role: Role
+
+
+class RemoveWorker(BaseModel):
+    url: str
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(status, message), status_code=status,
+                    media_type="application/json")
+
+
+def _bearer(request: Request) -> bytes:
+    value = request.headers.get("authorization", "")
+    return value[7:].strip().encode() if value[:7].lower() == "bearer " else b""
+
+
+class ControlPlane:
+    """Builds the FastAPI app over the router's live objects."""
+
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
+                 metrics: RouterMetrics, models: ModelNames, upstreams: Upstreams,
+                 is_draining: Callable[[], bool], can_route: Callable[[], bool]) -> None:
+        self.config = config
+        self.registry = registry
+        self.monitor = monitor
+        self.metrics = metrics
+        self.models = models
+        self.upstreams = upstreams
+        self.is_draining = is_draining
+        self.can_route = can_route
+        self.started = int(time.time())
+        sec = config.security
+        self._api_key = sec.api_key.encode() if sec.api_key else None
+        self._admin_key = sec.admin_api_key.encode() if sec.admin_api_key else None
+
+    def _check_api_key(self, request: Request) -> None:
+        if self._api_key is not None and not hmac.compare_digest(_bearer(request), self._api_key):
+            raise HTTPException(401, "invalid or missing API key")
+
+    def _check_admin(self, request: Request) -> None:
+        if self._admin_key is not None:
+            if not hmac.compare_digest(_bearer(request), self._admin_key):
+                raise HTTPException(401, "invalid or missing admin API key")
+        elif self._api_key is not None:
+            raise HTTPException(403, "the admin API is disabled: set --admin-api-key")
+
+    def build(self) -> FastAPI:
+        app = FastAPI(title="pd-router", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(HTTPException)
+        async def _http_error(request: Request, exc: HTTPException) -> Response:
+            return _error(exc.status_code, str(exc.detail))
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.is_draining():
+                return _error(503, "draining")
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/readiness")
+        async def readiness() -> Response:
+            if self.is_draining() or not self.can_route():
+                return _error(503, "no usable worker pair")
+            return JSONResponse({"status": "ready"})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.render(),
+                            media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            self._check_api_key(request)
+            return JSONResponse(self._models_body())
+
+        self._admin_routes(app)
+        return app
+
+    def _models_body(self) -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": self.started, "owned_by": "pd-cluster",
+                 "root": name, "parent": None} for name in self.models.names()]
+        return {"object": "list", "data": data}
+
+    def _admin_routes(self, app: FastAPI) -> None:
+        @app.get("/workers")
+        async def list_workers(request: Request) -> Response:
+            self._check_admin(request)
+            now = time.monotonic()
+            return JSONResponse({"workers": [w.describe(now) for w in self.registry.all()]})
+
+        @app.post("/workers")
+        async def add_worker(request: Request, body: AddWorker) -> Response:
+            self._check_admin(request)
+            try:
+                existed = self.registry.get(normalize_url(body.url)) is not None
+                worker = self.registry.add(body.url, body.role, "admin")
+            except ValueError as exc:
+                raise HTTPException(400, str(exc)) from None
+            if not existed:
+                await self.monitor.check(worker)
+            return JSONResponse(worker.describe(time.monotonic()), status_code=200 if existed else 201)
+
+        @app.delete("/workers")
+        async def remove_worker(request: Request, url: str | None = None) -> Response:
+            self._check_admin(request)
+            if url is None:
+                try:
+                    url = RemoveWorker.model_validate_json(await request.body()).url
+                except ValueError:
+                    raise HTTPException(400, "give the worker as ?url= or {\"url\": ...}") from None
+            try:
+                removed = self.registry.remove(url)
+            except ValueError as exc:
+                raise HTTPException(400, str(exc)) from None
+            if removed is None:
+                raise HTTPException(404, f"no worker {url}")
+            return JSONResponse({"removed": removed.url})

@@ -1,0 +1,1 @@
+"""Worker discovery sources behind one interface (:class:`router.discovery.base.DiscoverySource`)."""

@@ -1,0 +1,134 @@
+"""Prometheus metrics of the router, prefix ``pd_router_`` (listed in ``docs/router.md``).
+
+Request counters and latency histograms are updated on the request path;
+per-worker state (health, circuit, load, in-flight), the queue depth and the
+cache-aware decisions are read from live objects at scrape time by a custom
+collector, so they cost nothing per request. Each router owns its own
+``CollectorRegistry`` (no process-global state).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.circuit import STATE_CODES
+from router.policies import CacheAware, Policy, effective_load
+from router.workers import WorkerRegistry
+
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0,
+               5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class RouterMetrics:
+    """Metric objects of one router; ``render()`` gives the exposition text."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pd_router_requests", "Requests answered, by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("pd_router_time_to_first_token_seconds",
+                              "Arrival at the router to the first streamed chunk relayed.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pd_router_inter_token_latency_seconds",
+                             "Time between consecutive streamed events relayed.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_router_e2e_request_latency_seconds",
+                             "Arrival at the router to the end of the response.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.retries = Counter("pd_router_retries", "Retries on a fresh pair, by reason.",
+                               ["reason"], registry=r)
+        self.upstream_failures = Counter(
+            "pd_router_upstream_failures", "Failed attempts, by blamed role and reason.",
+            ["role", "reason"], registry=r)
+        self.worker_requests = Counter(
+            "pd_router_worker_requests", "Requests routed to each worker, by role.",
+            ["role", "worker"], registry=r)
+        self.rejected = Counter("pd_router_rejected_requests",
+                                "Requests refused by the router itself, by reason.",
+                                ["reason"], registry=r)
+        self._requests_cache: dict[tuple[str, int], Callable[[], None]] = {}
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        inc = self._requests_cache.get(key)
+        if inc is None:
+            inc = self.requests.labels(endpoint, str(status)).inc
+            self._requests_cache[key] = inc
+        inc()
+
+    def attach_state(self, collector: "StateCollector") -> None:
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StateCollector(Collector):
+    """Scrape-time gauges over the registry, the limiter and the policies."""
+
+    def __init__(self, workers: WorkerRegistry, queue_depth: Callable[[], int],
+                 running: Callable[[], int], policies: dict[str, Policy],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._workers = workers
+        self._queue_depth = queue_depth
+        self._running = running
+        self._policies = policies
+        self._clock = clock
+
+    def collect(self) -> Iterator:
+        yield GaugeMetricFamily("pd_router_queue_depth", "Requests waiting for a router slot.",
+                                value=self._queue_depth())
+        yield GaugeMetricFamily("pd_router_running_requests", "Requests holding a router slot.",
+                                value=self._running())
+        yield from self._worker_families()
+        yield from self._cache_families()
+
+    def _worker_families(self) -> Iterator:
+        now = self._clock()
+        labels = ["role", "worker"]
+        healthy = GaugeMetricFamily("pd_router_worker_healthy", "1 if healthy.", labels=labels)
+        circuit = GaugeMetricFamily("pd_router_circuit_state",
+                                    "Circuit breaker: 0 closed, 1 open, 2 half-open.", labels=labels)
+        inflight = GaugeMetricFamily("pd_router_worker_inflight_requests",
+                                     "This router's requests in flight to the worker.", labels=labels)
+        load = GaugeMetricFamily("pd_router_worker_load",
+                                 "Estimated requests at the worker (reported + sent since).",
+                                 labels=labels)
+        usage = GaugeMetricFamily("pd_router_worker_token_usage",
+                                  "Last reported KV usage, 0..1.", labels=labels)
+        for w in self._workers.all():
+            lv = [w.role.value, w.url]
+            healthy.add_metric(lv, 1.0 if w.healthy else 0.0)
+            circuit.add_metric(lv, STATE_CODES[w.breaker.state(now)])
+            inflight.add_metric(lv, w.inflight)
+            load.add_metric(lv, effective_load(w))
+            if w.load is not None:
+                usage.add_metric(lv, w.load.token_usage)
+        yield from (healthy, circuit, inflight, load, usage)
+
+    def _cache_families(self) -> Iterator:
+        decisions = CounterMetricFamily(
+            "pd_router_cache_aware_decisions", "cache_aware choices: hit, miss or balance.",
+            labels=["role", "outcome"])
+        ratio = GaugeMetricFamily("pd_router_cache_aware_hit_ratio",
+                                  "cache_aware hits / decisions since start.", labels=["role"])
+        entries = GaugeMetricFamily("pd_router_cache_aware_tree_entries",
+                                    "Entries in the approximate prefix tree.", labels=["role"])
+        for role, policy in self._policies.items():
+            if isinstance(policy, CacheAware):
+                decisions.add_metric([role, "hit"], policy.hits)
+                decisions.add_metric([role, "miss"], policy.misses)
+                decisions.add_metric([role, "balance"], policy.balanced)
+                ratio.add_metric([role], policy.hit_ratio)
+                entries.add_metric([role], len(policy.tree))
+        yield from (decisions, ratio, entries)

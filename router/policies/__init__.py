@@ -1,0 +1,31 @@
+"""Routing policies (pure, no I/O) and their factory."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from router.config import CacheAwareConfig
+from router.policies.base import Candidate, Policy, RouteRequest, effective_load
+from router.policies.cache_aware import CacheAware
+from router.policies.simple import LeastKvUsage, PowerOfTwo, RandomPolicy, RoundRobin
+
+__all__ = ["Candidate", "Policy", "RouteRequest", "effective_load", "make_policy",
+           "CacheAware", "LeastKvUsage", "PowerOfTwo", "RandomPolicy", "RoundRobin"]
+
+
+def make_policy(name: str, cache_aware: CacheAwareConfig, rng: random.Random,
+                clock: Callable[[], float] = time.monotonic) -> Policy:
+    """Build the policy called ``name``; raises ``ValueError`` on an unknown name."""
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "random":
+        return RandomPolicy(rng)
+    if name == "power_of_two":
+        return PowerOfTwo(rng)
+    if name == "least_kv_usage":
+        return LeastKvUsage()
+    if name == "cache_aware":
+        return CacheAware(cache_aware, clock)
+    raise ValueError(f"unknown policy {name!r}")

@@ -1,0 +1,220 @@
+"""The generate endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+Order of checks, each with its OpenAI-format error: API key (401), body size
+(413), JSON (400), model (404), admission (429 with ``Retry-After``). Then up
+to ``--retry-max-retries`` attempts, each on a fresh pair, with backoff and
+jitter between them; the whole request runs under ``--request-timeout-secs``.
+A client that disconnects cancels the request, which closes the upstream
+connection, so the worker aborts it and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import Callable
+
+from router.asgi import BodyTooLarge, Receive, Scope, Send, bearer_ok, header, read_body, send_bytes
+from router.asgi import send_error, valid_request_id
+from router.config import Role, RouterConfig
+from router.errors import sse_error_event
+from router.limiter import ConcurrencyLimiter, Overloaded
+from router.metrics import RouterMetrics
+from router.models import ModelNames
+from router.policies import RouteRequest
+from router.relay import AttemptFailure, Relay, RequestState
+from router.request import InvalidRequest, parse_request
+from router.retry import backoff_seconds
+from router.selection import Pair, PairSelector
+from router.upstream import Upstreams
+from router.workers import Worker
+
+log = logging.getLogger("router.proxy")
+
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+
+class GenerateHandler:
+    """Raw-ASGI handler of the two generate paths."""
+
+    def __init__(self, config: RouterConfig, selector: PairSelector, limiter: ConcurrencyLimiter,
+                 metrics: RouterMetrics, models: ModelNames, upstreams: Upstreams) -> None:
+        self.config = config
+        self.selector = selector
+        self.limiter = limiter
+        self.metrics = metrics
+        self.models = models
+        self.upstreams = upstreams
+        self.relay = Relay(metrics)
+        self.draining = False
+        self.on_failure: Callable[[Worker, AttemptFailure], None] | None = None
+        self._rng = random.Random(config.policy.seed)
+        key = config.security.api_key
+        self._api_key = key.encode() if key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.perf_counter()
+        endpoint = ENDPOINTS[scope["path"]]
+        rid = valid_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
+        status = await self._handle(scope, receive, send, rid, arrived)
+        self.metrics.count_request(endpoint, status)
+        elapsed = time.perf_counter() - arrived
+        self.metrics.e2e.observe(elapsed)
+        if self.config.enable_log_requests:
+            log.info("request finished", extra={"request_id": rid, "endpoint": endpoint,
+                                                "status": status, "latency_s": round(elapsed, 6)})
+
+    async def _reject(self, send: Send, status: int, reason: str, message: str, rid: str,
+                      extra: tuple = ()) -> int:
+        self.metrics.rejected.labels(reason).inc()
+        await send_error(send, status, message, rid, extra=extra)
+        return status
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, rid: str,
+                      arrived: float) -> int:
+        if self.draining:
+            return await self._reject(send, 503, "draining", "the router is shutting down", rid)
+        if self._api_key is not None and not bearer_ok(scope, self._api_key):
+            return await self._reject(send, 401, "unauthorized", "invalid or missing API key", rid,
+                                      ((b"www-authenticate", b"Bearer"),))
+        try:
+            body = await read_body(scope, receive, self.config.limits.max_payload_size)
+        except BodyTooLarge:
+            return await self._reject(send, 413, "payload_too_large",
+                                      f"request body exceeds {self.config.limits.max_payload_size}"
+                                      " bytes", rid)
+        except ConnectionResetError:
+            return 499
+        try:
+            parsed = parse_request(body, chat=scope["path"] == "/v1/chat/completions")
+        except InvalidRequest as exc:
+            await send_error(send, 400, str(exc), rid, param=exc.param)
+            return 400
+        if parsed.model is not None and not self.models.accepts(parsed.model):
+            await send_error(send, 404, f"The model `{parsed.model}` does not exist.", rid,
+                             param="model")
+            return 404
+        state = RequestState(rid, scope["path"], body, parsed, arrived)
+        return await self._admit_and_run(state, receive, send)
+
+    async def _admit_and_run(self, state: RequestState, receive: Receive, send: Send) -> int:
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, state, task))
+        try:
+            try:
+                await self.limiter.acquire()
+            except Overloaded as exc:
+                return await self._reject(send, 429, exc.reason, "too many requests in flight; "
+                                          "retry later", state.request_id,
+                                          ((b"retry-after", b"1"),))
+            try:
+                async with asyncio.timeout(self.config.limits.request_timeout_secs):
+                    return await self._forward(state, send)
+            except TimeoutError:
+                return await self._timed_out(state, send)
+            finally:
+                self.limiter.release()
+        except asyncio.CancelledError:
+            if state.client_gone and task is not None:
+                task.uncancel()
+                log.info("client disconnected; request aborted",
+                         extra={"request_id": state.request_id})
+                return 499
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _timed_out(self, state: RequestState, send: Send) -> int:
+        secs = self.config.limits.request_timeout_secs
+        log.warning("request timed out", extra={"request_id": state.request_id, "timeout_s": secs})
+        if not state.response_started:
+            await send_error(send, 504, f"request timed out after {secs} s", state.request_id)
+            return 504
+        if not state.finished:
+            event = sse_error_event(504, f"request timed out after {secs} s")
+            await send({"type": "http.response.body", "body": b"\n\n" + event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
+
+    async def _forward(self, state: RequestState, send: Send) -> int:
+        route = RouteRequest(text=state.parsed.text)
+        tried: set[str] = set()
+        last: AttemptFailure | None = None
+        attempts = self.config.retry.max_attempts
+        for attempt in range(1, attempts + 1):
+            pair = self.selector.choose(route, tried)
+            if pair is None:
+                break
+            self._count_choice(pair)
+            try:
+                result = await self.relay.attempt(self.upstreams.data, state, pair, send)
+            finally:
+                pair.release()
+            if not isinstance(result, AttemptFailure):
+                self._record_success(pair)
+                return result
+            last = result
+            tried.update(pair.urls())
+            self._record_failure(pair, result, state, attempt)
+            if attempt < attempts:
+                self.metrics.retries.labels(result.reason).inc()
+                await asyncio.sleep(backoff_seconds(self.config.retry, attempt, self._rng))
+        return await self._give_up(state, send, last)
+
+    def _count_choice(self, pair: Pair) -> None:
+        self.metrics.worker_requests.labels(pair.decode.role.value, pair.decode.url).inc()
+        if pair.prefill is not None:
+            self.metrics.worker_requests.labels("prefill", pair.prefill.url).inc()
+
+    def _record_success(self, pair: Pair) -> None:
+        now = time.monotonic()
+        pair.decode.breaker.record_success(now)
+        if pair.prefill is not None:
+            pair.prefill.breaker.record_success(now)
+
+    def _record_failure(self, pair: Pair, failure: AttemptFailure, state: RequestState,
+                        attempt: int) -> None:
+        now = time.monotonic()
+        blamed = None
+        if failure.blame is Role.DECODE:
+            blamed = pair.decode
+        elif failure.blame is Role.PREFILL:
+            blamed = pair.prefill or pair.decode  # a mixed worker fails on its own
+        if blamed is not None:
+            blamed.breaker.record_failure(now)
+            if self.on_failure is not None:
+                self.on_failure(blamed, failure)
+        role = failure.blame.value if failure.blame is not None else "none"
+        self.metrics.upstream_failures.labels(role, failure.reason).inc()
+        log.warning("attempt failed before the first token", extra={
+            "request_id": state.request_id, "attempt": attempt, "reason": failure.reason,
+            "decode": pair.decode.url, "prefill": pair.prefill.url if pair.prefill else None,
+            "detail": failure.detail})
+
+    async def _give_up(self, state: RequestState, send: Send, last: AttemptFailure | None) -> int:
+        rid = state.request_id
+        if last is None:
+            return await self._reject(send, 503, "no_workers",
+                                      "no healthy worker is available", rid)
+        if last.status is not None and last.body:
+            await send_bytes(send, last.status, last.body, b"application/json",
+                             ((b"x-request-id", rid.encode()),))
+            return last.status
+        status = last.status or 502
+        await send_error(send, status, f"all attempts failed; last: {last.reason}", rid)
+        return status
+
+
+async def _watch_disconnect(receive: Receive, state: RequestState,
+                            task: asyncio.Task | None) -> None:
+    """Cancel the request's task when the client goes away before the end."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not state.finished and task is not None:
+        state.client_gone = True
+        task.cancel()

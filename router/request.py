@@ -1,0 +1,97 @@
+"""What the router reads from an OpenAI request body, and nothing more.
+
+The body is forwarded unchanged; the worker validates sampling parameters,
+applies the chat template and detokenizes (``docs/worker-api.md``). The router
+only checks that the body is a JSON object, reads ``model`` and ``stream``,
+and turns the prompt into text for the ``cache_aware`` policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class InvalidRequest(ValueError):
+    """The body is not a valid request; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """``model`` (``None`` when absent), ``stream``, and the prompt as routing text."""
+
+    model: str | None
+    stream: bool
+    text: str
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text", ""), str))
+    return ""
+
+
+def chat_text(messages: Any) -> str:
+    """Messages joined as ``<role>content`` (prefix-preserving across turns)."""
+    if not isinstance(messages, list):
+        raise InvalidRequest("'messages' must be a list", "messages")
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict):
+            raise InvalidRequest("each message must be an object", "messages")
+        parts.append(f"<{m.get('role', '')}>{_content_text(m.get('content'))}")
+    return "".join(parts)
+
+
+def prompt_text(prompt: Any) -> str:
+    """A completions ``prompt`` (text, texts, token ids, lists of ids) as text."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return "\x00".join(p for p in prompt if isinstance(p, str))
+        if isinstance(first, int):
+            return ",".join(str(t) for t in prompt)
+        if isinstance(first, list):
+            return "\x00".join(",".join(str(t) for t in p) for p in prompt if isinstance(p, list))
+    return ""
+
+
+def parse_request(body: bytes, chat: bool) -> ParsedRequest:
+    """Parse a ``/v1/completions`` or ``/v1/chat/completions`` body.
+
+    Raises :class:`InvalidRequest` when the body is not a JSON object, or when
+    ``model``, ``stream``, ``messages`` or ``prompt`` has the wrong type.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", "model")
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", "stream")
+    if chat:
+        if "messages" not in data:
+            raise InvalidRequest("'messages' is required", "messages")
+        text = chat_text(data["messages"])
+    else:
+        if "prompt" not in data:
+            raise InvalidRequest("'prompt' is required", "prompt")
+        text = prompt_text(data["prompt"])
+    return ParsedRequest(model=model, stream=stream, text=text)

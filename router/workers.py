@@ -1,0 +1,165 @@
+"""The worker registry: every upstream the router may use, with its live state.
+
+Workers come from static flags, the admin API, or discovery (Kubernetes,
+Ray); each carries the source that added it, so a discovery source only ever
+removes what it added. The registry is the only place URLs of upstreams come
+from: the router never proxies to a host named in a request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from router.circuit import CircuitBreaker
+from router.config import CircuitBreakerConfig, Role
+from router.load import LoadReport
+
+
+def normalize_url(url: str) -> str:
+    """``http(s)://host:port`` with no trailing slash.
+
+    Raises ``ValueError`` for another scheme, a missing host, credentials,
+    a path, a query or a fragment.
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"worker URL {url!r} has no host")
+    if parts.username or parts.password:
+        raise ValueError(f"worker URL {url!r} must not carry credentials")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"worker URL {url!r} must have no path, query or fragment")
+    try:
+        parts.port
+    except ValueError as exc:
+        raise ValueError(f"worker URL {url!r} has a bad port") from exc
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+@dataclass(eq=False)
+class Worker:
+    """One worker and what the router knows of it.
+
+    ``inflight``: this router's requests using it now (a prefill until the
+    first token, a decode until the end). ``sent_since_report``: requests
+    routed to it since its last ``/get_load`` report.
+    """
+
+    url: str
+    role: Role
+    source: str
+    breaker: CircuitBreaker
+    healthy: bool = False
+    checked: bool = False
+    ok_streak: int = 0
+    fail_streak: int = 0
+    load: LoadReport | None = None
+    inflight: int = 0
+    sent_since_report: int = 0
+    served_model_name: str | None = None
+    incarnation: str | None = None
+    added_at: float = field(default_factory=time.monotonic)
+
+    def usable(self, now: float) -> bool:
+        """Healthy and its circuit breaker is not open."""
+        return self.healthy and self.breaker.allows(now)
+
+    def set_load(self, report: LoadReport) -> None:
+        self.load = report
+        self.sent_since_report = 0
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """JSON view for ``GET /workers``."""
+        load = self.load
+        return {
+            "url": self.url, "role": self.role.value, "source": self.source,
+            "healthy": self.healthy, "circuit_state": self.breaker.state(now).value,
+            "inflight": self.inflight, "served_model_name": self.served_model_name,
+            "load": None if load is None else {
+                "num_running_reqs": load.num_running_reqs, "num_queue_reqs": load.num_queue_reqs,
+                "waiting": load.waiting, "token_usage": load.token_usage,
+                "num_free_pages": load.num_free_pages,
+                "max_running_requests": load.max_running_requests,
+                "age_secs": round(now - load.received_at, 3)},
+        }
+
+
+Listener = Callable[[Worker], None]
+
+
+class WorkerRegistry:
+    """URL -> :class:`Worker`, with add/remove listeners (policies, probes, metrics)."""
+
+    def __init__(self, circuit: CircuitBreakerConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._circuit = circuit
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._by_role: dict[Role, list[Worker]] = {r: [] for r in Role}
+        self._on_added: list[Listener] = []
+        self._on_removed: list[Listener] = []
+
+    def subscribe(self, on_added: Listener | None = None,
+                  on_removed: Listener | None = None) -> None:
+        if on_added:
+            self._on_added.append(on_added)
+        if on_removed:
+            self._on_removed.append(on_removed)
+
+    def add(self, url: str, role: Role, source: str, healthy: bool = False) -> Worker:
+        """Register a worker (idempotent for the same role).
+
+        ``healthy``: start usable (discovery that already saw it Ready);
+        otherwise it waits for its first health check. Raises ``ValueError``
+        on a bad URL or when the URL is registered with another role.
+        """
+        url = normalize_url(url)
+        existing = self._workers.get(url)
+        if existing is not None:
+            if existing.role is not role:
+                raise ValueError(f"{url} is registered as {existing.role.value}, not {role.value}")
+            return existing
+        worker = Worker(url=url, role=role, source=source,
+                        breaker=CircuitBreaker(self._circuit), healthy=healthy, checked=healthy)
+        self._workers[url] = worker
+        self._by_role[role].append(worker)
+        for fn in self._on_added:
+            fn(worker)
+        return worker
+
+    def remove(self, url: str, source: str | None = None) -> Worker | None:
+        """Unregister ``url``; with ``source``, only if that source added it."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None or (source is not None and worker.source != source):
+            return None
+        del self._workers[url]
+        self._by_role[worker.role].remove(worker)
+        for fn in self._on_removed:
+            fn(worker)
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def of_role(self, role: Role) -> list[Worker]:
+        return list(self._by_role[role])
+
+    def from_source(self, source: str) -> list[Worker]:
+        return [w for w in self._workers.values() if w.source == source]
+
+    def usable(self, role: Role, exclude: frozenset[str] | set[str] = frozenset()) -> list[Worker]:
+        """Workers of ``role`` that may take a request now, minus ``exclude`` URLs."""
+        now = self._clock()
+        return [w for w in self._by_role[role] if w.url not in exclude and w.usable(now)]
+
+    def has_role(self, role: Role) -> bool:
+        return bool(self._by_role[role])
