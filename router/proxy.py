@@ -140,12 +140,11 @@ class GenerateHandler:
         return 200
 
     async def _forward(self, state: RequestState, send: Send) -> int:
-        route = RouteRequest(text=state.parsed.text)
         tried: set[str] = set()
         last: AttemptFailure | None = None
         attempts = self.config.retry.max_attempts
         for attempt in range(1, attempts + 1):
-            pair = self.selector.choose(route, tried)
+            pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
             if pair is None:
                 break
             self._count_choice(pair)

@@ -31,10 +31,12 @@ class RouteRequest:
     """The parts of a request a policy may use.
 
     ``text``: the prompt as text (chat messages joined), for ``cache_aware``;
-    only as long as the prompt, never tokenized by the router.
+    only as long as the prompt, never tokenized by the router. ``attempt``:
+    1 for the first try, 2.. for retries.
     """
 
     text: str = ""
+    attempt: int = 1
 
 
 def effective_load(c: Candidate) -> int:

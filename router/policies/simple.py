@@ -23,7 +23,12 @@ from router.policies.base import (
 
 
 class RoundRobin(Policy):
-    """Cycles over the candidates in the order given."""
+    """Cycles over the candidates in the order given.
+
+    Only first attempts move the cursor, so a retry (which picks among the
+    workers not tried yet) does not make the next request start on a worker
+    that just failed.
+    """
 
     name = "round_robin"
 
@@ -33,7 +38,8 @@ class RoundRobin(Policy):
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
         choice = candidates[self._next % len(candidates)]
-        self._next = (self._next + 1) % (1 << 30)
+        if request.attempt == 1:
+            self._next = (self._next + 1) % (1 << 30)
         return choice
 
 

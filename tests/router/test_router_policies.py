@@ -53,6 +53,9 @@ def test_round_robin_cycles_in_order():
     ws = [W("a"), W("b"), W("c")]
     rr = RoundRobin()
     assert [rr.select(ws, REQ).url for _ in range(7)] == list("abcabca")
+    # A retry picks among the untried workers without moving the cursor.
+    assert rr.select(ws[2:], RouteRequest("x", attempt=2)).url == "c"
+    assert rr.select(ws, REQ).url == "b"
 
 
 def test_random_is_seeded_and_covers_all():
