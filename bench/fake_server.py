@@ -206,7 +206,7 @@ class FakeServer:
         self._running += 1
         self._take_pages(job, job.prompt_tokens)
         try:
-            await self._generate(req, resp, job, hdrs, die_at)
+            await self._generate(req, resp, job, hdrs, die_at, entry)
         finally:
             self._running -= 1
             self._used_pages -= job.pages
@@ -261,7 +261,8 @@ class FakeServer:
             self._used_pages += need - job.pages
             job.pages = need
 
-    async def _generate(self, req: Request, resp: Responder, job: _Job, hdrs: list, die_at: int) -> None:
+    async def _generate(self, req: Request, resp: Responder, job: _Job, hdrs: list, die_at: int,
+                        entry: dict[str, Any]) -> None:
         c, m, t0 = self.config, self.metrics, req.arrival
         fmt = _ChunkFormat(job, c.model)
         headers = hdrs + [SSE, ("cache-control", "no-cache")] if job.stream else hdrs + [JSON]
@@ -276,7 +277,7 @@ class FakeServer:
                 return
             now = time.monotonic()
             if i == 0:
-                first = now
+                first = entry["first_token"] = now
                 m.ttft.observe(now - t0)
             else:
                 m.itl.observe(now - last)
@@ -296,6 +297,7 @@ class FakeServer:
             if i == die_at and self._on_die is not None:
                 self._on_die()
                 return
+        entry["last_token"] = last
         self._finish(resp, job, fmt, headers, "".join(pieces), t0, last - first)
 
     async def _phases(self, job: _Job, t0: float) -> None:

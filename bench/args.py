@@ -1,0 +1,145 @@
+"""Command-line flags of ``pd-bench``, named as in ``vllm bench serve`` and ``sglang.bench_serving``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from bench.config import (BenchConfig, DatasetConfig, LengthScaling, LoadConfig, ReportConfig,
+                          ServerMetricsConfig, TargetConfig)
+from bench.datasets import DATASET_NAMES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-bench",
+        description="Benchmark an OpenAI-compatible server (pd-cluster or any other). "
+                    "`pd-bench compare A.json B.json` compares two saved results.")
+    t = p.add_argument_group("target")
+    t.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (default: --host/--port)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=8000)
+    t.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    t.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
+    t.add_argument("--served-model-name", default=None, help="name sent in requests, if not --model")
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
+    t.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id (default: the model's)")
+    t.add_argument("--trust-remote-code", action="store_true")
+    t.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    t.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM/SGLang extension)")
+    t.add_argument("--temperature", type=float, default=None)
+    t.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    d.add_argument("--dataset-path", default=None, help="default: the slice shipped in bench/data")
+    d.add_argument("--num-prompts", type=int, default=None,
+                   help="default: 1000 for random, the whole file for file datasets")
+    d.add_argument("--random-input-len", type=int, default=1024)
+    d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)]")
+    d.add_argument("--random-prefix-len", type=int, default=0)
+    d.add_argument("--sharegpt-output-len", type=int, default=None)
+    d.add_argument("--gsp-num-groups", type=int, default=64)
+    d.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    d.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    d.add_argument("--gsp-question-len", type=int, default=128)
+    d.add_argument("--gsp-output-len", type=int, default=256)
+    d.add_argument("--trace-block-size", type=int, default=512, help="tokens per Mooncake hash id")
+    d.add_argument("--input-len-scale", type=float, default=1.0)
+    d.add_argument("--output-len-scale", type=float, default=1.0)
+    d.add_argument("--max-input-len", type=int, default=None, help="cap on input lengths after scaling")
+    d.add_argument("--max-output-len", type=int, default=None, help="cap on output lengths after scaling")
+
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=None,
+                   help="req/s, or inf (default: trace timestamps for traces, else inf)")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    a.add_argument("--trace-speedup", type=float, default=1.0, help="divide trace inter-arrivals by this")
+    a.add_argument("--max-concurrency", type=int, default=None)
+    a.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    a.add_argument("--warmup-requests", type=int, default=0)
+    a.add_argument("--seed", type=int, default=0)
+
+    r = p.add_argument_group("metrics and output")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    r.add_argument("--metric-percentiles", default="50,90,99")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs, e.g. ttft:500 tpot:50 e2el:3000")
+    r.add_argument("--save-result", action="store_true")
+    r.add_argument("--result-dir", default=".")
+    r.add_argument("--result-filename", default=None)
+    r.add_argument("--save-detailed", action="store_true", help="also save generated texts")
+    r.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
+    r.add_argument("--plot", action="store_true", help="write PNGs next to the result file")
+    r.add_argument("--disable-tqdm", action="store_true")
+
+    s = p.add_argument_group("server-side breakdown (pd-cluster)")
+    s.add_argument("--worker-metrics-url", nargs="+", default=[], metavar="URL",
+                   help="workers to scrape (default: the router's GET /workers)")
+    s.add_argument("--no-server-metrics", action="store_true")
+    s.add_argument("--metrics-poll-interval", type=float, default=0.5, help="seconds between load polls")
+    return p
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def parse_goodput(items: list[str] | None) -> tuple[tuple[str, float], ...]:
+    """``["ttft:500", "tpot:50"]`` -> ``(("ttft", 500.0), ("tpot", 50.0))``. Raises ``ValueError``."""
+    out = []
+    for item in items or []:
+        name, sep, value = item.partition(":")
+        try:
+            out.append((name.strip().lower(), float(value)))
+        except ValueError:
+            raise ValueError(f"--goodput: expected METRIC:MS, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--goodput: expected METRIC:MS, got {item!r}")
+    return tuple(out)
+
+
+def to_config(ns: argparse.Namespace) -> BenchConfig:
+    """Validated configuration from parsed flags. Raises ``ValueError`` on bad values."""
+    extra = json.loads(ns.extra_body) if ns.extra_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    meta = []
+    for kv in ns.metadata:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata: expected KEY=VALUE, got {kv!r}")
+        meta.append((k, v))
+    target = TargetConfig(
+        base_url=ns.base_url or f"http://{ns.host}:{ns.port}", endpoint=ns.endpoint,
+        model=ns.served_model_name or ns.model, api_key=ns.api_key, tokenizer=ns.tokenizer or ns.model,
+        request_timeout_s=ns.request_timeout, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
+        extra_body=extra)
+    scaling = LengthScaling(ns.input_len_scale, ns.output_len_scale, ns.max_input_len, ns.max_output_len)
+    dataset = DatasetConfig(
+        name=ns.dataset_name, path=ns.dataset_path, num_prompts=ns.num_prompts, seed=ns.seed,
+        random_input_len=ns.random_input_len, random_output_len=ns.random_output_len,
+        random_range_ratio=ns.random_range_ratio, random_prefix_len=ns.random_prefix_len,
+        sharegpt_output_len=ns.sharegpt_output_len, gsp_num_groups=ns.gsp_num_groups,
+        gsp_prompts_per_group=ns.gsp_prompts_per_group, gsp_system_prompt_len=ns.gsp_system_prompt_len,
+        gsp_question_len=ns.gsp_question_len, gsp_output_len=ns.gsp_output_len,
+        trace_block_size=ns.trace_block_size, scaling=scaling)
+    load = LoadConfig(request_rate=ns.request_rate, burstiness=ns.burstiness, trace_speedup=ns.trace_speedup,
+                      max_concurrency=ns.max_concurrency, duration_s=ns.duration,
+                      warmup_requests=ns.warmup_requests, seed=ns.seed)
+    report = ReportConfig(
+        metric_percentiles=_floats(ns.metric_percentiles, "--metric-percentiles"),
+        percentile_metrics=tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip()),
+        goodput=parse_goodput(ns.goodput), save_result=ns.save_result or ns.plot, result_dir=ns.result_dir,
+        result_filename=ns.result_filename, save_detailed=ns.save_detailed, plot=ns.plot,
+        disable_tqdm=ns.disable_tqdm, metadata=tuple(meta))
+    server = ServerMetricsConfig(enabled=not ns.no_server_metrics,
+                                 worker_metrics_urls=tuple(ns.worker_metrics_url),
+                                 poll_interval_s=ns.metrics_poll_interval)
+    return BenchConfig(target, dataset, load, report, server)

@@ -1,0 +1,139 @@
+"""``pd-bench``: run a benchmark (``pd-bench --base-url URL ...``) or compare two results
+(``pd-bench compare A.json B.json``). See ``docs/bench.md``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from bench import compare, results
+from bench.args import build_parser, to_config
+from bench.arrival import ArrivalPlan, rate_plan, trace_plan
+from bench.config import BenchConfig
+from bench.datasets import TRACE_DATASETS, Dataset, load_dataset
+from bench.metrics import count_output_tokens, summarize
+from bench.report import format_summary
+from bench.runner import Runner, RunOutput
+from bench.tokenizer import load_tokenizer, resolve_tokenizer_name
+
+
+def server_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
+    """The first model id listed by ``GET /v1/models``. Raises ``RuntimeError`` when unreachable."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise RuntimeError(f"cannot list models at {base_url}/v1/models ({exc}); pass --model") from exc
+
+
+def arrival_plan(cfg: BenchConfig, ds: Dataset) -> ArrivalPlan:
+    """Trace timestamps for trace datasets unless ``--request-rate`` is given; else rate arrivals."""
+    load = cfg.load
+    if load.request_rate is None and cfg.dataset.name in TRACE_DATASETS:
+        return trace_plan([r.timestamp or 0.0 for r in ds.requests], load.trace_speedup)
+    rate = load.request_rate if load.request_rate is not None else float("inf")
+    return rate_plan(len(ds.requests), rate, load.burstiness, load.seed)
+
+
+def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
+    """Run one benchmark end to end; prints the summary and returns the result dict."""
+    model = cfg.target.model or server_model(cfg.target.base_url, cfg.target.api_key)
+    target = dataclasses.replace(cfg.target, model=model)
+    tok_name = resolve_tokenizer_name(cfg.target.tokenizer, model)
+    tok = load_tokenizer(tok_name)
+    ds = load_dataset(cfg.dataset, tok)
+    if not ds.requests:
+        raise RuntimeError("the dataset produced no requests")
+    plan = arrival_plan(cfg, ds)
+    warm = [ds.requests[i % len(ds.requests)] for i in range(cfg.load.warmup_requests)]
+    scraper = None
+    if cfg.server_metrics.enabled:
+        from bench.server_metrics import discover
+
+        scraper = discover(target.base_url, cfg.server_metrics)
+    snaps: dict[str, Any] = {}
+
+    def before_timed() -> None:
+        if scraper is not None:
+            snaps["before"] = scraper.snapshot()
+            scraper.start_polling()
+
+    runner = Runner(target, cfg.load, model, progress=not cfg.report.disable_tqdm)
+    out = asyncio.run(runner.run(ds.requests, plan, warm, before_timed))
+    breakdown = None
+    if scraper is not None:
+        scraper.stop_polling()
+        breakdown = scraper.breakdown(snaps.get("before", {}), scraper.snapshot(), out.duration_s)
+    if out.warmup_sent and out.warmup_failed == out.warmup_sent:
+        raise RuntimeError(f"all {out.warmup_sent} warm-up requests failed: {out.warmup_errors[:3]}")
+    count_output_tokens(out.records, tok)
+    summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
+    info = _info(cfg, target, ds, plan, tok_name, out)
+    print(format_summary(summary, info, cfg.report.metric_percentiles, cfg.report.percentile_metrics, breakdown))
+    result = {"format_version": results.FORMAT_VERSION, "date": datetime.now().isoformat(timespec="seconds"),
+              "config": _config_dict(cfg, info), "summary": summary, "server_breakdown": breakdown,
+              "requests": [results.record_dict(r, cfg.report.save_detailed) for r in out.records]}
+    if cfg.report.save_result:
+        _save(cfg, result, out, info)
+    return result
+
+
+def _info(cfg: BenchConfig, target, ds: Dataset, plan: ArrivalPlan, tok_name: str, out: RunOutput) -> dict:
+    notes = list(ds.notes)
+    if out.warmup_sent:
+        notes.append(f"warm-up: {out.warmup_sent} requests ({out.warmup_failed} failed), not measured")
+    return {"target": target.url, "model": target.model, "tokenizer": tok_name,
+            "dataset": f"{ds.name} ({len(ds.requests)} requests)", "arrivals": plan.describe(),
+            "max_concurrency": cfg.load.max_concurrency, "scaling": ds.scaling_line(), "notes": notes,
+            "start_unix": out.start_unix}
+
+
+def _config_dict(cfg: BenchConfig, info: dict) -> dict[str, Any]:
+    d = results.clean(cfg)
+    d["target"]["api_key"] = "***" if cfg.target.api_key else None
+    d["resolved"] = info
+    d["metadata"] = dict(cfg.report.metadata)
+    return d
+
+
+def _save(cfg: BenchConfig, result: dict, out: RunOutput, info: dict) -> None:
+    rep = cfg.report
+    rate = "trace" if info["arrivals"].startswith("trace") else (
+        "inf" if cfg.load.request_rate is None else f"{cfg.load.request_rate:g}")
+    name = rep.result_filename or results.default_filename(
+        cfg.dataset.name, rate, cfg.load.max_concurrency, info["model"], datetime.now())
+    path = results.save(os.path.join(rep.result_dir, name), result)
+    print(f"Saved the result to {path}")
+    if rep.plot:
+        from bench.plot import write_plots
+
+        stem = os.path.splitext(path)[0]
+        title = f"{info['model']} | {info['dataset']} | {info['arrivals']}"
+        for png in write_plots(out.records, out.duration_s, stem, title):
+            print(f"Saved a plot to {png}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        return compare.main(argv[1:])
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        run_benchmark(to_config(ns))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"pd-bench: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
