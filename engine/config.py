@@ -199,12 +199,17 @@ class DeviceConfig:
         attention_backend: ``auto`` (triton on cuda, torch elsewhere), ``torch`` or ``triton``.
         disable_cuda_graph: replay no CUDA graphs (SGLang flag).
         cuda_graph_max_bs: the largest decode batch captured in a graph (SGLang flag).
+        cpu_threads: intra-op threads of this process on CPU. Default 1: the CPU
+            path serves small models, whose many tiny kernels run slower with
+            more threads, and a local cluster runs several workers per host
+            (OpenMP threads spin-waiting against each other cost 10-50x).
     """
 
     device: str = "auto"
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    cpu_threads: int = 1
 
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
@@ -213,6 +218,8 @@ class DeviceConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,25 @@
+"""Triton kernels of the GPU attention path (also run by Triton's interpreter, ``TRITON_INTERPRET=1``).
+
+* `store.store_kv`: write a step's K/V into pool slots, quantising to FP8 E4M3;
+* `decode.decode_attention`: paged flash-decoding with grouped query heads;
+* `extend.extend_attention`: chunked-prefill attention over cached pages plus the chunk.
+
+Triton reads ``TRITON_INTERPRET`` when the kernels are defined, that is when
+this package is first imported. On a machine without CUDA the kernels can only
+run in the interpreter, so importing the package there sets
+``TRITON_INTERPRET=1`` unless the variable is already set.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits  # noqa: E402
+from engine.attention.triton.extend import ExtendKernelConfig, extend_attention  # noqa: E402
+from engine.attention.triton.store import store_kv  # noqa: E402
+
+__all__ = ["DecodeKernelConfig", "DecodeWorkspace", "ExtendKernelConfig", "decode_attention", "extend_attention",
+           "num_kv_splits", "store_kv"]

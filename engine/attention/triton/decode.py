@@ -1,0 +1,256 @@
+"""Paged decode attention: flash-decoding (split-KV) with grouped query heads.
+
+Idea sources: flash-decoding (Dao et al., "Flash-Decoding for long-context
+inference", 2023) splits each request's KV range over several programs and
+merges the partial results by their log-sum-exp; the grouped-head variant, in
+which the query heads that share one KV head are loaded together so that the
+inner loop is a `tl.dot`, is the layout of SGLang's and vLLM's Triton decode
+kernels.
+
+Two launches per layer:
+
+* stage 1, grid ``(batch, num_kv_heads, max_splits)``: program ``(b, h, s)``
+  attends the ``GROUP`` query heads of KV head ``h`` over the ``s``-th slice of
+  request ``b``'s context, reading K/V pages through the block table, and writes
+  a normalised partial output and its log2-sum-exp;
+* stage 2, grid ``(batch, num_heads)``: merges the partials of one head.
+
+The split count of each request is a device tensor (`num_kv_splits`), so the
+launches are graph-safe: the grid's third axis is a host constant that
+depends only on the batch size, and programs past a request's split count
+exit at once. The per-tensor FP8 scales are folded into the softmax scale (K)
+and the final output (V). A request with ``seq_len == 0`` gets a zero output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention.triton.common import cdiv, compute_dtype, dot_precision, head_block, next_pow2
+from engine.attention.triton.paging import load_kv_tile
+
+LOG2E = 1.4426950408889634
+NEG_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: a fully masked tile then gives p = 0, not NaN
+
+
+@dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Launch parameters of the decode kernels.
+
+    Attributes:
+        block_n: tokens per inner-loop tile (16..128, a power of two).
+        num_warps, num_stages: stage-1 launch options (ignored by the interpreter).
+        max_kv_splits: the most programs one request's context is split over.
+        min_tokens_per_split: a split gets at least this many tokens.
+        programs_per_sm: splits are chosen so that ``batch * kv_heads * splits``
+            reaches about this many programs per multiprocessor.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    max_kv_splits: int = 32
+    min_tokens_per_split: int = 256
+    programs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.max_kv_splits < 1 or self.min_tokens_per_split < 1 or self.programs_per_sm < 1:
+            raise ValueError("max_kv_splits, min_tokens_per_split and programs_per_sm must be >= 1")
+
+
+def max_splits_for(batch_size: int, num_kv_heads: int, num_sms: int, cfg: DecodeKernelConfig) -> int:
+    """The split axis of the stage-1 grid for a batch of `batch_size` (a host constant)."""
+    want = cdiv(cfg.programs_per_sm * num_sms, max(1, batch_size * num_kv_heads))
+    return max(1, min(cfg.max_kv_splits, want))
+
+
+def num_kv_splits(seq_lens: torch.Tensor, max_splits: int, cfg: DecodeKernelConfig,
+                  sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-request split counts, computed on the device without a host sync.
+
+    Args:
+        seq_lens: [B] int32 context lengths.
+        max_splits: the host bound (`max_splits_for`).
+        out: optional [B] int32 buffer to write into (CUDA-graph static buffer).
+
+    Returns:
+        [B] int32, each in ``1..max_splits`` and at most
+        ``ceil(attended_tokens / min_tokens_per_split)``.
+    """
+    attended = seq_lens if sliding_window is None else seq_lens.clamp(max=sliding_window)
+    splits = torch.clamp((attended + (cfg.min_tokens_per_split - 1)) // cfg.min_tokens_per_split, 1, max_splits)
+    if out is None:
+        return splits.to(torch.int32)
+    out.copy_(splits)
+    return out
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_cache, V_cache, block_tables, seq_lens, num_splits, Mid_O, Mid_LSE,
+    qk_scale,
+    stride_q_t, stride_q_h,
+    stride_k_p, stride_k_h, stride_k_t,
+    stride_v_p, stride_v_h, stride_v_t,
+    stride_bt,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.load(num_splits + b)
+    if split < n_splits:
+        seq_len = tl.load(seq_lens + b)
+        lo = 0
+        if SLIDING_WINDOW > 0:
+            lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        blocks_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), n_splits)
+        start = lo + split * blocks_per_split * BLOCK_N
+        end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+
+        g = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + g
+        h_mask = g < GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < HEAD_DIM
+        q = tl.load(Q + b * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE)
+        bt_row = block_tables + b * stride_bt
+
+        m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for start_n in range(start, end, BLOCK_N):
+            k = load_kv_tile(K_cache, bt_row, start_n, end, kv_head, stride_k_p, stride_k_h, stride_k_t,
+                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            valid = (start_n + tl.arange(0, BLOCK_N)) < end
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = load_kv_tile(V_cache, bt_row, start_n, end, kv_head, stride_v_p, stride_v_h, stride_v_t,
+                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        mo = Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
+        tl.store(mo, out, mask=h_mask[:, None] & d_mask[None, :])
+        tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Mid_O, Mid_LSE, num_splits, O, v_scale,
+    stride_mo_b, stride_mo_h, stride_mo_s,
+    stride_ml_b, stride_ml_h,
+    stride_o_t, stride_o_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    n_splits = tl.load(num_splits + b)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    m = NEG_INIT
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        lse = tl.load(Mid_LSE + b * stride_ml_b + h * stride_ml_h + s)
+        o = tl.load(Mid_O + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new)
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0) * v_scale
+    tl.store(O + b * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+@dataclass
+class DecodeWorkspace:
+    """Per-step decode buffers: split counts and the partial results of stage 1.
+
+    Attributes:
+        num_splits: [B] int32 per-request split counts (device).
+        mid_o: [B, num_heads, max_splits, head_dim] float32 partial outputs.
+        mid_lse: [B, num_heads, max_splits] float32 partial log2-sum-exps.
+        max_splits: the split axis of the grid (host constant).
+    """
+
+    num_splits: torch.Tensor
+    mid_o: torch.Tensor
+    mid_lse: torch.Tensor
+    max_splits: int
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, out: torch.Tensor, ws: DecodeWorkspace, sm_scale: float,
+                     k_scale: float, v_scale: float, cfg: DecodeKernelConfig,
+                     sliding_window: int | None = None) -> None:
+    """Attention of one new token per request over its paged context; no host sync.
+
+    Args:
+        q: [B, num_heads, head_dim] float16/bfloat16/float32 queries (last dim contiguous).
+        k_cache, v_cache: [num_pages + 1, num_kv_heads, page_size, head_dim] pool views
+            (`KVPool.layer_cache`): float8_e4m3fn, bfloat16, float16 or float32.
+        block_tables: [B, max_pages] int32 page ids (null page 0 as padding).
+        seq_lens: [B] int32 context lengths including the new token (0 gives a zero row).
+        out: [B, num_heads, head_dim] output in q's dtype, written in place.
+        ws: split counts and partial buffers (`num_kv_splits` already filled).
+        sm_scale: softmax scale; k_scale, v_scale: per-tensor FP8 scales (1.0 otherwise).
+        sliding_window: attend to the last `sliding_window` tokens only, or None.
+    """
+    bsz, num_heads, head_dim = q.shape
+    if bsz == 0:
+        return
+    num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_d = head_block(head_dim)
+    aligned = page_size % cfg.block_n == 0 and sliding_window is None
+    _decode_stage1_kernel[(bsz, num_kv_heads, ws.max_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, ws.num_splits, ws.mid_o, ws.mid_lse,
+        sm_scale * k_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        ws.mid_o.stride(0), ws.mid_o.stride(1), ws.mid_o.stride(2),
+        ws.mid_lse.stride(0), ws.mid_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, PAGE_ALIGNED=aligned,
+        SLIDING_WINDOW=sliding_window or 0, COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _decode_stage2_kernel[(bsz, num_heads)](
+        ws.mid_o, ws.mid_lse, ws.num_splits, out, float(v_scale),
+        ws.mid_o.stride(0), ws.mid_o.stride(1), ws.mid_o.stride(2),
+        ws.mid_lse.stride(0), ws.mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        num_warps=1 if block_d <= 64 else 2,
+    )
+
+
+def workspace_nbytes(batch_size: int, num_heads: int, head_dim: int, max_splits: int) -> int:
+    """Bytes of the float32 partial buffers for one batch (for sizing static buffers)."""
+    return batch_size * num_heads * max_splits * (head_dim + 1) * 4
+
+
+__all__ = ["DecodeKernelConfig", "DecodeWorkspace", "decode_attention", "max_splits_for", "num_kv_splits",
+           "workspace_nbytes"]

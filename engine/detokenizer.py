@@ -1,0 +1,109 @@
+"""Incremental, UTF-8-safe detokenization with stop strings that are never emitted partially.
+
+Each new token is decoded together with a few tokens before it (``prefix
+offset``) and only the part beyond the previous decode is kept, so tokenizers
+that strip a leading space or merge byte-fallback pieces give the same text as
+decoding everything at once. A decode ending in U+FFFD (an incomplete UTF-8
+sequence from byte-fallback tokens) is held back until the sequence completes.
+This is the algorithm of vLLM's ``detokenize_incrementally`` and HF's
+``TextStreamer``, written on top of ``tokenizer.decode``.
+
+Stop strings: the text is cut before the first stop string (or after it with
+``include_stop_str_in_output``); while streaming, any tail that could still
+grow into a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INITIAL_PREFIX_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a request's generated tokens into text, a delta at a time.
+
+    Args:
+        tokenizer: a HF tokenizer.
+        prompt_token_ids: the prompt (its last tokens give the decoding context).
+        stop: stop strings.
+        include_stop_str_in_output: keep a matched stop string in the text.
+        skip_special_tokens: drop special tokens from the text.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        context = list(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.skip_special = skip_special_tokens
+        self.text = ""
+        self.sent = 0
+        self.stop_matched: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def add_tokens(self, new_token_ids: list[int]) -> str | None:
+        """Append generated tokens; returns the stop string matched, if any (then the text is final)."""
+        for tok in new_token_ids:
+            if self.stop_matched is not None:
+                break
+            self.ids.append(tok)
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+                delta = full[len(prefix):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                self._append(delta)
+        return self.stop_matched
+
+    def _append(self, delta: str) -> None:
+        start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
+        self.text += delta
+        if not self.stop:
+            return
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is not None:
+            idx, s = best
+            self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
+            self.stop_matched = s
+
+    def flush_pending(self) -> None:
+        """At the end, decode what is held back (an incomplete UTF-8 tail becomes U+FFFD)."""
+        if self.stop_matched is None and self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:])
+            self.read_offset = len(self.ids)
+            if len(full) > len(prefix):
+                self._append(full[len(prefix):])
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet emitted, minus (unless finished) a tail that may begin a stop string."""
+        limit = len(self.text)
+        if not finished and self.stop and self.stop_matched is None:
+            limit -= self._stop_prefix_len()
+        if limit <= self.sent:
+            return ""
+        delta = self.text[self.sent:limit]
+        self.sent = limit
+        return delta
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,97 @@
+"""Offline generation with vLLM's API shape: ``LLM(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.args import config_from_kwargs
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling.params import SamplingParams
+
+
+class LLM:
+    """An engine in the mixed role, for batch generation in one process.
+
+    Args:
+        model: HF checkpoint folder; None means the embedded stories260K.
+        **engine_args: engine flags as keywords (``page_size=16``, ``kv_cache_dtype="fp8_e4m3"``,
+            ``kv_cache_memory="64MiB"``, ``chunked_prefill_size=7``, ...; see `engine.args`).
+
+    Raises:
+        TypeError: an unknown engine argument.
+        ValueError: an invalid one.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        engine_args.setdefault("role", "mixed")
+        self.engine = LLMEngine(config_from_kwargs(model=model, **engine_args))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        Args:
+            prompts: one text, texts, or lists of token ids.
+            sampling_params: one for all, or one per prompt (default: `SamplingParams()`).
+            use_tqdm: show a progress bar.
+
+        Raises:
+            RequestRejected: a prompt is invalid or too long; nothing is left queued.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params_list)
+        results = self._run(ids, use_tqdm)
+        for rid, prompt in zip(ids, prompts):
+            results[rid].prompt = prompt if isinstance(prompt, str) else None
+        return [results[i] for i in ids]
+
+    def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            while self.engine.has_work():
+                self.engine.step()
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        pending = {rid: self.engine.requests[rid] for rid in ids}
+        results: dict[str, RequestOutput] = {}
+        text: dict[str, list[str]] = {rid: [] for rid in ids}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
+        while len(results) < len(ids):
+            for d in self.engine.step().deltas:
+                if d.request_id not in pending:
+                    continue
+                text[d.request_id].append(d.new_text)
+                if d.finished:
+                    req = pending[d.request_id]
+                    out = CompletionOutput(0, "".join(text[d.request_id]), req.output_token_ids, d.finish_reason,
+                                           d.stop_reason, req.logprobs if req.params.logprobs is not None else None)
+                    if out.logprobs is not None:
+                        out.cumulative_logprob = sum(lp for lp, _ in out.logprobs)
+                    results[d.request_id] = RequestOutput(d.request_id, None, req.prompt_token_ids, [out], True,
+                                                          d.prompt_logprobs)
+                    bar.update(1)
+        bar.close()
+        return results

@@ -1,0 +1,328 @@
+"""`LLMEngine`: one model, one KV pool, one scheduler; `step()` advances every request by one step.
+
+The step loop is nano-vllm's four lines: schedule, run the model, update the
+requests, collect outputs. The engine is single-threaded; servers drive
+`step()` from one thread and feed requests in between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import replace
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.attention import get_backend, resolve_backend_name
+from engine.config import EngineConfig, format_size
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
+from engine.kv.allocator import PageAllocator
+from engine.kv.pool import KVLayout, KVPool
+from engine.kv.sizing import plan_pool
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner, StepResult
+from engine.outputs import PrefillProgress, RequestDelta, StepOutput
+from engine.request import Request, RequestStatus
+from engine.sampling.params import SamplingParams
+from engine.scheduler.page_manager import PageManager
+from engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from engine.stats import EngineStats
+
+logger = logging.getLogger("engine")
+
+_KV_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class LLMEngine:
+    """The engine of one worker (any role).
+
+    Args:
+        config: the engine configuration.
+
+    Raises:
+        ValueError: invalid configuration, unsupported model, or a KV budget that holds no page.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.role = config.role
+        self.device = resolve_device(config.device.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.device.cpu_threads)
+        mc = config.model
+        self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
+        self.loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, self.device)
+        arch = self.loaded.arch
+        self.arch = arch
+        self.model_name = mc.name
+        self.eos_token_ids = self._eos_ids()
+        self.context_length = config.scheduler.context_length or arch.max_position_embeddings
+        if self.context_length > arch.max_position_embeddings:
+            logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
+                           "may degrade", self.context_length, arch.max_position_embeddings)
+        kv_dtype = config.cache.kv_cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = _KV_DTYPE_OF[self.loaded.dtype]
+        tp = config.parallel
+        self.layout = KVLayout(
+            num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads // tp.tp_size,
+            head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
+            k_scales=tuple(self.loaded.k_scales) if kv_dtype == "fp8_e4m3" else (1.0,) * arch.num_hidden_layers,
+            v_scales=tuple(self.loaded.v_scales) if kv_dtype == "fp8_e4m3" else (1.0,) * arch.num_hidden_layers,
+            tp_size=tp.tp_size, tp_rank=tp.tp_rank)
+        self.pool_plan = plan_pool(self.layout, config.cache, self.device)
+        self.pool = KVPool(self.layout, self.pool_plan.num_pages, self.device, self.loaded.dtype)
+        self.allocator = PageAllocator(self.pool_plan.num_pages)
+        self.pages = PageManager(self.allocator, self.layout.page_size)
+        sc = config.scheduler
+        self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
+        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
+        backend_name = resolve_backend_name(config.device.attention_backend, self.device)
+        self.backend = get_backend(backend_name, self.device, num_heads=arch.num_attention_heads // tp.tp_size,
+                                   num_kv_heads=self.layout.num_kv_heads, head_dim=arch.head_dim,
+                                   scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+        self.runner = ModelRunner(self.loaded, self.pool, self.backend, self.device, mc.seed)
+        self.stats = EngineStats(sc.decode_log_interval)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.streaming: set[str] = set()
+        self._pending: list[RequestDelta] = []
+        self._log_startup(backend_name)
+
+    # ---- start-up ------------------------------------------------------------
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    def _log_startup(self, backend_name: str) -> None:
+        logger.info(
+            "max_total_num_tokens=%d, page_size=%d, kv_cache_dtype=%s, context_len=%d, chunked_prefill_size=%d, "
+            "max_running_requests=%d, available_mem=%s, kv_cache_memory=%s (%s), attention_backend=%s, role=%s",
+            self.pool.max_total_num_tokens, self.layout.page_size, self.layout.kv_cache_dtype, self.context_length,
+            self.config.scheduler.chunked_prefill_size, self.max_running_requests,
+            format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
+            backend_name, self.role)
+
+    # ---- requests --------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt).input_ids
+
+    def _make_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                      remote_kv: bool) -> Request:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise RequestRejected("prompt: must contain at least one token", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
+            raise RequestRejected(f"prompt: token ids must be in [0, {self.arch.vocab_size})", param="prompt")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max(self.context_length - n, 1))
+        total = n + params.max_tokens
+        if total > self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{total} tokens ({n} in the prompt, {params.max_tokens} in the completion). Please reduce the "
+                f"length of the prompt or the completion.")
+        capacity = self.pool.max_total_num_tokens
+        if total > capacity:
+            raise PoolCapacityExceeded(
+                f"The request needs up to {total} tokens of KV cache ({n} prompt + {params.max_tokens} completion) "
+                f"but the whole KV pool holds {capacity} tokens ({self.pool.num_pages} pages of "
+                f"{self.layout.page_size}); raise --kv-cache-memory / --mem-fraction-static or shorten it.")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_queued_requests:
+            raise EngineOverloaded(f"the admission queue is full ({len(self.scheduler.waiting)} requests waiting)")
+        local = replace(params, max_tokens=1, min_tokens=0) if self.role == "prefill" else params
+        req = Request(request_id, prompt_token_ids, local, self.eos_token_ids, remote_kv=remote_kv)
+        req.generator = self.runner.sampler.new_request_generator(params.seed)
+        return req
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    stream: bool = False) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt: text (tokenized with the model's tokenizer) or token ids.
+            stream: compute text deltas every step (else the text is made once, at the end).
+
+        Raises:
+            RequestRejected: invalid prompt or parameters, too long for the context or the pool.
+            EngineOverloaded: the queue is full.
+        """
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        req = self._make_request(request_id, ids, params, remote_kv=False)
+        self._register(req, stream)
+        return req.request_id
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           stream: bool = False) -> str:
+        """Decode role: queue a request whose prompt KV will come from a prefill worker.
+
+        Its pages are reserved by a coming `step` (see `StepOutput.reserved`).
+        Raises as `add_request`.
+        """
+        req = self._make_request(request_id, list(prompt_token_ids), params, remote_kv=True)
+        self._register(req, stream)
+        return req.request_id
+
+    def _register(self, req: Request, stream: bool) -> None:
+        self.requests[req.request_id] = req
+        p = req.params
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+        if stream:
+            self.streaming.add(req.request_id)
+        self.scheduler.add(req)
+
+    def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None) -> bool:
+        """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
+
+        Returns False when the request is unknown or no longer waiting (e.g. aborted).
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            return False
+        self.scheduler.complete_remote(req)
+        req.times.prefill_done = req.times.prefill_done or time.monotonic()
+        self._on_token(req, first_token_id, first_logprob)
+        return True
+
+    def abort_request(self, request_id: str, release_pages: bool = True) -> bool:
+        """Stop a request wherever it is; its final delta (``abort``) comes with the next step.
+
+        Args:
+            release_pages: free its pages now. A prefill worker whose pushes may
+                still be reading them passes False and calls `release_request` later.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return False
+        self.scheduler.remove(req, release_pages=release_pages)
+        held = not release_pages and bool(req.block_table)
+        req.status = RequestStatus.FINISHED_ABORTED
+        if held:
+            self.scheduler.held[request_id] = req
+        self._pending.append(self._finish_delta(req))
+        if not held:
+            self._forget(req)
+        return True
+
+    def release_request(self, request_id: str) -> bool:
+        """Free the pages of a held request: prefilled (prefill role) or aborted with ``release_pages=False``.
+
+        Returns False when the request holds nothing.
+        """
+        req = self.scheduler.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.pages.release(req)
+        self._forget(req)
+        return True
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.detokenizers.pop(req.request_id, None)
+        self.streaming.discard(req.request_id)
+
+    # ---- the step ----------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> StepOutput:
+        """Run one scheduler step and return what it produced."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched) if not sched.is_empty else StepResult([], None)
+        self.scheduler.on_step_done(sched)
+        return self._postprocess(sched, result)
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> StepOutput:
+        out = StepOutput(num_tokens=sched.num_tokens)
+        out.reserved = [(r.request_id, list(r.block_table)) for r in sched.reserved]
+        now = time.monotonic()
+        for item in sched.scheduled:
+            req = item.req
+            req.times.first_scheduled = req.times.first_scheduled or now
+            if item.end >= req.num_prompt_tokens and req.times.prefill_done is None:
+                req.times.prefill_done = now
+            if self.role == "prefill":
+                out.prefill_progress.append(PrefillProgress(req.request_id, item.start, item.end,
+                                                            list(req.block_table), item.samples))
+        if result.sampler_output is not None:
+            so = result.sampler_output
+            for req, tok, lp in zip(result.sampled_reqs, so.token_ids, so.logprobs):
+                self._on_token(req, tok, lp)
+        self.stats.on_step(sched, self.scheduler, len(result.sampled_reqs))
+        out.deltas, self._pending = self._pending, []
+        return out
+
+    def _on_token(self, req: Request, token: int, logprob) -> None:
+        now = time.monotonic()
+        req.times.first_token = req.times.first_token or now
+        req.times.last_token = now
+        req.append_token(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        status = req.check_stop()
+        detok = self.detokenizers[req.request_id]
+        if req.request_id in self.streaming or detok.stop:
+            if detok.add_tokens([token]) is not None:
+                status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = detok.stop_matched
+        if status is not None:
+            self.scheduler.finish(req, status)
+            self._pending.append(self._finish_delta(req, status))
+            req.times.finished = now
+            if req.status != RequestStatus.PREFILLED:
+                self._forget(req)
+        elif req.request_id in self.streaming:
+            self._pending.append(self._delta(req, [token], detok.take_delta(False), logprob))
+
+    def _delta(self, req: Request, tokens: list[int], text: str, logprob) -> RequestDelta:
+        return RequestDelta(req.request_id, tokens, text, [logprob] if logprob is not None else None,
+                            False, None, None, req.num_prompt_tokens, req.num_output_tokens)
+
+    def _finish_delta(self, req: Request, status: RequestStatus | None = None) -> RequestDelta:
+        """The last delta of a request: everything not sent yet."""
+        status = status or req.status
+        detok = self.detokenizers[req.request_id]
+        streaming = req.request_id in self.streaming
+        if not streaming and not detok.stop:
+            detok.add_tokens(req.output_token_ids)
+        detok.flush_pending()
+        new_tokens = req.output_token_ids[-1:] if streaming else req.output_token_ids
+        if status == RequestStatus.FINISHED_ABORTED and streaming:
+            new_tokens = []
+        lps = req.logprobs[-len(new_tokens):] if req.logprobs and new_tokens else None
+        return RequestDelta(
+            req.request_id, new_tokens, detok.take_delta(True), lps, True, status.value,
+            req.stop_reason, req.num_prompt_tokens, req.num_output_tokens,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
+
+    # ---- introspection -------------------------------------------------------------
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    def load(self) -> dict:
+        """Numbers for ``/get_load`` and the gauges."""
+        return {
+            "role": self.role,
+            "num_running_reqs": len(self.scheduler.running),
+            "num_queue_reqs": len(self.scheduler.waiting),
+            "token_usage": self.pages.token_usage,
+            "num_free_pages": self.allocator.num_free,
+            "num_total_pages": self.allocator.num_pages,
+            "max_running_requests": self.max_running_requests,
+        }
+

@@ -1,0 +1,100 @@
+"""What the engine hands back: per-step deltas and, offline, vLLM-shaped final outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Logprob = tuple[float, list[tuple[int, float]]]
+"""(logprob of the chosen token, [(token id, logprob)] top-N)."""
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one request (streaming servers forward these).
+
+    Attributes:
+        new_token_ids: tokens generated this step.
+        new_text: text that became final this step (held-back stop-string
+            prefixes and incomplete UTF-8 are not included yet).
+        new_logprobs: one entry per new token when logprobs were asked.
+        finished, finish_reason (``stop``, ``length``, ``abort``), stop_reason (the
+            stop string or stop token id, else None).
+        num_prompt_tokens, num_output_tokens: totals so far (for ``usage``).
+        prompt_logprobs: the prompt's logprobs, once, when complete.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[Logprob] | None
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    prompt_logprobs: list[Logprob] | None = None
+
+
+@dataclass
+class PrefillProgress:
+    """Prefill role: a step wrote the KV of prompt tokens ``[start, end)`` into `block_table`."""
+
+    request_id: str
+    start: int
+    end: int
+    block_table: list[int]
+    done: bool
+
+
+@dataclass
+class StepOutput:
+    """Everything one `LLMEngine.step` produced.
+
+    Attributes:
+        deltas: per request with news this step.
+        prefill_progress: prefill role: the KV written this step, per request.
+        reserved: decode role: requests whose prompt pages were just reserved, with their page ids.
+        num_tokens: tokens the forward pass computed.
+    """
+
+    deltas: list[RequestDelta] = field(default_factory=list)
+    prefill_progress: list[PrefillProgress] = field(default_factory=list)
+    reserved: list[tuple[str, list[int]]] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's `CompletionOutput`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt (vLLM's `RequestOutput`), with shortcuts to the first sequence."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[Logprob] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

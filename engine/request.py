@@ -1,0 +1,126 @@
+"""A request inside the engine: its tokens, progress, pages and state.
+
+As in vLLM v1 there is no separate prefill or decode phase: a request has
+`num_tokens` known tokens (prompt plus generated) of which `num_computed_tokens`
+already have KV in the pool; each step computes some of the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"                  # queued for admission (pages)
+    WAITING_FOR_REMOTE_KV = "waiting_kv"  # decode role: pages reserved, KV arriving
+    RUNNING = "running"                  # in the batch
+    PREFILLED = "prefilled"              # prefill role: first token out, pages held for the transfer
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (seconds, `time.monotonic`) of a request's life, for metrics."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None        # pages first granted
+    first_scheduled: float | None = None
+    prefill_done: float | None = None    # last prompt chunk computed (or remote KV complete)
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """One generation request.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt's tokens.
+        params: sampling parameters.
+        eos_token_ids: the model's EOS ids (ignored with ``ignore_eos``).
+        remote_kv: decode role: the prompt's KV comes from a prefill worker.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = (), remote_kv: bool = False) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.remote_kv = remote_kv
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.num_retractions = 0
+        self.times = RequestTimes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_tokens(self) -> int:
+        """Resolved output limit (the engine fills `params.max_tokens` when it is None)."""
+        assert self.params.max_tokens is not None
+        return self.params.max_tokens
+
+    @property
+    def remaining_output_tokens(self) -> int:
+        return max(self.max_tokens - self.num_output_tokens, 0)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop after appending a token: EOS, stop ids, or max_tokens.
+
+        Stop strings are checked by the output processor, which owns the text.
+        """
+        n_out = self.num_output_tokens
+        last = self.token_ids[-1]
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={len(self.block_table)})")

@@ -1,0 +1,1 @@
+"""The token-budget scheduler and its small managers (pages, admission)."""

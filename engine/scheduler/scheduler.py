@@ -1,0 +1,245 @@
+"""The token-budget scheduler (vLLM v1's model) in the prefill, decode or mixed role.
+
+Every step spends a token budget (``max_prefill_tokens``): running requests
+first, in arrival order, each computing the tokens it lacks (1 for a decode,
+up to ``chunked_prefill_size`` for a prompt chunk); then waiting requests, FCFS,
+while the budget, ``max_running_requests`` and admission control allow. Pages
+are taken on demand. When a running request cannot grow, the most recently
+admitted running request is retracted: its pages are freed and it goes back to
+the front of the queue to be recomputed (SGLang's retraction, vLLM's recompute
+preemption).
+
+Roles:
+- ``mixed``: prefill and decode locally.
+- ``prefill``: a request ends after its first token; its pages stay held
+  (``PREFILLED``) until the worker, its KV pushed, calls `release`.
+- ``decode``: remote requests get pages for their prompt at admission
+  (``WAITING_FOR_REMOTE_KV``); the worker then has the prefill worker fill
+  them and calls `complete_remote_prefill` with the first token. A retracted
+  request is recomputed locally.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler.admission import AdmissionPolicy
+from engine.scheduler.page_manager import PageManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+
+    req: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the last known token, so the next one is sampled."""
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs. Decodes come before prefill chunks."""
+
+    decodes: list[ScheduledRequest] = field(default_factory=list)
+    prefills: list[ScheduledRequest] = field(default_factory=list)
+    retracted: list[Request] = field(default_factory=list)
+    reserved: list[Request] = field(default_factory=list)  # decode role: pages just reserved
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests to compute.
+
+    Args:
+        config: scheduler settings (budget, chunk size, limits).
+        pages: page manager over the pool's allocator.
+        role: ``mixed``, ``prefill`` or ``decode``.
+        max_running_requests: resolved limit of the running batch.
+    """
+
+    def __init__(self, config: SchedulerConfig, pages: PageManager, role: str, max_running_requests: int) -> None:
+        self.config = config
+        self.pages = pages
+        self.role = role
+        self.max_running = max_running_requests
+        self.admission = AdmissionPolicy(config.schedule_conservativeness)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
+        self.held: dict[str, Request] = {}        # finished but pages held (prefill role: for the push)
+        self.num_retracted_total = 0
+
+    # ---- queue management ----------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def num_holding(self) -> int:
+        """Requests that hold pages and count against ``max_running_requests``."""
+        return len(self.running) + len(self.remote)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def remove(self, req: Request, release_pages: bool = True) -> None:
+        """Take `req` out of every queue; free its pages unless told not to."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        self.remote.pop(req.request_id, None)
+        self.held.pop(req.request_id, None)
+        if release_pages:
+            self.pages.release(req)
+
+    # ---- the step --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_prefill_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.retracted:
+            self._schedule_waiting(out, budget)
+        if not self.running and not self.waiting:
+            self.admission.on_idle()
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, self.config.chunked_prefill_size, budget)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        scheduled: set[str] = set()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # retracted earlier in this loop
+                continue
+            n = self._chunk(req, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(req, req.num_computed_tokens + n, scheduled, out):
+                continue
+            self.pages.grow(req, req.num_computed_tokens + n)
+            item = ScheduledRequest(req, req.num_computed_tokens, n)
+            (out.decodes if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens else out.prefills).append(item)
+            scheduled.add(req.request_id)
+            budget -= n
+        return budget
+
+    def _make_room(self, req: Request, num_tokens: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Retract the newest running requests until `req` can hold `num_tokens`.
+
+        Returns False when `req` itself had to wait (prefill role) or was retracted.
+        """
+        while not self.pages.can_grow(req, num_tokens):
+            if self.role == "prefill":
+                return False  # never retract work whose pages may be on the wire; wait for frees
+            victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+            if victim is None:
+                return False
+            self._retract(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _retract(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.pages.release(req)
+        req.num_computed_tokens = 0
+        req.remote_kv = False  # recomputed locally, also in the decode role
+        req.num_retractions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        out.retracted.append(req)
+        self.num_retracted_total += 1
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        reserved = self.admission.reserved_tokens(self.running) + self.admission.reserved_tokens(self.remote.values())
+        while self.waiting and self.num_holding < self.max_running:
+            req = self.waiting[0]
+            need = self.admission.tokens_needed(req)
+            if self.num_holding and need > self.pages.free_tokens - reserved:
+                break  # admission: running requests keep their reservation
+            if req.remote_kv:
+                if not self._reserve_remote(req, out):
+                    break
+            else:
+                n = self._chunk(req, budget)
+                if n <= 0 or not self.pages.can_grow(req, req.num_computed_tokens + n):
+                    break
+                self.pages.grow(req, req.num_computed_tokens + n)
+                self.waiting.popleft()
+                self._admit(req)
+                out.prefills.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                budget -= n
+            reserved += need
+
+    def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
+        if not self.pages.can_grow(req, req.num_prompt_tokens):
+            return False
+        self.pages.grow(req, req.num_prompt_tokens)
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        req.times.admitted = req.times.admitted or time.monotonic()
+        out.reserved.append(req)
+        return True
+
+    def _admit(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        req.times.admitted = req.times.admitted or time.monotonic()
+        self.running.append(req)
+
+    # ---- after the forward pass -------------------------------------------------
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """Advance progress of everything the step computed."""
+        for item in out.scheduled:
+            item.req.num_computed_tokens = item.end
+        if out.decodes:
+            self.admission.on_decode_step()
+        if out.retracted:
+            self.admission.on_retract(self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """`req` stopped: free its pages (or, in the prefill role, hold them for the push)."""
+        self.running.remove(req)
+        if self.role == "prefill" and status != RequestStatus.FINISHED_ABORTED:
+            req.status = RequestStatus.PREFILLED
+            self.held[req.request_id] = req
+            return
+        req.status = status
+        self.pages.release(req)
+
+    def complete_remote(self, req: Request) -> None:
+        """Decode role: `req`'s prompt KV arrived; it joins the running batch."""
+        self.remote.pop(req.request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+

@@ -1,0 +1,61 @@
+"""Engine counters and the SGLang-style periodic log lines.
+
+``Prefill batch. #new-seq: …, #new-token: …, #cached-token: …, token usage: …, #running-req: …, #queue-req: …``
+``Decode batch. #running-req: …, #token: …, token usage: …, gen throughput (token/s): …, #queue-req: …``
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from engine.scheduler.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("engine")
+
+
+class EngineStats:
+    """Totals since start plus the numbers behind the periodic log lines.
+
+    Args:
+        decode_log_interval: decode steps between two ``Decode batch.`` lines.
+    """
+
+    def __init__(self, decode_log_interval: int) -> None:
+        self.decode_log_interval = decode_log_interval
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished: Counter[str] = Counter()
+        self.gen_throughput = 0.0
+        self._decode_steps = 0
+        self._interval_tokens = 0
+        self._interval_start = time.monotonic()
+
+    def on_step(self, out: SchedulerOutput, scheduler: Scheduler, num_sampled: int) -> None:
+        """Account for one step and log when due."""
+        new_prompt = sum(min(p.end, p.req.num_prompt_tokens) - min(p.start, p.req.num_prompt_tokens)
+                         for p in out.prefills)
+        self.prompt_tokens_total += new_prompt
+        self.generation_tokens_total += num_sampled
+        self._interval_tokens += num_sampled
+        if out.retracted:
+            logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
+                           len(out.retracted), scheduler.admission.new_token_ratio)
+        if out.prefills:
+            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+                        "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt,
+                        scheduler.pages.token_usage, len(scheduler.running), len(scheduler.waiting))
+        if out.decodes:
+            self._decode_steps += 1
+            if self._decode_steps % self.decode_log_interval == 0:
+                self._log_decode(scheduler)
+
+    def _log_decode(self, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        self.gen_throughput = self._interval_tokens / max(now - self._interval_start, 1e-9)
+        self._interval_tokens, self._interval_start = 0, now
+        num_tokens = sum(r.num_computed_tokens for r in scheduler.running)
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d", len(scheduler.running), num_tokens, scheduler.pages.token_usage,
+                    self.gen_throughput, len(scheduler.waiting))
