@@ -1,0 +1,1 @@
+"""`pd-plan`: the KV-cache memory planner (torch-free)."""

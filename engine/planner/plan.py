@@ -1,0 +1,110 @@
+"""The memory planner's arithmetic: KV bytes per token, weights and pool per GPU, capacity.
+
+SGLang's sizing rule: a GPU gives ``mem_fraction_static`` of its memory to
+weights plus KV pool; the pool is what the weights leave of it. The context
+length plays no part in sizing; it only caps what one request may ask for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from engine.planner.spec import ModelSpec
+
+KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """The deployment being planned (sizes in bytes)."""
+
+    tp_size: int = 1
+    gpus_per_node: int = 8
+    gpu_memory: int = 143771 * 2**20  # H200 "141 GB": what nvidia-smi reports
+    mem_fraction_static: float = 0.88
+    kv_cache_dtype: str = "fp8_e4m3"
+    weight_dtype: str = "bf16"
+    page_size: int = 64
+    context_length: int = 131072
+    host_memory_per_node: int = 2 * 2**40  # a typical 8xH200 node has 2 TiB of DRAM
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.gpus_per_node % self.tp_size:
+            raise ValueError(f"tp_size {self.tp_size} must divide gpus_per_node {self.gpus_per_node}")
+        if self.kv_cache_dtype not in KV_BYTES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_BYTES)}")
+        if self.weight_dtype not in WEIGHT_BYTES:
+            raise ValueError(f"weight dtype must be one of {sorted(WEIGHT_BYTES)}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer; every size in bytes, capacities in tokens."""
+
+    spec: ModelSpec
+    inp: PlanInput
+    kv_heads_per_gpu: int
+    kv_bytes_per_token: int          # whole model, all layers, K and V
+    kv_bytes_per_token_per_gpu: int  # global layers only, this GPU's heads
+    local_kv_bytes_per_gpu: int      # chunked-attention layers at a full chunk
+    weights_per_gpu: int
+    pool_per_gpu: int
+    tokens_per_instance: int
+    instances_per_node: int
+
+    @property
+    def tokens_per_node(self) -> int:
+        return self.tokens_per_instance * self.instances_per_node
+
+    @property
+    def fits(self) -> bool:
+        return self.tokens_per_instance >= self.inp.context_length
+
+    def kv_bytes_for(self, num_tokens: int) -> int:
+        """KV bytes on one GPU for one request of `num_tokens` tokens."""
+        s = self.spec
+        local = s.local_layers * self.kv_heads_per_gpu * s.head_dim * 2 * KV_BYTES[self.inp.kv_cache_dtype]
+        chunk = min(num_tokens, s.attention_chunk_size or 0)
+        return num_tokens * self.kv_bytes_per_token_per_gpu + chunk * local
+
+
+def make_plan(spec: ModelSpec, inp: PlanInput) -> Plan:
+    """Compute a `Plan` for `spec` deployed as `inp`."""
+    kvb = KV_BYTES[inp.kv_cache_dtype]
+    # KV heads split across TP ranks; with more ranks than KV heads each rank keeps one (replicated).
+    heads_per_gpu = max(spec.num_kv_heads // inp.tp_size, 1)
+    per_layer_token = spec.head_dim * 2 * kvb
+    kv_total = spec.num_layers * spec.num_kv_heads * per_layer_token
+    kv_gpu = spec.global_layers * heads_per_gpu * per_layer_token
+    local_gpu = spec.local_layers * heads_per_gpu * per_layer_token * (spec.attention_chunk_size or 0)
+    weights = spec.num_params() * WEIGHT_BYTES[inp.weight_dtype] // inp.tp_size
+    pool = int(inp.gpu_memory * inp.mem_fraction_static) - weights
+    usable = max(pool - local_gpu, 0)
+    tokens = usable // max(kv_gpu, 1) // inp.page_size * inp.page_size
+    return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, local_gpu, weights, pool, int(tokens),
+                inp.gpus_per_node // inp.tp_size)
+
+
+def suggestions(plan: Plan) -> list[str]:
+    """What would make the asked context fit on one node, when it does not."""
+    if plan.fits:
+        return []
+    s, inp = plan.spec, plan.inp
+    out = []
+    if inp.tp_size < inp.gpus_per_node:
+        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
+        verdict = "fits" if full.fits else "still does not fit"
+        out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
+    if inp.kv_cache_dtype != "fp8_e4m3":
+        fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"))
+        verdict = "fits" if fp8.fits else "still does not fit"
+        out.append(f"FP8 KV: --kv-cache-dtype fp8_e4m3 gives {fp8.tokens_per_instance:,} tokens ({verdict})")
+    need = plan.kv_bytes_for(inp.context_length) * inp.tp_size
+    have = plan.pool_per_gpu * inp.tp_size
+    host = need - have
+    if host > 0:
+        verdict = "within" if host <= inp.host_memory_per_node else "beyond"
+        out.append(f"host tier: keep {host / 2**30:,.1f} GiB of this request's KV in host DRAM "
+                   f"({verdict} the node's {inp.host_memory_per_node / 2**40:.0f} TiB)")
+    return out

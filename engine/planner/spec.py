@@ -1,0 +1,100 @@
+"""What the memory planner needs to know about a model, read from an HF ``config.json``.
+
+Torch-free. Handles dense Llama-family configs and Llama 4's mixture of
+experts with chunked ("local") attention layers, whose KV never exceeds one
+chunk (``attention_chunk_size``); every ``no_rope_layer_interval``-th layer
+attends globally (Meta's iRoPE design).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes that decide weights and KV bytes.
+
+    Attributes:
+        global_layers: layers whose KV grows with the context.
+        local_layers: chunked-attention layers, KV capped at `attention_chunk_size` tokens.
+        num_experts, expert_intermediate_size, shared_experts, moe_layers: MoE shape (0 when dense).
+    """
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    global_layers: int
+    local_layers: int = 0
+    attention_chunk_size: int | None = None
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    shared_experts: int = 0
+    moe_layers: int = 0
+
+    def num_params(self) -> int:
+        """Parameters of the language model (embeddings, attention, MLP/experts, norms, head)."""
+        h = self.hidden_size
+        attn = h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
+        dense_mlp = 3 * h * self.intermediate_size
+        moe_mlp = (self.num_experts + self.shared_experts) * 3 * h * self.expert_intermediate_size \
+            + h * self.num_experts
+        dense_layers = self.num_layers - self.moe_layers
+        layers = self.num_layers * (attn + 2 * h) + dense_layers * dense_mlp + self.moe_layers * moe_mlp
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embed + layers + h
+
+
+def load_spec(name_or_path: str) -> ModelSpec:
+    """A bundled config by name (``llama-3.1-8b``, ...) or a folder / config.json path.
+
+    Raises:
+        FileNotFoundError: neither a bundled name nor an existing path.
+    """
+    if name_or_path.lower() in BUNDLED:
+        path, name = BUNDLED[name_or_path.lower()], name_or_path.lower()
+    else:
+        path = Path(name_or_path)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            raise FileNotFoundError(f"{name_or_path!r} is neither a bundled config ({', '.join(BUNDLED)}) "
+                                    f"nor a config.json path")
+        name = path.parent.name
+    with open(path) as f:
+        return spec_from_config(json.load(f), name)
+
+
+def spec_from_config(cfg: dict, name: str) -> ModelSpec:
+    """Build a `ModelSpec` from a parsed config (Llama 4's ``text_config`` is unwrapped)."""
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    chunk = cfg.get("attention_chunk_size")
+    interval = cfg.get("no_rope_layer_interval")
+    global_layers = layers if not (chunk and interval) else layers // int(interval)
+    experts = int(cfg.get("num_local_experts", 0) or 0)
+    moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+    return ModelSpec(
+        name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=int(cfg["vocab_size"]),
+        intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        global_layers=global_layers, local_layers=layers - global_layers,
+        attention_chunk_size=int(chunk) if chunk and interval else None,
+        num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
+        shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0)
