@@ -85,13 +85,21 @@ class LeastKvUsage(Policy):
 
     When no worker has room, the lowest usage overall (the worker will answer
     503 if it truly is full, and the router retries elsewhere). Ties go to the
-    lower :func:`effective_load`, then to the earlier candidate.
+    lower :func:`effective_load`, then rotate over the tied workers, so idle
+    workers share a light load instead of the first one taking all of it.
     """
 
     name = "least_kv_usage"
     needs_load = True
 
+    def __init__(self) -> None:
+        self._rotation = 0
+
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
         pool = [c for c in candidates if has_admission_room(c)] or list(candidates)
-        return min(pool, key=lambda c: (estimated_usage(c), effective_load(c)))
+        keys = [(estimated_usage(c), effective_load(c)) for c in pool]
+        best = min(keys)
+        tied = [c for c, k in zip(pool, keys) if k == best]
+        self._rotation = (self._rotation + 1) % (1 << 30)
+        return tied[self._rotation % len(tied)]

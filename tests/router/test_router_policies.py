@@ -119,6 +119,12 @@ def test_least_kv_usage_without_room_anywhere_takes_lowest_usage():
     assert LeastKvUsage().select([a, b], REQ) is b
 
 
+def test_least_kv_usage_rotates_over_ties():
+    ws = [W("a", report()), W("b", report()), W("c", report(usage=0.5, running=1))]
+    policy = LeastKvUsage()
+    assert sorted(policy.select(ws, REQ).url for _ in range(4)) == ["a", "a", "b", "b"]
+
+
 def test_unknown_load_counts_as_empty_with_room():
     fresh = W("fresh")
     used = W("used", report(running=1, usage=0.01))
