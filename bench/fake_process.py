@@ -20,15 +20,19 @@ class FakeServerProcess:
     """A ``python -m bench.fake_server --port 0 ARGS...`` child process.
 
     ``url`` is ``http://127.0.0.1:PORT`` once started (the port is picked by the
-    OS and read from the child's first output line). The child is killed on
-    :meth:`stop` or when the ``with`` block ends.
+    OS and read from the child's output). The child is killed on :meth:`stop` or
+    when the ``with`` block ends. ``realtime`` passes ``--realtime`` (SCHED_FIFO
+    when permitted, so the fake's delays stay exact on a loaded machine);
+    ``scheduling`` then says what the child got.
 
     Raises ``RuntimeError`` when the child exits or stays silent for
     ``start_timeout`` seconds.
     """
 
-    def __init__(self, args: list[str] | tuple[str, ...] = (), start_timeout: float = 30.0) -> None:
-        self.args = list(args)
+    def __init__(self, args: list[str] | tuple[str, ...] = (), start_timeout: float = 30.0,
+                 realtime: bool = False) -> None:
+        self.args = list(args) + (["--realtime"] if realtime else [])
+        self.scheduling = "normal"
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
@@ -50,6 +54,8 @@ class FakeServerProcess:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             self.output.append(line.rstrip())
+            if "scheduling: " in line:
+                self.scheduling = line.split("scheduling: ", 1)[1].strip()
             if not ready.is_set() and "listening on " in line:
                 self.url = line.rsplit("listening on ", 1)[1].strip()
                 ready.set()

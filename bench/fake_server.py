@@ -20,6 +20,10 @@ The number of tokens is ``min(max_tokens, --num-tokens)`` (``finish_reason``
 ``ignore_eos`` it is ``max_tokens``. Prompt tokens are counted with
 ``--tokenizer`` when given, else as whitespace-separated words.
 
+Under CPU contention the fake's own timers fire late; ``--realtime`` asks the
+OS for ``SCHED_FIFO`` scheduling (Linux, needs CAP_SYS_NICE; it says whether it
+got it) so the delays stay exact on a busy machine.
+
 Fault injection: ``--fail-status 503 --fail-every N`` answers every N-th OpenAI
 request with that status and an OpenAI error body; ``--die-after N`` makes the
 process exit abruptly half-way through streaming the N-th request.
@@ -38,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from bench.fake_format import ChunkFormat, Job
 from bench.fake_metrics import FakeMetrics
 from bench.httpserver import HttpServer, Request, Responder
 
@@ -65,6 +70,7 @@ class FakeServerConfig:
     context_length: int = 512
     max_running_requests: int = 256
     early_headers: bool = False
+    realtime: bool = False
     fail_status: int = 503
     fail_every: int = 0
     die_after: int = 0
@@ -77,21 +83,6 @@ class FakeServerConfig:
             raise ValueError("delays must be >= 0")
         if self.queue_ms + self.transfer_ms > self.ttft_ms:
             raise ValueError("queue_ms + transfer_ms must not exceed ttft_ms")
-
-
-@dataclass(slots=True)
-class _Job:
-    """One OpenAI request in flight on the fake."""
-
-    rid: str
-    chat: bool
-    stream: bool
-    include_usage: bool
-    prompt_tokens: int
-    n_tokens: int
-    finish_reason: str
-    pages: int = 0
-    generated: int = 0
 
 
 class FakeServer:
@@ -211,7 +202,7 @@ class FakeServer:
             self._running -= 1
             self._used_pages -= job.pages
 
-    def _parse(self, req: Request, rid: str) -> _Job:
+    def _parse(self, req: Request, rid: str) -> Job:
         try:
             body = json.loads(req.body)
         except ValueError:
@@ -236,7 +227,7 @@ class FakeServer:
             raise _ClientError(400, "max_tokens must be a positive integer")
         n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
         opts = body.get("stream_options") or {}
-        return _Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")),
+        return Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")),
                     self._count_prompt(prompt), n, reason)
 
     def _num_output(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
@@ -255,16 +246,16 @@ class FakeServer:
             return len(self._tokenizer.encode(text, add_special_tokens=True))
         return len(text.split())
 
-    def _take_pages(self, job: _Job, tokens: int) -> None:
+    def _take_pages(self, job: Job, tokens: int) -> None:
         need = -(-tokens // self.config.page_size)
         if need > job.pages:
             self._used_pages += need - job.pages
             job.pages = need
 
-    async def _generate(self, req: Request, resp: Responder, job: _Job, hdrs: list, die_at: int,
+    async def _generate(self, req: Request, resp: Responder, job: Job, hdrs: list, die_at: int,
                         entry: dict[str, Any]) -> None:
         c, m, t0 = self.config, self.metrics, req.arrival
-        fmt = _ChunkFormat(job, c.model)
+        fmt = ChunkFormat(job, c.model)
         headers = hdrs + [SSE, ("cache-control", "no-cache")] if job.stream else hdrs + [JSON]
         if job.stream and c.early_headers:
             resp.start_stream(200, headers, fmt.role_chunk())
@@ -300,7 +291,7 @@ class FakeServer:
         entry["last_token"] = last
         self._finish(resp, job, fmt, headers, "".join(pieces), t0, last - first)
 
-    async def _phases(self, job: _Job, t0: float) -> None:
+    async def _phases(self, job: Job, t0: float) -> None:
         """Emulated queue, prefill and KV transfer phases; each measured as it ran."""
         c, m = self.config, self.metrics
         q_end = t0 + c.queue_ms / 1000.0
@@ -323,7 +314,7 @@ class FakeServer:
             nbytes = job.prompt_tokens * c.kv_bytes_per_token
             m.observe_transfer(nbytes, took, max(1, -(-job.prompt_tokens // c.page_size)))
 
-    def _finish(self, resp: Responder, job: _Job, fmt: "_ChunkFormat", headers: list,
+    def _finish(self, resp: Responder, job: Job, fmt: "ChunkFormat", headers: list,
                 text: str, t0: float, decode_s: float) -> None:
         m = self.metrics
         m.e2e.observe(time.monotonic() - t0)
@@ -345,59 +336,6 @@ class _ClientError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
-
-
-class _ChunkFormat:
-    """Pre-rendered pieces of the OpenAI response JSON for one request."""
-
-    def __init__(self, job: _Job, model: str) -> None:
-        self.job = job
-        created = int(time.time())
-        kind = "chat.completion.chunk" if job.chat else "text_completion"
-        self._head = (f'data: {{"id":{json.dumps(job.rid)},"object":"{kind}","created":{created},'
-                      f'"model":{json.dumps(model)},"choices":[')
-        self._model = model
-        self._created = created
-
-    def _usage(self) -> dict[str, int]:
-        j = self.job
-        return {"prompt_tokens": j.prompt_tokens, "completion_tokens": j.n_tokens,
-                "total_tokens": j.prompt_tokens + j.n_tokens}
-
-    def role_chunk(self) -> bytes:
-        if not self.job.chat:
-            return b""
-        body = '{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}'
-        return f"{self._head}{body}]}}\n\n".encode()
-
-    def token_chunk(self, word: str) -> bytes:
-        if self.job.chat:
-            body = f'{{"index":0,"delta":{{"content":"{word}"}},"logprobs":null,"finish_reason":null}}'
-        else:
-            body = f'{{"index":0,"text":"{word}","logprobs":null,"finish_reason":null}}'
-        return f"{self._head}{body}]}}\n\n".encode()
-
-    def final_chunk(self) -> bytes:
-        reason = self.job.finish_reason
-        if self.job.chat:
-            body = f'{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":"{reason}"}}'
-        else:
-            body = f'{{"index":0,"text":"","logprobs":null,"finish_reason":"{reason}"}}'
-        return f"{self._head}{body}]}}\n\n".encode()
-
-    def usage_chunk(self) -> bytes:
-        return f'{self._head}],"usage":{json.dumps(self._usage())}}}\n\n'.encode()
-
-    def full_body(self, text: str) -> bytes:
-        j = self.job
-        if j.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": j.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": j.finish_reason}
-        out = {"id": j.rid, "object": "chat.completion" if j.chat else "text_completion",
-               "created": self._created, "model": self._model, "choices": [choice], "usage": self._usage()}
-        return json.dumps(out).encode()
 
 
 def _error(resp: Responder, status: int, message: str, kind: str, headers: list) -> None:
@@ -440,8 +378,18 @@ def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
     p.add_argument("--fail-every", type=int, default=0, help="fail every N-th OpenAI request (0: never)")
     p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the N-th request (0: never)")
     p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer")
+    p.add_argument("--realtime", action="store_true", help="try SCHED_FIFO so timers fire on time")
     a = p.parse_args(argv)
     return FakeServerConfig(**{k: v for k, v in vars(a).items()})
+
+
+def set_realtime() -> str:
+    """Switch this process to ``SCHED_FIFO`` priority 1; returns what happened, in words."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        return "SCHED_FIFO"
+    except (AttributeError, OSError) as exc:
+        return f"normal scheduling ({type(exc).__name__}: {exc})"
 
 
 async def serve(config: FakeServerConfig, on_die: Callable[[], None] | None = None) -> None:
@@ -449,6 +397,8 @@ async def serve(config: FakeServerConfig, on_die: Callable[[], None] | None = No
     server = FakeServer(config, on_die)
     http = HttpServer(server.handle, config.host, config.port)
     await http.start()
+    if config.realtime:
+        print(f"fake OpenAI server scheduling: {set_realtime()}", flush=True)
     print(f"fake OpenAI server ({config.role}) listening on http://{config.host}:{http.port}", flush=True)
     try:
         await http.serve_forever()

@@ -72,6 +72,8 @@ def timeline(records: list[RequestRecord], duration_s: float, path: str, title: 
     a1b = a1.twinx()
     a1b.plot(mid, req_rate, color="tab:orange", label="completed req/s")
     a1b.set_ylabel("completed req/s")
+    lines = a1.get_lines() + a1b.get_lines()
+    a1.legend(lines, [ln.get_label() for ln in lines], loc="upper right", fontsize=8)
     a1.set_title("Throughput")
     a1.grid(True, alpha=0.3)
     a2.step(xs, ys, where="post", color="tab:green")

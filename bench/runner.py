@@ -1,7 +1,8 @@
 """The request loop: sends each request at its planned time and collects the records.
 
 One sender coroutine sleeps until each request is due (monotonic deadlines,
-never accumulated sleeps) and starts it as its own task; a request then waits
+never accumulated sleeps; see :func:`_wait_until` for sub-millisecond
+precision) and starts it as its own task; a request then waits
 for a ``--max-concurrency`` slot if there is a limit. The loop is bounded in
 count (the dataset) and time (``--duration`` stops sending; every request has
 ``--request-timeout``), so a run ends by ``duration + request_timeout``.
@@ -27,6 +28,8 @@ from bench.datasets.base import SampledRequest
 from bench.http_client import HttpPool
 
 PROBE_INTERVAL_S = 0.005
+SPIN_S = 0.001
+SPIN_MIN_GAP_S = 0.004
 
 
 @dataclass
@@ -133,13 +136,13 @@ class Runner:
         stop_at = origin + self.load.duration_s if self.load.duration_s else float("inf")
         records: list[RequestRecord] = []
         tasks: list[asyncio.Task] = []
+        prev_due = -1.0
         for i, (req, due) in enumerate(zip(requests, plan.times)):
             when = origin + due
             if when > stop_at:
                 break
-            delay = when - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await _wait_until(loop, when, spin=due - prev_due >= SPIN_MIN_GAP_S)
+            prev_due = due
             if loop.time() > stop_at:
                 break
             rec = RequestRecord(i, req.prompt_len, req.output_len, due, f"bench-{self.run_id}-{i}")
@@ -167,6 +170,26 @@ class Runner:
         finally:
             if bar is not None:
                 bar.update()
+
+
+async def _wait_until(loop: asyncio.AbstractEventLoop, when: float, spin: bool) -> None:
+    """Sleep until ``when`` (``loop.time()`` seconds).
+
+    asyncio timers wake up to 1 ms late (epoll counts whole milliseconds), so
+    for a send that is at least ``SPIN_MIN_GAP_S`` after the previous one the
+    last ``SPIN_S`` is spent yielding to the loop (which keeps serving I/O)
+    instead; at higher rates the CPU that would cost is not worth it.
+    """
+    delay = when - loop.time()
+    if delay <= 0:
+        return
+    if not spin:
+        await asyncio.sleep(delay)
+        return
+    if delay > SPIN_S:
+        await asyncio.sleep(delay - SPIN_S)
+    while loop.time() < when:
+        await asyncio.sleep(0)
 
 
 async def _probe_loop(delays: list[float]) -> None:

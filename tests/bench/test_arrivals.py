@@ -1,0 +1,80 @@
+"""Acceptance 2: arrival processes. Poisson at 50 req/s over 1,000 requests has a mean
+inter-arrival within 5% of 20 ms (measured on the actual sends), and gamma burstiness sets the
+coefficient of variation of the gaps to 1/sqrt(burstiness)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.arrival import gamma_gaps, rate_plan, trace_plan
+from bench_testkit import bench
+
+
+def _gaps_of_sends(result) -> np.ndarray:
+    starts = np.sort([r["started_s"] for r in result["requests"]])
+    return np.diff(starts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_poisson_sends_at_50_per_second_have_a_20ms_mean_gap(fake_factory):
+    fake = fake_factory("--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", "2")
+    res = bench(fake.url, "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "2",
+                "--num-prompts", "1000", "--request-rate", "50", "--seed", "7", "--no-server-metrics")
+    assert res["summary"]["completed"] == 1000
+    gaps = _gaps_of_sends(res)
+    assert gaps.mean() == pytest.approx(0.020, rel=0.05)
+    cv = gaps.std() / gaps.mean()
+    assert cv == pytest.approx(1.0, abs=0.1)  # exponential gaps: CV 1
+    # the actual sends follow the plan: every gap within a few ms of the planned one
+    planned = np.diff(np.sort([r["planned_s"] for r in res["requests"]]))
+    assert np.percentile(np.abs(gaps - planned), 50) < 0.002
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_gamma_burstiness_sets_the_cv_of_actual_sends(fake_factory, burstiness):
+    fake = fake_factory("--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", "2")
+    res = bench(fake.url, "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "2",
+                "--num-prompts", "1000", "--request-rate", "100", "--burstiness", str(burstiness),
+                "--seed", "3", "--no-server-metrics")
+    gaps = _gaps_of_sends(res)
+    assert gaps.mean() == pytest.approx(0.010, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.15)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 0.5, 1.0, 2.0, 4.0])
+def test_gamma_gaps_have_the_specified_mean_and_cv(burstiness):
+    gaps = gamma_gaps(200_000, rate=50.0, burstiness=burstiness, seed=1)
+    assert gaps.mean() == pytest.approx(0.020, rel=0.02)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.03)
+
+
+def test_rate_plan_is_exact_in_rate_and_seeded():
+    a = rate_plan(1000, 50.0, 1.0, seed=5)
+    b = rate_plan(1000, 50.0, 1.0, seed=5)
+    c = rate_plan(1000, 50.0, 1.0, seed=6)
+    assert a.times == b.times and a.times != c.times
+    assert a.times[0] == 0.0 and a.times[-1] == pytest.approx(999 / 50.0)
+    assert np.all(np.diff(a.times) >= 0)
+    assert rate_plan(5, math.inf, 1.0, 0).times == (0.0,) * 5
+
+
+def test_poisson_plan_gaps_are_exponential():
+    """Kolmogorov-Smirnov distance of the planned gaps from Exp(mean 20 ms), n = 20,000."""
+    gaps = np.sort(np.diff(rate_plan(20_001, 50.0, 1.0, seed=2).times))
+    cdf = 1 - np.exp(-gaps / gaps.mean())
+    n = len(gaps)
+    d = max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n))
+    assert d < 1.63 / math.sqrt(n)  # the 1% critical value
+
+
+def test_trace_plan_divides_gaps_by_the_speedup():
+    plan = trace_plan([0.0, 3.0, 3.0, 9.0], speedup=3.0)
+    assert plan.times == (0.0, 1.0, 1.0, 3.0)
+    with pytest.raises(ValueError):
+        trace_plan([1.0, 0.0], 1.0)
