@@ -1,0 +1,248 @@
+"""One NIXL agent per worker (per TP rank), with the whole KV pool registered once.
+
+The agent registers the pool's two regions at start-up (`KVPool.regions()`:
+the page tensor, all layers' K and V of every page, and the FP8 scales), in
+host memory (DRAM) or GPU memory (VRAM) by the same code: the memory type
+follows the tensors' device. Two large regions, not one per page, keep
+registration and metadata small whatever the pool size.
+
+Its name carries a random incarnation id, so a restarted worker is a new
+agent that no peer confuses with the old one (vllm #49238).
+
+All methods are meant for one thread, the worker's step loop; none blocks on
+the network except `connect` (loading a peer's metadata, once per peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+
+import numpy as np
+
+from transfer import protocol, ucx_env
+from transfer.config import TransferConfig
+from transfer.errors import NixlTransferError, PeerDiedError, PeerNotConnectedError
+from transfer.layout import AgentInfo, check_compatible
+
+logger = logging.getLogger(__name__)
+
+DONE, PROC, ERR = "DONE", "PROC", "ERR"
+
+
+def _nixl_error(e: Exception, what: str, peer: str | None) -> Exception:
+    """Map a NIXL binding exception to a typed transfer error."""
+    if type(e).__name__ == "nixlRemoteDisconnectError":
+        return PeerDiedError(f"{what}: peer agent {peer} disconnected ({e})", peer=peer)
+    return NixlTransferError(f"{what}: {type(e).__name__}: {e}", peer=peer)
+
+
+class TransferAgent:
+    """The NIXL endpoint of one KV pool.
+
+    Args:
+        pool: the worker's `KVPool` (its `kv` and `scales` tensors are registered).
+        model_identity: `LoadedModel.identity`, compared at the handshake.
+        role: ``prefill``, ``decode`` or ``mixed`` (part of the agent name).
+        config: transfer settings (UCX variables are exported before NIXL starts).
+
+    Raises:
+        ImportError: NIXL is not installed.
+        RuntimeError: NIXL could not start its backend (e.g. a bad ``UCX_TLS``).
+    """
+
+    def __init__(self, pool, model_identity: str, role: str, config: TransferConfig) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.config = config
+        self.pool = pool
+        self.ucx = ucx_env.apply(config)
+        self.incarnation = uuid.uuid4().hex[:12]
+        layout = pool.layout
+        host = socket.gethostname().replace("-", "_")
+        self.name = f"{role}-{host}-{os.getpid()}-tp{layout.tp_rank}-{self.incarnation}"
+        conf = nixl_agent_config(enable_prog_thread=config.enable_progress_thread, backends=[config.backend],
+                                 num_threads=config.num_threads)
+        try:
+            self._nixl = nixl_agent(self.name, conf)
+        except Exception as e:  # nixlBackendError etc.
+            raise RuntimeError(f"NIXL could not start backend {config.backend} (UCX_TLS={self.ucx['UCX_TLS']}, "
+                               f"UCX_NET_DEVICES={self.ucx['UCX_NET_DEVICES']}): {e!r}") from e
+        if config.backend not in self._nixl.backends:
+            raise RuntimeError(f"NIXL backend {config.backend} is not available (plugins: {self._nixl.plugin_list})")
+        kv, scales = pool.regions()
+        self.mem_type = "DRAM" if kv.device.type == "cpu" else "VRAM"
+        self.device_id = 0 if kv.device.index is None else int(kv.device.index)
+        t0 = time.perf_counter()
+        self._reg = self._nixl.register_memory([kv, scales])
+        logger.info("KV transfer agent %s registered %s KV pool: %d pages x %d bytes (%.1f MiB) + scales in %.1f ms",
+                    self.name, self.mem_type, pool.num_pages, layout.page_nbytes,
+                    kv.numel() * kv.element_size() / 2**20, (time.perf_counter() - t0) * 1e3)
+        self.info = AgentInfo(
+            agent_name=self.name, incarnation=self.incarnation, role=role, model_identity=model_identity,
+            layout=layout.to_dict(), num_pages=pool.num_pages, mem_type=self.mem_type, device_id=self.device_id,
+            kv_base=kv.data_ptr(), kv_nbytes=kv.numel() * kv.element_size(),
+            scales_base=scales.data_ptr(), scales_nbytes=scales.numel() * scales.element_size(),
+            nixl_metadata=self._nixl.get_agent_metadata())
+        self._peers: dict[str, AgentInfo] = {}
+        self._inbox: list[tuple[str, protocol.Message]] = []
+        self._closed = False
+
+    # ---- peers -------------------------------------------------------------
+    @property
+    def page_nbytes(self) -> int:
+        return self.pool.layout.page_nbytes
+
+    def peer(self, name: str) -> AgentInfo:
+        """The loaded info of peer `name`.
+
+        Raises:
+            PeerNotConnectedError: its metadata was never loaded (or was dropped).
+        """
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise PeerNotConnectedError(f"no metadata loaded for peer agent {name}; fetch it and connect first",
+                                        peer=name) from None
+
+    def is_connected(self, name: str) -> bool:
+        return name in self._peers
+
+    def connect(self, info: AgentInfo) -> None:
+        """The handshake: check the peer's layout, then load its NIXL metadata (once per incarnation).
+
+        Raises:
+            LayoutMismatchError: the layouts disagree (nothing is loaded).
+            ValueError: the info names this agent, or its metadata names another agent.
+        """
+        if info.agent_name == self.name:
+            raise ValueError(f"agent {self.name} cannot connect to itself")
+        check_compatible(self.info, info)
+        if info.agent_name in self._peers:
+            return
+        loaded = self._nixl.add_remote_agent(info.nixl_metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != info.agent_name:
+            self._nixl.remove_remote_agent(loaded)
+            raise ValueError(f"peer metadata names agent {loaded!r}, its info says {info.agent_name!r}")
+        self._peers[loaded] = info
+        t0 = time.perf_counter()
+        try:
+            self._nixl.make_connection(loaded)
+        except Exception as e:  # the first transfer will connect and report the error itself
+            logger.warning("KV transfer: early connection to %s failed: %r", loaded, e)
+        logger.info("KV transfer agent %s connected to peer %s (%s, %d pages) in %.1f ms", self.name, loaded,
+                    info.role, info.num_pages, (time.perf_counter() - t0) * 1e3)
+
+    def disconnect(self, name: str) -> None:
+        """Forget a peer (a stale incarnation): drop its metadata and its connection."""
+        if self._peers.pop(name, None) is not None:
+            try:
+                self._nixl.remove_remote_agent(name)
+            except Exception as e:
+                logger.warning("KV transfer: removing peer %s: %r", name, e)
+            logger.info("KV transfer agent %s dropped peer %s", self.name, name)
+
+    # ---- data --------------------------------------------------------------
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
+        """Post one WRITE of `local` descriptors into the peer's `remote` ones, with a notification.
+
+        Args:
+            local, remote: [N, 3] uint64 ``(address, nbytes, device_id)`` rows (`transfer.descriptors`).
+            notif: delivered to the peer after the data.
+
+        Returns:
+            ``(handle, state)`` with state ``DONE`` or ``PROC``.
+
+        Raises:
+            PeerNotConnectedError, PeerDiedError, NixlTransferError.
+        """
+        info = self.peer(peer)
+        try:
+            ldesc = self._nixl.get_xfer_descs(local, self.mem_type)
+            rdesc = self._nixl.get_xfer_descs(remote, info.mem_type)
+            handle = self._nixl.initialize_xfer("WRITE", ldesc, rdesc, peer, notif)
+        except Exception as e:
+            raise _nixl_error(e, "creating a KV transfer", peer) from e
+        try:
+            state = self._nixl.transfer(handle)
+        except Exception as e:
+            self.release(handle)
+            raise _nixl_error(e, "posting a KV transfer", peer) from e
+        if state == ERR:
+            self.release(handle)
+            raise NixlTransferError(f"NIXL refused to post a KV transfer to {peer}", peer=peer)
+        return handle, state
+
+    def check(self, handle, peer: str) -> str:
+        """``DONE``, ``PROC`` or ``ERR`` (a disconnect raises instead).
+
+        Raises:
+            PeerDiedError: the peer disconnected.
+        """
+        try:
+            return self._nixl.check_xfer_state(handle)
+        except Exception as e:
+            raise _nixl_error(e, "checking a KV transfer", peer) from e
+
+    def release(self, handle) -> bool:
+        """Release a transfer handle, cancelling it if still active. False if NIXL cannot cancel it yet."""
+        try:
+            handle.release()
+            return True
+        except Exception as e:
+            logger.debug("KV transfer: release of %r deferred: %r", handle, e)
+            return False
+
+    # ---- notifications -----------------------------------------------------
+    def send(self, peer: str, msg: protocol.Message) -> None:
+        """Send a standalone notification.
+
+        Raises:
+            PeerNotConnectedError, PeerDiedError, NixlTransferError.
+        """
+        self.peer(peer)
+        try:
+            self._nixl.send_notif(peer, protocol.encode(msg))
+        except Exception as e:
+            raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
+
+    def take(self, *kinds: type) -> list[tuple[str, protocol.Message]]:
+        """New messages of the given kinds, in arrival order, as ``(peer agent, message)``.
+
+        Pings are dropped on arrival; messages of other kinds stay for their taker.
+        """
+        self._pump()
+        keep, out = [], []
+        for item in self._inbox:
+            (out if isinstance(item[1], kinds) else keep).append(item)
+        self._inbox = keep
+        return out
+
+    def _pump(self) -> None:
+        for peer, raws in self._nixl.get_new_notifs().items():
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for raw in raws:
+                try:
+                    msg = protocol.decode(raw)
+                except ValueError as e:
+                    logger.warning("KV transfer: dropped a notification from %s: %s", peer, e)
+                    continue
+                if not isinstance(msg, protocol.Ping):
+                    self._inbox.append((peer, msg))
+
+    # ---- lifetime ----------------------------------------------------------
+    def close(self) -> None:
+        """Drop all peers and deregister the pool. Call only when no transfer is in flight."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            self.disconnect(name)
+        try:
+            self._nixl.deregister_memory(self._reg)
+        except Exception as e:
+            logger.warning("KV transfer: deregistering the pool: %r", e)

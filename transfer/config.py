@@ -1,0 +1,120 @@
+"""Configuration of the KV transfer agent, with its command-line flags.
+
+All deadlines derive from one number, ``--kv-transfer-timeout`` (seconds,
+default 30): see ``docs/transfer.md`` for the reasoning. In short, decode fails
+a transfer when no push arrived for that long; the sender stops posting after
+half of it without progress and cancels any single push older than a quarter
+of it, so by the time decode gives up a live sender has already stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+BACKENDS = ("UCX",)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How one worker's transfer agent behaves.
+
+    Attributes:
+        kv_transfer_timeout: decode's deadline in seconds: a transfer fails when no
+            push of it arrived for this long (counted from the page reservation,
+            then from each push). Also bounds the sender (see the properties).
+        heartbeat_interval: seconds between liveness probes (a tiny NIXL
+            notification) to each peer with a transfer in progress; a dead peer
+            is detected within about this long.
+        abort_quarantine: seconds decode keeps the pages of an aborted or timed-out
+            transfer out of use when the sender neither confirms it stopped nor is
+            known dead; None means `kv_transfer_timeout`.
+        backend: the NIXL backend (``UCX``).
+        ucx_tls: if set, exported as ``UCX_TLS`` before the agent starts (else the
+            environment's value, else UCX's default, is used).
+        ucx_net_devices: if set, exported as ``UCX_NET_DEVICES`` likewise.
+        enable_progress_thread: run NIXL's UCX progress thread. Off by default: it
+            spins, costing about half a CPU core per agent even when idle (measured
+            here), and the step loop's `poll` already progresses the transfers.
+            Turn it on for TCP-only transports across hosts, where the target's
+            progress moves the data.
+        num_threads: UCX backend worker threads (0: NIXL's default).
+        metadata_timeout: seconds for one HTTP fetch of a peer's metadata.
+    """
+
+    kv_transfer_timeout: float = 30.0
+    heartbeat_interval: float = 1.0
+    abort_quarantine: float | None = None
+    backend: str = "UCX"
+    ucx_tls: str | None = None
+    ucx_net_devices: str | None = None
+    enable_progress_thread: bool = False
+    num_threads: int = 0
+    metadata_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_timeout <= 0:
+            raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
+        if not 0 < self.heartbeat_interval <= self.kv_transfer_timeout:
+            raise ValueError(f"heartbeat_interval must be in (0, kv_transfer_timeout], got {self.heartbeat_interval}")
+        if self.abort_quarantine is not None and self.abort_quarantine < 0:
+            raise ValueError(f"abort_quarantine must be >= 0, got {self.abort_quarantine}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("ucx_tls", "ucx_net_devices"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                # An empty UCX_TLS makes UCX fail to start (NIXL_ERR_BACKEND); refuse it here, by name.
+                raise ValueError(f"{name} must be unset or non-empty, got {value!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.metadata_timeout <= 0:
+            raise ValueError(f"metadata_timeout must be > 0, got {self.metadata_timeout}")
+
+    @property
+    def push_timeout(self) -> float:
+        """Seconds after which the sender cancels one posted push that has not completed."""
+        return self.kv_transfer_timeout / 4
+
+    @property
+    def sender_idle_timeout(self) -> float:
+        """Seconds without progress after which the sender stops a transfer and posts nothing more."""
+        return self.kv_transfer_timeout / 2
+
+    @property
+    def quarantine(self) -> float:
+        """Seconds decode holds unconfirmed aborted pages (see `abort_quarantine`)."""
+        return self.kv_transfer_timeout if self.abort_quarantine is None else self.abort_quarantine
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the transfer flags (``--kv-transfer-*``) to a worker's parser."""
+    g = parser.add_argument_group("KV transfer (NIXL)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="decode: seconds without a KV push before a transfer fails (504); default 30")
+    g.add_argument("--kv-transfer-heartbeat-interval", type=float, default=1.0,
+                   help="seconds between liveness probes to peers with transfers in flight; default 1")
+    g.add_argument("--kv-transfer-abort-quarantine", type=float, default=None,
+                   help="seconds decode keeps unconfirmed aborted pages unused; default: --kv-transfer-timeout")
+    g.add_argument("--kv-transfer-backend", default="UCX", choices=BACKENDS)
+    g.add_argument("--kv-transfer-ucx-tls", default=None,
+                   help="exported as UCX_TLS before NIXL starts (e.g. rc,cuda_copy,cuda_ipc on RDMA clusters)")
+    g.add_argument("--kv-transfer-ucx-net-devices", default=None,
+                   help="exported as UCX_NET_DEVICES (e.g. mlx5_0:1); set it on RDMA clusters")
+    g.add_argument("--kv-transfer-progress-thread", action=argparse.BooleanOptionalAction, default=False,
+                   help="run NIXL's UCX progress thread (default off: it spins a CPU core; poll() progresses)")
+    g.add_argument("--kv-transfer-num-threads", type=int, default=0)
+
+
+def from_cli_args(args: argparse.Namespace) -> TransferConfig:
+    """Build a `TransferConfig` from the flags of `add_cli_args`."""
+    return TransferConfig(
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        heartbeat_interval=min(args.kv_transfer_heartbeat_interval, args.kv_transfer_timeout),
+        abort_quarantine=args.kv_transfer_abort_quarantine,
+        backend=args.kv_transfer_backend,
+        ucx_tls=args.kv_transfer_ucx_tls,
+        ucx_net_devices=args.kv_transfer_ucx_net_devices,
+        enable_progress_thread=args.kv_transfer_progress_thread,
+        num_threads=args.kv_transfer_num_threads,
+    )

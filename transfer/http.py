@@ -1,0 +1,163 @@
+"""Serving and fetching agent info over the workers' HTTP control plane.
+
+Each worker mounts `make_router(agent)`: ``GET /kv_transfer/info`` answers the
+agent's `AgentInfo` as JSON (NIXL metadata in base64; about 1 KB). Peers
+fetch it with a `PeerDirectory`, which caches one info per worker URL and
+fetches again only when a ticket names an agent the cache does not hold,
+i.e. when the peer restarted with a new incarnation (vllm #49238).
+
+HTTP runs outside the step loop (in the server's handlers); loading the
+fetched info into NIXL (`apply`) is quick and belongs to the step-loop thread,
+which owns the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import httpx
+from fastapi import APIRouter
+
+from transfer.errors import MetadataFetchError, StalePeerError
+from transfer.layout import AgentInfo
+
+logger = logging.getLogger(__name__)
+
+INFO_PATH = "/kv_transfer/info"
+
+
+def make_router(info: AgentInfo) -> APIRouter:
+    """A router serving `info` at ``GET /kv_transfer/info`` (the payload is computed once)."""
+    payload = info.to_dict()
+    router = APIRouter()
+
+    @router.get(INFO_PATH)
+    def kv_transfer_info() -> dict:
+        return payload
+
+    return router
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A peer's info as the directory knows it.
+
+    Attributes:
+        info: the live agent's info.
+        fetched: True when this call fetched it over HTTP (else from the cache).
+        superseded: agent names that restarted peers had before (their metadata is
+            stale); `apply` drops them from the agent.
+    """
+
+    info: AgentInfo
+    fetched: bool
+    superseded: tuple[str, ...] = ()
+
+
+class PeerDirectory:
+    """Fetches and caches peers' `AgentInfo` by worker URL (thread-safe; sync and async).
+
+    Args:
+        timeout: seconds for one fetch.
+    """
+
+    def __init__(self, timeout: float = 5.0) -> None:
+        self.timeout = timeout
+        self._by_url: dict[str, AgentInfo] = {}
+        self._lock = threading.Lock()
+        self._dropped: list[str] = []
+        self.num_fetches = 0
+        self.num_restarts_seen = 0
+
+    def cached(self, url: str) -> AgentInfo | None:
+        with self._lock:
+            return self._by_url.get(_norm(url))
+
+    def invalidate(self, url: str) -> None:
+        with self._lock:
+            self._by_url.pop(_norm(url), None)
+
+    def resolve(self, url: str, expected_agent: str | None = None) -> Resolved:
+        """The info of the worker at `url`; fetched unless cached and matching `expected_agent`.
+
+        Raises:
+            MetadataFetchError: the peer is unreachable or answered garbage.
+            StalePeerError: `expected_agent` is given and the peer now runs another incarnation.
+        """
+        hit = self._hit(url, expected_agent)
+        if hit is not None:
+            return hit
+        try:
+            with httpx.Client(timeout=self.timeout) as client:
+                resp = client.get(_norm(url) + INFO_PATH)
+        except httpx.HTTPError as e:
+            raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
+        return self._store(url, resp, expected_agent)
+
+    async def aresolve(self, url: str, expected_agent: str | None = None,
+                       client: httpx.AsyncClient | None = None) -> Resolved:
+        """`resolve` for async callers (a FastAPI handler); reuses `client` when given."""
+        hit = self._hit(url, expected_agent)
+        if hit is not None:
+            return hit
+        try:
+            if client is None:
+                async with httpx.AsyncClient(timeout=self.timeout) as own:
+                    resp = await own.get(_norm(url) + INFO_PATH)
+            else:
+                resp = await client.get(_norm(url) + INFO_PATH, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
+        return self._store(url, resp, expected_agent)
+
+    def _hit(self, url: str, expected_agent: str | None) -> Resolved | None:
+        info = self.cached(url)
+        if info is not None and (expected_agent is None or info.agent_name == expected_agent):
+            return Resolved(info, fetched=False, superseded=self._take_dropped())
+        return None
+
+    def _take_dropped(self) -> tuple[str, ...]:
+        with self._lock:
+            out, self._dropped = tuple(self._dropped), []
+        return out
+
+    def _store(self, url: str, resp: httpx.Response, expected_agent: str | None) -> Resolved:
+        if resp.status_code != 200:
+            raise MetadataFetchError(f"{url}{INFO_PATH} answered HTTP {resp.status_code}: {resp.text[:200]}")
+        try:
+            info = AgentInfo.from_dict(resp.json())
+        except ValueError as e:
+            raise MetadataFetchError(f"{url}{INFO_PATH}: {e}") from e
+        key = _norm(url)
+        with self._lock:
+            old = self._by_url.get(key)
+            self._by_url[key] = info
+            self.num_fetches += 1
+            if old is not None and old.agent_name != info.agent_name:
+                self._dropped.append(old.agent_name)
+                self.num_restarts_seen += 1
+        if old is not None and old.agent_name != info.agent_name:
+            logger.info("KV transfer: peer at %s restarted: incarnation %s -> %s (cached metadata dropped)",
+                        url, old.incarnation, info.incarnation)
+        if expected_agent is not None and info.agent_name != expected_agent:
+            raise StalePeerError(f"the peer at {url} runs agent {info.agent_name}, not {expected_agent} "
+                                 "(it restarted after naming it)", peer=expected_agent)
+        return Resolved(info, fetched=True, superseded=self._take_dropped())
+
+
+def apply(agent, resolved: Resolved) -> None:
+    """Load a resolved peer into `agent` (the handshake) and drop the incarnation it replaced.
+
+    Raises:
+        LayoutMismatchError: from the handshake; nothing is loaded.
+    """
+    for name in resolved.superseded:
+        if name != resolved.info.agent_name:
+            agent.disconnect(name)
+    agent.connect(resolved.info)
+
+
+def _norm(url: str) -> str:
+    return url.rstrip("/")

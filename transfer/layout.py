@@ -1,0 +1,179 @@
+"""What a worker tells its peers about its KV pool, and the handshake's compatibility check.
+
+`AgentInfo` is the payload each worker serves at ``GET /kv_transfer/info``:
+the NIXL agent metadata (opaque bytes, base64 in JSON) plus a layout
+descriptor: model identity, the `KVLayout`, the pool's size and the addresses
+of its registered regions. A peer loads it once per agent incarnation.
+
+`check_compatible` compares two descriptors field by field and raises
+`LayoutMismatchError` naming both sides' values. The fields and their class:
+
+* fatal: protocol version, model identity, number of layers, head_dim, KV
+  dtype, FP8 scales, in-page order, and KV heads when the TP size is the same.
+  Pages from such a peer would decode to different numbers; no conversion
+  keeps them exact.
+* convertible by a later version: page size (re-paging into token runs) and
+  TP size / rank (slicing heads; the heads per rank then differ as well).
+  This version refuses them too, rather than move bytes that mean something else.
+
+Idea: vLLM's NIXL handshake compatibility hash (vllm PR #29503), made
+field-by-field so the error says what differs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from transfer.errors import LayoutMismatchError, Mismatch
+
+PROTOCOL_VERSION = 1
+
+_FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "kv_cache_dtype", "k_scales", "v_scales", "order")
+_TP = ("tp_size", "tp_rank")
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """One worker's transfer agent as its peers see it (JSON-serialisable).
+
+    Attributes:
+        agent_name: the NIXL agent name; ends with the incarnation id.
+        incarnation: a random id chosen at agent start; a restarted worker has a new one.
+        role: ``prefill``, ``decode`` or ``mixed``.
+        model_identity: `LoadedModel.identity` (sha256 of config plus weights' metadata).
+        layout: `KVLayout.to_dict()` (includes ``page_nbytes``).
+        num_pages: usable pages (ids 1..num_pages; 0 is the null page).
+        mem_type: ``DRAM`` or ``VRAM``.
+        device_id: GPU index for VRAM, 0 for DRAM.
+        kv_base, kv_nbytes: address and size of the registered page tensor.
+        scales_base, scales_nbytes: address and size of the registered FP8 scales.
+        nixl_metadata: `nixl_agent.get_agent_metadata()` bytes.
+        protocol: the transfer protocol version.
+    """
+
+    agent_name: str
+    incarnation: str
+    role: str
+    model_identity: str
+    layout: dict
+    num_pages: int
+    mem_type: str
+    device_id: int
+    kv_base: int
+    kv_nbytes: int
+    scales_base: int
+    scales_nbytes: int
+    nixl_metadata: bytes = field(repr=False)
+    protocol: int = PROTOCOL_VERSION
+
+    @property
+    def page_nbytes(self) -> int:
+        return int(self.layout["page_nbytes"])
+
+    @property
+    def layout_hash(self) -> str:
+        """Equals `KVLayout.hash()` of the peer's layout (the ``layout_hash`` of its ``/server_info``)."""
+        blob = json.dumps(self.layout, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {
+            "protocol": self.protocol, "agent_name": self.agent_name, "incarnation": self.incarnation,
+            "role": self.role, "model_identity": self.model_identity, "layout": self.layout,
+            "num_pages": self.num_pages, "mem_type": self.mem_type, "device_id": self.device_id,
+            "kv_base": self.kv_base, "kv_nbytes": self.kv_nbytes,
+            "scales_base": self.scales_base, "scales_nbytes": self.scales_nbytes,
+            "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AgentInfo:
+        """Parse a payload from `to_dict`.
+
+        Raises:
+            ValueError: a field is missing or has the wrong type, or the sizes contradict each other.
+        """
+        try:
+            info = cls(
+                agent_name=str(d["agent_name"]), incarnation=str(d["incarnation"]), role=str(d["role"]),
+                model_identity=str(d["model_identity"]), layout=dict(d["layout"]),
+                num_pages=int(d["num_pages"]), mem_type=str(d["mem_type"]), device_id=int(d["device_id"]),
+                kv_base=int(d["kv_base"]), kv_nbytes=int(d["kv_nbytes"]),
+                scales_base=int(d["scales_base"]), scales_nbytes=int(d["scales_nbytes"]),
+                nixl_metadata=base64.b64decode(d["nixl_metadata"], validate=True),
+                protocol=int(d["protocol"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed KV transfer agent info: {e!r}") from e
+        info.validate()
+        return info
+
+    def validate(self) -> None:
+        """Check the payload is self-consistent (sizes agree with the layout).
+
+        Raises:
+            ValueError: naming the inconsistency.
+        """
+        if not self.agent_name.endswith(self.incarnation):
+            raise ValueError(f"agent name {self.agent_name!r} does not carry incarnation {self.incarnation!r}")
+        if self.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
+        need = (self.num_pages + 1) * self.page_nbytes
+        if self.num_pages < 1 or self.kv_nbytes != need:
+            raise ValueError(f"kv region of {self.kv_nbytes} bytes does not hold {self.num_pages} + 1 pages "
+                             f"of {self.page_nbytes} bytes ({need})")
+
+
+def compare(local: AgentInfo, remote: AgentInfo) -> list[Mismatch]:
+    """Every field on which `remote` differs from `local`, classified (see the module doc)."""
+    out: list[Mismatch] = []
+    lv, rv = _view(local), _view(remote)
+    same_tp = lv["tp_size"] == rv["tp_size"]
+    for name in _FATAL:
+        if lv[name] != rv[name]:
+            out.append(Mismatch(name, lv[name], rv[name], convertible=False))
+    if lv["num_kv_heads"] != rv["num_kv_heads"]:
+        total_same = lv["num_kv_heads"] * lv["tp_size"] == rv["num_kv_heads"] * rv["tp_size"]
+        out.append(Mismatch("num_kv_heads", lv["num_kv_heads"], rv["num_kv_heads"],
+                            convertible=(not same_tp) and total_same))
+    if lv["page_size"] != rv["page_size"]:
+        out.append(Mismatch("page_size", lv["page_size"], rv["page_size"], convertible=True))
+    for name in _TP:
+        if lv[name] != rv[name]:
+            out.append(Mismatch(name, lv[name], rv[name], convertible=True))
+    if not out and lv["page_nbytes"] != rv["page_nbytes"]:  # equal fields must give equal bytes
+        out.append(Mismatch("page_nbytes", lv["page_nbytes"], rv["page_nbytes"], convertible=False))
+    return out
+
+
+def check_compatible(local: AgentInfo, remote: AgentInfo) -> None:
+    """The handshake check: pages of `local` and `remote` mean the same bytes.
+
+    Raises:
+        LayoutMismatchError: with every differing field and both values.
+    """
+    mismatches = compare(local, remote)
+    if mismatches:
+        raise LayoutMismatchError(local.agent_name, remote.agent_name, mismatches)
+
+
+def _view(info: AgentInfo) -> dict:
+    lay = info.layout
+    return {
+        "protocol": info.protocol,
+        "model_identity": info.model_identity,
+        "num_layers": int(lay["num_layers"]),
+        "num_kv_heads": int(lay["num_kv_heads"]),
+        "head_dim": int(lay["head_dim"]),
+        "page_size": int(lay["page_size"]),
+        "kv_cache_dtype": str(lay["kv_cache_dtype"]),
+        "k_scales": [float(s) for s in lay["k_scales"]],
+        "v_scales": [float(s) for s in lay["v_scales"]],
+        "tp_size": int(lay.get("tp_size", 1)),
+        "tp_rank": int(lay.get("tp_rank", 0)),
+        "order": str(lay.get("order", "")),
+        "page_nbytes": int(lay["page_nbytes"]),
+    }

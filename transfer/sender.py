@@ -1,0 +1,342 @@
+"""Prefill side: push each chunk's pages into decode's reserved pages as soon as they are written.
+
+Usage from a prefill worker's step loop (single thread, nothing blocks)::
+
+    sender.add_request(ticket)                       # once decode's ticket arrived
+    ...after each prefill step that wrote prompt tokens [.., end) of the request:
+    sender.push(ticket.transfer_id, block_table, end, meta={"first_token_id": t} if end == n else None)
+    ...every step:
+    ev = sender.poll()   # ev.completed: free the request's pages; ev.failed: free them and report the error
+
+A push covers the pages that became full since the previous push; the push
+that reaches the prompt's end also sends the last, partial page and carries
+the number of pushes, so decode can check that every push arrived. On GPU, a
+push may wait for a CUDA event recorded after the chunk's forward pass: it is
+posted by the first `poll` that finds the event complete.
+
+Deadlines (from `TransferConfig`): a posted push older than `push_timeout` is
+cancelled, and a transfer without progress for `sender_idle_timeout` is
+stopped; both are shorter than decode's ``kv_transfer_timeout``, so a live
+sender has stopped writing before decode gives up. A stopped transfer is
+reported only once every NIXL handle of it is released (cancelled or done),
+and only then does the sender tell decode it stopped: pages on both sides are
+reusable exactly when the events say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from transfer import protocol
+from transfer.agent import DONE, ERR, TransferAgent
+from transfer.descriptors import page_runs, run_descs, validate_pages
+from transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
+                             TransferTimeoutError)
+from transfer.metrics import TransferMetrics
+from transfer.ticket import KVTicket
+
+logger = logging.getLogger(__name__)
+
+_TOMBSTONES = 4096
+
+
+@dataclass(frozen=True)
+class SendDone:
+    """Every push of a transfer completed; the request's prefill pages may be freed."""
+
+    transfer_id: str
+    request_id: str
+    num_pushes: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    """A transfer stopped with `error`; no handle of it is left, its prefill pages may be freed."""
+
+    transfer_id: str
+    request_id: str
+    error: TransferError
+
+
+@dataclass
+class SenderEvents:
+    completed: list[SendDone] = field(default_factory=list)
+    failed: list[SendFailed] = field(default_factory=list)
+
+
+@dataclass
+class _Push:
+    msg: protocol.Push
+    local: np.ndarray
+    remote: np.ndarray
+    ready: object | None
+    handle: object | None = None
+    posted_at: float = 0.0
+    done: bool = False
+
+
+@dataclass
+class _Job:
+    ticket: KVTicket
+    started: float
+    last_progress: float
+    pushes: list[_Push] = field(default_factory=list)
+    sent_pages: int = 0
+    last_issued: bool = False
+    nbytes: int = 0
+    error: TransferError | None = None
+    ack: bool = False
+
+    @property
+    def peer(self) -> str:
+        return self.ticket.decode_agent
+
+
+class KVSender:
+    """Pushes requests' KV pages from this worker's pool to decode pools.
+
+    Args:
+        agent: this worker's `TransferAgent`.
+        metrics: where pushes and failures are recorded.
+        clock: monotonic seconds (tests may pass a fake).
+    """
+
+    def __init__(self, agent: TransferAgent, metrics: TransferMetrics, clock=time.monotonic) -> None:
+        self.agent = agent
+        self.metrics = metrics
+        self.config = agent.config
+        self._clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._next_ping = 0.0
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._jobs)
+
+    def add_request(self, ticket: KVTicket) -> None:
+        """Accept decode's ticket; pushes may follow.
+
+        Raises:
+            StalePeerError: the ticket names another incarnation of this prefill agent.
+            PeerNotConnectedError: decode's agent is not connected (fetch its info, `agent.connect`).
+            TransferAbortedError: decode cancelled this transfer before it arrived here.
+            ValueError: duplicate transfer id, or pages outside decode's pool or a page-size mismatch.
+        """
+        if ticket.prefill_agent != self.agent.name:
+            raise StalePeerError(f"ticket {ticket.transfer_id} names prefill agent {ticket.prefill_agent}, but this "
+                                 f"is {self.agent.name} (restarted); refresh its metadata and retry",
+                                 transfer_id=ticket.transfer_id, peer=ticket.prefill_agent)
+        info = self.agent.peer(ticket.decode_agent)
+        if ticket.transfer_id in self._cancelled:
+            raise TransferAbortedError(f"transfer {ticket.transfer_id} was cancelled by decode before it started",
+                                       side="decode", transfer_id=ticket.transfer_id, peer=ticket.decode_agent)
+        if ticket.transfer_id in self._jobs:
+            raise ValueError(f"transfer {ticket.transfer_id} is already in progress")
+        if ticket.page_size != self.agent.pool.page_size:
+            raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
+        validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
+        now = self._clock()
+        self._jobs[ticket.transfer_id] = _Job(ticket, now, now)
+        self.metrics.prefill_inflight_queue.set(len(self._jobs))
+
+    def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
+             ready_event=None) -> int:
+        """Push the pages that `num_computed_tokens` made complete (all remaining ones at the prompt's end).
+
+        Args:
+            block_table: the request's prefill page ids so far (covering `num_computed_tokens`).
+            num_computed_tokens: prompt tokens whose KV is now written.
+            meta: payload of the last push (e.g. ``{"first_token_id": 42}``); ignored otherwise.
+            ready_event: an object with ``query() -> bool`` (a ``torch.cuda.Event``) recorded
+                after the forward pass; the push is posted once it is complete. None: post now.
+
+        Returns:
+            The number of pages this push covers (0: no page became complete; nothing posted).
+
+        Raises:
+            KeyError: unknown transfer id.
+            ValueError: pages beyond the block table or the pool, or a push after the last.
+        """
+        job = self._jobs[transfer_id]
+        if job.error is not None:
+            return 0
+        if job.last_issued:
+            raise ValueError(f"transfer {transfer_id}: push after the last push")
+        t = job.ticket
+        last = num_computed_tokens >= t.num_tokens
+        end = t.num_pages if last else min(num_computed_tokens // t.page_size, t.num_pages)
+        if end <= job.sent_pages:
+            return 0
+        if len(block_table) < end:
+            raise ValueError(f"transfer {transfer_id}: block table has {len(block_table)} pages, push needs {end}")
+        src = np.asarray(block_table[job.sent_pages:end], dtype=np.int64)
+        validate_pages(src, self.agent.pool.num_pages, "prefill")
+        dst = np.asarray(t.dst_pages[job.sent_pages:end], dtype=np.int64)
+        runs = page_runs(src, dst)
+        nbytes = runs.num_pages * self.agent.page_nbytes
+        index = len(job.pushes)
+        msg = protocol.Push(transfer_id, index, job.sent_pages, end - job.sent_pages, nbytes,
+                            total=index + 1 if last else 0, meta=(meta or {}) if last else None)
+        info = self.agent.peer(job.peer)
+        p = _Push(msg,
+                  run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
+                            self.agent.device_id),
+                  run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id),
+                  ready_event)
+        job.pushes.append(p)
+        job.sent_pages, job.last_issued = end, last
+        if ready_event is None:
+            self._post(job, p)
+        return end - msg.page_start
+
+    def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
+        """Stop a transfer (e.g. the client went away). Its end is reported by `poll` as failed.
+
+        Returns:
+            False if the transfer is unknown or already finished.
+        """
+        job = self._jobs.get(transfer_id)
+        if job is None:
+            return False
+        if job.error is None:
+            self._stop(job, TransferAbortedError(message, side="prefill", transfer_id=transfer_id, peer=job.peer))
+        return True
+
+    def poll(self) -> SenderEvents:
+        """Advance every transfer: post ready pushes, reap completions, enforce deadlines, handle cancels."""
+        now = self._clock()
+        ev = SenderEvents()
+        for peer, msg in self.agent.take(protocol.Cancel):
+            self._on_cancel(peer, msg)
+        if now >= self._next_ping:
+            self._next_ping = now + self.config.heartbeat_interval
+            self._heartbeat()
+        for job in list(self._jobs.values()):
+            if job.error is None:
+                self._advance(job, now)
+            if job.error is not None:
+                self._finish_stop(job, ev)
+            elif job.last_issued and all(p.done for p in job.pushes):
+                del self._jobs[job.ticket.transfer_id]
+                ev.completed.append(SendDone(job.ticket.transfer_id, job.ticket.request_id, len(job.pushes),
+                                             job.nbytes, now - job.started))
+        self.metrics.prefill_inflight_queue.set(len(self._jobs))
+        return ev
+
+    # ---- internals -----------------------------------------------------------
+    def _post(self, job: _Job, p: _Push) -> None:
+        try:
+            p.handle, state = self.agent.write(job.peer, p.local, p.remote, protocol.encode(p.msg))
+        except TransferError as e:
+            e.transfer_id = job.ticket.transfer_id
+            self._stop(job, e)
+            return
+        p.posted_at = self._clock()
+        if state == DONE:
+            self._complete(job, p, p.posted_at)
+
+    def _complete(self, job: _Job, p: _Push, now: float) -> None:
+        p.done = True
+        self.agent.release(p.handle)
+        p.handle = None
+        job.nbytes += p.msg.nbytes
+        job.last_progress = now
+        self.metrics.observe_push(p.msg.nbytes, max(now - p.posted_at, 1e-9), p.local.shape[0])
+
+    def _advance(self, job: _Job, now: float) -> None:
+        tid = job.ticket.transfer_id
+        for p in job.pushes:
+            if p.done:
+                continue
+            if p.handle is None:
+                if p.ready is not None and p.ready.query():
+                    self._post(job, p)
+                    if job.error is not None:
+                        return
+                continue
+            try:
+                state = self.agent.check(p.handle, job.peer)
+            except TransferError as e:
+                e.transfer_id = tid
+                self._stop(job, e)
+                return
+            if state == DONE:
+                self._complete(job, p, now)
+            elif state == ERR:
+                self._stop(job, NixlTransferError(f"push {p.msg.index} of {tid} to {job.peer} failed in NIXL",
+                                                  transfer_id=tid, peer=job.peer))
+                return
+            elif now - p.posted_at > self.config.push_timeout:
+                self._stop(job, TransferTimeoutError(
+                    f"push {p.msg.index} of {tid} ({p.msg.nbytes} bytes) to {job.peer} did not complete in "
+                    f"{self.config.push_timeout:.1f} s", transfer_id=tid, peer=job.peer))
+                return
+        if now - job.last_progress > self.config.sender_idle_timeout:
+            self._stop(job, TransferTimeoutError(
+                f"transfer {tid} made no progress for {self.config.sender_idle_timeout:.1f} s "
+                f"({len(job.pushes)} pushes issued)", transfer_id=tid, peer=job.peer))
+
+    def _stop(self, job: _Job, error: TransferError) -> None:
+        job.error = error
+        self.metrics.observe_failure(error.reason)
+        log = logger.info if isinstance(error, TransferAbortedError) else logger.warning
+        log("KV transfer %s (request %s) to %s stopping: %s", job.ticket.transfer_id, job.ticket.request_id,
+            job.peer, error)
+
+    def _finish_stop(self, job: _Job, ev: SenderEvents) -> None:
+        """Release every handle; once none is left, tell decode and report the failure."""
+        pending = False
+        for p in job.pushes:
+            if p.handle is not None and not p.done:
+                if self.agent.release(p.handle):
+                    p.handle = None
+                else:
+                    pending = True
+        if pending:
+            return
+        del self._jobs[job.ticket.transfer_id]
+        if not isinstance(job.error, PeerDiedError):
+            try:
+                self.agent.send(job.peer, protocol.Stopped(job.ticket.transfer_id, job.error.reason, str(job.error),
+                                                           ack=job.ack))
+            except TransferError as e:
+                logger.info("KV transfer %s: could not tell %s it stopped: %s", job.ticket.transfer_id, job.peer, e)
+        ev.failed.append(SendFailed(job.ticket.transfer_id, job.ticket.request_id, job.error))
+
+    def _on_cancel(self, peer: str, msg: protocol.Cancel) -> None:
+        job = self._jobs.get(msg.transfer_id)
+        if job is not None and job.peer == peer:
+            job.ack = True
+            if job.error is None:
+                self._stop(job, TransferAbortedError(f"decode cancelled transfer {msg.transfer_id}: {msg.reason}",
+                                                     side="decode", transfer_id=msg.transfer_id, peer=peer))
+            return
+        # Not started here (ticket still on its way) or already over: nothing is in flight; confirm at once,
+        # and remember it so a late ticket is refused.
+        self._cancelled[msg.transfer_id] = peer
+        while len(self._cancelled) > _TOMBSTONES:
+            self._cancelled.popitem(last=False)
+        try:
+            self.agent.send(peer, protocol.Stopped(msg.transfer_id, "aborted", "no transfer in flight", ack=True))
+        except TransferError as e:
+            logger.info("KV transfer %s: could not confirm cancel to %s: %s", msg.transfer_id, peer, e)
+
+    def _heartbeat(self) -> None:
+        for peer in {j.peer for j in self._jobs.values() if j.error is None}:
+            try:
+                self.agent.send(peer, protocol.Ping())
+            except PeerDiedError as e:
+                for job in self._jobs.values():
+                    if job.peer == peer and job.error is None:
+                        self._stop(job, PeerDiedError(f"decode agent {peer} is gone: {e}",
+                                                      transfer_id=job.ticket.transfer_id, peer=peer))
+            except TransferError as e:
+                logger.warning("KV transfer: liveness probe to %s failed: %s", peer, e)
