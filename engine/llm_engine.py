@@ -8,6 +8,7 @@ requests, collect outputs. The engine is single-threaded; servers drive
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import uuid
 from dataclasses import replace
@@ -60,6 +61,7 @@ class LLMEngine:
             torch.set_num_threads(config.device.cpu_threads)
         mc = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
+        self.tokenizer.model_max_length = sys.maxsize  # lengths are checked against --context-length instead
         self.loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, self.device)
         arch = self.loaded.arch
         self.arch = arch
@@ -212,6 +214,7 @@ class LLMEngine:
         self.scheduler.remove(req, release_pages=release_pages)
         held = not release_pages and bool(req.block_table)
         req.status = RequestStatus.FINISHED_ABORTED
+        req.times.finished = time.monotonic()
         if held:
             self.scheduler.held[request_id] = req
         self._pending.append(self._finish_delta(req))
@@ -281,9 +284,9 @@ class LLMEngine:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = detok.stop_matched
         if status is not None:
+            req.times.finished = now
             self.scheduler.finish(req, status)
             self._pending.append(self._finish_delta(req, status))
-            req.times.finished = now
             if req.status != RequestStatus.PREFILLED:
                 self._forget(req)
         elif req.request_id in self.streaming:
@@ -308,7 +311,8 @@ class LLMEngine:
         return RequestDelta(
             req.request_id, new_tokens, detok.take_delta(True), lps, True, status.value,
             req.stop_reason, req.num_prompt_tokens, req.num_output_tokens,
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None)
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
+            times=req.times)
 
     # ---- introspection -------------------------------------------------------------
     def num_free_pages(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 Logprob = tuple[float, list[tuple[int, float]]]
 """(logprob of the chosen token, [(token id, logprob)] top-N)."""
@@ -33,6 +34,7 @@ class RequestDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     prompt_logprobs: list[Logprob] | None = None
+    times: Any = None  # engine.request.RequestTimes of a finished request, for metrics
 
 
 @dataclass

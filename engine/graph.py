@@ -1,0 +1,276 @@
+"""CUDA graphs for decode steps: all graph logic of the engine lives in this module.
+
+The design is mini-sglang's and nano-vllm's: decode batches are padded up to a
+fixed set of batch sizes (buckets ``1, 2, 4, 8, 16, 32, ...`` up to
+``--cuda-graph-max-bs``); one graph per bucket is captured, largest first, into
+one shared memory pool (smaller graphs reuse the largest one's blocks). The
+graphs read their inputs from static buffers (`CaptureBuffers`) allocated
+once at the largest size; a step copies its batch into the first rows and pads
+the rest with the sentinels that make padding inert: slot ``-1`` (the store
+kernel skips it), block-table rows of the null page 0, ``seq_len`` 1, position
+0. The attention backend gets `prepare_for_capture` before the first capture
+(static workspaces) and `prepare_for_replay` before each replay; it must
+compute everything a decode step needs on the device (the Triton backend
+does), since a graph replays no host code. Replay issues device-to-device
+copies and one graph launch: no host sync.
+
+Before `capture`, `CudaGraphRunner.replay` runs the padded static batch
+eagerly, which is how the padding logic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend
+from engine.batch import ForwardBatch
+from engine.kv.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+PAD_SEQ_LEN = 1  # a padded request "attends" to token 0 of the null page, whose output row is ignored
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """The buckets for `max_bs`: 1, 2, 4, 8, then every multiple of 16, then `max_bs` itself (sorted).
+
+    Raises:
+        ValueError: `max_bs` < 1.
+    """
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
+    sizes = {bs for bs in (1, 2, 4, 8) if bs <= max_bs} | set(range(16, max_bs + 1, 16)) | {max_bs}
+    return sorted(sizes)
+
+
+def select_bucket(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds `num_reqs` requests, or None if none does."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass
+class CaptureBuffers:
+    """Static inputs of the decode graphs, allocated once for `max_bs` requests.
+
+    Attributes:
+        input_ids, positions, slot_mapping: [max_bs] int64.
+        seq_lens: [max_bs] int32; query_start_loc: [max_bs + 1] int32 (``0..max_bs``, fixed).
+        block_tables: [max_bs, max_pages] int32.
+        logits_indices: [max_bs] int64.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_bs: int, max_pages: int, device: torch.device) -> "CaptureBuffers":
+        def longs() -> torch.Tensor:
+            return torch.zeros(max_bs, dtype=torch.int64, device=device)
+
+        bufs = cls(
+            input_ids=longs(), positions=longs(), slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64,
+                                                                          device=device),
+            seq_lens=torch.full((max_bs,), PAD_SEQ_LEN, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
+            logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
+        )
+        return bufs
+
+    @property
+    def max_bs(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def max_pages(self) -> int:
+        return self.block_tables.shape[1]
+
+    def fill(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a decode-only `batch` into rows ``[:n]`` and pad rows ``[n:bs]`` (device copies only).
+
+        Raises:
+            ValueError: the batch is not decode-only, or does not fit `bs` rows / `max_pages` pages.
+        """
+        n = batch.num_reqs
+        if not batch.is_decode_only or n > bs or bs > self.max_bs:
+            raise ValueError(f"need a decode-only batch of at most {bs} <= {self.max_bs} requests, got {n} "
+                             f"({batch.num_decodes} decodes)")
+        width = batch.block_tables.shape[1]
+        if width > self.max_pages:
+            raise ValueError(f"block table of {width} pages exceeds the captured {self.max_pages}")
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        num_logits = batch.logits_indices.shape[0]
+        self.logits_indices[:num_logits].copy_(batch.logits_indices)
+        if bs > n:
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
+            self.block_tables[n:bs].zero_()
+        if bs > num_logits:
+            self.logits_indices[num_logits:bs].copy_(self.query_start_loc[num_logits:bs])
+
+    def batch_view(self, bs: int) -> ForwardBatch:
+        """A decode `ForwardBatch` over the first `bs` rows.
+
+        Its host lists are placeholders (every request 1 token, ``seq_len`` 1):
+        what runs inside a graph must read lengths from the device tensors.
+        """
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs], slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs], logits_indices=self.logits_indices[:bs], num_decodes=bs,
+            query_lens_cpu=[1] * bs, seq_lens_cpu=[PAD_SEQ_LEN] * bs, query_start_loc_cpu=list(range(bs + 1)),
+        )
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Decode-graph settings (SGLang flag names).
+
+    Attributes:
+        max_bs: ``--cuda-graph-max-bs``, the largest captured decode batch.
+        max_context_len: the longest context a request can reach (sizes the block tables).
+        disable: ``--disable-cuda-graph``.
+    """
+
+    max_bs: int = 256
+    max_context_len: int = 4096
+    disable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_bs < 1 or self.max_context_len < 1:
+            raise ValueError(f"max_bs and max_context_len must be >= 1, got {self.max_bs}, {self.max_context_len}")
+
+
+class CudaGraphRunner:
+    """Captures and replays decode steps (see the module docstring).
+
+    Args:
+        model: a module with ``forward(batch, pool, backend) -> logits``.
+        pool: the KV pool; backend: an attention backend with ``supports_cuda_graph``.
+        config: buckets and block-table width.
+
+    Raises:
+        ValueError: the backend cannot run inside a graph.
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, backend: AttentionBackend,
+                 config: CudaGraphConfig) -> None:
+        if not getattr(backend, "supports_cuda_graph", False):
+            raise ValueError(f"attention backend {backend.name!r} cannot be captured in a CUDA graph "
+                             "(it reads host-side lengths); use --attention-backend triton or --disable-cuda-graph")
+        self.model, self.pool, self.backend, self.config = model, pool, backend, config
+        self.device = pool.device
+        self.sizes = capture_batch_sizes(config.max_bs)
+        max_pages = -(-config.max_context_len // pool.page_size)
+        self.buffers = CaptureBuffers.allocate(config.max_bs, max_pages, self.device)
+        backend.prepare_for_capture(config.max_bs, self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.mempool = None
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """True for a decode-only batch that fits the largest bucket and the captured block-table width."""
+        return (batch.num_reqs > 0 and batch.is_decode_only and batch.num_reqs <= self.sizes[-1]
+                and batch.block_tables.shape[1] <= self.buffers.max_pages)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per bucket, largest first, into one memory pool (CUDA only).
+
+        Raises:
+            RuntimeError: the pool is not on a CUDA device.
+        """
+        if self.device.type != "cuda":
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        logger.info("Capture cuda graph begin. This can take up to several minutes. avail mem=%.2f GB",
+                    free_before / 2**30)
+        self.mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):
+            batch = self._pad_to(bs)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels, outside the capture
+                    self.model(batch, self.pool, self.backend)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool, stream=stream):
+                self.outputs[bs] = self.model(batch, self.pool, self.backend)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+        free_after = torch.cuda.mem_get_info(self.device)[0]
+        logger.info("Capture cuda graph end. Time elapsed: %.2f s. mem usage=%.2f GB. avail mem=%.2f GB. bs=%s",
+                    time.perf_counter() - start, (free_before - free_after) / 2**30, free_after / 2**30, self.sizes)
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[len(batch.logits_indices), vocab]`` of a decode step, by graph replay.
+
+        The result is a view of the graph's static output: consume it before the
+        next replay. Without captured graphs the padded static batch runs
+        eagerly (same numbers, no graph).
+
+        Raises:
+            ValueError: `can_run(batch)` is false.
+        """
+        if not self.can_run(batch):
+            raise ValueError("batch cannot use the decode graphs (not decode-only, too large, or too long)")
+        bs = select_bucket(batch.num_reqs, self.sizes)
+        self.buffers.fill(batch, bs)
+        num_logits = batch.logits_indices.shape[0]
+        if bs in self.graphs:
+            view = self.buffers.batch_view(bs)
+            self.backend.prepare_for_replay(view)
+            self.graphs[bs].replay()
+            return self.outputs[bs][:num_logits]
+        return self.model(self.buffers.batch_view(bs), self.pool, self.backend)[:num_logits]
+
+    def _pad_to(self, bs: int) -> ForwardBatch:
+        """The static batch of `bs` padded requests, as captured."""
+        self.buffers.input_ids[:bs].zero_()
+        self.buffers.positions[:bs].zero_()
+        self.buffers.slot_mapping[:bs].fill_(-1)
+        self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
+        self.buffers.block_tables[:bs].zero_()
+        self.buffers.logits_indices[:bs].copy_(self.buffers.query_start_loc[:bs])
+        return self.buffers.batch_view(bs)
+
+
+def maybe_capture_decode_graphs(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend,
+                                config: CudaGraphConfig) -> CudaGraphRunner | None:
+    """The engine's entry point: a captured `CudaGraphRunner`, or None when graphs do not apply.
+
+    None when ``--disable-cuda-graph`` is set, the pool is not on a CUDA device,
+    or the backend cannot be captured (logged).
+    """
+    if config.disable or pool.device.type != "cuda":
+        return None
+    if not getattr(backend, "supports_cuda_graph", False):
+        logger.warning("CUDA graphs disabled: attention backend %r cannot be captured", backend.name)
+        return None
+    runner = CudaGraphRunner(model, pool, backend, config)
+    runner.capture()
+    return runner

@@ -1,0 +1,159 @@
+"""Runs an `LLMEngine` in its own thread and connects it to asyncio handlers.
+
+The engine is single-threaded. Handlers on the event loop send it commands
+(`call`), which run between steps; the thread runs `step()` while there is work
+and hands each request's deltas to an `asyncio.Queue` (`open_stream`). Role
+plug-ins (`StepHooks`) run in the same thread after every step: the prefill
+worker pushes the chunk just computed, the decode worker polls arriving KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestDelta, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class StepHooks:
+    """Role-specific work in the engine thread. The default does nothing."""
+
+    def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
+        """Called after every `step()` (also steps that ran no forward pass)."""
+
+    def poll(self, engine: LLMEngine) -> None:
+        """Called on every loop iteration, busy or idle (transfer polling)."""
+
+    def has_pending(self) -> bool:
+        """True while the hooks wait on something (e.g. transfers) and need `poll` soon."""
+        return False
+
+
+class EngineLoop:
+    """The engine's thread.
+
+    Args:
+        engine: the engine (used only from the loop's thread once started).
+        hooks: role plug-ins.
+        idle_poll_s: sleep between polls while only `hooks` have pending work (seconds).
+        on_step: optional callback after each step (metrics), in the engine thread.
+    """
+
+    def __init__(self, engine: LLMEngine, hooks: StepHooks | None = None, idle_poll_s: float = 0.0005,
+                 on_step: Callable[[LLMEngine, StepOutput, float], None] | None = None) -> None:
+        self.engine = engine
+        self.hooks = hooks or StepHooks()
+        self.idle_poll_s = idle_poll_s
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.fatal: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def start(self, aloop: asyncio.AbstractEventLoop) -> None:
+        self._aloop = aloop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.fatal is None
+
+    # ---- from the event loop -------------------------------------------------------
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` in the engine thread between steps; return or raise its result."""
+        fut = asyncio.get_running_loop().create_future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return await fut
+
+    def call_soon(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run ``fn(engine)`` in the engine thread, without waiting (thread-safe)."""
+        self._commands.put((fn, None))
+        self._wake.set()
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        """A queue that receives the request's `RequestDelta`s. Call before adding the request."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # ---- the thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                self.hooks.poll(self.engine)
+                if self.engine.has_work():
+                    self._step()
+                elif self.hooks.has_pending():
+                    self._wake.wait(self.idle_poll_s)
+                    self._wake.clear()
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException as e:  # noqa: BLE001 - the worker must learn the loop died
+            self.fatal = e
+            logger.exception("engine loop died")
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            if fut is not None:
+                self._aloop.call_soon_threadsafe(_resolve, fut, result, error)
+            elif error is not None:
+                logger.error("engine command failed: %s", error)
+
+    def _step(self) -> None:
+        t = time.monotonic()
+        out = self.engine.step()
+        self.hooks.after_step(self.engine, out)
+        if self.on_step is not None:
+            self.on_step(self.engine, out, time.monotonic() - t)
+        if out.deltas:
+            self._aloop.call_soon_threadsafe(self._dispatch, out.deltas)
+
+    def _dispatch(self, deltas: list[RequestDelta]) -> None:
+        for d in deltas:
+            q = self._streams.get(d.request_id)
+            if q is not None:
+                q.put_nowait(d)
+            if d.finished:
+                self._streams.pop(d.request_id, None)
+
+
+def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,52 @@
+"""The mixed worker: the OpenAI API over a local engine that prefills and decodes (no transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.sampling.params import SamplingParams
+from engine.serving.engine_loop import EngineLoop
+from engine.serving.openai_serving import PromptSource
+
+
+class LocalPrefill(PromptSource):
+    """Prefill in the same engine (the mixed role)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    headers: dict[str, str]) -> asyncio.Queue:
+        stream = self.loop.open_stream(request_id)
+        try:
+            await self.loop.call(lambda e: e.add_request(request_id, prompt_ids, params, stream=True))
+        except BaseException:
+            self.loop.close_stream(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.loop.close_stream(request_id)
+        self.loop.call_soon(lambda e: e.abort_request(request_id))
+
+
+def build_mixed_app(engine, host_info: dict | None = None):
+    """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints."""
+    from prometheus_client import CollectorRegistry
+
+    from engine.serving.metrics import WorkerMetrics
+    from engine.serving.openai_serving import OpenAIServing
+    from engine.serving.worker_app import WorkerState, create_worker_app, server_info
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, engine.role)
+    loop = EngineLoop(engine, on_step=lambda e, out, dt: (metrics.on_step(e), state.refresh_load()))
+    state = WorkerState(loop, registry, server_info(engine, host_info))
+    serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics)
+    return create_worker_app(state, serving_routes(serving))
+
+
+def serving_routes(serving) -> list:
+    return [("/v1/completions", serving.completions, ["POST"]),
+            ("/v1/chat/completions", serving.chat_completions, ["POST"]),
+            ("/v1/models", serving.models, ["GET"])]
