@@ -146,7 +146,7 @@ class LLMEngine:
                 f"{self.layout.page_size}); raise --kv-cache-memory / --mem-fraction-static or shorten it.")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_queued_requests:
             raise EngineOverloaded(f"the admission queue is full ({len(self.scheduler.waiting)} requests waiting)")
-        local = replace(params, max_tokens=1, min_tokens=0) if self.role == "prefill" else params
+        local = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)) if self.role == "prefill" else params
         req = Request(request_id, prompt_token_ids, local, self.eos_token_ids, remote_kv=remote_kv)
         req.generator = self.runner.sampler.new_request_generator(params.seed)
         return req

@@ -59,8 +59,18 @@ class ModelRunner:
         if not sampled:
             return StepResult([], None)
         sample_logits = logits[torch.tensor(sample_rows, device=logits.device)] if prompt_rows else logits
+        self._ban_early_stops(sample_logits, sampled)
         result = self.sampler(sample_logits, [r.params for r in sampled], [r.generator for r in sampled])
         return StepResult(sampled, result)
+
+    @staticmethod
+    def _ban_early_stops(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """``min_tokens``: EOS and stop ids cannot be sampled before that many tokens exist (as in vLLM)."""
+        for i, req in enumerate(reqs):
+            if req.num_output_tokens < req.params.min_tokens:
+                banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(req.eos_token_ids))
+                if banned:
+                    logits[i, banned] = float("-inf")
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):

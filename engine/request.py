@@ -42,6 +42,17 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     finished: float | None = None
+    # decode role: where the remote part of the time went (seconds), reported by the prefill worker
+    remote_queue_s: float | None = None
+    remote_prefill_s: float | None = None
+    kv_wait_s: float | None = None  # pages reserved (ticket made) to all pushes arrived
+
+    @property
+    def transfer_s(self) -> float | None:
+        """The handover: the KV wait not spent queueing or computing at the prefill worker."""
+        if self.kv_wait_s is None:
+            return None
+        return max(self.kv_wait_s - (self.remote_queue_s or 0.0) - (self.remote_prefill_s or 0.0), 0.0)
 
 
 class Request:

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--advertise-url", default=None,
                    help="URL peers use to reach this worker (default http://HOST:PORT)")
+    p.add_argument("--prefill-url", default=None,
+                   help="decode: the prefill worker for requests without an X-PD-Prefill-Url header")
     p.add_argument("--log-level", default="info")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")

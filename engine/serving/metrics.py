@@ -21,7 +21,8 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.0
 
 
 class WorkerMetrics:
-    """The ``pd:*`` metrics of one worker.
+    """The ``pd:*`` metrics of one worker (the ``pd:kv_transfer_*`` ones and the inflight/transfer
+    queue gauges come from `transfer.TransferMetrics` on the same registry).
 
     Args:
         registry: where to register (one per worker).
@@ -38,10 +39,7 @@ class WorkerMetrics:
         self.gen_throughput = g("gen_throughput", "Generated tokens/s over the last log interval.")
         self.num_prefill_bootstrap_queue_reqs = g("num_prefill_bootstrap_queue_reqs",
                                                   "Prefill: jobs waiting for their decode peer's metadata.")
-        self.num_prefill_inflight_queue_reqs = g("num_prefill_inflight_queue_reqs",
-                                                 "Prefill: prefilled jobs whose pushes are in flight.")
         self.num_decode_prealloc_queue_reqs = g("num_decode_prealloc_queue_reqs", "Decode: requests waiting for pages.")
-        self.num_decode_transfer_queue_reqs = g("num_decode_transfer_queue_reqs", "Decode: requests waiting for KV.")
         c = lambda name, doc, labels=(): Counter(f"pd:{name}", doc, labels, registry=registry)  # noqa: E731
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
@@ -54,7 +52,7 @@ class WorkerMetrics:
         self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue_time = h("request_queue_time_seconds", "Per request: waiting for admission (pages).")
         self.prefill_time = h("request_prefill_time_seconds", "Per request: prefill compute, first to last chunk.")
-        self.transfer_time = h("request_transfer_time_seconds", "Per request: KV handover after the last chunk.")
+        self.transfer_time = h("request_transfer_time_seconds", "Per request: KV handover: waiting for the KV minus prefill queueing and compute.")
         self.decode_time = h("request_decode_time_seconds", "Per request: first decode step to finish.")
         self._seen = {"prompt": 0, "gen": 0, "retracted": 0}
 

@@ -40,7 +40,7 @@ def build_mixed_app(engine, host_info: dict | None = None):
 
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, engine.role)
-    loop = EngineLoop(engine, on_step=lambda e, out, dt: (metrics.on_step(e), state.refresh_load()))
+    loop = EngineLoop(engine, on_step=lambda e, out, dt: metrics.on_step(e))
     state = WorkerState(loop, registry, server_info(engine, host_info))
     serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics)
     return create_worker_app(state, serving_routes(serving))

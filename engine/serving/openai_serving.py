@@ -132,8 +132,8 @@ class OpenAIServing:
         """Start the request and wait for its first delta, aborting if the client goes away."""
         started = asyncio.ensure_future(self.source.start(request_id, prompt_ids, params, dict(request.headers)))
         try:
-            stream = await _until_disconnect(request, started)
-            first = await _until_disconnect(request, asyncio.ensure_future(stream.get()))
+            stream = await until_disconnect(request, started)
+            first = await until_disconnect(request, asyncio.ensure_future(stream.get()))
         except BaseException:
             self.source.abort(request_id)
             raise
@@ -174,7 +174,7 @@ class OpenAIServing:
                 builder.add(d)
                 if d.finished:
                     break
-                d = await _until_disconnect(request, asyncio.ensure_future(stream.get()))
+                d = await until_disconnect(request, asyncio.ensure_future(stream.get()))
         except BaseException:
             self.source.abort(request_id)
             raise
@@ -182,7 +182,7 @@ class OpenAIServing:
         return JSONResponse(builder.full(), headers=headers)
 
 
-async def _until_disconnect(request: Request, task: asyncio.Future) -> Any:
+async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
     """Await `task`, cancelling it and raising `asyncio.CancelledError` if the client disconnects."""
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -220,8 +220,12 @@ class _Timing:
         if t is None:
             return
         if t.admitted is not None:
-            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
-        if t.first_scheduled is not None and t.prefill_done is not None:
+            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0) + (t.remote_queue_s or 0.0))
+        if t.remote_prefill_s is not None:
+            self.m.prefill_time.observe(t.remote_prefill_s)
+        elif t.first_scheduled is not None and t.prefill_done is not None:
             self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
+        if t.transfer_s is not None:
+            self.m.transfer_time.observe(t.transfer_s)
         if t.prefill_done is not None and t.finished is not None:
             self.m.decode_time.observe(max(t.finished - t.prefill_done, 0.0))

@@ -39,15 +39,11 @@ class WorkerState:
         self.info = info
         self.extra_load = extra_load or (lambda: {})
         self.draining = False
-        self._load: dict[str, Any] = {}
-
-    def refresh_load(self) -> None:
-        """Snapshot the load (engine thread, after each step) so `/get_load` never touches the engine."""
-        self._load = dict(self.loop.engine.load(), **self.extra_load())
 
     @property
     def load(self) -> dict[str, Any]:
-        return self._load or dict(self.loop.engine.load(), **self.extra_load())
+        """Current load, read without stopping the engine (counters only; a step may be mid-way)."""
+        return dict(self.loop.engine.load(), **self.extra_load())
 
 
 def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list[str]]],
@@ -65,9 +61,9 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             yield
         finally:
             state.draining = True
+            state.loop.stop()
             if on_shutdown is not None:
                 await _maybe_await(on_shutdown())
-            state.loop.stop()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 

@@ -4,18 +4,24 @@
 * `decode.decode_attention`: paged flash-decoding with grouped query heads;
 * `extend.extend_attention`: chunked-prefill attention over cached pages plus the chunk.
 
-Triton reads ``TRITON_INTERPRET`` when the kernels are defined, that is when
-this package is first imported. On a machine without CUDA the kernels can only
-run in the interpreter, so importing the package there sets
-``TRITON_INTERPRET=1`` unless the variable is already set.
+Triton reads ``TRITON_INTERPRET`` when a function is decorated with
+``@triton.jit``, and its own library (``tl.cdiv``, ``tl.sum``, ...) is decorated
+when ``triton`` is first imported. On a machine without CUDA the kernels can
+only run in the interpreter, so importing this package there sets
+``TRITON_INTERPRET=1`` if ``triton`` is not imported yet, and refuses to load
+if it is (set the variable before anything imports ``triton``).
 """
 
 import os
+import sys
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if "triton" in sys.modules:
+        raise ImportError("no CUDA device: the Triton kernels run only in Triton's interpreter, and triton was "
+                          "imported before TRITON_INTERPRET=1 was set; set it before importing triton")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits  # noqa: E402
 from engine.attention.triton.extend import ExtendKernelConfig, extend_attention  # noqa: E402

@@ -1,0 +1,53 @@
+"""The decode worker's HTTP server: the OpenAI API, with prompts prefilled remotely and KV received over NIXL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from decode.handover import DecodeHooks
+from decode.remote_prefill import RemotePrefill
+from engine.llm_engine import LLMEngine
+from engine.serving.engine_loop import EngineLoop
+from engine.serving.metrics import WorkerMetrics
+from engine.serving.mixed import serving_routes
+from engine.serving.openai_serving import OpenAIServing
+from engine.serving.worker_app import WorkerState, create_worker_app, server_info
+from transfer.agent import TransferAgent
+from transfer.config import from_cli_args
+from transfer.http import PeerDirectory, make_router
+from transfer.metrics import TransferMetrics
+from transfer.receiver import KVReceiver
+
+
+def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None):
+    """A FastAPI app for `engine` in the decode role, with its transfer agent."""
+    host_info = dict(host_info or {})
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "decode")
+    tconfig = from_cli_args(args)
+    agent = TransferAgent(engine.pool, engine.loaded.identity, "decode", tconfig)
+    receiver = KVReceiver(agent, TransferMetrics(registry))
+    hooks = DecodeHooks(receiver)
+
+    def on_step(e, out, dt):
+        metrics.on_step(e)
+        metrics.num_decode_prealloc_queue_reqs.set(hooks.num_prealloc)
+
+    loop = EngineLoop(engine, hooks, on_step=on_step)
+    source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout), host_info.get("url", ""),
+                           getattr(args, "prefill_url", None))
+    info = server_info(engine, dict(host_info, kv_agent=agent.name, kv_incarnation=agent.incarnation))
+    state = WorkerState(loop, registry, info, extra_load=lambda: {
+        "num_decode_prealloc_queue_reqs": hooks.num_prealloc,
+        "num_decode_transfer_queue_reqs": receiver.num_waiting})
+    serving = OpenAIServing(source, engine.tokenizer, engine.model_name, engine.context_length, metrics)
+
+    async def shutdown() -> None:
+        await source.close()
+        agent.close()
+
+    app = create_worker_app(state, serving_routes(serving), on_shutdown=shutdown)
+    app.include_router(make_router(agent.info))
+    return app

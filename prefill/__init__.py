@@ -1,0 +1,1 @@
+"""The prefill worker: chunked prefill, pushing each chunk's KV pages to a decode worker over NIXL."""

@@ -1,0 +1,164 @@
+"""Prefill jobs in the engine thread: chunked prefill with a push after every chunk.
+
+A job is one request sent by a decode worker with its `KVTicket` (the decode
+pages reserved for the prompt). After each engine step, the pages that step
+completed are pushed (`KVSender.push`); the push that reaches the end of the
+prompt carries the first token in its notification. The job ends when the
+sender reports every push complete (the prefill pages are freed) or failed
+(freed once no NIXL handle is left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import StepOutput
+from engine.sampling.params import SamplingParams
+from engine.serving.engine_loop import StepHooks
+from transfer.errors import TransferError
+from transfer.sender import KVSender
+from transfer.ticket import KVTicket
+
+logger = logging.getLogger("pd.prefill")
+
+
+@dataclass
+class JobResult:
+    """What the prefill worker answers decode: the first token and where the time went (seconds)."""
+
+    first_token_id: int | None = None
+    first_logprob: list | None = None
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    push_tail_s: float = 0.0
+    num_pushes: int = 0
+    nbytes: int = 0
+    error: TransferError | None = None
+
+
+@dataclass
+class PrefillJob:
+    """One request being prefilled here for a decode worker."""
+
+    request_id: str
+    ticket: KVTicket
+    future: asyncio.Future
+    aloop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    last_chunk: float | None = None
+    result: JobResult = field(default_factory=JobResult)
+
+    def resolve(self) -> None:
+        self.aloop.call_soon_threadsafe(_set, self.future, self.result)
+
+
+def _set(fut: asyncio.Future, result: JobResult) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+class PrefillHooks(StepHooks):
+    """Drives the `KVSender` from the engine thread.
+
+    Args:
+        sender: the worker's sender.
+        device: the engine's device (a CUDA event gates each push on GPU).
+    """
+
+    def __init__(self, sender: KVSender, device: torch.device) -> None:
+        self.sender = sender
+        self.device = device
+        self.jobs: dict[str, PrefillJob] = {}
+
+    def start(self, engine: LLMEngine, job: PrefillJob, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue the job's prefill and register its transfer (engine thread).
+
+        Raises:
+            RequestRejected, EngineOverloaded: from the engine.
+            TransferError, ValueError: from the sender (stale ticket, bad pages); the request is withdrawn.
+        """
+        engine.add_request(job.request_id, prompt_ids, params)
+        try:
+            self.sender.add_request(job.ticket)
+        except BaseException:
+            engine.abort_request(job.request_id)
+            raise
+        self.jobs[job.request_id] = job
+
+    def abort(self, engine: LLMEngine, request_id: str, reason: str) -> None:
+        """Stop a job (decode went away): no more chunks; the pages are freed when the sender has stopped."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        engine.abort_request(request_id, release_pages=False)
+        self.sender.abort(job.ticket.transfer_id, reason)
+
+    def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
+        if not out.prefill_progress:
+            return
+        firsts = {d.request_id: d for d in out.deltas if d.request_id in self.jobs and d.new_token_ids}
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        now = time.monotonic()
+        for prog in out.prefill_progress:
+            job = self.jobs.get(prog.request_id)
+            if job is None:
+                continue
+            job.first_scheduled = job.first_scheduled or now
+            meta = None
+            if prog.done:
+                job.last_chunk = now
+                d = firsts[prog.request_id]
+                job.result.first_token_id = d.new_token_ids[0]
+                job.result.first_logprob = _jsonable(d.new_logprobs[0]) if d.new_logprobs else None
+                meta = {"first_token_id": job.result.first_token_id, "first_logprob": job.result.first_logprob}
+            self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready)
+
+    def poll(self, engine: LLMEngine) -> None:
+        if not self.jobs:
+            return
+        ev = self.sender.poll()
+        now = time.monotonic()
+        for done in ev.completed:
+            job = self.jobs.pop(done.request_id, None)
+            if job is None:
+                continue
+            engine.release_request(job.request_id)
+            r = job.result
+            r.num_pushes, r.nbytes = done.num_pushes, done.nbytes
+            self._timings(job, now)
+            job.resolve()
+        for failed in ev.failed:
+            job = self.jobs.pop(failed.request_id, None)
+            if job is None:
+                continue
+            if not engine.abort_request(job.request_id, release_pages=True):
+                engine.release_request(job.request_id)
+            job.result.error = failed.error
+            self._timings(job, now)
+            job.resolve()
+
+    @staticmethod
+    def _timings(job: PrefillJob, now: float) -> None:
+        r = job.result
+        start = job.first_scheduled or now
+        r.queue_s = max(start - job.arrival, 0.0)
+        r.prefill_s = max((job.last_chunk or now) - start, 0.0)
+        r.push_tail_s = max(now - (job.last_chunk or now), 0.0)
+
+    def has_pending(self) -> bool:
+        return bool(self.jobs)
+
+
+def _jsonable(logprob) -> list:
+    chosen, top = logprob
+    return [chosen, [[int(i), float(v)] for i, v in top]]
