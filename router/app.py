@@ -53,6 +53,7 @@ class RouterApp:
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
                                         self.models, self.upstreams)
         self.generate.on_failure = self._on_attempt_failure
+        self.registry.subscribe(on_removed=self.generate.forget_worker)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, self.upstreams, lambda: self.generate.draining,
                                     self.can_route).build()
@@ -123,7 +124,8 @@ class RouterApp:
         for name, source in self.sources:
             source.start(RegistrySink(self.registry, name, loop, source.ready_means_healthy))
         self._loops = [asyncio.create_task(c) for c in (
-            self.monitor.run_checks(), self.monitor.run_load_polls(), self._run_eviction())]
+            self.monitor.run_checks(), self.monitor.run_load_polls(), self._run_eviction(),
+            self.generate.supervisor.run())]
         log.info("router started", extra={
             "workers": len(self.registry.all()),
             "healthy": sum(w.healthy for w in self.registry.all()),

@@ -11,6 +11,7 @@ connection, so the worker aborts it and frees its pages.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -29,6 +30,7 @@ from router.relay import AttemptFailure, Relay, RequestState
 from router.request import InvalidRequest, parse_request
 from router.retry import backoff_seconds
 from router.selection import Pair, PairSelector
+from router.supervisor import Supervisor
 from router.upstream import Upstreams
 from router.workers import Worker
 
@@ -52,13 +54,21 @@ class GenerateHandler:
         self.draining = False
         self.on_failure: Callable[[Worker, AttemptFailure], None] | None = None
         self._rng = random.Random(config.policy.seed)
+        self.supervisor = Supervisor()
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._id_counter = itertools.count(1)
+        self._choice_inc: dict[tuple[str, str], Callable[[], None]] = {}
         key = config.security.api_key
         self._api_key = key.encode() if key else None
+
+    def _new_request_id(self) -> str:
+        """Unique per router process: a random prefix and a counter (no syscall)."""
+        return f"{self._id_prefix}{next(self._id_counter):08x}"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrived = time.perf_counter()
         endpoint = ENDPOINTS[scope["path"]]
-        rid = valid_request_id(header(scope, b"x-request-id")) or uuid.uuid4().hex
+        rid = valid_request_id(header(scope, b"x-request-id")) or self._new_request_id()
         status = await self._handle(scope, receive, send, rid, arrived)
         self.metrics.count_request(endpoint, status)
         elapsed = time.perf_counter() - arrived
@@ -101,8 +111,8 @@ class GenerateHandler:
         return await self._admit_and_run(state, receive, send)
 
     async def _admit_and_run(self, state: RequestState, receive: Receive, send: Send) -> int:
-        task = asyncio.current_task()
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, state, task))
+        key, sup = self.supervisor.enter(receive, self.config.limits.request_timeout_secs)
+        state.supervised = sup
         try:
             try:
                 await self.limiter.acquire()
@@ -111,21 +121,21 @@ class GenerateHandler:
                                           "retry later", state.request_id,
                                           ((b"retry-after", b"1"),))
             try:
-                async with asyncio.timeout(self.config.limits.request_timeout_secs):
-                    return await self._forward(state, send)
-            except TimeoutError:
-                return await self._timed_out(state, send)
+                return await self._forward(state, send)
             finally:
                 self.limiter.release()
         except asyncio.CancelledError:
-            if state.client_gone and task is not None:
-                task.uncancel()
+            if sup.timed_out:
+                sup.task.uncancel()
+                return await self._timed_out(state, send)
+            if sup.client_gone:
+                sup.task.uncancel()
                 log.info("client disconnected; request aborted",
                          extra={"request_id": state.request_id})
                 return 499
             raise
         finally:
-            watcher.cancel()
+            self.supervisor.leave(key)
 
     async def _timed_out(self, state: RequestState, send: Send) -> int:
         secs = self.config.limits.request_timeout_secs
@@ -163,10 +173,22 @@ class GenerateHandler:
                 await asyncio.sleep(backoff_seconds(self.config.retry, attempt, self._rng))
         return await self._give_up(state, send, last)
 
+    def forget_worker(self, worker: Worker) -> None:
+        """Drop the per-worker metric series of a worker that left the registry."""
+        key = (worker.role.value, worker.url)
+        if self._choice_inc.pop(key, None) is not None:
+            self.metrics.worker_requests.remove(*key)
+
     def _count_choice(self, pair: Pair) -> None:
-        self.metrics.worker_requests.labels(pair.decode.role.value, pair.decode.url).inc()
-        if pair.prefill is not None:
-            self.metrics.worker_requests.labels("prefill", pair.prefill.url).inc()
+        for worker in (pair.decode, pair.prefill):
+            if worker is None:
+                continue
+            key = (worker.role.value, worker.url)
+            inc = self._choice_inc.get(key)
+            if inc is None:
+                inc = self.metrics.worker_requests.labels(*key).inc
+                self._choice_inc[key] = inc
+            inc()
 
     def _record_success(self, pair: Pair) -> None:
         now = time.monotonic()
@@ -205,15 +227,3 @@ class GenerateHandler:
         status = last.status or 502
         await send_error(send, status, f"all attempts failed; last: {last.reason}", rid)
         return status
-
-
-async def _watch_disconnect(receive: Receive, state: RequestState,
-                            task: asyncio.Task | None) -> None:
-    """Cancel the request's task when the client goes away before the end."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-    if not state.finished and task is not None:
-        state.client_gone = True
-        task.cancel()

@@ -24,23 +24,30 @@ from router.metrics import RouterMetrics
 from router.request import ParsedRequest
 from router.retry import is_retriable_status
 from router.selection import Pair
+from router.supervisor import Supervised
 
 _PASS_HEADERS = ("content-type", "cache-control")
 
 
 @dataclass
 class RequestState:
-    """Per-request facts shared by the handler, the relay and the disconnect watcher."""
+    """Per-request facts shared by the handler, the relay and the supervisor."""
 
     request_id: str
     path: str
     body: bytes
     parsed: ParsedRequest
     arrived: float
+    supervised: Supervised | None = None
     response_started: bool = False
     finished: bool = False
-    client_gone: bool = False
     stream_broken: bool = False
+
+    def mark_finished(self) -> None:
+        """The last byte is about to go out: a disconnect from now on is normal."""
+        self.finished = True
+        if self.supervised is not None:
+            self.supervised.finished = True
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class Relay:
         if pair.prefill is not None:
             headers["x-pd-prefill-url"] = pair.prefill.url
         try:
-            resp = await session.post(pair.decode.url + state.path, data=state.body,
+            resp = await session.post(pair.decode.url_for(state.path), data=state.body,
                                       headers=headers)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             return AttemptFailure("decode_unreachable", Role.DECODE,
@@ -105,7 +112,7 @@ class Relay:
             return AttemptFailure("decode_disconnected", Role.DECODE,
                                   detail=f"{type(exc).__name__}: {exc}")
         ctype = resp.headers.get("content-type", "application/json").encode()
-        state.finished = True
+        state.mark_finished()
         state.response_started = True
         await send({"type": "http.response.start", "status": resp.status, "headers": [
             (b"content-type", ctype), (b"content-length", str(len(data)).encode()),
@@ -142,7 +149,7 @@ class Relay:
             event = sse_error_event(502, f"the worker failed mid-stream: {type(exc).__name__}")
             await send({"type": "http.response.body", "more_body": True,
                         "body": event if clean else b"\n\n" + event})
-        state.finished = True
+        state.mark_finished()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
         return resp.status
 

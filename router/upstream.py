@@ -23,8 +23,11 @@ def _session(keepalive_secs: float, connect_timeout_secs: float) -> aiohttp.Clie
         limit=0, limit_per_host=0, keepalive_timeout=keepalive_secs,
         ttl_dns_cache=10, enable_cleanup_closed=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_secs)
+    # DummyCookieJar: the router keeps no cookies from workers (and skips the jar's
+    # per-request work).
     return aiohttp.ClientSession(
         connector=connector, timeout=timeout, auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding"), raise_for_status=False)
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from yarl import URL
+
 from router.circuit import CircuitBreaker
 from router.config import CircuitBreakerConfig, Role
 from router.load import LoadReport
@@ -64,6 +66,14 @@ class Worker:
     served_model_name: str | None = None
     incarnation: str | None = None
     added_at: float = field(default_factory=time.monotonic)
+    _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+
+    def url_for(self, path: str) -> URL:
+        """The parsed URL of ``path`` on this worker (cached: parsing costs per request)."""
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = URL(self.url + path)
+        return url
 
     def usable(self, now: float) -> bool:
         """Healthy and its circuit breaker is not open."""

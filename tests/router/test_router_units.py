@@ -202,3 +202,40 @@ def test_bad_flags_are_refused():
         config_from_args(parser.parse_args(["--service-discovery", "--selector", "novalue"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefill-policy", "fastest"])
+
+
+@pytest.mark.asyncio
+async def test_supervisor_cancels_overdue_requests_and_watches_only_long_ones():
+    from router.supervisor import Supervisor
+
+    sup = Supervisor(tick_secs=0.01, watch_after_secs=0.05)
+    disconnect = asyncio.Event()
+
+    async def receive():
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def request(timeout: float, work: float):
+        key, entry = sup.enter(receive, timeout)
+        try:
+            await asyncio.sleep(work)
+            return "done", entry
+        except asyncio.CancelledError:
+            entry.task.uncancel()
+            return ("timed_out" if entry.timed_out else "client_gone"), entry
+        finally:
+            sup.leave(key)
+
+    ticker = asyncio.create_task(sup.run())
+    try:
+        short, overdue = await asyncio.gather(request(5.0, 0.01), request(0.1, 5.0))
+        assert short[0] == "done" and short[1].watcher is None
+        assert overdue[0] == "timed_out"
+        long_task = asyncio.create_task(request(5.0, 5.0))
+        await asyncio.sleep(0.2)
+        disconnect.set()
+        outcome, entry = await asyncio.wait_for(long_task, 2)
+        assert outcome == "client_gone" and entry.watcher is not None
+        assert len(sup) == 0
+    finally:
+        ticker.cancel()

@@ -1,0 +1,94 @@
+"""Per-request deadlines and client-disconnect watching, off the hot path.
+
+A per-request ``asyncio.timeout`` and a per-request disconnect-watcher task
+together cost about as much as the rest of the router's own work on a short
+request. Instead one supervisor task ticks every ``tick_secs``: it cancels the
+task of each request past its deadline (``--request-timeout-secs``), and gives
+a disconnect watcher only to requests that have run longer than
+``watch_after_secs``. Short requests never pay for either; a request's
+timeout fires at most one tick late, and a client that leaves is noticed at
+most ``watch_after_secs + tick_secs`` after the request began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from router.asgi import Receive
+
+
+@dataclass(eq=False)
+class Supervised:
+    """One request's task, deadline and flags; created by :meth:`Supervisor.enter`."""
+
+    task: asyncio.Task
+    receive: Receive
+    started: float
+    deadline: float
+    finished: bool = False
+    timed_out: bool = False
+    client_gone: bool = False
+    watcher: asyncio.Task | None = field(default=None, repr=False)
+
+
+class Supervisor:
+    """Deadline and disconnect supervision of all in-flight requests."""
+
+    def __init__(self, tick_secs: float = 0.1, watch_after_secs: float = 0.2) -> None:
+        self.tick_secs = tick_secs
+        self.watch_after_secs = watch_after_secs
+        self._live: dict[int, Supervised] = {}
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def enter(self, receive: Receive, timeout_secs: float) -> tuple[int, Supervised]:
+        """Start supervising the current task."""
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("Supervisor.enter needs a running task")
+        now = time.monotonic()
+        entry = Supervised(task, receive, now, now + timeout_secs)
+        self._next_id += 1
+        self._live[self._next_id] = entry
+        return self._next_id, entry
+
+    def leave(self, key: int) -> None:
+        """Stop supervising (call in ``finally``)."""
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            entry.finished = True
+            if entry.watcher is not None:
+                entry.watcher.cancel()
+
+    def tick(self, now: float) -> None:
+        """One pass: cancel overdue requests, attach watchers to long ones."""
+        watch_before = now - self.watch_after_secs
+        for entry in list(self._live.values()):
+            if entry.finished or entry.timed_out or entry.client_gone:
+                continue
+            if now >= entry.deadline:
+                entry.timed_out = True
+                entry.task.cancel()
+            elif entry.watcher is None and entry.started <= watch_before:
+                entry.watcher = asyncio.ensure_future(_watch(entry))
+
+    async def run(self) -> None:
+        """Tick forever."""
+        while True:
+            await asyncio.sleep(self.tick_secs)
+            self.tick(time.monotonic())
+
+
+async def _watch(entry: Supervised) -> None:
+    """Cancel the request's task when its client disconnects before the end."""
+    while True:
+        message = await entry.receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not entry.finished and not entry.timed_out:
+        entry.client_gone = True
+        entry.task.cancel()
