@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.circuit import STATE_CODES
+from router.config import Role
 from router.policies import CacheAware, Policy, effective_load
 from router.workers import WorkerRegistry
 
@@ -125,7 +126,7 @@ class StateCollector(Collector):
         entries = GaugeMetricFamily("pd_router_cache_aware_tree_entries",
                                     "Entries in the approximate prefix tree.", labels=["role"])
         for role, policy in self._policies.items():
-            if isinstance(policy, CacheAware):
+            if isinstance(policy, CacheAware) and self._workers.has_role(Role(role)):
                 decisions.add_metric([role, "hit"], policy.hits)
                 decisions.add_metric([role, "miss"], policy.misses)
                 decisions.add_metric([role, "balance"], policy.balanced)
