@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers, e.g. engine_reference
 
 
 def pytest_collection_modifyitems(config, items):

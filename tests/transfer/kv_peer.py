@@ -110,7 +110,7 @@ class _Worker:
     # ---- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> None:
         for tid, job in list(self.jobs.items()):
-            if job["auto"] and job["pos"] < len(job["ids"]):
+            if job["auto"] and job["pos"] < job["n"]:
                 self.cmd_chunk(tid)
         if self.sender is not None:
             ev = self.sender.poll()
@@ -159,6 +159,9 @@ class _Worker:
     def cmd_invalidate(self, url: str) -> None:
         self.directory.invalidate(url)
 
+    def cmd_connected(self, agent: str) -> bool:
+        return self.agent.is_connected(agent)
+
     def cmd_expect(self, request_id: str, num_tokens: int, prefill_agent: str, skip_pages: int = 0) -> dict:
         hole = self.alloc.allocate(skip_pages) if skip_pages else []
         pages = self.alloc.allocate(self.km.pages_for(num_tokens, self.spec.page_size))
@@ -170,30 +173,55 @@ class _Worker:
             self.alloc.free(pages)
             raise
 
+    def cmd_progress(self, tid: str) -> list[tuple]:
+        self.step()
+        return [(p.index, p.page_start, p.num_pages, p.nbytes, p.total) for p in self.receiver.progress(tid)]
+
     def cmd_withdraw(self, tid: str) -> None:
         self.alloc.free(self.receiver.withdraw(tid))
 
-    def cmd_start(self, ticket: dict, ids: list[int], chunk: int, auto: bool = True) -> None:
+    def cmd_start(self, ticket: dict, ids: list[int] | None, chunk: int, auto: bool = True,
+                  decode_url: str | None = None) -> list[int]:
+        """Accept a ticket and prefill `ids` in chunks; ``ids=None`` skips the model and pushes
+        pages of seeded random bytes instead (for transfers larger than the model can prefill).
+
+        With `decode_url`, first make sure the ticket's decode agent is the one loaded, as a prefill
+        worker does: the directory fetches that worker's info again when the ticket names an
+        incarnation it does not hold, and the stale one is dropped."""
+        import torch
+
+        from transfer.http import apply
         from transfer.ticket import KVTicket
 
         t = KVTicket.from_dict(ticket)
-        self.sender.add_request(t)
-        pages = self.alloc.allocate(self.km.pages_for(len(ids), self.spec.page_size))
-        self.jobs[t.transfer_id] = {"ids": list(ids), "pages": pages, "pos": 0, "chunk": chunk, "auto": auto,
-                                    "sent": 0, "pushes": []}
+        if decode_url is not None and not self.agent.is_connected(t.decode_agent):
+            apply(self.agent, self.directory.resolve(decode_url, t.decode_agent))
+        pages = self.alloc.allocate(self.km.pages_for(t.num_tokens, self.spec.page_size))
+        try:
+            if ids is None:
+                gen = torch.Generator().manual_seed(len(pages))
+                view = self.mp.pool.kv.view(torch.uint8)
+                view[pages] = torch.randint(0, 256, view[pages].shape, dtype=torch.uint8, generator=gen)
+            self.sender.add_request(t)
+        except Exception:
+            self.alloc.free(pages)
+            raise
+        self.jobs[t.transfer_id] = {"ids": ids, "n": t.num_tokens, "pages": pages, "pos": 0, "chunk": chunk,
+                                    "auto": auto, "sent": 0, "pushes": []}
+        return pages
 
     def cmd_chunk(self, tid: str) -> dict:
         job = self.jobs[tid]
         lo = job["pos"]
-        hi = min(lo + job["chunk"], len(job["ids"]))
-        tok = self.km.prefill_chunk(self.mp, job["ids"], job["pages"], lo, hi)
+        hi = min(lo + job["chunk"], job["n"])
+        tok = self.km.prefill_chunk(self.mp, job["ids"], job["pages"], lo, hi) if job["ids"] is not None else 0
         job["pos"] = hi
-        meta = {"first_token_id": tok} if hi == len(job["ids"]) else None
+        meta = {"first_token_id": tok} if hi == job["n"] else None
         t0 = time.monotonic()
         n = self.sender.push(tid, job["pages"], hi, meta=meta)
         pushed = job["pages"][job["sent"]:job["sent"] + n]
         info = {"lo": lo, "hi": hi, "num_pages": n, "page_start": job["sent"], "t_push": t0,
-                "hashes": self.km.page_hashes(self.mp.pool, pushed) if n else []}
+                "hashes": self.km.page_hashes(self.mp.pool, pushed) if n and job["ids"] is not None else []}
         job["sent"] += n
         job["pushes"].append(info)
         return info
@@ -206,7 +234,8 @@ class _Worker:
         return out
 
     def cmd_state(self) -> dict:
-        s = {"free": self.alloc.num_free, "num_pages": self.spec.num_pages, "jobs": len(self.jobs)}
+        s = {"free": self.alloc.num_free, "num_pages": self.spec.num_pages, "jobs": len(self.jobs),
+             "restarts_seen": self.directory.num_restarts_seen, "fetches": self.directory.num_fetches}
         if self.sender is not None:
             s["inflight"] = self.sender.num_inflight
         if self.receiver is not None:

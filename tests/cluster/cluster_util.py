@@ -1,0 +1,69 @@
+"""Helpers for tests that run real clusters of OS processes on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import httpx
+
+from launch.cluster import ClusterSpec, LocalCluster, free_port
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog ran to the park and",
+    "Lily wanted to bake a cake for her mom, so she",
+    "Tom and Sue found a big box in the garden. Inside the box there was",
+    "One sunny day, a small bird sat on a branch and sang a happy song. A cat saw the bird and",
+    "There was a boy named Ben who loved trucks.",
+]
+
+FAST_ENGINE = ["--kv-cache-memory", "64MiB", "--cpu-threads", "1"]
+
+
+@contextlib.contextmanager
+def running_cluster(num_prefill: int = 1, num_decode: int = 1, colocated: bool = False, engine_argv=(),
+                    router_argv=(), num_workers: int = 0, echo: bool = False):
+    """Start a `LocalCluster`, yield it ready, always stop it."""
+    spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, colocated=colocated, num_workers=num_workers,
+                       router_port=free_port(), engine_argv=FAST_ENGINE + list(engine_argv),
+                       router_argv=["--health-check-interval-secs", "0.5", *router_argv], log_level="warning",
+                       echo=echo)
+    cluster = LocalCluster(spec)
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout=240)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def worker_loads(cluster: LocalCluster) -> dict[str, dict]:
+    with httpx.Client(timeout=5) as c:
+        return {p.name: c.get(p.url + "/get_load").json() for p in cluster.procs if p.alive()}
+
+
+def wait_all_free(cluster: LocalCluster, timeout: float) -> dict[str, dict]:
+    """Poll until every live worker has all pages free and nothing running or queued; return the loads."""
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = worker_loads(cluster)
+        if all(_idle(v) for v in loads.values()):
+            return loads
+        if time.monotonic() > deadline:
+            return loads
+        time.sleep(0.05)
+
+
+def _idle(load: dict) -> bool:
+    return (load["num_free_pages"] == load["num_total_pages"] and load["num_running_reqs"] == 0
+            and load["num_queue_reqs"] == 0 and not load.get("num_prefill_inflight_queue_reqs")
+            and not load.get("num_decode_transfer_queue_reqs") and not load.get("num_decode_prealloc_queue_reqs"))
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of an unlabelled sample `name` in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise KeyError(name)

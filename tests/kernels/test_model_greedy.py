@@ -1,0 +1,85 @@
+"""Greedy generation on the embedded stories260K: Triton backend (with the decode-graph runner) == torch reference.
+
+On CPU the Triton kernels run in the interpreter and the graph runner runs its
+padded static batch eagerly; on a GPU the graphs are captured and replayed.
+The loop mixes chunked prefill and decode in one step (`greedy_driver`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.assets import DEFAULT_MODEL
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.attention.triton.decode import DecodeKernelConfig
+from engine.attention.triton.extend import ExtendKernelConfig
+from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from engine.graph import CudaGraphConfig, CudaGraphRunner
+from engine.model.loader import load_model
+from greedy_driver import greedy, make_pool_for
+from kernel_cases import device
+
+PROMPTS_TEXT = ["Once upon a time, there was a little girl named Lily.", "The cat sat", "Tom and his dog went to"]
+ON_GPU = torch.cuda.is_available()
+CPU_CFG = TritonAttentionConfig(decode=DecodeKernelConfig(block_n=16, min_tokens_per_split=16),
+                                extend=ExtendKernelConfig(block_m=16, block_n=16))
+
+
+@pytest.fixture(scope="module")
+def model_and_prompts():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    loaded = load_model(DEFAULT_MODEL, "float32", device=device())
+    return loaded, [tok(t).input_ids for t in PROMPTS_TEXT]
+
+
+def _backends(loaded, cfg=None):
+    a = loaded.arch
+    args = (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
+    return TorchAttentionBackend(*args), TritonAttentionBackend(*args, config=cfg)
+
+
+CASES = [("fp16", 16)] if not ON_GPU else [("fp16", 16), ("fp32", 1), ("bf16", 64)]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kv_dtype,page_size", CASES)
+def test_greedy_triton_equals_reference(model_and_prompts, kv_dtype, page_size):
+    loaded, prompts = model_and_prompts
+    max_new = 5 if not ON_GPU else 24
+    ref_backend, tri_backend = _backends(loaded, None if ON_GPU else CPU_CFG)
+    num_pages = sum(-(-(len(p) + max_new) // page_size) for p in prompts) + 1
+    ref_pool = make_pool_for(loaded, kv_dtype, page_size, num_pages, device())
+    want, _ = greedy(loaded, ref_pool, ref_backend, prompts, max_new, chunk=5)
+    tri_pool = make_pool_for(loaded, kv_dtype, page_size, num_pages, device())
+    runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=4, max_context_len=512))
+    if ON_GPU:
+        runner.capture()
+    got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=5, graph_runner=runner)
+    assert graph_steps >= max_new - 2  # the last steps are decode-only: 3 requests padded to the bucket of 4
+    assert got == want
+    assert not tri_pool.kv[0].any(), "a padded slot wrote into the null page"
+    # layers past the first see attention outputs that differ in the last bits, so compare closely, not exactly
+    torch.testing.assert_close(tri_pool.kv[1:].float(), ref_pool.kv[1:].float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_greedy_fp8_kv_with_graphs_on_gpu(model_and_prompts, page_size):
+    """FP8 KV with CUDA graphs: greedy tokens equal the reference backend's."""
+    loaded, prompts = model_and_prompts
+    max_new = 32
+    ref_backend, tri_backend = _backends(loaded)
+    num_pages = sum(-(-(len(p) + max_new) // page_size) for p in prompts) + 1
+    ref_pool = make_pool_for(loaded, "fp8_e4m3", page_size, num_pages, device())
+    want, _ = greedy(loaded, ref_pool, ref_backend, prompts, max_new, chunk=7)
+    tri_pool = make_pool_for(loaded, "fp8_e4m3", page_size, num_pages, device())
+    runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=8, max_context_len=512))
+    runner.capture()
+    assert sorted(runner.graphs) == [1, 2, 4, 8]
+    got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=7, graph_runner=runner)
+    assert graph_steps > 0 and got == want
+    assert not tri_pool.kv[0].any(), "a padded slot wrote into the null page"
