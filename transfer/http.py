@@ -68,6 +68,7 @@ class PeerDirectory:
         self._by_url: dict[str, AgentInfo] = {}
         self._lock = threading.Lock()
         self._dropped: list[str] = []
+        self._invalidated: dict[str, AgentInfo] = {}
         self.num_fetches = 0
         self.num_restarts_seen = 0
 
@@ -76,8 +77,12 @@ class PeerDirectory:
             return self._by_url.get(_norm(url))
 
     def invalidate(self, url: str) -> None:
+        """Forget the cached info of `url`; the next resolve fetches it (and reports the old agent as
+        superseded if the peer turns out to have restarted)."""
         with self._lock:
-            self._by_url.pop(_norm(url), None)
+            old = self._by_url.pop(_norm(url), None)
+            if old is not None:
+                self._invalidated[_norm(url)] = old
 
     def resolve(self, url: str, expected_agent: str | None = None) -> Resolved:
         """The info of the worker at `url`; fetched unless cached and matching `expected_agent`.
@@ -132,7 +137,7 @@ class PeerDirectory:
             raise MetadataFetchError(f"{url}{INFO_PATH}: {e}") from e
         key = _norm(url)
         with self._lock:
-            old = self._by_url.get(key)
+            old = self._by_url.get(key) or self._invalidated.pop(key, None)
             self._by_url[key] = info
             self.num_fetches += 1
             if old is not None and old.agent_name != info.agent_name:

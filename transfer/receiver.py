@@ -173,15 +173,25 @@ class KVReceiver:
                    self._clock(), cancel=True)
         return True
 
+    def progress(self, transfer_id: str) -> list[protocol.Push]:
+        """The pushes of a transfer in progress that have arrived so far, by index ([] if unknown)."""
+        job = self._jobs.get(transfer_id)
+        return [] if job is None else [job.pushes[i] for i in sorted(job.pushes)]
+
     def withdraw(self, transfer_id: str) -> tuple[int, ...]:
         """Drop a ticket the prefill worker refused (e.g. `StalePeerError`): nothing was or will be
         written, so its pages are returned for freeing at once.
 
+        Returns:
+            The pages to free; empty when the transfer is already over (a liveness probe may have
+            failed it first; its pages then come or came in a `PagesReleased`).
+
         Raises:
-            KeyError: unknown transfer id.
-            ValueError: a push of it already arrived (use `abort`).
+            ValueError: a push of it arrived, so the prefill worker did accept it (use `abort`).
         """
-        job = self._jobs[transfer_id]
+        job = self._jobs.get(transfer_id)
+        if job is None:
+            return ()
         if job.pushes:
             raise ValueError(f"transfer {transfer_id} already received {len(job.pushes)} pushes; abort it instead")
         self._forget(job)
