@@ -56,6 +56,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.role = config.role
+        if config.parallel.tp_size > 1:
+            raise ValueError(f"--tp-size {config.parallel.tp_size}: tensor parallelism is not available in this "
+                             "build; run one worker per GPU with --tp-size 1")
         self.device = resolve_device(config.device.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.cpu_threads)
