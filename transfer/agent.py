@@ -209,6 +209,7 @@ class TransferAgent:
             self._nixl.send_notif(peer, protocol.encode(msg))
         except Exception as e:
             raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
+        self._pump()  # progress the worker once so the message leaves now, not at the next poll
 
     def take(self, *kinds: type) -> list[tuple[str, protocol.Message]]:
         """New messages of the given kinds, in arrival order, as ``(peer agent, message)``.

@@ -5,10 +5,13 @@ process (tests, benchmarks) do not collide, and the worker serves its own
 registry at ``/metrics``. Names follow SGLang's (``sglang:`` -> ``pd:``) and
 vLLM's NIXL connector for the same concepts.
 
-Speed is bytes actually posted to NIXL for a push (the sum of its descriptor
-lengths) over the time from posting to the completion being observed. The
-observation happens at the next `poll`, so the latency can only be
-overestimated and the speed underestimated: it never exceeds the link rate.
+Speed is the bytes of a push (the sum of its descriptor lengths, all of which
+NIXL reported done) over the time from just before the post call to the
+completion being observed: a push that completes inside the post (a
+shared-memory copy) is timed by the post itself, one that completes later by
+the next `poll`. The latency can only be overestimated and the speed
+underestimated, so it never exceeds the link rate (a speed metric above line
+rate was a complaint about other systems).
 """
 
 from __future__ import annotations

@@ -138,6 +138,11 @@ class KVReceiver:
     def num_quarantined(self) -> int:
         return sum(1 for j in self._jobs.values() if j.error is not None)
 
+    @property
+    def has_work(self) -> bool:
+        """True while a transfer waits or a failed one's pages are not released: keep calling `poll`."""
+        return bool(self._jobs)
+
     def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> KVTicket:
         """Register reserved `pages` for a request's prompt KV and make the ticket for the prefill worker.
 

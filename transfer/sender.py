@@ -78,7 +78,8 @@ class _Push:
     remote: np.ndarray
     ready: object | None
     handle: object | None = None
-    posted_at: float = 0.0
+    posted_at: float = 0.0  # the sender's clock, for the push timeout
+    started: float = 0.0  # perf_counter before the post, for the latency and speed metrics
     done: bool = False
 
 
@@ -120,6 +121,11 @@ class KVSender:
     @property
     def num_inflight(self) -> int:
         return len(self._jobs)
+
+    @property
+    def has_work(self) -> bool:
+        """True while any transfer is not over: keep calling `poll` (it also progresses NIXL) until False."""
+        return bool(self._jobs)
 
     def add_request(self, ticket: KVTicket) -> None:
         """Accept decode's ticket; pushes may follow.
@@ -233,6 +239,7 @@ class KVSender:
 
     # ---- internals -----------------------------------------------------------
     def _post(self, job: _Job, p: _Push) -> None:
+        p.started = time.perf_counter()
         try:
             p.handle, state = self.agent.write(job.peer, p.local, p.remote, protocol.encode(p.msg))
         except TransferError as e:
@@ -240,7 +247,7 @@ class KVSender:
             self._stop(job, e)
             return
         p.posted_at = self._clock()
-        if state == DONE:
+        if state == DONE:  # moved within the post itself (e.g. a shared-memory copy): its latency is the post's
             self._complete(job, p, p.posted_at)
 
     def _complete(self, job: _Job, p: _Push, now: float) -> None:
@@ -249,7 +256,7 @@ class KVSender:
         p.handle = None
         job.nbytes += p.msg.nbytes
         job.last_progress = now
-        self.metrics.observe_push(p.msg.nbytes, max(now - p.posted_at, 1e-9), p.local.shape[0])
+        self.metrics.observe_push(p.msg.nbytes, time.perf_counter() - p.started, p.local.shape[0])
 
     def _advance(self, job: _Job, now: float) -> None:
         tid = job.ticket.transfer_id

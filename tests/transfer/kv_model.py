@@ -19,9 +19,6 @@ from engine.batch import build_forward_batch
 from engine.kv.pool import KVLayout, KVPool
 from engine.model.loader import LoadedModel, load_model
 
-CPU = torch.device("cpu")
-
-
 @dataclass
 class ModelPool:
     """A loaded model, a pool for it and the reference attention."""
@@ -34,17 +31,21 @@ class ModelPool:
     def page_size(self) -> int:
         return self.pool.page_size
 
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
 
 def make(kv_cache_dtype: str, page_size: int, num_pages: int, model: str | None = None,
-         load_format: str = "auto", seed: int = 0) -> ModelPool:
-    """Load `model` (default: stories260K) and build a pool of `num_pages` pages for it on the CPU."""
-    lm = load_model(model or DEFAULT_MODEL, "float32", load_format, seed)
+         load_format: str = "auto", seed: int = 0, device: str = "cpu") -> ModelPool:
+    """Load `model` (default: stories260K) and build a pool of `num_pages` pages for it on `device`."""
+    lm = load_model(model or DEFAULT_MODEL, "float32", load_format, seed, device)
     a = lm.arch
     fp8 = kv_cache_dtype == "fp8_e4m3"
     ones = (1.0,) * a.num_hidden_layers
     layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, page_size, kv_cache_dtype,
                       tuple(lm.k_scales) if fp8 else ones, tuple(lm.v_scales) if fp8 else ones)
-    pool = KVPool(layout, num_pages, CPU, torch.float32)
+    pool = KVPool(layout, num_pages, device, torch.float32)
     backend = TorchAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
     return ModelPool(lm, pool, backend)
 
@@ -53,7 +54,7 @@ def make(kv_cache_dtype: str, page_size: int, num_pages: int, model: str | None 
 def prefill_chunk(mp: ModelPool, ids: list[int], pages: list[int], lo: int, hi: int) -> int:
     """Run prompt tokens ``ids[lo:hi]`` (KV of ``[0, lo)`` already in `pages`); returns the greedy next token."""
     b = build_forward_batch([np.asarray(ids[lo:hi], dtype=np.int64)], [lo], [pages],
-                            [np.array([hi - lo - 1])], 0, mp.page_size, CPU)
+                            [np.array([hi - lo - 1])], 0, mp.page_size, mp.device)
     logits = mp.lm.model(b, mp.pool, mp.backend)
     return int(logits[-1].argmax())
 
@@ -64,20 +65,20 @@ def greedy(mp: ModelPool, pages: list[int], pos: int, first_token: int, n: int) 
     toks = [first_token]
     for i in range(n - 1):
         b = build_forward_batch([np.array([toks[-1]], dtype=np.int64)], [pos + i], [pages], [np.array([0])], 1,
-                                mp.page_size, CPU)
+                                mp.page_size, mp.device)
         toks.append(int(mp.lm.model(b, mp.pool, mp.backend)[-1].argmax()))
     return toks
 
 
 def page_hashes(pool: KVPool, pages: list[int]) -> list[str]:
     """sha256 of each page's raw bytes (all layers, K and V)."""
-    raw = pool.read_pages(pages).view(torch.uint8).reshape(len(pages), -1).numpy()
+    raw = pool.read_pages(pages).view(torch.uint8).reshape(len(pages), -1).cpu().numpy()
     return [hashlib.sha256(row.tobytes()).hexdigest() for row in raw]
 
 
 def pool_hash(pool: KVPool) -> str:
     """sha256 of the whole page tensor."""
-    return hashlib.sha256(pool.kv.view(torch.uint8).reshape(-1).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(pool.kv.view(torch.uint8).reshape(-1).cpu().numpy().tobytes()).hexdigest()
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

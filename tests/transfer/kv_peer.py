@@ -40,6 +40,7 @@ class PeerSpec:
     abort_quarantine: float | None = None
     ucx_tls: str | None = None
     port: int = 0
+    device: str = "cpu"
     env: dict = field(default_factory=dict)
 
 
@@ -71,7 +72,7 @@ class _Worker:
         self.spec = spec
         self.km = kv_model
         self.mp = kv_model.make(spec.kv_cache_dtype, spec.page_size, spec.num_pages, spec.model, spec.load_format,
-                                spec.seed)
+                                spec.seed, spec.device)
         self.alloc = PageAllocator(spec.num_pages)
         cfg = TransferConfig(kv_transfer_timeout=spec.kv_transfer_timeout, heartbeat_interval=spec.heartbeat_interval,
                              abort_quarantine=spec.abort_quarantine, ucx_tls=spec.ucx_tls)
@@ -105,7 +106,7 @@ class _Worker:
 
     def hello(self) -> dict:
         return {"url": self.url, "agent": self.agent.name, "incarnation": self.agent.incarnation,
-                "pid": os.getpid(), "ucx": self.agent.ucx}
+                "pid": os.getpid(), "ucx": self.agent.ucx, "mem_type": self.agent.mem_type}
 
     # ---- the step loop ---------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -201,7 +202,8 @@ class _Worker:
             if ids is None:
                 gen = torch.Generator().manual_seed(len(pages))
                 view = self.mp.pool.kv.view(torch.uint8)
-                view[pages] = torch.randint(0, 256, view[pages].shape, dtype=torch.uint8, generator=gen)
+                view[pages] = torch.randint(0, 256, view[pages].shape, dtype=torch.uint8,
+                                            generator=gen).to(view.device)
             self.sender.add_request(t)
         except Exception:
             self.alloc.free(pages)
@@ -217,8 +219,14 @@ class _Worker:
         tok = self.km.prefill_chunk(self.mp, job["ids"], job["pages"], lo, hi) if job["ids"] is not None else 0
         job["pos"] = hi
         meta = {"first_token_id": tok} if hi == job["n"] else None
+        ready = None
+        if self.mp.device.type == "cuda":  # post the push once the chunk's kernels have written the pages
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record()
         t0 = time.monotonic()
-        n = self.sender.push(tid, job["pages"], hi, meta=meta)
+        n = self.sender.push(tid, job["pages"], hi, meta=meta, ready_event=ready)
         pushed = job["pages"][job["sent"]:job["sent"] + n]
         info = {"lo": lo, "hi": hi, "num_pages": n, "page_start": job["sent"], "t_push": t0,
                 "hashes": self.km.page_hashes(self.mp.pool, pushed) if n and job["ids"] is not None else []}

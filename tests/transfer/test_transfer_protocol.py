@@ -1,0 +1,230 @@
+"""The sender's and receiver's rules, with two real NIXL agents in one process and a controllable clock.
+
+Pushes are checked before completion is declared (all indices, exact page
+coverage, in any arrival order); malformed or foreign notifications never
+complete a transfer; deadlines and the page quarantine follow the clock;
+metrics count bytes actually moved.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from engine.kv.pool import KVLayout, KVPool
+from transfer import protocol
+from transfer.agent import TransferAgent
+from transfer.config import TransferConfig
+from transfer.errors import PeerNotConnectedError, StalePeerError
+from transfer.metrics import TransferMetrics
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+
+T = 2.0
+LAYOUT = KVLayout(5, 4, 8, 16, "fp8_e4m3", (0.5,) * 5, (0.25,) * 5)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Side:
+    def __init__(self, role: str, clock: Clock, cfg: TransferConfig) -> None:
+        self.pool = KVPool(LAYOUT, 32, "cpu", torch.float32)
+        self.registry = CollectorRegistry()
+        self.agent = TransferAgent(self.pool, "model-x", role, cfg)
+        m = TransferMetrics(self.registry)
+        self.sender = KVSender(self.agent, m, clock) if role == "prefill" else None
+        self.receiver = KVReceiver(self.agent, m, clock) if role != "prefill" else None
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+@pytest.fixture(scope="module")
+def sides():
+    clock = Clock()
+    cfg = TransferConfig(kv_transfer_timeout=T, heartbeat_interval=0.5)
+    p, d = Side("prefill", clock, cfg), Side("decode", clock, cfg)
+    p.agent.connect(d.agent.info)
+    d.agent.connect(p.agent.info)
+    yield clock, p, d
+    p.agent.close()
+    d.agent.close()
+
+
+def drain(side: Side, n: int = 50, *others: Side):
+    """Poll until something happens (bounded). Like workers' loops, the other sides progress too
+    (a first message to a peer needs both sides' progress to set up the connection)."""
+    for _ in range(n):
+        for other in others:
+            other.agent.take()  # progress only; its messages stay for its own poll
+        ev = side.receiver.poll() if side.receiver else side.sender.poll()
+        if ev.completed or ev.failed or getattr(ev, "released", None):
+            return ev
+    return ev
+
+
+def push_msg(tid, index, start, n, total=0):
+    return protocol.Push(tid, index, start, n, n * LAYOUT.page_nbytes, total, {"first_token_id": 7} if total else None)
+
+
+def test_completion_needs_every_push_in_any_order(sides):
+    clock, p, d = sides
+    t = d.receiver.expect("ooo", [3, 4, 5], 40, p.agent.name)
+    p.agent.send(d.agent.name, push_msg(t.transfer_id, 1, 2, 1, total=2))  # the last push arrives first
+    ev = drain(d, 10, p)
+    assert not ev.completed and not ev.failed
+    assert [x.index for x in d.receiver.progress(t.transfer_id)] == [1]
+    p.agent.send(d.agent.name, push_msg(t.transfer_id, 0, 0, 2))
+    ev = drain(d, 50, p)
+    assert [c.transfer_id for c in ev.completed] == [t.transfer_id]
+    assert [x.index for x in ev.completed[0].pushes] == [0, 1] and ev.completed[0].meta == {"first_token_id": 7}
+
+
+@pytest.mark.parametrize("bad", ["duplicate", "out_of_range", "bytes", "total"])
+def test_inconsistent_pushes_fail_the_transfer(sides, bad):
+    clock, p, d = sides
+    t = d.receiver.expect(f"bad-{bad}", [6, 7, 8], 40, p.agent.name)
+    tid = t.transfer_id
+    first = push_msg(tid, 0, 0, 1)
+    second = {"duplicate": first, "out_of_range": push_msg(tid, 1, 2, 2, total=2),
+              "bytes": protocol.Push(tid, 1, 1, 2, 999, 2, {}), "total": push_msg(tid, 3, 1, 2, total=2)}[bad]
+    p.agent.send(d.agent.name, first)
+    p.agent.send(d.agent.name, second)
+    ev = drain(d, 50, p)
+    assert [(f.transfer_id, f.error.reason) for f in ev.failed] == [(tid, "protocol")]
+    assert not ev.completed and not ev.released  # pages stay out of use until the sender confirms
+    cancels = [m for _, m in p.agent.take(protocol.Cancel) if m.transfer_id == tid]
+    assert cancels and cancels[0].reason == "protocol"
+    p.agent.send(d.agent.name, protocol.Stopped(tid, "aborted", "ok", ack=True))
+    assert [r.pages for r in drain(d, 50, p).released] == [(6, 7, 8)]
+
+
+def test_notifications_from_another_agent_are_ignored(sides, caplog):
+    clock, p, d = sides
+    other = Side("prefill", clock, TransferConfig(kv_transfer_timeout=T))
+    other.agent.connect(d.agent.info)
+    d.agent.connect(other.agent.info)
+    try:
+        t = d.receiver.expect("foreign", [9], 10, p.agent.name)
+        other.agent.send(d.agent.name, push_msg(t.transfer_id, 0, 0, 1, total=1))
+        other.agent.send(d.agent.name, protocol.Stopped(t.transfer_id, "aborted", "not yours"))
+        with caplog.at_level("WARNING", logger="transfer.receiver"):
+            ev = drain(d, 200, p, other)
+        assert not ev.completed and not ev.failed and not ev.released
+        assert f"ignoring Push from {other.agent.name}" in caplog.text  # it arrived, and was ignored
+        assert f"ignoring Stopped from {other.agent.name}" in caplog.text
+        p.agent.send(d.agent.name, push_msg(t.transfer_id, 0, 0, 1, total=1))
+        assert [c.transfer_id for c in drain(d, 50, p).completed] == [t.transfer_id]
+    finally:
+        d.agent.disconnect(other.agent.name)
+        other.agent.close()
+
+
+def test_decode_deadline_then_quarantine(sides):
+    clock, p, d = sides
+    t = d.receiver.expect("deadline", [10, 11], 20, p.agent.name)
+    clock.t += T - 0.1
+    assert not drain(d, 3, p).failed
+    clock.t += 0.2
+    ev = d.receiver.poll()
+    assert [(f.transfer_id, type(f.error).__name__) for f in ev.failed] == [(t.transfer_id, "TransferTimeoutError")]
+    assert d.receiver.num_quarantined == 1 and not ev.released
+    p.agent.take(protocol.Cancel)  # the sender here is not told to answer: the quarantine must expire
+    clock.t += T + 0.1
+    ev = d.receiver.poll()
+    assert [(r.pages, r.why) for r in ev.released] == [((10, 11), "quarantine expired")]
+    assert d.receiver.num_quarantined == 0
+    assert d.metric("pd:kv_transfer_failed_total", {"reason": "timeout"}) >= 1
+
+
+def test_sender_stops_when_idle_and_tells_decode(sides):
+    clock, p, d = sides
+    t = d.receiver.expect("idle", [12, 13], 20, p.agent.name)
+    p.sender.add_request(t)
+    clock.t += T / 2 + 0.1
+    ev = p.sender.poll()
+    assert [(f.transfer_id, f.error.reason) for f in ev.failed] == [(t.transfer_id, "timeout")]
+    ev = drain(d, 50, p)
+    assert [f.error.reason for f in ev.failed] == ["aborted"] and ev.failed[0].error.side == "prefill"
+    assert [r.why for r in ev.released] == ["sender stopped"]
+
+
+def test_real_push_moves_bytes_and_counts_them(sides):
+    clock, p, d = sides
+    gen = torch.Generator().manual_seed(3)
+    p.pool.kv[1:6] = torch.randint(0, 256, p.pool.kv[1:6].shape, dtype=torch.uint8, generator=gen)
+    before = p.metric("pd:kv_transfer_bytes_total")
+    t = d.receiver.expect("real", [20, 21, 22, 24, 25], 70, p.agent.name)  # two runs on decode
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 15) == 0  # no page complete yet: nothing posted
+    assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 40) == 2
+    assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 70, meta={"first_token_id": 11}) == 3
+    with pytest.raises(ValueError, match="after the last"):
+        p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 70)
+    done = None
+    for _ in range(100):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        if ev.completed:
+            done = ev.completed[0]
+            break
+    assert done is not None and done.meta == {"first_token_id": 11}
+    assert torch.equal(d.pool.read_pages([20, 21, 22, 24, 25]), p.pool.read_pages([1, 2, 3, 4, 5]))
+    assert torch.count_nonzero(d.pool.read_pages([23])) == 0  # the gap between the runs is untouched
+    moved = p.metric("pd:kv_transfer_bytes_total") - before
+    assert moved == 5 * LAYOUT.page_nbytes == done.nbytes
+    assert p.metric("pd:kv_transfer_num_descriptors_count") >= 2
+    speed_sum, speed_n = p.metric("pd:kv_transfer_speed_gb_s_sum"), p.metric("pd:kv_transfer_speed_gb_s_count")
+    assert speed_n >= 2 and 0 < speed_sum / speed_n < 1000  # GB/s: physically plausible for host memory
+    ev = p.sender.poll()
+    assert p.sender.num_inflight == 0
+
+
+def test_ready_event_defers_the_post(sides):
+    clock, p, d = sides
+
+    class Event:
+        ready = False
+
+        def query(self):
+            return self.ready
+
+    e = Event()
+    t = d.receiver.expect("event", [26], 16, p.agent.name)
+    p.sender.add_request(t)
+    p.sender.push(t.transfer_id, [6], 16, meta={}, ready_event=e)
+    for _ in range(5):
+        p.sender.poll()
+        assert not d.receiver.poll().completed
+    e.ready = True
+    for _ in range(100):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        if ev.completed:
+            break
+    assert [c.transfer_id for c in ev.completed] == [t.transfer_id]
+
+
+def test_tickets_are_checked(sides):
+    clock, p, d = sides
+    t = d.receiver.expect("checks", [27], 16, p.agent.name)
+    from dataclasses import replace
+
+    with pytest.raises(StalePeerError, match="restarted"):
+        p.sender.add_request(replace(t, prefill_agent="prefill-h-1-tp0-oldincarnation"))
+    with pytest.raises(PeerNotConnectedError):
+        p.sender.add_request(replace(t, decode_agent="decode-h-9-tp0-unknown"))
+    with pytest.raises(ValueError, match="outside 1..32"):
+        p.sender.add_request(replace(t, transfer_id="x", dst_pages=(40,)))
+    with pytest.raises(PeerNotConnectedError):
+        d.receiver.expect("no-peer", [28], 16, "prefill-h-9-tp0-unknown")
+    with pytest.raises(ValueError, match="null page"):
+        d.receiver.expect("null", [0], 16, p.agent.name)
+    assert d.receiver.withdraw(t.transfer_id) == (27,)
