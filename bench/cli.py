@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import sys
@@ -67,7 +66,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             scraper.start_polling()
 
     runner = Runner(target, cfg.load, model, progress=not cfg.report.disable_tqdm)
-    out = asyncio.run(runner.run(ds.requests, plan, warm, before_timed))
+    out = runner.run_sync(ds.requests, plan, warm, before_timed)
     breakdown = None
     if scraper is not None:
         scraper.stop_polling()

@@ -3,8 +3,9 @@
 Timing follows ``vllm bench serve`` with one fix: TTFT is the time to the
 first event that carries content (completion ``text``, chat ``delta.content``
 or ``delta.reasoning_content``), not to the first byte or to a role-only chunk.
-All timestamps are ``time.monotonic()`` (seconds), taken when a block of bytes
-is handed to the client; events in one block share its timestamp.
+All timestamps are ``time.monotonic()`` seconds. A response's bytes are stamped
+with the moment the event loop learnt they were readable (see
+``bench.http_client.ArrivalClock``); events that arrive together share a stamp.
 
 * TTFT: send to first content event. ITL: gaps between content events.
 * E2EL (``latency``): send to the end of the stream (``data: [DONE]``).
@@ -23,7 +24,7 @@ from typing import Any
 
 from bench.config import TargetConfig
 from bench.datasets.base import SampledRequest
-from bench.http_client import HttpError, HttpPool
+from bench.http_client import HttpError, HttpPool, Pending
 
 
 @dataclass(slots=True)
@@ -114,12 +115,15 @@ class _Stream:
 
     def on_body(self, data: bytes, now: float) -> None:
         """Body bytes that arrived at ``now``; the client's parsing time is added to ``parse_s``."""
+        t0 = time.monotonic()
+        if now < self.t_send:  # a stale selector stamp can never predate the send
+            now = t0
         self.last_byte = now
         if self.rec.status != 200:
             self.raw += data[: 4096 - len(self.raw)]
             return
         self.feed(data, now)
-        self.rec.parse_s += time.monotonic() - now
+        self.rec.parse_s += time.monotonic() - t0
 
     def feed(self, data: bytes, now: float) -> None:
         self.buf += data
@@ -166,21 +170,31 @@ class _Stream:
             self.usage = int(usage["completion_tokens"])
 
 
-async def send_request(pool: HttpPool, request: bytes, rec: RequestRecord, origin: float,
-                       timeout_s: float) -> None:
-    """Send one prepared streaming request and fill ``rec`` (never raises, except on cancellation)."""
+def begin_request(pool: HttpPool, request: bytes, rec: RequestRecord, origin: float,
+                  timeout_s: float) -> tuple[_Stream, Pending | None]:
+    """Stamp the send time and write ``request`` at once if a connection is idle (no await)."""
     t_send = time.monotonic()
     rec.sent = t_send - origin
     st = _Stream(rec, t_send)
+    return st, pool.try_start(request, st, timeout_s)
+
+
+async def finish_request(pool: HttpPool, request: bytes, rec: RequestRecord, st: _Stream,
+                         pending: Pending | None, timeout_s: float) -> None:
+    """Wait for the answer of a begun request (connecting first if it was not written) and fill
+    ``rec``; never raises, except on cancellation."""
     try:
-        await pool.send(request, st, timeout_s)
+        if pending is None:
+            await pool.send(request, st, timeout_s)
+        else:
+            await pool.wait(pending, request, st)
     except HttpError as exc:
-        _fail(rec, exc.reason, str(exc), t_send)
+        _fail(rec, exc.reason, str(exc), st.t_send)
         return
     if rec.status != 200:
-        _fail(rec, f"HTTP {rec.status}", _error_message(st.raw.decode("utf-8", "replace")), t_send)
+        _fail(rec, f"HTTP {rec.status}", _error_message(st.raw.decode("utf-8", "replace")), st.t_send)
         return
-    rec.latency = st.last_byte - t_send
+    rec.latency = st.last_byte - st.t_send
     rec.text = "".join(st.pieces)
     if st.error:
         _fail(rec, "error event", st.error)
@@ -192,6 +206,13 @@ async def send_request(pool: HttpPool, request: bytes, rec: RequestRecord, origi
         rec.success = True
         if st.usage is not None:
             rec.output_tokens, rec.output_source = st.usage, "usage"
+
+
+async def send_request(pool: HttpPool, request: bytes, rec: RequestRecord, origin: float,
+                       timeout_s: float) -> None:
+    """Send one prepared streaming request and fill ``rec`` (:func:`begin_request` + :func:`finish_request`)."""
+    st, pending = begin_request(pool, request, rec, origin, timeout_s)
+    await finish_request(pool, request, rec, st, pending, timeout_s)
 
 
 def _fail(rec: RequestRecord, reason: str, message: str, t_send: float | None = None) -> None:

@@ -9,7 +9,8 @@ and ``/metrics`` (``pd:`` names, measured on the fake itself), plus
 
 Timing: token ``i`` (0-based) of a request is written at
 ``arrival + ttft + i * itl`` on the monotonic clock, each against its own
-deadline, so errors do not accumulate. The time to first token is split into
+deadline, so errors do not accumulate; the event loop's timers have
+microsecond resolution (``bench.precise_loop``). The time to first token is split into
 emulated phases: ``--queue-ms`` waiting, then prefill, then ``--transfer-ms``
 of KV transfer (prefill gets the rest). As the contract says, the status line
 and headers go out with the first token (``--early-headers`` sends them, and the
@@ -45,6 +46,7 @@ from typing import Any, Callable
 from bench.fake_format import ChunkFormat, Job
 from bench.fake_metrics import FakeMetrics
 from bench.httpserver import HttpServer, Request, Responder
+from bench.precise_loop import new_event_loop
 
 JSON = ("content-type", "application/json")
 SSE = ("content-type", "text/event-stream")
@@ -409,7 +411,8 @@ async def serve(config: FakeServerConfig, on_die: Callable[[], None] | None = No
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
     try:
-        asyncio.run(serve(config, on_die=lambda: os._exit(1)))
+        with asyncio.Runner(loop_factory=lambda: new_event_loop()[0]) as runner:
+            runner.run(serve(config, on_die=lambda: os._exit(1)))
     except KeyboardInterrupt:
         pass
 

@@ -4,9 +4,14 @@ pd-bench needs two things a general client does not give it: low and steady
 CPU cost per request (so one core can keep up with hundreds of requests per
 second without delaying its own sends), and a timestamp taken the moment the
 bytes are handed over by the event loop, not when a coroutine later resumes.
-So each response body is pushed, with ``time.monotonic()`` taken at the top of
-``data_received``, straight into a :class:`BodySink`; the sending coroutine
-only awaits one future per request.
+So each response body is pushed straight from ``data_received`` into a
+:class:`BodySink`, and the sending coroutine only awaits one future per
+request. The arrival time given with the bytes comes from an
+:class:`ArrivalClock`: on a ``bench.precise_loop`` event loop it is the moment
+the loop learnt the socket was readable,
+so processing other streams that became readable at the same moment does not
+make a stream's timestamp late; otherwise it is ``time.monotonic()`` at the top
+of ``data_received``.
 
 Supported: keep-alive connection pooling, ``Content-Length``, ``chunked`` and
 read-until-close bodies, 1xx responses skipped, TLS (``https://``), a total
@@ -21,10 +26,29 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from bench.precise_loop import PreciseSelector, new_event_loop
+
 _MAX_HEAD = 64 * 1024
+
+
+class ArrivalClock:
+    """Arrival times of received bytes: the loop's ``ready_at`` stamp when it runs on a
+    :class:`bench.precise_loop.PreciseSelector`, else ``time.monotonic()`` now."""
+
+    def __init__(self) -> None:
+        self.selector: PreciseSelector | None = None
+
+    def now(self) -> float:
+        return self.selector.ready_at if self.selector is not None else time.monotonic()
+
+    def new_loop(self) -> asyncio.AbstractEventLoop:
+        """A precise event loop (see ``bench.precise_loop``) whose stamps this clock reads."""
+        loop, self.selector = new_event_loop()
+        return loop
 
 
 class BodySink(Protocol):
@@ -87,7 +111,7 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        now = time.monotonic()
+        now = self.pool.clock.now()
         if self.fut is None or self.fut.done():
             return
         self.got_bytes = True
@@ -210,10 +234,22 @@ class _Conn(asyncio.Protocol):
             self.abort()
 
 
+@dataclass(slots=True)
+class Pending:
+    """A request written on ``conn`` whose answer completes ``fut``; ``deadline`` in loop time."""
+
+    conn: _Conn
+    fut: asyncio.Future
+    timer: asyncio.TimerHandle
+    reused: bool
+    deadline: float
+
+
 class HttpPool:
     """Keep-alive connections to one ``scheme://host:port`` (opened on demand, reused when idle)."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, clock: ArrivalClock | None = None) -> None:
+        self.clock = clock or ArrivalClock()
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https"):
             raise ValueError(f"unsupported URL scheme in {base_url!r}")
@@ -243,38 +279,67 @@ class HttpPool:
         return (f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n{headers}"
                 f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1") + body
 
+    def _take_idle(self) -> _Conn | None:
+        while self._idle:
+            c = self._idle.pop()
+            if not c.closed:
+                return c
+            self._all.discard(c)
+        return None
+
+    def _start(self, conn: _Conn, request: bytes, sink: BodySink, deadline: float, reused: bool) -> Pending:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        timer = loop.call_at(deadline, _expire, fut, conn, deadline)
+        conn.start(request, sink, fut)
+        return Pending(conn, fut, timer, reused, deadline)
+
+    def try_start(self, request: bytes, sink: BodySink, timeout_s: float) -> Pending | None:
+        """Write ``request`` now on an idle connection (no await); None when none is idle."""
+        conn = self._take_idle()
+        if conn is None:
+            return None
+        return self._start(conn, request, sink, asyncio.get_running_loop().time() + timeout_s, True)
+
+    async def _start_new(self, request: bytes, sink: BodySink, deadline: float) -> Pending:
+        loop = asyncio.get_running_loop()
+        try:
+            conn = await asyncio.wait_for(self._connect(), max(0.001, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise HttpError("timeout", "no connection within the request timeout", False) from None
+        return self._start(conn, request, sink, deadline, False)
+
+    async def wait(self, p: Pending, request: bytes, sink: BodySink) -> None:
+        """Wait for the answer of a started request; a reused connection found closed before
+        any byte of the answer is retried once on a new connection. Raises :class:`HttpError`."""
+        try:
+            await p.fut
+            return
+        except HttpError as exc:
+            if not (p.reused and not exc.got_bytes and exc.reason == "disconnected"):
+                raise
+        finally:
+            p.timer.cancel()
+            if p.conn.closed:
+                self._all.discard(p.conn)
+        retry = await self._start_new(request, sink, p.deadline)
+        try:
+            await retry.fut
+        finally:
+            retry.timer.cancel()
+            if retry.conn.closed:
+                self._all.discard(retry.conn)
+
     async def send(self, request: bytes, sink: BodySink, timeout_s: float) -> None:
         """Send ``request`` and feed the answer to ``sink``; returns when the body is complete.
 
         Raises :class:`HttpError` (reason ``timeout``, ``connection error``,
         ``disconnected``, ``disconnected mid-stream`` or ``bad response``).
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        for attempt in range(2):
-            reused = False
-            conn = None
-            while self._idle:
-                c = self._idle.pop()
-                if not c.closed:
-                    conn, reused = c, True
-                    break
-                self._all.discard(c)
-            if conn is None:
-                conn = await asyncio.wait_for(self._connect(), max(0.001, deadline - loop.time()))
-            fut = loop.create_future()
-            timer = loop.call_at(deadline, _expire, fut, conn, timeout_s)
-            conn.start(request, sink, fut)
-            try:
-                await fut
-                return
-            except HttpError as exc:
-                if not (reused and not exc.got_bytes and exc.reason == "disconnected" and attempt == 0):
-                    raise
-            finally:
-                timer.cancel()
-                if conn.closed:
-                    self._all.discard(conn)
+        p = self.try_start(request, sink, timeout_s)
+        if p is None:
+            p = await self._start_new(request, sink, asyncio.get_running_loop().time() + timeout_s)
+        await self.wait(p, request, sink)
 
     def close(self) -> None:
         for c in list(self._all):
@@ -283,7 +348,7 @@ class HttpPool:
         self._idle.clear()
 
 
-def _expire(fut: asyncio.Future, conn: _Conn, timeout_s: float) -> None:
+def _expire(fut: asyncio.Future, conn: _Conn, deadline: float) -> None:
     if not fut.done():
-        fut.set_exception(HttpError("timeout", f"no complete answer within {timeout_s:g} s", conn.got_bytes))
+        fut.set_exception(HttpError("timeout", "no complete answer within the request timeout", conn.got_bytes))
         conn.abort()

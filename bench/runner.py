@@ -1,8 +1,8 @@
 """The request loop: sends each request at its planned time and collects the records.
 
 One sender coroutine sleeps until each request is due (monotonic deadlines,
-never accumulated sleeps; see :func:`_wait_until` for sub-millisecond
-precision) and starts it as its own task; a request then waits
+never accumulated sleeps, on the microsecond timers of ``bench.precise_loop``)
+and starts it as its own task; a request then waits
 for a ``--max-concurrency`` slot if there is a limit. The loop is bounded in
 count (the dataset) and time (``--duration`` stops sending; every request has
 ``--request-timeout``), so a run ends by ``duration + request_timeout``.
@@ -19,17 +19,16 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections import deque
+from typing import Any, Awaitable, Callable, Sequence
 
 from bench.arrival import ArrivalPlan
-from bench.client import RequestRecord, build_payload, header_lines, send_request
+from bench.client import RequestRecord, begin_request, build_payload, finish_request, header_lines
 from bench.config import LoadConfig, TargetConfig
 from bench.datasets.base import SampledRequest
-from bench.http_client import HttpPool
+from bench.http_client import ArrivalClock, HttpPool
 
 PROBE_INTERVAL_S = 0.005
-SPIN_S = 0.001
-SPIN_MIN_GAP_S = 0.004
 
 
 @dataclass
@@ -88,20 +87,27 @@ class Runner:
         self.model = model
         self.progress = progress
         self.run_id = run_id or os.urandom(4).hex()
-        self._sem: asyncio.Semaphore | None = None
+        self._slots: Slots | None = None
+        self.clock = ArrivalClock()
 
     def _request(self, pool: HttpPool, req: SampledRequest, request_id: str) -> bytes:
         body = build_payload(self.target, self.model, req)
         return pool.request_bytes("POST", self.target.endpoint, header_lines(self.target, request_id), body)
+
+    def run_sync(self, requests: list[SampledRequest], plan: ArrivalPlan,
+                 warmup: Sequence[SampledRequest] = (),
+                 before_timed: Callable[[], None] | None = None) -> RunOutput:
+        """:meth:`run` on a new ``bench.precise_loop`` event loop (precise timers, arrival stamps)."""
+        with asyncio.Runner(loop_factory=self.clock.new_loop) as r:
+            return r.run(self.run(requests, plan, warmup, before_timed))
 
     async def run(self, requests: list[SampledRequest], plan: ArrivalPlan,
                   warmup: Sequence[SampledRequest] = (),
                   before_timed: Callable[[], None] | None = None) -> RunOutput:
         """Warm up, call ``before_timed`` (e.g. a metrics scrape), then send ``requests`` at
         ``plan.times``; returns when every sent request has finished."""
-        pool = HttpPool(self.target.base_url)
-        if self.load.max_concurrency:
-            self._sem = asyncio.Semaphore(self.load.max_concurrency)
+        pool = HttpPool(self.target.base_url, self.clock)
+        self._slots = Slots(self.load.max_concurrency) if self.load.max_concurrency else None
         payloads = [self._request(pool, r, f"bench-{self.run_id}-{i}") for i, r in enumerate(requests)]
         try:
             wsent, wfailed, werrors = await self._warmup(pool, list(warmup))
@@ -120,7 +126,7 @@ class Runner:
         origin = time.monotonic()
         recs = [RequestRecord(i, r.prompt_len, r.output_len, 0.0, f"warmup-{self.run_id}-{i}")
                 for i, r in enumerate(warmup)]
-        await asyncio.gather(*(self._one(pool, rec, self._request(pool, r, rec.request_id), origin, None)
+        await asyncio.gather(*(self._queued(pool, rec, self._request(pool, r, rec.request_id), origin, None)
                                for rec, r in zip(recs, warmup)))
         errors = sorted({f"{r.reason}: {r.error}" for r in recs if not r.success})
         return len(recs), sum(not r.success for r in recs), errors
@@ -132,64 +138,90 @@ class Runner:
         stats = ClientStats()
         probe = loop.create_task(_probe_loop(stats.loop_delays))
         cpu0, start_unix = _cpu_seconds(), time.time()
-        origin = loop.time()
+        origin = time.monotonic()
         stop_at = origin + self.load.duration_s if self.load.duration_s else float("inf")
         records: list[RequestRecord] = []
         tasks: list[asyncio.Task] = []
-        prev_due = -1.0
         for i, (req, due) in enumerate(zip(requests, plan.times)):
             when = origin + due
             if when > stop_at:
                 break
-            await _wait_until(loop, when, spin=due - prev_due >= SPIN_MIN_GAP_S)
-            prev_due = due
-            if loop.time() > stop_at:
+            delay = when - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if time.monotonic() > stop_at:
                 break
             rec = RequestRecord(i, req.prompt_len, req.output_len, due, f"bench-{self.run_id}-{i}")
             records.append(rec)
-            tasks.append(loop.create_task(self._one(pool, rec, payloads[i], origin, bar)))
+            tasks.append(loop.create_task(self._dispatch(pool, rec, payloads[i], origin, bar)))
         if tasks:
             await asyncio.wait(tasks)
-        end = loop.time()
+        end = time.monotonic()
         probe.cancel()
         bar.close()
         stats.cpu_s = _cpu_seconds() - cpu0
         stats.wall_s = end - origin
         return RunOutput(records, len(requests), end - origin, start_unix, stats)
 
-    async def _one(self, pool: HttpPool, rec: RequestRecord, request: bytes,
-                   origin: float, bar: Progress | None) -> None:
+    def _dispatch(self, pool: HttpPool, rec: RequestRecord, request: bytes, origin: float,
+                  bar: Progress) -> Awaitable[None]:
+        """Start a due request now: with a free slot it is written before any other callback runs
+        (``begin_request``); the returned awaitable waits for its answer."""
         rec.started = time.monotonic() - origin
-        timeout = self.target.request_timeout_s
+        if self._slots is not None and not self._slots.try_take():
+            return self._queued(pool, rec, request, origin, bar)
+        st, pending = begin_request(pool, request, rec, origin, self.target.request_timeout_s)
+        return self._complete(pool, request, rec, st, pending, bar)
+
+    async def _queued(self, pool: HttpPool, rec: RequestRecord, request: bytes, origin: float,
+                      bar: Progress | None) -> None:
+        """Wait for a concurrency slot, then send (warm-up requests come this way too)."""
+        if rec.started != rec.started:
+            rec.started = time.monotonic() - origin
+        if self._slots is not None:
+            await self._slots.take()
+        st, pending = begin_request(pool, request, rec, origin, self.target.request_timeout_s)
+        await self._complete(pool, request, rec, st, pending, bar)
+
+    async def _complete(self, pool: HttpPool, request: bytes, rec: RequestRecord, st: Any,
+                        pending: Any, bar: Progress | None) -> None:
         try:
-            if self._sem is None:
-                await send_request(pool, request, rec, origin, timeout)
-            else:
-                async with self._sem:
-                    await send_request(pool, request, rec, origin, timeout)
+            await finish_request(pool, request, rec, st, pending, self.target.request_timeout_s)
         finally:
+            if self._slots is not None:
+                self._slots.release()
             if bar is not None:
                 bar.update()
 
 
-async def _wait_until(loop: asyncio.AbstractEventLoop, when: float, spin: bool) -> None:
-    """Sleep until ``when`` (``loop.time()`` seconds).
+class Slots:
+    """A ``--max-concurrency`` limit whose free slot can be taken without awaiting."""
 
-    asyncio timers wake up to 1 ms late (epoll counts whole milliseconds), so
-    for a send that is at least ``SPIN_MIN_GAP_S`` after the previous one the
-    last ``SPIN_S`` is spent yielding to the loop (which keeps serving I/O)
-    instead; at higher rates the CPU that would cost is not worth it.
-    """
-    delay = when - loop.time()
-    if delay <= 0:
-        return
-    if not spin:
-        await asyncio.sleep(delay)
-        return
-    if delay > SPIN_S:
-        await asyncio.sleep(delay - SPIN_S)
-    while loop.time() < when:
-        await asyncio.sleep(0)
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future] = deque()
+
+    def try_take(self) -> bool:
+        if self.used < self.limit and not self._waiters:
+            self.used += 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        if self.try_take():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        await fut  # the releasing request hands its slot over
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.used -= 1
 
 
 async def _probe_loop(delays: list[float]) -> None:

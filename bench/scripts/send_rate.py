@@ -12,7 +12,6 @@ event-loop delay, the client's CPU use and the request outcomes.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 from bench.arrival import rate_plan
@@ -32,7 +31,7 @@ def one_rate(url: str, rate: float, seconds: float, tokens: int, seed: int) -> l
     load = LoadConfig(request_rate=rate, seed=seed)
     reqs = [SampledRequest("Once upon a time there was a little", 8, tokens)] * n
     plan = rate_plan(n, rate, 1.0, seed)
-    out = asyncio.run(Runner(target, load, "stories260K", progress=False).run(reqs, plan))
+    out = Runner(target, load, "stories260K", progress=False).run_sync(reqs, plan)
     count_output_tokens(out.records, None)
     s = summarize(out, ReportConfig(metric_percentiles=(50.0, 99.0)), rate_is_inf=False)
     c = s["client"]
