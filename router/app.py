@@ -72,7 +72,7 @@ class RouterApp:
         self.generate.draining = True
 
     def _on_attempt_failure(self, worker: Worker, failure: AttemptFailure) -> None:
-        if failure.reason in ("decode_unreachable", "decode_disconnected"):
+        if failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken"):
             self.monitor.apply(worker, False)
         self.monitor.poke(worker)
 

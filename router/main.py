@@ -71,7 +71,7 @@ def serve(config: RouterConfig) -> None:
         app, host=config.host, port=config.port, loop=loop, http=http, lifespan="on",
         access_log=False, log_config=None, log_level=config.log_level,
         timeout_graceful_shutdown=max(1, int(config.limits.shutdown_grace_period_secs)),
-        timeout_keep_alive=75, backlog=4096, server_header=False)
+        timeout_keep_alive=75, backlog=4096, server_header=False, proxy_headers=False)
     log.info("pd-router listening", extra={"host": config.host, "port": config.port,
                                            "loop": loop, "http": http})
     RouterServer(uv_config, app).run()

@@ -163,7 +163,11 @@ class GenerateHandler:
             finally:
                 pair.release()
             if not isinstance(result, AttemptFailure):
-                self._record_success(pair)
+                if state.stream_broken is None:
+                    self._record_success(pair)
+                else:  # after the first byte: too late to retry
+                    self._record_failure(pair, AttemptFailure(
+                        "stream_broken", Role.DECODE, detail=state.stream_broken), state, attempt)
                 return result
             last = result
             tried.update(pair.urls())
@@ -210,7 +214,8 @@ class GenerateHandler:
                 self.on_failure(blamed, failure)
         role = failure.blame.value if failure.blame is not None else "none"
         self.metrics.upstream_failures.labels(role, failure.reason).inc()
-        log.warning("attempt failed before the first token", extra={
+        log.warning("attempt failed" if failure.reason != "stream_broken"
+                    else "stream broke after the first token", extra={
             "request_id": state.request_id, "attempt": attempt, "reason": failure.reason,
             "decode": pair.decode.url, "prefill": pair.prefill.url if pair.prefill else None,
             "detail": failure.detail})

@@ -41,7 +41,7 @@ class RequestState:
     supervised: Supervised | None = None
     response_started: bool = False
     finished: bool = False
-    stream_broken: bool = False
+    stream_broken: str | None = None
 
     def mark_finished(self) -> None:
         """The last byte is about to go out: a disconnect from now on is normal."""
@@ -96,7 +96,7 @@ class Relay:
                 return AttemptFailure(f"status_{resp.status}", _blame_for_status(resp.status),
                                       resp.status, body)
             if state.parsed.stream and resp.status == 200:
-                return await self._relay_stream(state, resp, send, pair)
+                return await self._relay_stream(state, resp, send)
             return await self._relay_whole(state, resp, send)
         except BaseException:
             resp.close()
@@ -121,7 +121,7 @@ class Relay:
         return resp.status
 
     async def _relay_stream(self, state: RequestState, resp: aiohttp.ClientResponse,
-                            send: Send, pair: Pair) -> int:
+                            send: Send) -> int:
         headers = [(b"x-request-id", state.request_id.encode())]
         for name in _PASS_HEADERS:
             value = resp.headers.get(name)
@@ -143,9 +143,7 @@ class Relay:
                 clean = chunk.endswith(b"\n\n")
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            state.stream_broken = True
-            pair.decode.breaker.record_failure(time.monotonic())
-            self._metrics.upstream_failures.labels("decode", "stream_broken").inc()
+            state.stream_broken = f"{type(exc).__name__}: {exc}"
             event = sse_error_event(502, f"the worker failed mid-stream: {type(exc).__name__}")
             await send({"type": "http.response.body", "more_body": True,
                         "body": event if clean else b"\n\n" + event})

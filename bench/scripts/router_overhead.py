@@ -100,6 +100,89 @@ async def closed_loop(port: int, request: bytes, concurrency: int, seconds: floa
     return Result(sum(counts), seconds, latencies, errors)
 
 
+def baseline_app(kind: str, upstream: str):
+    """A minimal forwarding proxy (no routing logic) to show what the stack costs.
+
+    ``raw_aiohttp``: raw ASGI + aiohttp client (the router's stack);
+    ``fastapi_aiohttp``: a FastAPI route + aiohttp; ``raw_httpx``: raw ASGI + httpx.
+    """
+    state: dict = {}
+
+    async def client():
+        if "c" not in state:
+            if kind.endswith("httpx"):
+                state["c"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+            else:
+                import aiohttp
+
+                state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return state["c"]
+
+    async def forward(path: str, body: bytes) -> tuple[int, bytes]:
+        c = await client()
+        if kind.endswith("httpx"):
+            r = await c.post(upstream + path, content=body,
+                             headers={"content-type": "application/json"})
+            return r.status_code, r.content
+        async with c.post(upstream + path, data=body,
+                          headers={"content-type": "application/json"}) as r:
+            return r.status, await r.read()
+
+    if kind == "fastapi_aiohttp":
+        from fastapi import FastAPI
+        from fastapi.responses import Response
+
+        app = FastAPI()
+
+        async def completions(request) -> Response:
+            status, data = await forward("/v1/completions", await request.body())
+            return Response(data, status_code=status, media_type="application/json")
+
+        from fastapi import Request
+
+        completions.__annotations__ = {"request": Request, "return": Response}
+        app.post("/v1/completions")(completions)
+        return app
+
+    async def raw(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        status, data = await forward(scope["path"], body)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    return raw
+
+
+def start_baseline(kind: str, port: int, upstream: str, cpu: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "bench.scripts.router_overhead", "--serve-baseline", kind,
+           "--port", str(port), "--upstream", upstream]
+    proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
+    wait_port(port, proc)
+    return proc
+
+
+def wait_port(port: int, proc: subprocess.Popen) -> None:
+    import socket
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"nothing listens on {port}")
+
+
 def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -185,6 +268,24 @@ def run(a: argparse.Namespace) -> None:
                                   f"{direct_tput.requests / direct_tput.seconds:.0f}",
                                   f"{direct_tput.pct(50):.2f}", f"{direct_tput.pct(99):.2f}",
                                   str(direct_tput.errors), "-", "-", "-"])
+            for kind in a.baselines:
+                bport = free_port()
+                proc = start_baseline(kind, bport, decode.url, router_cpu)
+                try:
+                    req = build_request("x", False, 1)
+                    c = max(a.concurrency)
+                    cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+                    res = asyncio.run(closed_loop(bport, req, c, a.seconds, a.warmup))
+                    cpu, wall = cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
+                    sent = res.requests * (a.seconds + a.warmup) / a.seconds
+                    tput_rows.append([f"baseline {kind}", str(c),
+                                      f"{res.requests / res.seconds:.0f}", f"{res.pct(50):.2f}",
+                                      f"{res.pct(99):.2f}", str(res.errors),
+                                      f"{cpu / wall * 100:.0f}", f"{cpu / sent * 1e6:.0f}",
+                                      f"{sent / cpu:.0f}"])
+                finally:
+                    proc.terminate()
+                    proc.wait(timeout=30)
         finally:
             router.terminate()
             router.wait(timeout=30)
@@ -204,9 +305,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     p.add_argument("--stream-tokens", type=int, default=8, help="SSE events per streamed reply")
     p.add_argument("--router-cpu", type=int, default=0)
+    p.add_argument("--baselines", nargs="*", default=["raw_aiohttp", "fastapi_aiohttp",
+                                                       "raw_httpx"],
+                   help="minimal proxies to compare with (non-streamed, most connections)")
+    p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     p.add_argument("--router-args", nargs=argparse.REMAINDER, default=[],
                    help="extra pd-router flags (last on the line)")
-    run(p.parse_args(argv))
+    a = p.parse_args(argv)
+    if a.serve_baseline:
+        import uvicorn
+
+        uvicorn.run(baseline_app(a.serve_baseline, a.upstream), host="127.0.0.1", port=a.port,
+                    loop="uvloop", http="httptools", access_log=False, log_level="warning")
+        return
+    run(a)
 
 
 if __name__ == "__main__":
