@@ -119,3 +119,18 @@ def test_admin_api_adds_lists_and_removes_workers(pd):
         assert httpx.delete(admin, params={"url": d2.url}).json() == {"removed": d2.url}
         assert httpx.request("DELETE", admin, json={"url": d2.url}).status_code == 404
         assert d2.url not in {w["url"] for w in httpx.get(admin).json()["workers"]}
+
+
+def test_served_model_name_and_readiness(pd):
+    p, d = pd
+    with RouterProc(["--prefill", p.url, "--decode", d.url, "--served-model-name", "stories260K",
+                     "tiny"]) as router:
+        models = httpx.get(router.url + "/v1/models").json()["data"]
+        assert sorted(m["id"] for m in models) == ["stories260K", "tiny"]
+        r = httpx.post(router.url + "/v1/completions", json={**BODY, "model": "gpt-4o"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    # Decode workers but no prefill worker: alive, not ready, and requests get 503.
+    with RouterProc(["--decode", d.url], ready="/health") as router:
+        assert httpx.get(router.url + "/readiness").status_code == 503
+        r = httpx.post(router.url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -53,6 +54,12 @@ def test_dead_prefill_502_is_retried_with_another_prefill_and_leaves_rotation():
         assert retried, "the decode worker never saw the dead prefill"
         m = router.metrics()
         assert metric_value(m, "pd_router_retries_total", reason="status_502") == len(retried)
+        # Structured logs: every retry line is JSON and names its request.
+        lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
+        failed = [entry for entry in lines if entry["msg"] == "attempt failed"]
+        assert {entry["request_id"] for entry in failed} == set(retried)
+        assert all(entry["prefill"] == p0.url and entry["reason"] == "status_502"
+                   for entry in failed)
         wait_http(router.url + "/workers", 10, ok=lambda r: not next(
             w for w in r.json()["workers"] if w["url"] == p0.url)["healthy"])
         # Out of rotation: the next requests need no retry.
