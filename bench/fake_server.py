@@ -32,7 +32,6 @@ process exit abruptly half-way through streaming the N-th request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -40,9 +39,9 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from bench.fake_config import FakeServerConfig, parse_args
 from bench.fake_format import ChunkFormat, Job
 from bench.fake_metrics import FakeMetrics
 from bench.httpserver import HttpServer, Request, Responder
@@ -51,40 +50,6 @@ from bench.precise_loop import new_event_loop
 JSON = ("content-type", "application/json")
 SSE = ("content-type", "text/event-stream")
 WORDS = (" Once", " upon", " a", " time", " there", " was", " little", " girl")
-
-
-@dataclass(frozen=True)
-class FakeServerConfig:
-    """Behaviour of one fake worker. Times are in milliseconds."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    role: str = "mixed"
-    model: str = "stories260K"
-    ttft_ms: float = 50.0
-    itl_ms: float = 10.0
-    num_tokens: int | None = None
-    queue_ms: float = 0.0
-    transfer_ms: float = 0.0
-    kv_bytes_per_token: int = 1024
-    page_size: int = 16
-    max_total_num_tokens: int = 65536
-    context_length: int = 512
-    max_running_requests: int = 256
-    early_headers: bool = False
-    realtime: bool = False
-    fail_status: int = 503
-    fail_every: int = 0
-    die_after: int = 0
-    tokenizer: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "mixed"):
-            raise ValueError(f"role must be prefill, decode or mixed, not {self.role!r}")
-        if min(self.ttft_ms, self.itl_ms, self.queue_ms, self.transfer_ms) < 0:
-            raise ValueError("delays must be >= 0")
-        if self.queue_ms + self.transfer_ms > self.ttft_ms:
-            raise ValueError("queue_ms + transfer_ms must not exceed ttft_ms")
 
 
 class FakeServer:
@@ -357,32 +322,6 @@ def _load_tokenizer(path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
-
-
-def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
-    p = argparse.ArgumentParser(prog="python -m bench.fake_server", description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
-    p.add_argument("--role", choices=("prefill", "decode", "mixed"), default="mixed")
-    p.add_argument("--model", "--served-model-name", dest="model", default="stories260K")
-    p.add_argument("--ttft-ms", type=float, default=50.0)
-    p.add_argument("--itl-ms", type=float, default=10.0)
-    p.add_argument("--num-tokens", type=int, default=None, help="tokens before an emulated EOS")
-    p.add_argument("--queue-ms", type=float, default=0.0, help="part of the TTFT spent queued")
-    p.add_argument("--transfer-ms", type=float, default=0.0, help="part of the TTFT spent in KV transfer")
-    p.add_argument("--kv-bytes-per-token", type=int, default=1024)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-total-num-tokens", type=int, default=65536)
-    p.add_argument("--context-length", type=int, default=512)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--early-headers", action="store_true", help="send headers on arrival (vLLM style)")
-    p.add_argument("--fail-status", type=int, default=503)
-    p.add_argument("--fail-every", type=int, default=0, help="fail every N-th OpenAI request (0: never)")
-    p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the N-th request (0: never)")
-    p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer")
-    p.add_argument("--realtime", action="store_true", help="try SCHED_FIFO so timers fire on time")
-    a = p.parse_args(argv)
-    return FakeServerConfig(**{k: v for k, v in vars(a).items()})
 
 
 def set_realtime() -> str:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def fake():
     with FakeServerProcess(["--ttft-ms", "50", "--itl-ms", "10", "--num-tokens", "20",
-                            "--queue-ms", "5", "--transfer-ms", "15", "--role", "decode"]) as f:
+                            "--queue-ms", "5", "--transfer-ms", "15", "--role", "decode"], realtime=True) as f:
         yield f
 
 
