@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server-side breakdown (pd-cluster)")
     s.add_argument("--worker-metrics-url", nargs="+", default=[], metavar="URL",
                    help="workers to scrape (default: the router's GET /workers)")
+    s.add_argument("--admin-api-key", default=os.environ.get("PD_ADMIN_API_KEY"),
+                   help="bearer token for the router's GET /workers and for /metrics "
+                        "(default: $PD_ADMIN_API_KEY, else --api-key)")
     s.add_argument("--no-server-metrics", action="store_true")
     s.add_argument("--metrics-poll-interval", type=float, default=0.5, help="seconds between load polls")
     return p
@@ -141,5 +144,6 @@ def to_config(ns: argparse.Namespace) -> BenchConfig:
         disable_tqdm=ns.disable_tqdm, metadata=tuple(meta))
     server = ServerMetricsConfig(enabled=not ns.no_server_metrics,
                                  worker_metrics_urls=tuple(ns.worker_metrics_url),
-                                 poll_interval_s=ns.metrics_poll_interval)
+                                 poll_interval_s=ns.metrics_poll_interval,
+                                 api_key=ns.admin_api_key or ns.api_key)
     return BenchConfig(target, dataset, load, report, server)

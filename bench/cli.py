@@ -98,6 +98,7 @@ def _info(cfg: BenchConfig, target, ds: Dataset, plan: ArrivalPlan, tok_name: st
 def _config_dict(cfg: BenchConfig, info: dict) -> dict[str, Any]:
     d = results.clean(cfg)
     d["target"]["api_key"] = "***" if cfg.target.api_key else None
+    d["server_metrics"]["api_key"] = "***" if cfg.server_metrics.api_key else None
     d["resolved"] = info
     d["metadata"] = dict(cfg.report.metadata)
     return d

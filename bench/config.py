@@ -174,12 +174,14 @@ class ReportConfig:
 
 @dataclass(frozen=True)
 class ServerMetricsConfig:
-    """The server-side breakdown: scrape ``/metrics`` of the router and workers before and after."""
+    """The server-side breakdown: scrape ``/metrics`` of the router and workers before and after.
+    ``api_key`` is sent as a bearer token (the router's admin key guards ``GET /workers``)."""
 
     enabled: bool = True
     worker_metrics_urls: tuple[str, ...] = ()
     poll_interval_s: float = 0.5
     timeout_s: float = 5.0
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class Scraper:
 
     def snapshot(self) -> dict[str, prom.Scrape]:
         out = {}
-        with httpx.Client(timeout=self.cfg.timeout_s, trust_env=False) as c:
+        with _client(self.cfg) as c:
             for ep in self.endpoints:
                 try:
                     r = c.get(ep.url.rstrip("/") + "/metrics")
@@ -84,7 +84,7 @@ class Scraper:
             self._thread.join(timeout=self.cfg.timeout_s + 1)
 
     def _poll(self, workers: list[Endpoint]) -> None:
-        with httpx.Client(timeout=self.cfg.timeout_s, trust_env=False) as c:
+        with _client(self.cfg) as c:
             while not self._stop.wait(self.cfg.poll_interval_s):
                 for ep in workers:
                     try:
@@ -166,10 +166,10 @@ def discover(base_url: str, cfg: ServerMetricsConfig) -> Scraper | None:
     base = base_url.rstrip("/")
     eps: list[Endpoint] = []
     notes: list[str] = []
-    with httpx.Client(timeout=cfg.timeout_s, trust_env=False) as c:
+    with _client(cfg) as c:
         target_role = _role(c, base)
         base_has_pd = _has_pd(c, base)
-        if base_has_pd or target_role == "router":
+        if base_has_pd:
             eps.append(Endpoint(base, target_role))
         urls = [(u.rstrip("/"), None) for u in cfg.worker_metrics_urls]
         if not urls and target_role in ("router", "unknown"):
@@ -182,8 +182,13 @@ def discover(base_url: str, cfg: ServerMetricsConfig) -> Scraper | None:
     return Scraper(eps, cfg, notes)
 
 
+def _client(cfg: ServerMetricsConfig) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return httpx.Client(timeout=cfg.timeout_s, trust_env=False, headers=headers)
+
+
 def _role(c: httpx.Client, url: str) -> str:
-    """A worker's role from ``/server_info``; ``router`` when it answers ``/workers``."""
+    """A worker's role from ``/server_info``; ``router`` when it has ``/workers`` (even if locked)."""
     try:
         r = c.get(url + "/server_info")
         if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("role"):
@@ -191,7 +196,7 @@ def _role(c: httpx.Client, url: str) -> str:
     except (httpx.HTTPError, ValueError):
         pass
     try:
-        if c.get(url + "/workers").status_code == 200:
+        if c.get(url + "/workers").status_code in (200, 401, 403):
             return "router"
     except httpx.HTTPError:
         pass
@@ -209,6 +214,10 @@ def _has_pd(c: httpx.Client, url: str) -> bool:
 def _router_workers(c: httpx.Client, base: str, notes: list[str]) -> list[tuple[str, str | None]]:
     try:
         r = c.get(base + "/workers")
+        if r.status_code in (401, 403):
+            notes.append(f"{base}/workers refused ({r.status_code}): pass --admin-api-key, "
+                         "or the workers with --worker-metrics-url")
+            return []
         if r.status_code != 200:
             return []
         body = r.json()

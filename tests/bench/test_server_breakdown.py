@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 class StubRouter:
     """A loopback server with a router's admin answers (GET /workers, /metrics), in a thread."""
 
-    def __init__(self, workers: list[dict], metrics: str | None) -> None:
-        self.workers, self.metrics = workers, metrics
+    def __init__(self, workers: list[dict] | dict | None, metrics: str | None, admin_key: str | None = None) -> None:
+        self.workers, self.metrics, self.admin_key = workers, metrics, admin_key
         self.loop = asyncio.new_event_loop()
         self.server = HttpServer(self._handle)
         self.loop.run_until_complete(self.server.start())
@@ -32,7 +32,9 @@ class StubRouter:
         self.thread.start()
 
     async def _handle(self, req, resp):
-        if req.path == "/workers" and self.workers is not None:
+        if req.path == "/workers" and self.admin_key and req.headers.get("authorization") != f"Bearer {self.admin_key}":
+            resp.send(401, b'{"error": {"message": "invalid or missing admin API key"}}', [])
+        elif req.path == "/workers" and self.workers is not None:
             resp.send(200, json.dumps(self.workers).encode(), [("content-type", "application/json")])
         elif req.path == "/metrics" and self.metrics is not None:
             resp.send(200, self.metrics.encode(), [("content-type", "text/plain")])
@@ -72,10 +74,14 @@ def test_breakdown_reports_the_fakes_phase_times(fake_factory):
 def test_discovery_through_the_routers_workers_list(fake_factory):
     pre = fake_factory("--role", "prefill")
     dec = fake_factory("--role", "decode")
-    router = StubRouter([{"url": pre.url, "role": "prefill"}, {"url": dec.url + "/", "role": "decode"}],
-                        "# TYPE pd_router_requests_total counter\npd_router_requests_total 7\n")
+    workers = {"workers": [{"url": pre.url, "role": "prefill"}, {"url": dec.url + "/", "role": "decode"}]}
+    router = StubRouter(workers, "# TYPE pd_router_requests_total counter\npd_router_requests_total 7\n",
+                        admin_key="s3cret")
     try:
-        scraper = discover(router.url, ServerMetricsConfig())
+        locked = discover(router.url, ServerMetricsConfig())
+        assert [ep.role for ep in locked.endpoints] == ["router"]
+        assert "pass --admin-api-key" in " ".join(locked.notes)
+        scraper = discover(router.url, ServerMetricsConfig(api_key="s3cret"))
         assert scraper is not None
         roles = {ep.url: ep.role for ep in scraper.endpoints}
         assert roles == {router.url: "router", pre.url: "prefill", dec.url: "decode"}
@@ -88,6 +94,11 @@ def test_discovery_through_the_routers_workers_list(fake_factory):
         assert decode_rows and decode_rows[0]["count"] == 3
         assert not [p for p in out["phases"] if p["role"] == "prefill"]
         assert "found 2 workers" in " ".join(out["notes"])
+        plain_list = StubRouter(workers["workers"], None)  # the contract's bare-list form works too
+        try:
+            assert len(discover(plain_list.url, ServerMetricsConfig()).endpoints) == 2
+        finally:
+            plain_list.close()
     finally:
         router.close()
 
