@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from router.asgi import Receive, Scope, Send
 from router.config import Role, RouterConfig
@@ -55,7 +54,7 @@ class RouterApp:
         self.generate.on_failure = self._on_attempt_failure
         self.registry.subscribe(on_removed=self.generate.forget_worker)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
-                                    self.models, self.upstreams, lambda: self.generate.draining,
+                                    self.models, lambda: self.generate.draining,
                                     self.can_route).build()
         self.sources = sources or []
         self._loops: list[asyncio.Task] = []
@@ -150,7 +149,3 @@ class RouterApp:
         await self.monitor.close()
         await self.upstreams.close()
         log.info("router stopped")
-
-    def describe(self) -> dict[str, Any]:
-        now = time.monotonic()
-        return {"workers": [w.describe(now) for w in self.registry.all()]}

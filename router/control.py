@@ -23,7 +23,6 @@ from router.errors import error_body
 from router.health import HealthMonitor
 from router.metrics import RouterMetrics
 from router.models import ModelNames
-from router.upstream import Upstreams
 from router.workers import WorkerRegistry, normalize_url
 
 
@@ -50,14 +49,13 @@ class ControlPlane:
     """Builds the FastAPI app over the router's live objects."""
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
-                 metrics: RouterMetrics, models: ModelNames, upstreams: Upstreams,
+                 metrics: RouterMetrics, models: ModelNames,
                  is_draining: Callable[[], bool], can_route: Callable[[], bool]) -> None:
         self.config = config
         self.registry = registry
         self.monitor = monitor
         self.metrics = metrics
         self.models = models
-        self.upstreams = upstreams
         self.is_draining = is_draining
         self.can_route = can_route
         self.started = int(time.time())

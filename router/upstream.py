@@ -7,8 +7,9 @@ that below the workers' own keep-alive timeout (uvicorn: 5 s) means the
 router never writes a request into a connection the worker is closing, and a
 router that idles for hours (behind NATs or load balancers that silently drop
 idle flows) opens fresh connections instead of reusing dead ones.
-aiohttp is used because its C HTTP parser keeps the client side cheap; httpx
-was measured at a quarter of the throughput (``docs/perf/router.md``).
+aiohttp is used because its C HTTP parser keeps the client side cheap; a
+minimal proxy on httpx's pool used ten times the CPU per request under
+concurrency (``docs/perf/router.md``).
 """
 
 from __future__ import annotations
