@@ -228,3 +228,22 @@ def test_tickets_are_checked(sides):
     with pytest.raises(ValueError, match="null page"):
         d.receiver.expect("null", [0], 16, p.agent.name)
     assert d.receiver.withdraw(t.transfer_id) == (27,)
+
+
+def test_peer_failed_by_the_caller_then_confirmed(sides):
+    """The worker saw its control connection to prefill break: the transfer fails at once, and its
+    pages come back when the (still alive) sender confirms it has nothing in flight."""
+    clock, p, d = sides
+    t = d.receiver.expect("ctrl-broke", [29, 30], 20, p.agent.name)
+    d.receiver.peer_failed(p.agent.name, "control connection to prefill closed")
+    ev = d.receiver.poll()
+    assert [(f.transfer_id, type(f.error).__name__) for f in ev.failed] == [(t.transfer_id, "PeerDiedError")]
+    assert "control connection" in str(ev.failed[0].error) and not ev.released
+    for _ in range(50):
+        p.sender.poll()  # answers the cancel of a transfer it never started
+        ev = d.receiver.poll()
+        if ev.released:
+            break
+    assert [(r.pages, r.why) for r in ev.released] == [((29, 30), "sender stopped")]
+    with pytest.raises(Exception, match="cancelled by decode"):
+        p.sender.add_request(t)  # the late ticket is refused
