@@ -9,28 +9,16 @@ import sys
 from datetime import datetime
 from typing import Any
 
-import httpx
-
 from bench import compare, results
 from bench.args import build_parser, to_config
 from bench.arrival import ArrivalPlan, rate_plan, trace_plan
 from bench.config import BenchConfig
 from bench.datasets import TRACE_DATASETS, Dataset, load_dataset
 from bench.metrics import count_output_tokens, summarize
+from bench.preflight import context_length, context_warning, list_models
 from bench.report import format_summary
 from bench.runner import Runner, RunOutput
 from bench.tokenizer import load_tokenizer, resolve_tokenizer_name
-
-
-def server_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
-    """The first model id listed by ``GET /v1/models``. Raises ``RuntimeError`` when unreachable."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout_s, trust_env=False)
-        r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise RuntimeError(f"cannot list models at {base_url}/v1/models ({exc}); pass --model") from exc
 
 
 def arrival_plan(cfg: BenchConfig, ds: Dataset) -> ArrivalPlan:
@@ -44,7 +32,13 @@ def arrival_plan(cfg: BenchConfig, ds: Dataset) -> ArrivalPlan:
 
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Run one benchmark end to end; prints the summary and returns the result dict."""
-    model = cfg.target.model or server_model(cfg.target.base_url, cfg.target.api_key)
+    try:
+        models = list_models(cfg.target.base_url, cfg.target.api_key)
+    except RuntimeError:
+        if not cfg.target.model:
+            raise
+        models = []
+    model = cfg.target.model or str(models[0]["id"])
     target = dataclasses.replace(cfg.target, model=model)
     tok_name = resolve_tokenizer_name(cfg.target.tokenizer, model)
     tok = load_tokenizer(tok_name)
@@ -58,6 +52,11 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         from bench.server_metrics import discover
 
         scraper = discover(target.base_url, cfg.server_metrics)
+    workers = [ep.url for ep in scraper.endpoints if ep.role != "router"] if scraper else [target.base_url]
+    warning = context_warning(ds, context_length(models, model, workers))
+    if warning:
+        ds.notes.append("WARNING: " + warning)
+        print("WARNING: " + warning, file=sys.stderr)
     snaps: dict[str, Any] = {}
 
     def before_timed() -> None:

@@ -43,8 +43,11 @@ def count_output_tokens(records: list[RequestRecord], tokenizer: Any | None) -> 
 
 
 def latency_stats(values_s: list[float], percentiles: tuple[float, ...], name: str) -> dict[str, float]:
-    """mean/median/std and percentiles of ``values_s`` (seconds) as ``*_{name}_ms`` keys."""
-    a = np.asarray(values_s, dtype=np.float64) * 1000.0 if values_s else np.zeros(1)
+    """mean/median/std and percentiles of ``values_s`` (seconds) as ``*_{name}_ms`` keys (NaN if empty)."""
+    if not values_s:
+        keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"]
+        return dict.fromkeys(keys + [f"p{pct_key(p)}_{name}_ms" for p in percentiles], math.nan)
+    a = np.asarray(values_s, dtype=np.float64) * 1000.0
     out = {f"mean_{name}_ms": float(a.mean()), f"median_{name}_ms": float(np.median(a)),
            f"std_{name}_ms": float(a.std())}
     for p in percentiles:

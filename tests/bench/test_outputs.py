@@ -111,3 +111,19 @@ def test_pd_bench_does_not_import_torch():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_requests_beyond_the_context_are_flagged_and_empty_stats_are_not_zero(fake_factory, tmp_path, capsys):
+    fake = fake_factory("--ttft-ms", "0", "--itl-ms", "0", "--fail-every", "1", "--context-length", "512")
+    res = bench(fake.url, "--dataset-name", "random", "--random-input-len", "500", "--random-output-len", "20",
+                "--num-prompts", "5", "--no-server-metrics", "--save-result", "--result-dir", str(tmp_path),
+                "--result-filename", "r.json")
+    notes = " ".join(res["config"]["resolved"]["notes"])
+    assert "5 of 5 requests need more than the server's 512-token context" in notes
+    s = res["summary"]
+    assert s["completed"] == 0 and s["failure_reasons"] == {"HTTP 503": 5}
+    assert np.isnan(s["mean_ttft_ms"]) and np.isnan(s["p99_itl_ms"])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["summary"]["mean_ttft_ms"] is None
+    out = capsys.readouterr().out
+    assert "Mean TTFT (ms):                          n/a" in out
