@@ -2,10 +2,12 @@
 
 One sender coroutine sleeps until each request is due (monotonic deadlines,
 never accumulated sleeps, on the microsecond timers of ``bench.precise_loop``)
-and starts it as its own task; a request then waits
-for a ``--max-concurrency`` slot if there is a limit. The loop is bounded in
-count (the dataset) and time (``--duration`` stops sending; every request has
-``--request-timeout``), so a run ends by ``duration + request_timeout``.
+and then, before any other callback runs, writes it on an idle keep-alive
+connection; a task waits for the answer (and opens a connection first when
+none was idle). With ``--max-concurrency``, a request that finds no free slot
+waits for one. The loop is bounded in count (the dataset) and time
+(``--duration`` stops sending; every request has ``--request-timeout``), so a
+run ends by ``duration + request_timeout``.
 
 The client measures itself while it runs: its CPU time, the scheduler lag of
 every request, and the event-loop delay (how long a callback scheduled with
@@ -18,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
 from bench.arrival import ArrivalPlan
