@@ -65,6 +65,14 @@ def test_decode_matches_reference(page_size, block_n, group, act, kv):
     assert splits.tolist() == [1, 3, 4, 4]
 
 
+@pytest.mark.parametrize("page_size,block_n", [(1, 32), (16, 16), (64, 32)])
+def test_decode_bf16_activations_fp8_pages(page_size, block_n):
+    """bf16 queries over FP8 pages: the dots run in fp16 (FP8 and bf16 values are exact there), so this
+    case runs under the interpreter too."""
+    err, _ = _run(page_size, 4, torch.bfloat16, "fp8", block_n, [1, 37, 130, 77], seed=21)
+    assert err <= REL_ERR_BOUND[torch.bfloat16], f"relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("head_dim", [8, 40])
 def test_decode_padded_head_dim(head_dim):
     err, _ = _run(16, 2, torch.float16, "fp8", 16, [5, 70], head_dim=head_dim, seed=head_dim)

@@ -73,6 +73,13 @@ def test_extend_sliding_window(page_size, block_n):
     assert err <= REL_ERR_BOUND[torch.float32], f"relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("page_size,block_m,block_n", [(1, 16, 32), (16, 16, 32), (64, 32, 16)])
+def test_extend_bf16_activations_fp8_pages(page_size, block_m, block_n):
+    """bf16 queries over FP8 pages run their dots in fp16, so the interpreter can check them too."""
+    err = _run(page_size, 4, torch.bfloat16, "fp8", ExtendKernelConfig(block_m=block_m, block_n=block_n), seed=23)
+    assert err <= REL_ERR_BOUND[torch.bfloat16], f"relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("head_dim", [8, 40])
 def test_extend_padded_head_dim(head_dim):
     cfg = ExtendKernelConfig(block_m=16, block_n=16)

@@ -8,8 +8,10 @@ Triton reads ``TRITON_INTERPRET`` when a function is decorated with
 ``@triton.jit``, and its own library (``tl.cdiv``, ``tl.sum``, ...) is decorated
 when ``triton`` is first imported. On a machine without CUDA the kernels can
 only run in the interpreter, so importing this package there sets
-``TRITON_INTERPRET=1`` if ``triton`` is not imported yet, and refuses to load
-if it is (set the variable before anything imports ``triton``).
+``TRITON_INTERPRET=1`` if the variable is unset and ``triton`` is not imported
+yet, and refuses to load if it is (set the variable before anything imports
+``triton``). An explicit ``TRITON_INTERPRET=0`` is respected (ahead-of-time
+compilation for a GPU target, as `bench/scripts/gpu_compile.py` does).
 """
 
 import os
@@ -17,7 +19,7 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1":
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
     if "triton" in sys.modules:
         raise ImportError("no CUDA device: the Triton kernels run only in Triton's interpreter, and triton was "
                           "imported before TRITON_INTERPRET=1 was set; set it before importing triton")

@@ -30,10 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import cdiv, compute_dtype, dot_precision, head_block, next_pow2
+from engine.attention.triton.common import FP16_MAX, cdiv, dot_dtype, dot_precision, head_block, next_pow2
 from engine.attention.triton.paging import load_kv_tile
 
 LOG2E = 1.4426950408889634
+FP16_LIMIT = tl.constexpr(FP16_MAX)
 NEG_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: a fully masked tile then gives p = 0, not NaN
 
 
@@ -103,7 +104,7 @@ def _decode_stage1_kernel(
     stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -124,7 +125,10 @@ def _decode_stage1_kernel(
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
         q = tl.load(Q + b * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE)
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        if CLAMP_Q:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_LIMIT), FP16_LIMIT)
+        q = q.to(COMPUTE)
         bt_row = block_tables + b * stride_bt
 
         m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
@@ -132,7 +136,7 @@ def _decode_stage1_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for start_n in range(start, end, BLOCK_N):
             k = load_kv_tile(K_cache, bt_row, start_n, end, kv_head, stride_k_p, stride_k_h, stride_k_t,
-                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             valid = (start_n + tl.arange(0, BLOCK_N)) < end
             s = tl.where(valid[None, :], s, float("-inf"))
@@ -141,7 +145,7 @@ def _decode_stage1_kernel(
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = load_kv_tile(V_cache, bt_row, start_n, end, kv_head, stride_v_p, stride_v_h, stride_v_t,
-                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+                             d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -234,7 +238,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ws.mid_lse.stride(0), ws.mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, PAGE_ALIGNED=aligned,
-        SLIDING_WINDOW=sliding_window or 0, COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        SLIDING_WINDOW=sliding_window or 0, COMPUTE=dot_dtype(q.dtype, k_cache.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        CLAMP_Q=q.dtype == torch.bfloat16 and dot_dtype(q.dtype, k_cache.dtype) == tl.float16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_stage2_kernel[(bsz, num_heads)](

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import cdiv, compute_dtype, dot_precision, head_block
-from engine.attention.triton.decode import LOG2E, NEG_INIT
+from engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
+from engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT
 from engine.attention.triton.paging import load_kv_tile
 
 
@@ -55,9 +55,9 @@ def _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv
                  qk_scale, stride_k_p, stride_k_h, stride_k_t, stride_v_p, stride_v_h, stride_v_t,
                  d, d_mask, MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
-                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAD_D: tl.constexpr):
     k = load_kv_tile(K_cache, bt_row, start_n, kv_end, kv_head, stride_k_p, stride_k_h, stride_k_t,
-                     d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+                     d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, PAD_D).to(COMPUTE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     k_pos = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -72,7 +72,7 @@ def _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_kv_tile(V_cache, bt_row, start_n, kv_end, kv_head, stride_v_p, stride_v_h, stride_v_t,
-                     d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED).to(COMPUTE)
+                     d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, PAD_D).to(COMPUTE)
     acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -87,7 +87,7 @@ def _extend_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -105,7 +105,10 @@ def _extend_kernel(
         d_mask = d < HEAD_DIM
         q_rows = (q_start + rows).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_q_t + head * stride_q_h + d[None, :],
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(COMPUTE)
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if CLAMP_Q:
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_LIMIT), FP16_LIMIT)
+        q = q.to(COMPUTE)
         bt_row = block_tables + req * stride_bt
 
         first_pos = prefix + m_block * BLOCK_M
@@ -122,12 +125,14 @@ def _extend_kernel(
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv_head,
                                          q_pos, qk_scale, stride_k_p, stride_k_h, stride_k_t,
                                          stride_v_p, stride_v_h, stride_v_t, d, d_mask, False, SLIDING_WINDOW,
-                                         PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION)
+                                         PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION,
+                                         BLOCK_D != HEAD_DIM)
         for start_n in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv_head,
                                          q_pos, qk_scale, stride_k_p, stride_k_h, stride_k_t,
                                          stride_v_p, stride_v_h, stride_v_t, d, d_mask, True, SLIDING_WINDOW,
-                                         PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION)
+                                         PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION,
+                                         BLOCK_D != HEAD_DIM)
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         o_ptrs = O + q_rows[:, None] * stride_o_t + head * stride_o_h + d[None, :]
@@ -167,6 +172,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=head_block(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGE_ALIGNED=page_size % cfg.block_n == 0,
-        SLIDING_WINDOW=sliding_window or 0, COMPUTE=compute_dtype(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        SLIDING_WINDOW=sliding_window or 0, COMPUTE=dot_dtype(q.dtype, k_cache.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        CLAMP_Q=q.dtype == torch.bfloat16 and dot_dtype(q.dtype, k_cache.dtype) == tl.float16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -22,10 +22,13 @@ import triton.language as tl
 
 @triton.jit
 def load_kv_tile(cache, bt_row, start, end, kv_head, stride_p, stride_h, stride_t, d, d_mask,
-                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr):
+                 PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
+                 PAD_D: tl.constexpr):
     """Load K or V of tokens ``[start, start + BLOCK_N)`` (those ``< end``) as [BLOCK_N, BLOCK_D].
 
-    Tokens at or past `end` and padded head dimensions read as 0.
+    Tokens at or past `end` and padded head dimensions read as 0. Without head
+    padding (`PAD_D` false) the mask is constant along the head dimension, so
+    the loads stay vectorised.
     """
     pos = start + tl.arange(0, BLOCK_N)
     valid = pos < end
@@ -38,4 +41,8 @@ def load_kv_tile(cache, bt_row, start, end, kv_head, stride_p, stride_h, stride_
         page = tl.load(bt_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
         row = page * stride_p + kv_head * stride_h + (pos % PAGE_SIZE).to(tl.int64) * stride_t
         ptrs = cache + row[:, None] + d[None, :]
-    return tl.load(ptrs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+    if PAD_D:
+        mask = valid[:, None] & d_mask[None, :]
+    else:
+        mask = valid[:, None]
+    return tl.load(ptrs, mask=mask, other=0.0)

@@ -1,0 +1,165 @@
+"""GPU benchmark of the fast path: ceilings, FP8 decode attention, decode step, prefill, NIXL.
+
+Run on a CUDA machine (one command; about 5 minutes on an H100)::
+
+    python -m bench.scripts.gpu --output gpu-bench.md
+
+It measures, in one run and on the device itself:
+
+1. the two ceilings: device-to-device copy bandwidth and the bf16 matrix rate;
+2. FP8 paged decode attention at Llama-3.1-8B shapes, batch 1/32/128 x context
+   1k/4k/32k, against the torch reference backend and bf16 SDPA (after a
+   small sweep of the kernel's launch settings at batch 32, context 4k);
+3. the 8k-token prefill kernel alone (launch-settings sweep);
+4. a Llama-3.1-8B decode step (dummy weights, FP8 KV, batch 64, context 2k)
+   with and without CUDA graphs, against (weight + KV bytes) / bandwidth;
+5. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix rate;
+6. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU.
+
+Prints a markdown table per part and writes them, with the device, date and
+command, to ``--output`` (and the raw numbers to the same name with ``.json``).
+``--smoke`` runs tiny shapes on any device (the kernels in Triton's interpreter
+on CPU) to check the script itself; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.scripts.gpu_common import Row, Section, measure_ceilings
+
+PARTS = ("decode", "prefill_kernel", "decode_step", "prefill", "nixl")
+
+
+def device_info(device: torch.device) -> str:
+    import triton
+    lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+             f"- command: `python -m bench.scripts.gpu {' '.join(sys.argv[1:])}`",
+             f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"]
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        lines.append(f"- device: {p.name}, {p.multi_processor_count} SMs, {p.total_memory / 2**30:.1f} GiB, "
+                     f"L2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB, capability {p.major}.{p.minor}")
+    else:
+        lines.append(f"- device: CPU ({platform.processor() or platform.machine()}); Triton interpreter; smoke only")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.scripts.gpu", description=__doc__.split("\n")[0])
+    ap.add_argument("--output", default="gpu-bench.md", help="markdown file for the tables (default: gpu-bench.md)")
+    ap.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(PARTS)}")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> list[Section]:
+    from bench.scripts import gpu_attention, gpu_model, gpu_nixl
+    from engine.attention.triton_backend import TritonAttentionConfig
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke to check the script on CPU (numbers mean nothing)")
+    skip = {s for s in args.skip.split(",") if s}
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    torch.manual_seed(0)
+    sections: list[Section] = []
+    ceil = measure_ceilings(device, args.smoke)
+    sec = Section("Ceilings measured on this device", ["copy GB/s (read + write)", "bf16 matmul TFLOP/s"])
+    sec.rows.append(Row([ceil.copy_gbps, ceil.matmul_tflops]))
+    sec.notes.append(f"copy: {ceil.copy_bytes / 2**30:.2f} GiB buffer; matmul: {ceil.matmul_n}^3, random bf16.")
+    sections.append(_emit(sec))
+
+    decode_cfg = gpu_attention.DecodeKernelConfig()
+    if "decode" not in skip:
+        decode_cfg, tune = gpu_attention.tune_decode(device, num_sms, args.smoke)
+        sections.append(_emit(tune))
+        sections.append(_emit(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke)))
+    extend_cfg = gpu_attention.ExtendKernelConfig() if not args.smoke else gpu_attention.ExtendKernelConfig(16, 16)
+    if "prefill_kernel" not in skip:
+        extend_cfg, sec = gpu_attention.prefill_kernel_table(device, ceil, args.smoke)
+        sections.append(_emit(sec))
+    cfg = TritonAttentionConfig(decode=decode_cfg, extend=extend_cfg)
+    if {"decode_step", "prefill"} - skip:
+        _free(device)
+        loaded = gpu_model.load_dummy(device, args.smoke)
+        if "decode_step" not in skip:
+            sections.append(_emit(gpu_model.decode_step_table(loaded, device, ceil, cfg, args.smoke)))
+            _free(device)
+        if "prefill" not in skip:
+            sections.append(_emit(gpu_model.prefill_table(loaded, device, ceil, cfg, args.smoke)))
+        del loaded
+        _free(device)
+    if "nixl" not in skip:
+        sections.append(_emit(gpu_nixl.nixl_table(ceil.copy_gbps, device.type == "cuda", args.smoke)))
+    return sections
+
+
+def summary(sections: list[Section]) -> Section:
+    """The acceptance targets, read back from the tables."""
+    sec = Section("Summary against the targets", ["metric", "measured", "target"])
+    by_title = {s.title.split(",")[0].split(" (")[0]: s for s in sections}
+    dec = by_title.get("FP8 paged decode attention")
+    if dec:
+        vals = [r.cells[4] for r in dec.rows if r.cells[0] >= 32 and r.cells[1] >= 4096]
+        if vals:
+            sec.rows.append(Row(["decode attention, worst % of copy BW at batch >= 32, context >= 4k",
+                                 min(vals), ">= 75"]))
+    step = next((s for s in sections if s.title.startswith("Decode step")), None)
+    if step:
+        for r in step.rows:
+            sec.rows.append(Row([f"decode step {r.cells[0]}, x floor", r.cells[3],
+                                 "<= 1.3 with graphs" if r.cells[0] == "CUDA graph" else "-"]))
+    pre = next((s for s in sections if s.title.startswith("Prefill of one")), None)
+    if pre and pre.rows:
+        sec.rows.append(Row(["prefill 8k chunk, % of bf16 matmul rate", pre.rows[0].cells[2], ">= 55"]))
+    nx = next((s for s in sections if s.title.startswith("NIXL")), None)
+    if nx:
+        ok = [r.cells[4] for r in nx.rows if isinstance(r.cells[4], float)]
+        sec.rows.append(Row(["NIXL VRAM->VRAM, best % of copy (bytes once)", max(ok) if ok else "n/a", "-"]))
+    return sec
+
+
+def _emit(sec: Section) -> Section:
+    print(sec.markdown(), flush=True)
+    return sec
+
+
+def _free(device: torch.device) -> None:
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():  # the kernels can only run in Triton's interpreter; before triton loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    t0 = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    header = "## GPU benchmark\n\n" + device_info(device) + "\n"
+    print(header, flush=True)
+    sections = run(args)
+    sections.append(_emit(summary(sections)))
+    footer = f"\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
+    text = header + "\n" + "\n".join(s.markdown() for s in sections) + footer
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps([s.to_dict() for s in sections], indent=1, default=str))
+    print(f"wrote {out} and {out.with_suffix('.json')}{footer}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

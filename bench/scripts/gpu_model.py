@@ -1,0 +1,118 @@
+"""Whole-model parts of the GPU benchmark: a Llama-3.1-8B decode step (with and without CUDA graphs) and an 8k prefill.
+
+The model is built from Llama-3.1-8B's public config with ``--load-format
+dummy`` (seeded random bf16 weights), so no checkpoint is needed on the device.
+The KV pool is FP8 E4M3, page 64, filled with random codes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, llama_config, pct
+from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from engine.batch import build_forward_batch
+from engine.graph import CudaGraphConfig, CudaGraphRunner
+from engine.kv.pool import KVLayout, KVPool
+from engine.model.loader import LoadedModel, load_model
+
+PAGE = 64
+
+
+def load_dummy(device: torch.device, smoke: bool) -> LoadedModel:
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(llama_config(smoke)))
+        # bf16 as served; the smoke toy uses fp32 (the interpreter has no bf16 tl.dot)
+        return load_model(d, "float32" if smoke else "bfloat16", load_format="dummy", seed=0, device=device)
+
+
+def fp8_pool(loaded: LoadedModel, num_pages: int, device: torch.device) -> KVPool:
+    a = loaded.arch
+    scales = (0.05,) * a.num_hidden_layers
+    layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, PAGE, "fp8_e4m3", scales, scales)
+    pool = KVPool(layout, num_pages, device, loaded.dtype)
+    for lo in range(0, num_pages + 1, 256):
+        chunk = pool.kv[lo:lo + 256]
+        chunk.copy_((torch.randn(chunk.shape, device=device) * 4).to(torch.float8_e4m3fn).view(torch.uint8))
+    return pool
+
+
+def backend_for(loaded: LoadedModel, cfg: TritonAttentionConfig) -> TritonAttentionBackend:
+    a = loaded.arch
+    return TritonAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5,
+                                  config=cfg)
+
+
+def _decode_batch(bsz: int, ctx: int, device: torch.device):
+    per = -(-ctx // PAGE)
+    perm = np.random.default_rng(0).permutation(bsz * per) + 1
+    tables = [perm[i * per:(i + 1) * per].tolist() for i in range(bsz)]
+    ids = [np.array([7 + i], dtype=np.int64) for i in range(bsz)]
+    rows = [np.array([0])] * bsz
+    return build_forward_batch(ids, [ctx - 1] * bsz, tables, rows, bsz, PAGE, device)
+
+
+def weight_bytes_read(loaded: LoadedModel, num_tokens: int) -> int:
+    """Bytes of weights a step reads: every matrix once, only `num_tokens` rows of the input embedding."""
+    emb = loaded.model.embed_tokens.weight
+    total = loaded.weights_nbytes
+    if loaded.arch.tie_word_embeddings:
+        return total
+    return total - emb.numel() * emb.element_size() + num_tokens * emb.shape[1] * emb.element_size()
+
+
+def decode_step_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAttentionConfig, smoke: bool) -> Section:
+    a = loaded.arch
+    bsz, ctx = (64, 2048) if not smoke else (2, 128)
+    pool = fp8_pool(loaded, bsz * (-(-ctx // PAGE)) + 4, device)
+    backend = backend_for(loaded, cfg)
+    batch = _decode_batch(bsz, ctx, device)
+    kv_bytes = bsz * ctx * a.num_hidden_layers * 2 * a.num_key_value_heads * a.head_dim  # FP8: 1 byte
+    w_bytes = weight_bytes_read(loaded, bsz)
+    floor_ms = (w_bytes + kv_bytes) / (ceil.copy_gbps * 1e9) * 1e3
+    t_eager = bench_ms(lambda: loaded.model(batch, pool, backend), device, rep_ms=1000)
+    rows = [Row(["eager (no graph)", t_eager, floor_ms, t_eager / floor_ms, bsz / (t_eager * 1e-3)])]
+    if device.type == "cuda":
+        runner = CudaGraphRunner(loaded.model, pool, backend, CudaGraphConfig(max_bs=bsz, max_context_len=ctx + PAGE))
+        runner.capture()
+        t_graph = bench_ms(lambda: runner.replay(batch), device, rep_ms=1000)
+        rows.append(Row(["CUDA graph", t_graph, floor_ms, t_graph / floor_ms, bsz / (t_graph * 1e-3)]))
+    sec = Section(f"Decode step, Llama-3.1-8B (dummy bf16 weights), FP8 KV, batch {bsz}, context {ctx}",
+                  ["mode", "time (ms)", "floor (ms)", "x floor", "tokens/s"], rows)
+    sec.notes += [
+        f"floor = (weight bytes read {w_bytes / 1e9:.2f} GB + KV bytes {kv_bytes / 1e9:.2f} GB) / measured copy "
+        f"bandwidth {ceil.copy_gbps:.0f} GB/s; the input embedding counts only the {bsz} rows gathered.",
+        "Graph time includes copying the batch into the static buffers (device-to-device) and the replay.",
+    ]
+    del pool
+    return sec
+
+
+def prefill_flops(loaded: LoadedModel, t: int) -> float:
+    a = loaded.arch
+    h, i = a.hidden_size, a.intermediate_size
+    per_layer = 2 * t * (h * (a.q_size + 2 * a.kv_size) + a.q_size * h + 3 * h * i)
+    attn = 2 * a.num_attention_heads * a.head_dim * t * (t + 1)  # causal QK^T + PV
+    return a.num_hidden_layers * (per_layer + attn) + 2 * h * a.vocab_size  # one logits row
+
+
+def prefill_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAttentionConfig, smoke: bool) -> Section:
+    t = 8192 if not smoke else 128
+    pool = fp8_pool(loaded, t // PAGE + 2, device)
+    backend = backend_for(loaded, cfg)
+    ids = [np.random.default_rng(1).integers(0, loaded.arch.vocab_size, size=t).astype(np.int64)]
+    batch = build_forward_batch(ids, [0], [list(range(1, t // PAGE + 1))], [np.array([t - 1])], 0, PAGE, device)
+    ms = bench_ms(lambda: loaded.model(batch, pool, backend), device, rep_ms=3000, warmup_ms=500)
+    flops = prefill_flops(loaded, t)
+    tf = flops / (ms * 1e-3) / 1e12
+    sec = Section(f"Prefill of one {t}-token chunk, Llama-3.1-8B (dummy bf16 weights), FP8 KV",
+                  ["time (ms)", "TFLOP/s", "% of bf16 matmul", "tokens/s"],
+                  [Row([ms, tf, pct(tf, ceil.matmul_tflops), t / (ms * 1e-3)])])
+    sec.notes.append(f"FLOPs {flops / 1e12:.1f} T: projections and MLP 2*T*params per layer, causal attention "
+                     "2*heads*head_dim*T*(T+1) per layer, one logits row; whole forward incl. norms and RoPE.")
+    return sec
