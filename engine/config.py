@@ -196,7 +196,8 @@ class DeviceConfig:
 
     Attributes:
         device: ``auto`` (cuda when available, else cpu), ``cpu`` or ``cuda[:N]``.
-        attention_backend: ``auto`` (triton on cuda, torch elsewhere), ``torch`` or ``triton``.
+        attention_backend: ``auto`` (triton on cuda; on cpu the compiled kernel, else torch),
+            ``torch``, ``cpu`` or ``triton``.
         disable_cuda_graph: replay no CUDA graphs (SGLang flag).
         cuda_graph_max_bs: the largest decode batch captured in a graph (SGLang flag).
         cpu_threads: intra-op threads of this process on CPU. Default 1: the CPU
@@ -214,8 +215,8 @@ class DeviceConfig:
     def __post_init__(self) -> None:
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cpu_threads < 1:

@@ -1,8 +1,9 @@
 """Attention backends behind one interface (`AttentionBackend`), chosen by name.
 
-``torch``: the reference, any device. ``triton``: the GPU fast path (also runs
-under ``TRITON_INTERPRET=1``). ``auto``: triton on CUDA when triton imports,
-else torch.
+``torch``: the reference, any device. ``cpu``: a compiled CPU decode kernel
+plus the reference for prefill chunks. ``triton``: the GPU fast path (also runs
+under ``TRITON_INTERPRET=1``). ``auto``: triton on CUDA when triton imports;
+on CPU the compiled kernel when it builds, else torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.attention.base import AttentionBackend
 
 _REGISTRY = {
     "torch": ("engine.attention.torch_ref", "TorchAttentionBackend"),
+    "cpu": ("engine.attention.cpu_backend", "CpuAttentionBackend"),
     "triton": ("engine.attention.triton_backend", "TritonAttentionBackend"),
 }
 
@@ -30,7 +32,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
             return "triton"
         except ImportError:
             return "torch"
-    return "torch"
+    from engine.attention import cpu_backend
+
+    return "cpu" if cpu_backend.available() else "torch"
 
 
 def get_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:

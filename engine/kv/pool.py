@@ -179,6 +179,8 @@ class KVPool:
 
     def layer_scales(self, layer: int) -> tuple[float, float]:
         """The FP8 (k_scale, v_scale) of `layer`; (1.0, 1.0) for other dtypes."""
+        if not self.is_fp8:
+            return 1.0, 1.0
         return self._k_scale[layer], self._v_scale[layer]
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:

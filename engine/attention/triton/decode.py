@@ -32,6 +32,7 @@ import triton.language as tl
 
 from engine.attention.triton.common import FP16_MAX, cdiv, dot_dtype, dot_precision, head_block, next_pow2
 from engine.attention.triton.paging import load_kv_tile
+from engine.attention.triton.primitives import row_max, row_sum
 
 LOG2E = 1.4426950408889634
 FP16_LIMIT = tl.constexpr(FP16_MAX)
@@ -115,7 +116,8 @@ def _decode_stage1_kernel(
         lo = 0
         if SLIDING_WINDOW > 0:
             lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-        blocks_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), n_splits)
+        num_blocks = (seq_len - lo + BLOCK_N - 1) // BLOCK_N
+        blocks_per_split = (num_blocks + n_splits - 1) // n_splits
         start = lo + split * blocks_per_split * BLOCK_N
         end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
 
@@ -132,18 +134,18 @@ def _decode_stage1_kernel(
         bt_row = block_tables + b * stride_bt
 
         m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+        acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
         for start_n in range(start, end, BLOCK_N):
             k = load_kv_tile(K_cache, bt_row, start_n, end, kv_head, stride_k_p, stride_k_h, stride_k_t,
                              d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             valid = (start_n + tl.arange(0, BLOCK_N)) < end
             s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, row_max(s))
             p = tl.math.exp2(s - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + row_sum(p)
             v = load_kv_tile(V_cache, bt_row, start_n, end, kv_head, stride_v_p, stride_v_h, stride_v_t,
                              d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
@@ -172,7 +174,7 @@ def _decode_stage2_kernel(
     d_mask = d < HEAD_DIM
     m = NEG_INIT
     total = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
     for s in range(0, n_splits):
         lse = tl.load(Mid_LSE + b * stride_ml_b + h * stride_ml_h + s)
         o = tl.load(Mid_O + b * stride_mo_b + h * stride_mo_h + s * stride_mo_s + d, mask=d_mask, other=0.0)

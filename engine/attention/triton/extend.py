@@ -26,6 +26,7 @@ import triton.language as tl
 from engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
 from engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT
 from engine.attention.triton.paging import load_kv_tile
+from engine.attention.triton.primitives import row_max, row_sum
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,10 @@ def _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv
         s = tl.where(ok, s, float("-inf"))
     elif SLIDING_WINDOW > 0:
         s = tl.where(k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, row_max(s))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + row_sum(p)
     v = load_kv_tile(V_cache, bt_row, start_n, kv_end, kv_head, stride_v_p, stride_v_h, stride_v_t,
                      d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, PAD_D).to(COMPUTE)
     acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
@@ -119,8 +120,8 @@ def _extend_kernel(
         full_end = tl.maximum(first_pos // BLOCK_N * BLOCK_N, kv_lo)
 
         m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
         for start_n in range(kv_lo, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv_head,
                                          q_pos, qk_scale, stride_k_p, stride_k_h, stride_k_t,

@@ -1,0 +1,145 @@
+"""CPU attention backend: a compiled paged decode kernel, the torch reference for prefill chunks.
+
+The decode kernel (``csrc/paged_decode.c``) reads each request's K and V
+pages in place through the block table with an online softmax: one pass over
+the KV, no gathered copy, no padding. The torch reference path gathers and
+pads, which on a CPU costs several passes over the same bytes. The kernel is
+plain C: it is compiled with the system C compiler on first use (about one
+second), cached under ``$PD_CACHE_DIR`` (default ``~/.cache/pd-cluster``) by
+source hash, and called through ctypes. `available` says whether that
+worked; the ``auto`` backend falls back to ``torch`` when it did not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.batch import ForwardBatch
+from engine.kv.pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PD_CACHE_DIR", Path.home() / ".cache" / "pd-cluster"))
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    """Compile (once per source version and machine) and load the kernel.
+
+    Raises:
+        OSError, subprocess.CalledProcessError: no compiler, or the build failed.
+    """
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    lib = _cache_dir() / f"libpd_paged_decode-{digest}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        cc = os.environ.get("CC", "cc")
+        with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
+            tmp_path = tmp.name
+        try:
+            subprocess.run([cc, "-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC", "-o", tmp_path,
+                            str(_SOURCE), "-lm"],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp_path, lib)  # atomic: concurrent builders (several workers) never see a partial file
+        finally:
+            if os.path.exists(tmp_path):
+                os.unlink(tmp_path)
+    so = ctypes.CDLL(str(lib))
+    so.pd_paged_decode.restype = ctypes.c_int
+    so.pd_paged_decode.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P] + [_I64] * 8 + [_F32] * 3 + [_P]
+    return so
+
+
+def available() -> bool:
+    """True when the kernel builds (or is cached) here."""
+    try:
+        _library()
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU paged-decode kernel unavailable (%s: %s); using the torch attention backend",
+                       type(e).__name__, getattr(e, "stderr", "") or e)
+        return False
+
+
+def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Decode attention of one query per request, straight from the pool.
+
+    Args:
+        q: [B, num_heads, head_dim] float32, contiguous.
+        block_tables: [B, max_pages] int32, contiguous (padding: the null page).
+        seq_lens: [B] int32 context lengths (the current token included).
+
+    Returns:
+        [B, num_heads, head_dim] float32.
+    """
+    b, hq, d = q.shape
+    kv = pool.kv
+    _, num_layers, _, hkv, ps, _ = kv.shape
+    out = torch.empty_like(q)
+    group = hq // hkv
+    scratch = torch.empty(group * block_tables.shape[1] * ps + ps * d + group * d, dtype=torch.float32)
+    k_scale, v_scale = pool.layer_scales(layer)
+    rc = _library().pd_paged_decode(q.data_ptr(), kv.data_ptr(), _DTYPE_CODE[kv.dtype], block_tables.data_ptr(),
+                                    seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, ps, num_layers, layer,
+                                    block_tables.shape[1], scale, k_scale, v_scale, scratch.data_ptr())
+    if rc != 0:
+        raise ValueError(f"pd_paged_decode rejected its arguments (q {tuple(q.shape)}, kv {tuple(kv.shape)})")
+    return out
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Decode through the compiled kernel, prefill chunks through the torch reference.
+
+    Raises:
+        ImportError: the kernel cannot be built here.
+    """
+
+    name = "cpu"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not available():
+            raise ImportError("the CPU paged-decode kernel could not be built (see the log)")
+
+    def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        if self.sliding_window is not None or pool.kv.device.type != "cpu":
+            return super().prepare(batch, pool)
+        self._prepared_for = batch
+        self._groups = []
+        nd = batch.num_decodes
+        self._tables = batch.block_tables[:nd].to(torch.int32).contiguous() if nd else None
+        self._lens = batch.seq_lens[:nd].to(torch.int32).contiguous() if nd else None
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                pool: KVPool, batch: ForwardBatch) -> torch.Tensor:
+        if self.sliding_window is not None or not batch.num_decodes or pool.kv.device.type != "cpu":
+            return super().forward(layer, q, k, v, pool, batch)
+        if getattr(self, "_prepared_for", None) is not batch:
+            self.prepare(batch, pool)
+        pool.store_kv(layer, k, v, batch.slot_mapping)
+        nd = batch.num_decodes
+        out = torch.empty_like(q)
+        out[:nd] = paged_decode(q[:nd].float().contiguous(), pool, layer, self._tables, self._lens,
+                                self.scale).to(q.dtype)
+        qsl = batch.query_start_loc_cpu
+        for i in range(nd, batch.num_reqs):
+            lo, hi = qsl[i], qsl[i + 1]
+            self._prefill(layer, q[lo:hi], pool, batch, i, out[lo:hi])
+        return out.view(q.shape[0], -1)

@@ -1,0 +1,128 @@
+/* Paged decode attention for the CPU: reads each request's pages in place, exact two-pass softmax.
+ *
+ * Reads K and V straight from the pool through the block table (no gather, no padding),
+ * one query token per request; GQA: the query heads sharing a KV head are handled together,
+ * so each K/V tile is read once per KV head. Per (request, KV head): scores of every cached
+ * token, then max, exp and sum, then the probability-weighted sum of V. Pages are processed as
+ * contiguous page_size x head_dim tiles, which the compiler vectorises.
+ *
+ * Pool layout (engine/kv/pool.py): [num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim],
+ * element type given by `dtype`: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn (uint8 bits).
+ * Plain C with no torch headers, so it compiles in about a second; called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { PD_F32 = 0, PD_BF16 = 1, PD_F16 = 2, PD_FP8_E4M3 = 3 };
+
+static float bf16_to_f32(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else { /* subnormal: renormalise */
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; exp--; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static float fp8_table[256];
+static int fp8_ready = 0;
+
+static void init_fp8(void) { /* float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa; 0x7f/0xff are NaN */
+  for (int i = 0; i < 256; i++) {
+    int sign = i >> 7, exp = (i >> 3) & 0xf, man = i & 7;
+    float v;
+    if (exp == 0xf && man == 7) v = NAN;
+    else if (exp == 0) v = ldexpf((float)man / 8.0f, -6);
+    else v = ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+    fp8_table[i] = sign ? -v : v;
+  }
+  fp8_ready = 1;
+}
+
+/* A tile of n elements as float32: the pool itself for float32, else converted into `buf`. */
+static inline const float* tile(const void* base, int64_t idx, int dtype, int64_t n, float* buf) {
+  switch (dtype) {
+    case PD_F32: return (const float*)base + idx;
+    case PD_BF16: for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(((const uint16_t*)base)[idx + i]); break;
+    case PD_F16: for (int64_t i = 0; i < n; i++) buf[i] = f16_to_f32(((const uint16_t*)base)[idx + i]); break;
+    default: for (int64_t i = 0; i < n; i++) buf[i] = fp8_table[((const uint8_t*)base)[idx + i]]; break;
+  }
+  return buf;
+}
+
+/* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [B, max_pages] int32; seq_lens [B] int32.
+ * scratch: at least group * max_len + page_size * head_dim + group * head_dim floats, where max_len is
+ * the largest seq_len rounded up to a page. Returns 0, or -1 on a bad argument. */
+int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* seq_lens,
+                    float* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t page_size, int64_t num_layers, int64_t layer, int64_t max_pages, float scale,
+                    float k_scale, float v_scale, float* scratch) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || page_size <= 0) return -1;
+  if (dtype == PD_FP8_E4M3 && !fp8_ready) init_fp8();
+  const int64_t group = num_heads / num_kv_heads, tile_n = page_size * head_dim;
+  const int64_t head_stride = tile_n, kv_stride = num_kv_heads * head_stride;
+  const int64_t layer_stride = 2 * kv_stride, page_stride = num_layers * layer_stride;
+  const int64_t cap = max_pages * page_size;
+  const float qk_scale = scale * k_scale;
+  float *scores = scratch, *buf = scores + group * cap, *acc = buf + tile_n;
+  for (int64_t b = 0; b < batch; b++) {
+    const int64_t len = seq_lens[b], n_pages = (len + page_size - 1) / page_size;
+    if (len <= 0 || n_pages > max_pages) return -1;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+      const float* qb = q + (b * num_heads + h * group) * head_dim;
+      const int64_t base = layer * layer_stride + h * head_stride;
+      for (int64_t p = 0; p < n_pages; p++) { /* scores = q . k for every cached token */
+        const float* k = tile(kv, block_tables[b * max_pages + p] * page_stride + base, dtype, tile_n, buf);
+        const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
+        for (int64_t g = 0; g < group; g++) {
+          const float* qg = qb + g * head_dim;
+          float* s = scores + g * cap + p * page_size;
+          for (int64_t r = 0; r < rows; r++) s[r] = 0.0f;
+          for (int64_t d = 0; d < head_dim; d++) {  /* d outer, rows inner: the row loop vectorises */
+            const float qd = qg[d] * qk_scale;
+            for (int64_t r = 0; r < rows; r++) s[r] += qd * k[r * head_dim + d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; g++) { /* softmax over the len scores, in place */
+        float* s = scores + g * cap, mx = s[0], sum = 0.0f;
+        for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        const float inv = v_scale / sum;
+        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+      }
+      memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
+      for (int64_t p = 0; p < n_pages; p++) { /* out = sum_t p_t v_t */
+        const float* v = tile(kv, block_tables[b * max_pages + p] * page_stride + base + kv_stride, dtype, tile_n, buf);
+        const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
+        for (int64_t g = 0; g < group; g++) {
+          const float* s = scores + g * cap + p * page_size;
+          float* a = acc + g * head_dim;
+          for (int64_t r = 0; r < rows; r++)
+            for (int64_t d = 0; d < head_dim; d++) a[d] += s[r] * v[r * head_dim + d];
+        }
+      }
+      memcpy(out + (b * num_heads + h * group) * head_dim, acc, (size_t)(group * head_dim) * sizeof(float));
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,74 @@
+"""The compiled CPU decode kernel equals the torch reference; the reference itself is exact end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_reference import PROMPTS, hf_greedy
+
+from engine import LLM, SamplingParams
+from engine.attention import cpu_backend
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.torch_ref import TorchAttentionBackend
+from engine.batch import build_forward_batch
+from engine.kv.pool import KVLayout, KVPool
+
+needs_kernel = pytest.mark.skipif(not cpu_backend.available(), reason="no C compiler for the CPU kernel")
+
+
+def _decode_batch(page_size: int, kv_dtype: str, num_kv_heads: int, group: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    layers, head_dim = 3, 16
+    layout = KVLayout(layers, num_kv_heads, head_dim, page_size, kv_dtype, (0.5, 1.5, 2.0), (2.0, 0.75, 1.0))
+    lens = np.random.RandomState(seed).randint(1, 150, 37)  # ragged, includes length-1 requests
+    lens[0] = 1
+    need = sum(-(-int(n) // page_size) for n in lens)
+    pool = KVPool(layout, need + 8, "cpu", torch.float32)
+    raw = torch.randn(pool.kv.shape, generator=gen) * 3
+    pool.kv.copy_(raw.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) if kv_dtype == "fp8_e4m3"
+                  else raw.to(pool.kv.dtype))
+    perm = (torch.randperm(need, generator=gen) + 1).tolist()  # pages scattered over the pool
+    tables, at = [], 0
+    for n in lens:
+        k = -(-int(n) // page_size)
+        tables.append(perm[at:at + k])
+        at += k
+    batch = build_forward_batch([np.array([7]) for _ in lens], [int(n) - 1 for n in lens], tables,
+                                [np.array([0])] * len(lens), len(lens), page_size, torch.device("cpu"))
+    hq = num_kv_heads * group
+    q = torch.randn(len(lens), hq, head_dim, generator=gen)
+    k = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(len(lens), num_kv_heads, head_dim, generator=gen)
+    return pool, batch, q, k, v, hq, head_dim
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("num_kv_heads, group", [(4, 1), (2, 4), (1, 8)])
+def test_cpu_kernel_equals_torch_reference(kv_dtype, page_size, num_kv_heads, group):
+    pool, batch, q, k, v, hq, d = _decode_batch(page_size, kv_dtype, num_kv_heads, group, seed=page_size + group)
+    ref_pool = KVPool(pool.layout, pool.num_pages, "cpu", torch.float32)
+    ref_pool.kv.copy_(pool.kv)
+    for layer in range(3):
+        ref = TorchAttentionBackend(hq, num_kv_heads, d, d ** -0.5).forward(layer, q, k, v, ref_pool, batch)
+        out = torch.full_like(ref, float("nan"))  # poisoned: every row must be written
+        out.copy_(CpuAttentionBackend(hq, num_kv_heads, d, d ** -0.5).forward(layer, q, k, v, pool, batch))
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pool.kv, ref_pool.kv)  # both stored the step's K/V identically
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8_e4m3"])
+def test_torch_reference_backend_exact_end_to_end(kv):
+    llm = LLM(attention_backend="torch", kv_cache_dtype=kv, page_size=16, chunked_prefill_size=7)
+    assert llm.engine.backend.name == "torch"
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        assert tuple(out.token_ids) == hf_greedy(prompt, 64, kv), prompt
+
+
+@needs_kernel
+def test_auto_backend_is_the_kernel_on_cpu():
+    assert LLM().engine.backend.name == "cpu"
