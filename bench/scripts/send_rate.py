@@ -4,7 +4,9 @@ Starts the fake OpenAI server (``bench.fake_server``) in its own process with
 near-zero delays, then, for each rate, sends ``rate * --seconds`` Poisson
 requests with pd-bench's own runner and prints a table of the achieved send
 rate, the scheduler lag (actual start minus planned, p50/p99/max), the
-event-loop delay, the client's CPU use and the request outcomes.
+event-loop delay, the client's CPU use and the request outcomes, with the
+machine's load average and CPU pressure (PSI: the share of time some task
+waited for a CPU), since other work on the machine delays the client's wake-ups.
 
     python -m bench.scripts.send_rate --rates 100 250 500 750 1000 --seconds 10
 """
@@ -22,7 +24,17 @@ from bench.metrics import count_output_tokens, summarize
 from bench.runner import Runner
 
 HEADER = ("rate", "sent", "achieved/s", "lag p50 ms", "lag p99 ms", "lag max ms", "loop p99 ms",
-          "client CPU %", "ok", "failed", "TTFT p50 ms", "E2EL p99 ms")
+          "client CPU %", "ok", "failed", "TTFT p50 ms", "E2EL p99 ms", "load", "CPU PSI %")
+
+
+def cpu_pressure() -> str:
+    """Linux PSI: share of the last 10 s in which some runnable task waited for a CPU."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            some = f.readline().split()
+        return f"{float(some[1].split('=')[1]):.0f}"
+    except (OSError, IndexError, ValueError):
+        return "n/a"
 
 
 def one_rate(url: str, rate: float, seconds: float, tokens: int, seed: int) -> list[str]:
@@ -38,7 +50,7 @@ def one_rate(url: str, rate: float, seconds: float, tokens: int, seed: int) -> l
     return [f"{rate:g}", str(len(out.records)), f"{c['achieved_send_rate']:.1f}", f"{c['lag_p50_ms']:.2f}",
             f"{c['lag_p99_ms']:.2f}", f"{c['lag_max_ms']:.2f}", f"{c['loop_delay_p99_ms']:.2f}",
             f"{c['client_cpu_percent']:.0f}", str(s["completed"]), str(s["failed"]),
-            f"{s['p50_ttft_ms']:.2f}", f"{s['p99_e2el_ms']:.2f}"]
+            f"{s['p50_ttft_ms']:.2f}", f"{s['p99_e2el_ms']:.2f}", f"{os.getloadavg()[0]:.1f}", cpu_pressure()]
 
 
 def main(argv: list[str] | None = None) -> None:
