@@ -105,8 +105,8 @@ def test_duration_caps_the_sends_and_concurrency_limits_in_flight(fake_factory):
 
 def test_pd_bench_does_not_import_torch():
     code = ("import sys; from bench.cli import main; from bench.tokenizer import load_tokenizer; "
-            "t = load_tokenizer('stories260K' and __import__('engine.assets').assets.DEFAULT_MODEL); "
-            "t.encode('Once upon a time'); import bench.plot, bench.server_metrics; "
+            "from engine.assets import DEFAULT_MODEL; load_tokenizer(DEFAULT_MODEL).encode('Once upon'); "
+            "import bench.plot, bench.server_metrics, bench.fake_server; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
