@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"pd-bench: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("pd-bench: interrupted; no result", file=sys.stderr)
+        return 130
     return 0
 
 
