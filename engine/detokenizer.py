@@ -78,6 +78,15 @@ class IncrementalDetokenizer:
             self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
             self.stop_matched = s
 
+    def add_all(self, token_ids: list[int]) -> None:
+        """Decode a whole output at once (no stop strings): the same text as token-by-token, two decodes."""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        self.ids.extend(token_ids)
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        if len(full) > len(prefix):
+            self._append(full[len(prefix):])
+
     def flush_pending(self) -> None:
         """At the end, decode what is held back (an incomplete UTF-8 tail becomes U+FFFD)."""
         if self.stop_matched is None and self.read_offset < len(self.ids):

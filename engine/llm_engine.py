@@ -20,6 +20,7 @@ from engine.attention import get_backend, resolve_backend_name
 from engine.config import EngineConfig, format_size
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
+from engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
 from engine.kv.allocator import PageAllocator
 from engine.kv.pool import KVLayout, KVPool
 from engine.kv.sizing import plan_pool
@@ -96,6 +97,10 @@ class LLMEngine:
                                    num_kv_heads=self.layout.num_kv_heads, head_dim=arch.head_dim,
                                    scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
         self.runner = ModelRunner(self.loaded, self.pool, self.backend, self.device, mc.seed)
+        self.runner.graph_runner = maybe_capture_decode_graphs(  # None off CUDA or with --disable-cuda-graph
+            self.loaded.model, self.pool, self.backend,
+            CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
+                            max_context_len=self.context_length, disable=config.device.disable_cuda_graph))
         self.stats = EngineStats(sc.decode_log_interval)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -305,7 +310,7 @@ class LLMEngine:
         detok = self.detokenizers[req.request_id]
         streaming = req.request_id in self.streaming
         if not streaming and not detok.stop:
-            detok.add_tokens(req.output_token_ids)
+            detok.add_all(req.output_token_ids)
         detok.flush_pending()
         new_tokens = req.output_token_ids[-1:] if streaming else req.output_token_ids
         if status == RequestStatus.FINISHED_ABORTED and streaming:

@@ -73,3 +73,16 @@ def test_stop_string_spanning_tokens_with_include(tok):
         if detok.add_tokens([t]):
             break
     assert detok.take_delta(True) == " a big red b"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_whole_output_at_once_equals_streamed(tok, text):
+    prompt = tok("Once upon a time").input_ids
+    out_ids = tok(text, add_special_tokens=False).input_ids
+    streamed = IncrementalDetokenizer(tok, prompt)
+    for t in out_ids:
+        streamed.add_tokens([t])
+    streamed.flush_pending()
+    once = IncrementalDetokenizer(tok, prompt)
+    once.add_all(out_ids)
+    assert once.take_delta(True) == streamed.take_delta(True)
