@@ -193,9 +193,10 @@ def pinned(cpus: set[int]):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def start_router(port: int, prefill: str, decode: str, cpu: int, extra: list[str]) -> subprocess.Popen:
+def start_router(port: int, prefill: list[str], decode: list[str], cpu: int,
+                 extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "router.main", "--host", "127.0.0.1", "--port", str(port),
-           "--prefill", prefill, "--decode", decode, "--log-level", "warning", *extra]
+           "--prefill", *prefill, "--decode", *decode, "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -236,7 +237,7 @@ def run(a: argparse.Namespace) -> None:
     with FakeServerProcess(["--role", "prefill"]) as prefill, \
             FakeServerProcess(["--role", "decode", *fake]) as decode:
         port = free_port()
-        router = start_router(port, prefill.url, decode.url, router_cpu, a.router_args)
+        router = start_router(port, [prefill.url], [decode.url], router_cpu, a.router_args)
         try:
             direct_port = int(decode.url.rsplit(":", 1)[1])
             latency_rows, tput_rows = [], []
@@ -298,6 +299,33 @@ def run(a: argparse.Namespace) -> None:
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 
+def poll_cost(a: argparse.Namespace) -> None:
+    """Idle router CPU spent polling ``--poll-cost`` workers' ``/get_load`` (and health)."""
+    n = a.poll_cost
+    # One fake per role, reached through n/2 loopback aliases each (127.0.0.1..): the router
+    # sees n distinct workers; the fakes answer cheaply from counters.
+    with FakeServerProcess(["--role", "prefill", "--host", "0.0.0.0"]) as prefill, \
+            FakeServerProcess(["--role", "decode", "--host", "0.0.0.0"]) as decode:
+        def aliases(url: str) -> list[str]:
+            port = url.rsplit(":", 1)[1]
+            return [f"http://127.0.0.{i}:{port}" for i in range(1, n // 2 + 1)]
+
+        port = free_port()
+        router = start_router(port, aliases(prefill.url), aliases(decode.url), a.router_cpu,
+                              a.router_args)
+        try:
+            cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
+            time.sleep(a.seconds)
+            cpu, wall = cpu_seconds(router.pid) - cpu0, time.perf_counter() - t0
+        finally:
+            router.terminate()
+            router.wait(timeout=30)
+    polls = 2 * (n // 2) * wall / 0.1
+    table(f"Idle router polling {2 * (n // 2)} workers every 100 ms ({a.seconds:g} s)",
+          ["workers", "router CPU %", "CPU us/poll"],
+          [[str(2 * (n // 2)), f"{cpu / wall * 100:.1f}", f"{cpu / polls * 1e6:.0f}"]])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=10.0, help="measuring time per row")
@@ -308,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baselines", nargs="*", default=["raw_aiohttp", "fastapi_aiohttp",
                                                        "raw_httpx"],
                    help="minimal proxies to compare with (non-streamed, most connections)")
+    p.add_argument("--poll-cost", type=int, default=0, metavar="N",
+                   help="instead: idle router CPU with N workers polled (loopback aliases)")
     p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--upstream", default="", help=argparse.SUPPRESS)
@@ -319,6 +349,9 @@ def main(argv: list[str] | None = None) -> None:
 
         uvicorn.run(baseline_app(a.serve_baseline, a.upstream), host="127.0.0.1", port=a.port,
                     loop="uvloop", http="httptools", access_log=False, log_level="warning")
+        return
+    if a.poll_cost:
+        poll_cost(a)
         return
     run(a)
 
