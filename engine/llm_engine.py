@@ -253,18 +253,19 @@ class LLMEngine:
 
     def step(self) -> StepOutput:
         """Run one scheduler step and return what it produced."""
+        started = time.monotonic()
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched) if not sched.is_empty else StepResult([], None)
         self.scheduler.on_step_done(sched)
-        return self._postprocess(sched, result)
+        return self._postprocess(sched, result, started)
 
-    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> StepOutput:
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult, started: float) -> StepOutput:
         out = StepOutput(num_tokens=sched.num_tokens)
         out.reserved = [(r.request_id, list(r.block_table)) for r in sched.reserved]
         now = time.monotonic()
         for item in sched.scheduled:
             req = item.req
-            req.times.first_scheduled = req.times.first_scheduled or now
+            req.times.first_scheduled = req.times.first_scheduled or started
             if item.end >= req.num_prompt_tokens and req.times.prefill_done is None:
                 req.times.prefill_done = now
             if self.role == "prefill":

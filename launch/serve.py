@@ -112,7 +112,8 @@ OpenAI endpoint: {url}/v1
   curl {url}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}}'
 
-  pd-bench --base-url {url} --dataset-name random --num-prompts 50 --request-rate 5
+  pd-bench --base-url {url} --dataset-name random --random-input-len 200 --random-output-len 100 \\
+    --num-prompts 50 --request-rate 5
 
 Ctrl-C stops everything.
 """, flush=True)

@@ -113,7 +113,8 @@ class PrefillHooks(StepHooks):
             job = self.jobs.get(prog.request_id)
             if job is None:
                 continue
-            job.first_scheduled = job.first_scheduled or now
+            req = engine.requests.get(prog.request_id)
+            job.first_scheduled = job.first_scheduled or (req.times.first_scheduled if req else now)
             meta = None
             if prog.done:
                 job.last_chunk = now

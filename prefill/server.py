@@ -90,6 +90,9 @@ class PrefillServer:
             raise
         if result.error is not None:
             return _error(transfer_http_error(result.error), rid)
+        self.metrics.queue_time.observe(result.queue_s)
+        self.metrics.prefill_time.observe(result.prefill_s)
+        self.metrics.request_success.labels(finish_reason="prefilled").inc()
         return JSONResponse({
             "request_id": rid, "first_token_id": result.first_token_id, "first_logprob": result.first_logprob,
             "num_pushes": result.num_pushes, "nbytes": result.nbytes,

@@ -219,11 +219,11 @@ class _Timing:
         t = d.times
         if t is None:
             return
+        # Each worker reports the phases it ran: a decode worker its page wait, the handover and decoding; the
+        # prefill worker reports the prefill queue and compute of the same request.
         if t.admitted is not None:
-            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0) + (t.remote_queue_s or 0.0))
-        if t.remote_prefill_s is not None:
-            self.m.prefill_time.observe(t.remote_prefill_s)
-        elif t.first_scheduled is not None and t.prefill_done is not None:
+            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
+        if t.first_scheduled is not None and t.prefill_done is not None:
             self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
         if t.transfer_s is not None:
             self.m.transfer_time.observe(t.transfer_s)
