@@ -223,7 +223,7 @@ class _Timing:
         # prefill worker reports the prefill queue and compute of the same request.
         if t.admitted is not None:
             self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
-        if t.first_scheduled is not None and t.prefill_done is not None:
+        if t.kv_wait_s is None and t.first_scheduled is not None and t.prefill_done is not None:  # local prefill
             self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
         if t.transfer_s is not None:
             self.m.transfer_time.observe(t.transfer_s)
