@@ -23,7 +23,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pd-cluster"
-KUBE_VERSION = "1.31"
+KUBE_VERSION = "1.31"  # the version named in the docs; KUBE_VERSIONS adds the newest the validator ships
+KUBE_VERSIONS = (KUBE_VERSION, "1.37")
 RELEASE = "pd"
 NAMESPACE = "llm"
 VALUE_FILES = sorted(CHART.glob("ci/*.yaml")) + sorted(CHART.glob("examples/*.yaml"))
@@ -103,24 +104,23 @@ def flag_value(args: list[str], flag: str) -> str:
 
 # ---- schema validation -----------------------------------------------------------------------
 @functools.cache
-def _k8s_registry() -> referencing.Registry:
+def _k8s_registry(version: str) -> referencing.Registry:
     import importlib.resources
 
     base = importlib.resources.files("kubernetes_validate") / "kubernetes-json-schema"
-    defs = json.loads((base / f"v{KUBE_VERSION}.0-local-strict" / "_definitions.json").read_text())
+    defs = json.loads((base / f"v{version}.0-local-strict" / "_definitions.json").read_text())
     return referencing.Resource.from_contents(defs) @ referencing.Registry()
 
 
-def validate(obj: dict) -> str:
-    """Validate one object for `KUBE_VERSION` (strict: unknown fields fail); returns the schema used.
+def validate(obj: dict, version: str = KUBE_VERSION) -> str:
+    """Validate one object for Kubernetes `version` (strict: unknown fields fail); returns the schema used.
 
     Raises:
         jsonschema.ValidationError: the object does not validate.
     """
     crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
     if crd is None:
-        version = kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-        return f"kubernetes {version}"
+        return f"kubernetes {kubernetes_validate.validate(obj, version, strict=True)}"
     schema = json.loads((Path(__file__).parent / "crd_schemas" / crd).read_text())
-    jsonschema.Draft202012Validator(schema, registry=_k8s_registry()).validate(obj)
+    jsonschema.Draft202012Validator(schema, registry=_k8s_registry(version)).validate(obj)
     return crd

@@ -221,6 +221,12 @@ def test_values_schema_lists_every_flag_with_its_type(definition, factory):
             assert set(prop["enum"]) - {None} == set(a.choices), key
 
 
+def test_values_yaml_names_every_engine_flag():
+    schema = json.loads((CHART / "values.schema.json").read_text())["definitions"]["engineArgs"]["properties"]
+    text = (CHART / "values.yaml").read_text()
+    assert [k for k in schema if not re.search(rf"\b{re.escape(k)}\b", text)] == []
+
+
 def test_every_schema_flag_renders_and_parses():
     """Each engine flag set in values reaches the worker command line and parses there."""
     schema = json.loads((CHART / "values.schema.json").read_text())["definitions"]["engineArgs"]["properties"]

@@ -8,7 +8,7 @@ import helm_python as helm
 import jsonschema
 import pytest
 import yaml
-from chart_util import (CHART, KUBE_VERSION, NAMESPACE, VALUE_FILES, all_pod_templates, flag_value, load_values,
+from chart_util import (CHART, KUBE_VERSION, KUBE_VERSIONS, NAMESPACE, VALUE_FILES, all_pod_templates, flag_value, load_values,
                         objects, one, render, render_notes, validate)
 
 CASES = [None, *VALUE_FILES]
@@ -29,13 +29,14 @@ def test_strict_lint_passes(path):
     assert report["total_charts_linted"] == 1
 
 
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("path", CASES, ids=IDS)
-def test_every_object_validates_against_the_kubernetes_schemas(path):
+def test_every_object_validates_against_the_kubernetes_schemas(path, version):
     objs = render(load_values(path))
     used = {}
     for obj in objs:
         try:
-            used[(obj["kind"], obj["metadata"]["name"])] = validate(obj)
+            used[(obj["kind"], obj["metadata"]["name"])] = validate(obj, version)
         except jsonschema.ValidationError as e:
             pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {e.message} at {list(e.absolute_path)}")
     assert len(used) == len(objs) >= 10
