@@ -118,3 +118,38 @@ async def test_periodic_resync_repairs_the_registry():
         finally:
             discovery.stop()
             api.end_watches()
+
+
+def test_router_process_routes_to_pods_found_through_a_kubeconfig(tmp_path):
+    """pd-router --service-discovery end to end: pods -> workers -> a routed request."""
+    import httpx
+    from router_testkit import FakeWorker, RouterProc, wait_http
+
+    with FakeKubeApi() as api, FakeWorker("prefill") as p, \
+            FakeWorker("decode", ["--ttft-ms", "5", "--itl-ms", "1"]) as d:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: fake\n"
+            f"clusters: [{{name: fake, cluster: {{server: '{api.url}'}}}}]\n"
+            "contexts: [{name: fake, context: {cluster: fake, user: fake, namespace: llm}}]\n"
+            "users: [{name: fake, user: {token: test-token}}]\n")
+        api.put_pod("p0", PREFILL, "127.0.0.1", ready=True,
+                    annotations={"pd-cluster.io/port": str(p.port)})
+        api.put_pod("d0", DECODE, "127.0.0.1", ready=True,
+                    annotations={"pd-cluster.io/port": str(d.port)})
+        args = ["--service-discovery", "--kubeconfig", str(kubeconfig),
+                "--service-discovery-namespace", "llm",
+                "--prefill-selector", "app=pd", "component=prefill",
+                "--decode-selector", "app=pd", "component=decode"]
+        with RouterProc(args) as router:
+            r = httpx.post(router.url + "/v1/completions", timeout=30,
+                           headers={"x-request-id": "via-k8s"},
+                           json={"model": "stories260K", "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == " Once upon"
+            seen = [e for e in d.recent() if e["request_id"] == "via-k8s"]
+            assert seen[0]["headers"]["x-pd-prefill-url"] == p.url
+            api.put_pod("d0", DECODE, "127.0.0.1", ready=False,
+                        annotations={"pd-cluster.io/port": str(d.port)})
+            wait_http(router.url + "/readiness", 10, ok=lambda r: r.status_code == 503)
+            workers = httpx.get(router.url + "/workers").json()["workers"]
+            assert [(w["url"], w["source"]) for w in workers] == [(p.url, "kubernetes")]

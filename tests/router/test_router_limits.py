@@ -134,3 +134,19 @@ def test_served_model_name_and_readiness(pd):
         assert httpx.get(router.url + "/readiness").status_code == 503
         r = httpx.post(router.url + "/v1/completions", json=BODY)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
+
+
+def test_mixed_workers_are_routed_without_a_prefill():
+    with FakeWorker("mixed", ["--ttft-ms", "5", "--itl-ms", "1"]) as m0, \
+            FakeWorker("mixed", ["--ttft-ms", "5", "--itl-ms", "1"]) as m1, \
+            RouterProc(["--worker", m0.url, m1.url, "--policy", "round_robin"]) as router:
+        for i in range(4):
+            r = httpx.post(router.url + "/v1/chat/completions", timeout=30,
+                           headers={"x-request-id": f"mixed-{i}"},
+                           json={"model": "stories260K", "max_tokens": 2,
+                                 "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200
+            assert r.json()["choices"][0]["message"]["content"] == " Once upon"
+        entries = [e for w in (m0, m1) for e in w.recent() if e["request_id"].startswith("mixed-")]
+        assert len(entries) == 4 and len(m0.recent()) == 2
+        assert all("x-pd-prefill-url" not in e["headers"] for e in entries)
