@@ -9,6 +9,14 @@ registration and metadata small whatever the pool size.
 Its name carries a random incarnation id, so a restarted worker is a new
 agent that no peer confuses with the old one (vllm #49238).
 
+Two NIXL agents per worker: the data agent owns the registered pool and does
+the WRITEs; a control agent (named ``<name>.ctl``, no memory) carries the
+notifications and liveness probes. Measured here with UCX over TCP, a WRITE's
+completion waits for the target to acknowledge every message still
+outstanding on the same endpoint, i.e. for the peer's next `poll`; with the
+messages on their own endpoint, a WRITE completes as soon as its bytes are
+in the peer's memory.
+
 All methods are meant for one thread, the worker's step loop; none blocks on
 the network except `connect` (loading a peer's metadata, once per peer).
 """
@@ -23,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from transfer import protocol, ucx_env
+from transfer import hugepages, protocol, ucx_env
 from transfer.config import TransferConfig
 from transfer.errors import NixlTransferError, PeerDiedError, PeerNotConnectedError
 from transfer.layout import AgentInfo, check_compatible
@@ -31,6 +39,24 @@ from transfer.layout import AgentInfo, check_compatible
 logger = logging.getLogger(__name__)
 
 DONE, PROC, ERR = "DONE", "PROC", "ERR"
+CONTROL_SUFFIX = ".ctl"
+
+
+def _load(agent, metadata: bytes, expected: str) -> None:
+    """Load a remote agent's metadata; it must name `expected`.
+
+    Raises:
+        ValueError: the metadata names another agent (nothing stays loaded).
+    """
+    loaded = agent.add_remote_agent(metadata)
+    loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+    if loaded != expected:
+        agent.remove_remote_agent(loaded)
+        raise ValueError(f"peer metadata names agent {loaded!r}, its info says {expected!r}")
+    try:
+        agent.make_connection(loaded)
+    except Exception as e:  # the first transfer connects and reports the error itself
+        logger.warning("KV transfer: early connection to %s failed: %r", loaded, e)
 
 
 def _nixl_error(e: Exception, what: str, peer: str | None) -> Exception:
@@ -64,37 +90,42 @@ class TransferAgent:
         layout = pool.layout
         host = socket.gethostname().replace("-", "_")
         self.name = f"{role}-{host}-{os.getpid()}-tp{layout.tp_rank}-{self.incarnation}"
-        conf = nixl_agent_config(enable_prog_thread=config.enable_progress_thread, backends=[config.backend],
-                                 num_threads=config.num_threads)
-        try:
-            self._nixl = nixl_agent(self.name, conf)
-        except Exception as e:  # nixlBackendError etc.
-            raise RuntimeError(f"NIXL could not start backend {config.backend} (UCX_TLS={self.ucx['UCX_TLS']}, "
-                               f"UCX_NET_DEVICES={self.ucx['UCX_NET_DEVICES']}): {e!r}") from e
-        if config.backend not in self._nixl.backends:
-            raise RuntimeError(f"NIXL backend {config.backend} is not available (plugins: {self._nixl.plugin_list})")
+        self._nixl = self._start(nixl_agent, nixl_agent_config, self.name)
+        self._ctl = self._start(nixl_agent, nixl_agent_config, self.name + CONTROL_SUFFIX)
         kv, scales = pool.regions()
+        self.page_nbytes = layout.page_nbytes  # bytes per page (all layers' K and V)
         self.mem_type = "DRAM" if kv.device.type == "cpu" else "VRAM"
         self.device_id = 0 if kv.device.index is None else int(kv.device.index)
         t0 = time.perf_counter()
+        huge = hugepages.advise(kv) if config.hugepages else 0
         self._reg = self._nixl.register_memory([kv, scales])
-        logger.info("KV transfer agent %s registered %s KV pool: %d pages x %d bytes (%.1f MiB) + scales in %.1f ms",
-                    self.name, self.mem_type, pool.num_pages, layout.page_nbytes,
-                    kv.numel() * kv.element_size() / 2**20, (time.perf_counter() - t0) * 1e3)
+        logger.info("KV transfer agent %s registered %s KV pool: %d pages x %d bytes (%.1f MiB, %.1f MiB moved to huge "
+                    "pages) + scales in %.1f ms", self.name, self.mem_type, pool.num_pages, layout.page_nbytes,
+                    kv.numel() * kv.element_size() / 2**20, huge / 2**20, (time.perf_counter() - t0) * 1e3)
         self.info = AgentInfo(
             agent_name=self.name, incarnation=self.incarnation, role=role, model_identity=model_identity,
             layout=layout.to_dict(), num_pages=pool.num_pages, mem_type=self.mem_type, device_id=self.device_id,
             kv_base=kv.data_ptr(), kv_nbytes=kv.numel() * kv.element_size(),
             scales_base=scales.data_ptr(), scales_nbytes=scales.numel() * scales.element_size(),
-            nixl_metadata=self._nixl.get_agent_metadata())
+            nixl_metadata=self._nixl.get_agent_metadata(), control_metadata=self._ctl.get_agent_metadata())
         self._peers: dict[str, AgentInfo] = {}
         self._inbox: list[tuple[str, protocol.Message]] = []
         self._closed = False
 
+    def _start(self, nixl_agent, nixl_agent_config, name: str):
+        c = self.config
+        conf = nixl_agent_config(enable_prog_thread=c.enable_progress_thread, backends=[c.backend],
+                                 num_threads=c.num_threads)
+        try:
+            agent = nixl_agent(name, conf)
+        except Exception as e:  # nixlBackendError etc.
+            raise RuntimeError(f"NIXL could not start backend {c.backend} (UCX_TLS={self.ucx['UCX_TLS']}, "
+                               f"UCX_NET_DEVICES={self.ucx['UCX_NET_DEVICES']}): {e!r}") from e
+        if c.backend not in agent.backends:
+            raise RuntimeError(f"NIXL backend {c.backend} is not available (plugins: {agent.plugin_list})")
+        return agent
+
     # ---- peers -------------------------------------------------------------
-    @property
-    def page_nbytes(self) -> int:
-        return self.pool.layout.page_nbytes
 
     def peer(self, name: str) -> AgentInfo:
         """The loaded info of peer `name`.
@@ -123,36 +154,35 @@ class TransferAgent:
         check_compatible(self.info, info)
         if info.agent_name in self._peers:
             return
-        loaded = self._nixl.add_remote_agent(info.nixl_metadata)
-        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if loaded != info.agent_name:
-            self._nixl.remove_remote_agent(loaded)
-            raise ValueError(f"peer metadata names agent {loaded!r}, its info says {info.agent_name!r}")
-        self._peers[loaded] = info
         t0 = time.perf_counter()
+        _load(self._nixl, info.nixl_metadata, info.agent_name)
         try:
-            self._nixl.make_connection(loaded)
-        except Exception as e:  # the first transfer will connect and report the error itself
-            logger.warning("KV transfer: early connection to %s failed: %r", loaded, e)
-        logger.info("KV transfer agent %s connected to peer %s (%s, %d pages) in %.1f ms", self.name, loaded,
-                    info.role, info.num_pages, (time.perf_counter() - t0) * 1e3)
+            _load(self._ctl, info.control_metadata, info.agent_name + CONTROL_SUFFIX)
+        except Exception:
+            self._nixl.remove_remote_agent(info.agent_name)
+            raise
+        self._peers[info.agent_name] = info
+        logger.info("KV transfer agent %s connected to peer %s (%s, %d pages) in %.1f ms", self.name,
+                    info.agent_name, info.role, info.num_pages, (time.perf_counter() - t0) * 1e3)
 
     def disconnect(self, name: str) -> None:
         """Forget a peer (a stale incarnation): drop its metadata and its connection."""
         if self._peers.pop(name, None) is not None:
-            try:
-                self._nixl.remove_remote_agent(name)
-            except Exception as e:
-                logger.warning("KV transfer: removing peer %s: %r", name, e)
+            for agent, remote in ((self._nixl, name), (self._ctl, name + CONTROL_SUFFIX)):
+                try:
+                    agent.remove_remote_agent(remote)
+                except Exception as e:
+                    logger.warning("KV transfer: removing peer %s: %r", remote, e)
             logger.info("KV transfer agent %s dropped peer %s", self.name, name)
 
     # ---- data --------------------------------------------------------------
-    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes):
-        """Post one WRITE of `local` descriptors into the peer's `remote` ones, with a notification.
+    def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes = b""):
+        """Post one WRITE of `local` descriptors into the peer's `remote` ones.
 
         Args:
             local, remote: [N, 3] uint64 ``(address, nbytes, device_id)`` rows (`transfer.descriptors`).
-            notif: delivered to the peer after the data.
+            notif: if given, NIXL delivers it to the peer after the data; its completion then waits
+                for the peer's progress (see `KVSender`, which notifies separately instead).
 
         Returns:
             ``(handle, state)`` with state ``DONE`` or ``PROC``.
@@ -206,10 +236,10 @@ class TransferAgent:
         """
         self.peer(peer)
         try:
-            self._nixl.send_notif(peer, protocol.encode(msg))
+            self._ctl.send_notif(peer + CONTROL_SUFFIX, protocol.encode(msg))
         except Exception as e:
             raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
-        self._pump()  # progress the worker once so the message leaves now, not at the next poll
+        self._pump()  # progress once so the message leaves now, not at the next poll
 
     def take(self, *kinds: type) -> list[tuple[str, protocol.Message]]:
         """New messages of the given kinds, in arrival order, as ``(peer agent, message)``.
@@ -224,8 +254,10 @@ class TransferAgent:
         return out
 
     def _pump(self) -> None:
-        for peer, raws in self._nixl.get_new_notifs().items():
+        self._nixl.get_new_notifs()  # progresses the data endpoint (a TCP-only WRITE needs the target's progress)
+        for peer, raws in self._ctl.get_new_notifs().items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+            peer = peer.removesuffix(CONTROL_SUFFIX)
             for raw in raws:
                 try:
                     msg = protocol.decode(raw)

@@ -40,6 +40,8 @@ class TransferConfig:
             progress moves the data.
         num_threads: UCX backend worker threads (0: NIXL's default).
         metadata_timeout: seconds for one HTTP fetch of a peer's metadata.
+        hugepages: back a host-memory pool with transparent huge pages before
+            registering it (`transfer.hugepages`); no effect on GPU pools.
     """
 
     kv_transfer_timeout: float = 30.0
@@ -51,6 +53,7 @@ class TransferConfig:
     enable_progress_thread: bool = False
     num_threads: int = 0
     metadata_timeout: float = 5.0
+    hugepages: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_transfer_timeout <= 0:
@@ -104,6 +107,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-progress-thread", action=argparse.BooleanOptionalAction, default=False,
                    help="run NIXL's UCX progress thread (default off: it spins a CPU core; poll() progresses)")
     g.add_argument("--kv-transfer-num-threads", type=int, default=0)
+    g.add_argument("--kv-transfer-hugepages", action=argparse.BooleanOptionalAction, default=True,
+                   help="back a host-memory KV pool with transparent huge pages before registering it (default on)")
 
 
 def from_cli_args(args: argparse.Namespace) -> TransferConfig:
@@ -117,4 +122,5 @@ def from_cli_args(args: argparse.Namespace) -> TransferConfig:
         ucx_net_devices=args.kv_transfer_ucx_net_devices,
         enable_progress_thread=args.kv_transfer_progress_thread,
         num_threads=args.kv_transfer_num_threads,
+        hugepages=args.kv_transfer_hugepages,
     )

@@ -50,7 +50,8 @@ class AgentInfo:
         device_id: GPU index for VRAM, 0 for DRAM.
         kv_base, kv_nbytes: address and size of the registered page tensor.
         scales_base, scales_nbytes: address and size of the registered FP8 scales.
-        nixl_metadata: `nixl_agent.get_agent_metadata()` bytes.
+        nixl_metadata: the data agent's `nixl_agent.get_agent_metadata()` bytes.
+        control_metadata: the control agent's (``<agent_name>.ctl``, messages only).
         protocol: the transfer protocol version.
     """
 
@@ -67,6 +68,7 @@ class AgentInfo:
     scales_base: int
     scales_nbytes: int
     nixl_metadata: bytes = field(repr=False)
+    control_metadata: bytes = field(default=b"", repr=False)
     protocol: int = PROTOCOL_VERSION
 
     @property
@@ -87,6 +89,7 @@ class AgentInfo:
             "kv_base": self.kv_base, "kv_nbytes": self.kv_nbytes,
             "scales_base": self.scales_base, "scales_nbytes": self.scales_nbytes,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
+            "control_metadata": base64.b64encode(self.control_metadata).decode("ascii"),
         }
 
     @classmethod
@@ -104,6 +107,7 @@ class AgentInfo:
                 kv_base=int(d["kv_base"]), kv_nbytes=int(d["kv_nbytes"]),
                 scales_base=int(d["scales_base"]), scales_nbytes=int(d["scales_nbytes"]),
                 nixl_metadata=base64.b64decode(d["nixl_metadata"], validate=True),
+                control_metadata=base64.b64decode(d["control_metadata"], validate=True),
                 protocol=int(d["protocol"]),
             )
         except (KeyError, TypeError, ValueError) as e:

@@ -1,11 +1,13 @@
 """The notifications the two sides exchange over NIXL, and their wire form.
 
-Data moves by one-sided WRITE; control rides on NIXL notifications, which a
-target receives only after the data of the transfer that carries them:
+Data moves by one-sided WRITE; control rides on NIXL notifications (UCX
+active messages, ordered per connection):
 
-* `Push` (sender -> receiver, attached to each WRITE): transfer id, push
-  index, which of the request's pages it covered, its bytes; the last push
-  also carries the number of pushes and a small payload (the first token).
+* `Push` (sender -> receiver, sent once NIXL reports the push's WRITE
+  complete, i.e. flushed into the receiver's memory, so it always follows its
+  data): transfer id, push index, which of the request's pages it covered,
+  its bytes; the last push also carries the number of pushes and a small
+  payload (the first token).
 * `Stopped` (sender -> receiver, standalone): the sender has released every
   handle of the transfer; nothing more will be written, the pages are the
   receiver's again. ``ack`` says it answers a `Cancel`.

@@ -12,7 +12,7 @@ Usage from a decode worker's step loop (single thread, nothing blocks)::
     ev.released    -> free these pages now (after a failure, once the sender has provably stopped)
 
 Completion is declared only when every push of the transfer has arrived:
-each push's notification comes after its own data, pushes may complete in
+each push's notification is sent after its own WRITE completed, pushes may complete in
 any order, and the last one says how many there were. The pages must also
 be covered exactly once, in order.
 

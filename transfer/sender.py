@@ -241,7 +241,7 @@ class KVSender:
     def _post(self, job: _Job, p: _Push) -> None:
         p.started = time.perf_counter()
         try:
-            p.handle, state = self.agent.write(job.peer, p.local, p.remote, protocol.encode(p.msg))
+            p.handle, state = self.agent.write(job.peer, p.local, p.remote)
         except TransferError as e:
             e.transfer_id = job.ticket.transfer_id
             self._stop(job, e)
@@ -251,12 +251,25 @@ class KVSender:
             self._complete(job, p, p.posted_at)
 
     def _complete(self, job: _Job, p: _Push, now: float) -> None:
+        """The WRITE is done (flushed: the bytes are in decode's pages); now tell decode.
+
+        The notification is sent on its own, after completion, rather than attached to the WRITE:
+        an attached one makes the WRITE's completion wait for a round trip through decode's
+        progress (i.e. decode's next poll), measured here; sent after completion it is still
+        ordered after the data.
+        """
         p.done = True
+        elapsed = time.perf_counter() - p.started
         self.agent.release(p.handle)
         p.handle = None
         job.nbytes += p.msg.nbytes
         job.last_progress = now
-        self.metrics.observe_push(p.msg.nbytes, time.perf_counter() - p.started, p.local.shape[0])
+        self.metrics.observe_push(p.msg.nbytes, elapsed, p.local.shape[0])
+        try:
+            self.agent.send(job.peer, p.msg)
+        except TransferError as e:
+            e.transfer_id = job.ticket.transfer_id
+            self._stop(job, e)
 
     def _advance(self, job: _Job, now: float) -> None:
         tid = job.ticket.transfer_id
@@ -277,6 +290,8 @@ class KVSender:
                 return
             if state == DONE:
                 self._complete(job, p, now)
+                if job.error is not None:
+                    return
             elif state == ERR:
                 self._stop(job, NixlTransferError(f"push {p.msg.index} of {tid} to {job.peer} failed in NIXL",
                                                   transfer_id=tid, peer=job.peer))

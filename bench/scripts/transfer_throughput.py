@@ -47,6 +47,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 class Options:
     ucx_tls: str | None
     progress_thread: bool
+    hugepages: bool
     reps_small: int
     reps_large: int
     handover_runs: int
@@ -71,9 +72,11 @@ class _Side:
         from transfer.sender import KVSender
 
         torch.set_num_threads(1)
+        self.hugepages = opts.hugepages
         self.lm = load_model(DEFAULT_MODEL)
         a = self.lm.arch
-        cfg = TransferConfig(kv_transfer_timeout=60.0, ucx_tls=opts.ucx_tls, enable_progress_thread=opts.progress_thread)
+        cfg = TransferConfig(kv_transfer_timeout=60.0, ucx_tls=opts.ucx_tls, enable_progress_thread=opts.progress_thread,
+                             hugepages=opts.hugepages)
         self.pools, self.allocs, self.agents, self.ends = {}, {}, {}, {}
         for ps in PAGE_SIZES:
             layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, ps, "fp8_e4m3",
@@ -100,9 +103,11 @@ def _decode_main(conn, opts: Options) -> None:
     side = _Side("decode", opts, 2 * max(PAGE_COUNTS) + 64)
     conn.send(side.infos())
     side.connect(conn.recv())
-    done: dict[str, float] = {}
     while True:
-        if conn.poll(0):
+        # Wait on the pipe briefly rather than spin: this host has 2 cores, and a spinning decode
+        # would take CPU from the copy being measured. 0.2 ms bounds the poll delay in the handover.
+        busy = any(r.has_work for r in side.ends.values())
+        if conn.poll(0.0002 if busy else 0.002):
             cmd, *args = conn.recv()
             if cmd == "exit":
                 return
@@ -112,13 +117,10 @@ def _decode_main(conn, opts: Options) -> None:
                 keep, spare = (pages[::2], pages[1::2]) if frag else (pages, [])
                 side.allocs[ps].free(spare)
                 conn.send(side.ends[ps].expect(f"bench-{time.monotonic_ns()}", keep, tokens, prefill).to_dict())
-            elif cmd == "done?":  # -> monotonic time of completion, once it happened
-                tid, ps = args
-                conn.send(done.pop(tid, None))
         for ps, rcv in side.ends.items():
             ev = rcv.poll()
-            for d in ev.completed:
-                done[d.transfer_id] = time.monotonic()
+            for d in ev.completed:  # tell the parent at once: (transfer id, CLOCK_MONOTONIC of completion)
+                conn.send(("done", d.transfer_id, time.monotonic()))
                 side.allocs[ps].free(d.pages)
             for f in ev.failed:
                 raise RuntimeError(f"transfer failed on decode: {f.error}")
@@ -213,31 +215,43 @@ def _timed_push(side: _Side, ticket_dict: dict) -> tuple[float, float, int, int]
     sender.add_request(t)
     t0 = time.perf_counter()
     sender.push(t.transfer_id, pages, t.num_tokens)
-    while True:
-        ev = sender.poll()
-        if ev.completed or ev.failed:
-            break
+    ev = _until_done(sender)
     dt = time.perf_counter() - t0
     if ev.failed:
         raise RuntimeError(f"push failed: {ev.failed[0].error}")
     alloc.free(pages)
     nbytes = t.num_pages * side.pools[ps].layout.page_nbytes
     src = side.pools[ps].kv.view(-1)[:nbytes]
-    dst = _scratch(nbytes)
+    dst = _scratch(nbytes, side.hugepages)
     c0 = time.perf_counter()
     dst.copy_(src)
     mc = time.perf_counter() - c0
     return dt, mc, page_runs(pages, t.dst_pages).num_runs, nbytes
 
 
+def _until_done(sender, limit_s: float = 60.0):
+    """Poll until the one transfer in flight ends (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        ev = sender.poll()
+        if ev.completed or ev.failed:
+            return ev
+    raise TimeoutError(f"a transfer did not end in {limit_s} s ({sender.num_inflight} in flight)")
+
+
 _SCRATCH: dict[int, object] = {}
 
 
-def _scratch(nbytes: int):
+def _scratch(nbytes: int, huge: bool):
+    """The memcpy destination: touched (no page faults in the timed copy), in the same kind of pages as the pools."""
     import torch
 
+    from transfer import hugepages
+
     if nbytes not in _SCRATCH:
-        _SCRATCH[nbytes] = torch.ones(nbytes, dtype=torch.uint8)  # touched: no page faults in the timed copy
+        _SCRATCH[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
+        if huge:
+            hugepages.advise(_SCRATCH[nbytes])
     return _SCRATCH[nbytes]
 
 
@@ -276,11 +290,9 @@ def _handover(side: _Side, ticket_dict: dict, ids: list[int], torch) -> dict:
             if hi == len(ids):
                 last_forward_end = time.monotonic()
             pushes += sender.push(t.transfer_id, pages, hi, meta={"first_token_id": first} if hi == len(ids) else None) > 0
-            sender.poll()
-    while True:
-        ev = sender.poll()
-        if ev.completed or ev.failed:
-            break
+            ev = sender.poll()  # a worker polls every step; the last poll may already see the end
+    if not (ev.completed or ev.failed):
+        ev = _until_done(sender)
     alloc.free(pages)
     if ev.failed:
         raise RuntimeError(f"handover failed: {ev.failed[0].error}")
@@ -313,14 +325,12 @@ class Pair:
         conn.send(msg)
         return self._recv(conn)
 
-    def wait_done(self, tid: str, ps: int) -> float:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            t = self.ask(self.d, "done?", tid, ps)
-            if t is not None:
-                return t
-            time.sleep(0.0005)
-        raise TimeoutError(f"transfer {tid} never completed on decode")
+    def wait_done(self, tid: str) -> float:
+        """Decode's completion time of `tid` (CLOCK_MONOTONIC), as decode reports it."""
+        kind, done_tid, t = self._recv(self.d)
+        if (kind, done_tid) != ("done", tid):
+            raise RuntimeError(f"expected completion of {tid}, got {kind} {done_tid}")
+        return t
 
     def close(self) -> None:
         for conn in (self.d, self.p):
@@ -343,14 +353,15 @@ def throughput(pair: Pair, opts: Options) -> list[dict]:
         for i in range(reps + 2):
             ticket = pair.ask(pair.d, "expect", ps, n, n * ps, frag, pair.prefill_agents[ps])
             dt, mc, descs, nbytes = pair.ask(pair.p, "push", ticket)
-            pair.wait_done(ticket["transfer_id"], ps)
+            pair.wait_done(ticket["transfer_id"])
             if i >= 2:  # the first two warm up (connection, first touch)
                 times.append(dt)
                 copies.append(mc)
         t, c = statistics.median(times), statistics.median(copies)
+        paired = statistics.median(ci / ti for ti, ci in zip(times, copies))  # each push vs the copy right after it
         rows.append({"page_size": ps, "pages": n, "fragmented": frag, "bytes": nbytes, "descriptors": descs,
                      "reps": reps, "nixl_ms": t * 1e3, "nixl_gbps": nbytes / t / 1e9,
-                     "memcpy_gbps": nbytes / c / 1e9, "ratio": c / t})
+                     "memcpy_gbps": nbytes / c / 1e9, "ratio": c / t, "paired_ratio": paired})
     return rows
 
 
@@ -362,7 +373,7 @@ def handover(pair: Pair, opts: Options) -> list[dict]:
         for i in range(opts.handover_runs + 1):
             ticket = pair.ask(pair.d, "expect", ps, n_pages, HANDOVER_TOKENS, False, pair.prefill_agents[ps])
             r = pair.ask(pair.p, "handover", ticket)
-            done = pair.wait_done(ticket["transfer_id"], ps)
+            done = pair.wait_done(ticket["transfer_id"])
             if i >= 1:
                 lat.append(done - r["last_forward_end"])
                 compute.append(r["compute_s"])
@@ -377,15 +388,16 @@ def handover(pair: Pair, opts: Options) -> list[dict]:
 def print_tables(tp: list[dict], ho: list[dict], ucx: list[str], opts: Options) -> None:
     print(f"# KV transfer: NIXL push between two processes vs single-thread memcpy "
           f"(UCX_TLS={opts.ucx_tls or os.environ.get('UCX_TLS') or 'default'}, "
-          f"progress thread {'on' if opts.progress_thread else 'off'})\n")
-    print("| page size | pages | layout on decode | bytes | descriptors | NIXL ms (p50) | NIXL GB/s | memcpy GB/s "
-          "| NIXL / memcpy |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          f"progress thread {'on' if opts.progress_thread else 'off'}, "
+          f"pools in {'huge' if opts.hugepages else '4 KiB'} pages)\n")
+    print("| page size | pages | layout on decode | bytes | descriptors | reps | NIXL ms (p50) | NIXL GB/s "
+          "| memcpy GB/s | NIXL / memcpy | paired ratio (p50) |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in tp:
         size = f"{r['bytes'] / 2**20:.2f} MiB" if r["bytes"] >= 2**20 else f"{r['bytes'] / 2**10:.0f} KiB"
         print(f"| {r['page_size']} | {r['pages']} | {'every other page' if r['fragmented'] else 'consecutive'} "
-              f"| {size} | {r['descriptors']} | {r['nixl_ms']:.3f} | {r['nixl_gbps']:.2f} | {r['memcpy_gbps']:.2f} "
-              f"| {100 * r['ratio']:.0f}% |")
+              f"| {size} | {r['descriptors']} | {r['reps']} | {r['nixl_ms']:.3f} | {r['nixl_gbps']:.2f} "
+              f"| {r['memcpy_gbps']:.2f} | {100 * r['ratio']:.0f}% | {100 * r['paired_ratio']:.0f}% |")
     print(f"\n# Handover: {HANDOVER_TOKENS}-token prompt, chunks of {HANDOVER_CHUNK}, end of the last forward pass "
           "-> decode poll sees completion\n")
     print("| page size | pages | pushes | runs | p50 ms | p90 ms | max ms | prefill compute ms (p50) |")
@@ -401,12 +413,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both workers (default: the environment's / UCX's)")
     ap.add_argument("--progress-thread", action="store_true", help="run NIXL's UCX progress thread")
+    ap.add_argument("--no-hugepages", action="store_true", help="keep the pools in 4 KiB pages")
     ap.add_argument("--reps-small", type=int, default=40, help="repetitions of transfers under 4 MiB")
     ap.add_argument("--reps-large", type=int, default=12, help="repetitions of transfers of 4 MiB or more")
     ap.add_argument("--handover-runs", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write the raw rows to this file")
     a = ap.parse_args(argv)
-    opts = Options(a.ucx_tls, a.progress_thread, a.reps_small, a.reps_large, a.handover_runs)
+    opts = Options(a.ucx_tls, a.progress_thread, not a.no_hugepages, a.reps_small, a.reps_large, a.handover_runs)
     pair = Pair(opts)
     try:
         tp = throughput(pair, opts)

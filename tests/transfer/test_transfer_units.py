@@ -202,3 +202,25 @@ def test_rdma_devices_reads_sysfs(tmp_path):
     (tmp_path / "mlx5_1").mkdir()
     (tmp_path / "mlx5_0").mkdir()
     assert rdma_devices(tmp_path) == ["mlx5_0", "mlx5_1"]
+
+
+# ---- huge pages ----------------------------------------------------------------------------------------------------------
+def test_hugepages_keep_the_data_and_report_what_moved():
+    import torch
+
+    from transfer.hugepages import HUGE, advise
+
+    gen = torch.Generator().manual_seed(5)
+    t = torch.randint(0, 256, (8 * HUGE,), dtype=torch.uint8, generator=gen)
+    copy = t.clone()
+    addr = t.data_ptr()
+    moved = advise(t)
+    assert t.data_ptr() == addr and torch.equal(t, copy)  # same addresses, same bytes
+    assert 0 <= moved <= t.numel()
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = "[never]"
+    if "[never]" not in mode:
+        assert moved >= 6 * HUGE  # the 2 MiB-aligned interior went to huge pages
+    assert advise(torch.zeros(100, dtype=torch.uint8)) == 0  # smaller than one huge page: nothing to do
