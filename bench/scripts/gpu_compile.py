@@ -50,8 +50,11 @@ def compile_sm90(fn, types: dict, const: dict, no_div16=(), num_warps: int = 4, 
     ops = Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+(?:\.[A-Z0-9_]+)*)", sass))
     watch = {w: sum(c for op, c in ops.items() if op == w or (w in ("HGMMA", "HMMA") and op.startswith(w)))
              for w in WATCH}
-    return dict(regs=int(re.search(r"REG:(\d+)", usage).group(1)), local=int(re.search(r"LOCAL:(\d+)", usage).group(1)),
-                shared=k.metadata.shared, instructions=sum(ops.values()), watch=watch)
+    def field(name: str) -> int:
+        m = re.search(name + r":(\d+)", usage)
+        return int(m.group(1)) if m else -1
+    return dict(regs=field("REG"), stack=field("STACK"), local=field("LOCAL"), shared=k.metadata.shared,
+                instructions=sum(ops.values()), watch=watch)
 
 
 def kernels():
@@ -85,11 +88,11 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("TRITON_INTERPRET=1 is set: unset it (or set 0) to compile", file=sys.stderr)
         return 2
-    cols = ["kernel", "warps", "stages", "regs", "local B", "smem B", "instr"] + list(WATCH)
+    cols = ["kernel", "warps", "stages", "regs", "stack B", "local B", "smem B", "instr"] + list(WATCH)
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for name, nw, ns, fn, types, const, nodiv in kernels():
         r = compile_sm90(fn, types, const, nodiv, nw, ns)
-        cells = [name, nw, ns, r["regs"], r["local"], r["shared"], r["instructions"]] + [r["watch"][w] for w in WATCH]
+        cells = [name, nw, ns, r["regs"], r["stack"], r["local"], r["shared"], r["instructions"]] + [r["watch"][w] for w in WATCH]
         print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
     print(f"\nsm_90 SASS from triton {triton.__version__}'s ptxas; static counts (a pipelined loop appears "
           "more than once), bf16 activations over FP8 pages, head_dim 128, page 64.")

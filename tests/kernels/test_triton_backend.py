@@ -94,3 +94,45 @@ def test_forward_fp8_random_on_gpu(act):
     out, want, pool, ref_pool = _step(act, "fp8", 64, 4)
     assert torch.equal(pool.kv, ref_pool.kv)
     assert rel_err(out, want) <= REL_ERR_BOUND[act]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path of machines without CUDA")
+@pytest.mark.timeout(300)
+def test_kernels_run_when_triton_was_imported_first():
+    """In a process that imported triton before TRITON_INTERPRET was set (transformers does, through
+    torch._dynamo), loading the kernels must still give a working interpreter path (store and decode,
+    whose reductions must not be Triton's own jit-defined library functions)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import triton, torch
+from engine.kv.pool import KVLayout, KVPool
+from engine.attention.triton.store import store_kv
+layout = KVLayout(1, 2, 16, 4, "fp16", (1.0,), (1.0,))
+pool, ref = KVPool(layout, 3, "cpu", torch.float16), KVPool(layout, 3, "cpu", torch.float16)
+k, v = torch.randn(5, 2, 16).half(), torch.randn(5, 2, 16).half()
+slots = torch.tensor([4, 7, -1, 9, 11])
+store_kv(k, v, *pool.layer_cache(0), slots, 1.0, 1.0)
+ref.store_kv(0, k, v, slots)
+assert torch.equal(pool.kv[1:], ref.kv[1:]), "store differs"
+from engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits
+q, bt = torch.randn(2, 4, 16).half(), torch.tensor([[1, 2, 3], [3, 1, 0]], dtype=torch.int32)
+seq, cfg = torch.tensor([12, 6], dtype=torch.int32), DecodeKernelConfig(block_n=16, min_tokens_per_split=4)
+ws = DecodeWorkspace(num_kv_splits(seq, 2, cfg), torch.empty(2, 4, 2, 16), torch.empty(2, 4, 2), 2)
+out = torch.full_like(q, float("nan"))
+decode_attention(q, *pool.layer_cache(0), bt, seq, out, ws, 0.25, 1.0, 1.0, cfg)
+k, v = pool.gather(0, bt)
+for b in range(2):
+    s = torch.einsum("hgd,hld->hgl", q[b].view(2, 2, 16).float(), k[b, :, :int(seq[b])].float()) * 0.25
+    want = torch.einsum("hgl,hld->hgd", s.softmax(-1), v[b, :, :int(seq[b])].float()).reshape(4, 16)
+    assert torch.allclose(out[b].float(), want, atol=2e-3, rtol=2e-3), (out[b], want)
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
