@@ -18,7 +18,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
-from engine.serving.engine_loop import StepHooks
+from engine.serving.engine_loop import StepHooks, settle_future
 from transfer.errors import TransferError
 from transfer.receiver import KVReceiver
 
@@ -37,16 +37,7 @@ class Handover:
     transfer_id: str | None = None
 
     def resolve(self, fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
-        self.aloop.call_soon_threadsafe(_settle, fut, result, error)
-
-
-def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+        self.aloop.call_soon_threadsafe(settle_future, fut, result, error)
 
 
 class DecodeHooks(StepHooks):

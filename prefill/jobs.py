@@ -20,7 +20,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepOutput
 from engine.sampling.params import SamplingParams
-from engine.serving.engine_loop import StepHooks
+from engine.serving.engine_loop import StepHooks, settle_future
 from transfer.errors import TransferError
 from transfer.sender import KVSender
 from transfer.ticket import KVTicket
@@ -56,12 +56,7 @@ class PrefillJob:
     result: JobResult = field(default_factory=JobResult)
 
     def resolve(self) -> None:
-        self.aloop.call_soon_threadsafe(_set, self.future, self.result)
-
-
-def _set(fut: asyncio.Future, result: JobResult) -> None:
-    if not fut.done():
-        fut.set_result(result)
+        self.aloop.call_soon_threadsafe(settle_future, self.future, self.result)
 
 
 class PrefillHooks(StepHooks):

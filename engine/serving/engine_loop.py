@@ -128,7 +128,7 @@ class EngineLoop:
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 result, error = None, e
             if fut is not None:
-                self._aloop.call_soon_threadsafe(_resolve, fut, result, error)
+                self._aloop.call_soon_threadsafe(settle_future, fut, result, error)
             elif error is not None:
                 logger.error("engine command failed: %s", error)
 
@@ -150,7 +150,8 @@ class EngineLoop:
                 self._streams.pop(d.request_id, None)
 
 
-def _resolve(fut: asyncio.Future, result: Any, error: BaseException | None) -> None:
+def settle_future(fut: asyncio.Future, result: Any, error: BaseException | None = None) -> None:
+    """Set a future's result or exception unless it is already done (call on its event loop)."""
     if fut.done():
         return
     if error is not None:
