@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import httpx
@@ -73,6 +74,7 @@ class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.procs: list[Proc] = []
+        self.logs: dict[str, deque[str]] = {}  # the last lines each process printed
         host = spec.host
         if spec.colocated:
             for i in range(spec.num_workers or spec.num_prefill + spec.num_decode):
@@ -110,7 +112,9 @@ class LocalCluster:
 
     def _pump(self, p: Proc) -> None:
         assert p.popen is not None and p.popen.stdout is not None
+        lines = self.logs.setdefault(p.name, deque(maxlen=50_000))
         for line in p.popen.stdout:
+            lines.append(line)
             if self.spec.echo:
                 sys.stdout.write(f"[{p.name}] {line}")
                 sys.stdout.flush()

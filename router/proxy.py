@@ -69,13 +69,17 @@ class GenerateHandler:
         arrived = time.perf_counter()
         endpoint = ENDPOINTS[scope["path"]]
         rid = valid_request_id(header(scope, b"x-request-id")) or self._new_request_id()
-        status = await self._handle(scope, receive, send, rid, arrived)
+        state: list[RequestState] = []
+        status = await self._handle(scope, receive, send, rid, arrived, state)
         self.metrics.count_request(endpoint, status)
         elapsed = time.perf_counter() - arrived
         self.metrics.e2e.observe(elapsed)
         if self.config.enable_log_requests:
-            log.info("request finished", extra={"request_id": rid, "endpoint": endpoint,
-                                                "status": status, "latency_s": round(elapsed, 6)})
+            st = state[0] if state else None
+            log.info("request finished", extra={
+                "request_id": rid, "endpoint": endpoint, "status": status, "latency_s": round(elapsed, 6),
+                "prefill": st.prefill_url if st else None, "decode": st.decode_url if st else None,
+                "attempts": st.attempts if st else 0})
 
     async def _reject(self, send: Send, status: int, reason: str, message: str, rid: str,
                       extra: tuple = ()) -> int:
@@ -84,7 +88,7 @@ class GenerateHandler:
         return status
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, rid: str,
-                      arrived: float) -> int:
+                      arrived: float, out_state: list) -> int:
         if self.draining:
             return await self._reject(send, 503, "draining", "the router is shutting down", rid)
         if self._api_key is not None and not bearer_ok(scope, self._api_key):
@@ -108,6 +112,7 @@ class GenerateHandler:
                              param="model")
             return 404
         state = RequestState(rid, scope["path"], body, parsed, arrived)
+        out_state.append(state)
         return await self._admit_and_run(state, receive, send)
 
     async def _admit_and_run(self, state: RequestState, receive: Receive, send: Send) -> int:
@@ -158,6 +163,9 @@ class GenerateHandler:
             if pair is None:
                 break
             self._count_choice(pair)
+            state.attempts = attempt
+            state.decode_url = pair.decode.url
+            state.prefill_url = pair.prefill.url if pair.prefill else None
             try:
                 result = await self.relay.attempt(self.upstreams.data, state, pair, send)
             finally:

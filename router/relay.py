@@ -42,6 +42,9 @@ class RequestState:
     response_started: bool = False
     finished: bool = False
     stream_broken: str | None = None
+    prefill_url: str | None = None   # the pair of the last attempt, for the request log
+    decode_url: str | None = None
+    attempts: int = 0
 
     def mark_finished(self) -> None:
         """The last byte is about to go out: a disconnect from now on is normal."""
