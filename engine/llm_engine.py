@@ -16,16 +16,15 @@ from dataclasses import replace
 import torch
 from transformers import AutoTokenizer
 
-from engine.attention import get_backend, resolve_backend_name
 from engine.config import EngineConfig, format_size
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
 from engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
 from engine.kv.allocator import PageAllocator
-from engine.kv.pool import KVLayout, KVPool
-from engine.kv.sizing import plan_pool
-from engine.model.loader import load_model
 from engine.model_runner import ModelRunner, StepResult
+from engine.parallel.group import SINGLE
+from engine.parallel.rank import RankServer, TPDriver
+from engine.parallel.shard import build_shard, check_tp_size
 from engine.outputs import PrefillProgress, RequestDelta, StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.params import SamplingParams
@@ -34,9 +33,6 @@ from engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
 
 logger = logging.getLogger("engine")
-
-_KV_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -57,16 +53,30 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.role = config.role
+        self.tp_driver = None
         if config.parallel.tp_size > 1:
-            raise ValueError(f"--tp-size {config.parallel.tp_size}: tensor parallelism is not available in this "
-                             "build; run one worker per GPU with --tp-size 1")
-        self.device = resolve_device(config.device.device)
+            check_tp_size(config.model.path, config.parallel.tp_size)
+            self.tp_driver = TPDriver(config)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp_driver is not None:  # the ranks may sit in a collective: kill rather than command them
+                self.tp_driver.shutdown(graceful=False)
+                self.tp_driver = None
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        self.device = self.tp_driver.device if self.tp_driver else resolve_device(config.device.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.device.cpu_threads)
         mc = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
         self.tokenizer.model_max_length = sys.maxsize  # lengths are checked against --context-length instead
-        self.loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, self.device)
+        tp = self.tp_driver.tp if self.tp_driver else SINGLE
+        shard = build_shard(config, self.device, tp)
+        self.shard = shard
+        self.loaded, self.layout, self.pool_plan = shard.loaded, shard.layout, shard.plan
+        self.pool, self.backend = shard.pool, shard.backend
         arch = self.loaded.arch
         self.arch = arch
         self.model_name = mc.name
@@ -75,32 +85,21 @@ class LLMEngine:
         if self.context_length > arch.max_position_embeddings:
             logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
                            "may degrade", self.context_length, arch.max_position_embeddings)
-        kv_dtype = config.cache.kv_cache_dtype
-        if kv_dtype == "auto":
-            kv_dtype = _KV_DTYPE_OF[self.loaded.dtype]
-        tp = config.parallel
-        self.layout = KVLayout(
-            num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads // tp.tp_size,
-            head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
-            k_scales=tuple(self.loaded.k_scales) if kv_dtype == "fp8_e4m3" else (1.0,) * arch.num_hidden_layers,
-            v_scales=tuple(self.loaded.v_scales) if kv_dtype == "fp8_e4m3" else (1.0,) * arch.num_hidden_layers,
-            tp_size=tp.tp_size, tp_rank=tp.tp_rank)
-        self.pool_plan = plan_pool(self.layout, config.cache, self.device)
-        self.pool = KVPool(self.layout, self.pool_plan.num_pages, self.device, self.loaded.dtype)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         self.pages = PageManager(self.allocator, self.layout.page_size)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
-        backend_name = resolve_backend_name(config.device.attention_backend, self.device)
-        self.backend = get_backend(backend_name, self.device, num_heads=arch.num_attention_heads // tp.tp_size,
-                                   num_kv_heads=self.layout.num_kv_heads, head_dim=arch.head_dim,
-                                   scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
-        self.runner = ModelRunner(self.loaded, self.pool, self.backend, self.device, mc.seed)
-        self.runner.graph_runner = maybe_capture_decode_graphs(  # None off CUDA or with --disable-cuda-graph
-            self.loaded.model, self.pool, self.backend,
-            CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
-                            max_context_len=self.context_length, disable=config.device.disable_cuda_graph))
+        if self.tp_driver is not None:
+            self.tp_driver.attach(RankServer(shard, tp, self.device))
+            logger.info("tensor parallelism: %d ranks; CUDA graphs are not captured under TP", tp.size)
+        else:
+            shard.graph_runner = maybe_capture_decode_graphs(  # None off CUDA or with --disable-cuda-graph
+                self.loaded.model, self.pool, self.backend,
+                CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
+                                max_context_len=self.context_length, disable=config.device.disable_cuda_graph))
+        self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
+        backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -322,6 +321,12 @@ class LLMEngine:
             req.stop_reason, req.num_prompt_tokens, req.num_output_tokens,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
             times=req.times)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (no-op without TP). The engine is unusable afterwards."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
+            self.tp_driver = None
 
     # ---- introspection -------------------------------------------------------------
     def num_free_pages(self) -> int:

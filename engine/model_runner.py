@@ -1,8 +1,9 @@
 """Runs one scheduled step: builds the `ForwardBatch`, runs the model, samples.
 
-Owns the model, the KV pool, the attention backend and the sampler (as in
-nano-vllm's `ModelRunner`). CUDA-graph replay of decode batches plugs in here
-(`engine.graph`), behind `execute`.
+Owns the sampler and drives this rank's `Shard` (model, KV pool, attention
+backend; nano-vllm's `ModelRunner`). CUDA-graph replay of decode batches
+happens inside `Shard.forward` (`engine.graph`). Under tensor parallelism each
+forward is a command every rank runs (`engine.parallel.rank`).
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.batch import ForwardBatch, build_forward_batch
-from engine.kv.pool import KVPool
-from engine.model.loader import LoadedModel
+from engine.parallel.rank import BatchInputs, TPDriver
+from engine.parallel.shard import Shard
 from engine.request import Request
 from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
@@ -33,27 +32,24 @@ class ModelRunner:
     """Executes scheduler outputs on the model.
 
     Args:
-        loaded: the loaded model.
-        pool: the KV pool.
-        backend: the attention backend.
+        shard: this rank's model, pool and attention backend.
         device: the device of the model and pool.
         seed: seed of the sampler's shared generator.
+        tp_driver: under tensor parallelism, the handle that runs each forward on every rank.
     """
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend,
-                 device: torch.device, seed: int = 0) -> None:
-        self.model = loaded.model
-        self.pool = pool
-        self.backend = backend
+    def __init__(self, shard: Shard, device: torch.device, seed: int = 0, tp_driver: TPDriver | None = None) -> None:
+        self.shard = shard
+        self.pool = shard.pool
         self.device = device
+        self.tp_driver = tp_driver
         self.sampler = Sampler(device, seed)
-        self.graph_runner = None  # set by engine.graph when CUDA graphs are enabled
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the model on the step `out` and sample the next tokens."""
         items = out.scheduled
-        batch, sample_rows, prompt_rows = self._build_batch(items, len(out.decodes))
-        logits = self._forward(batch)
+        inputs, sample_rows, prompt_rows = self._build_batch(items, len(out.decodes))
+        logits = self._forward(inputs)
         sampled = [it.req for it in items if it.samples]
         self._record_prompt_logprobs(logits, prompt_rows)
         if not sampled:
@@ -72,13 +68,13 @@ class ModelRunner:
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
-        return self.model(batch, self.pool, self.backend)
+    def _forward(self, inputs: BatchInputs) -> torch.Tensor:
+        if self.tp_driver is not None:
+            return self.tp_driver.call("forward", inputs)
+        return self.shard.forward(inputs.build(self.device))
 
     def _build_batch(self, items: list[ScheduledRequest], num_decodes: int
-                     ) -> tuple[ForwardBatch, list[int], list[tuple[Request, int, int, int]]]:
+                     ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]]]:
         token_ids, starts, tables, rows = [], [], [], []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, first logits row, first position, count)
@@ -99,8 +95,7 @@ class ModelRunner:
                 sample_rows.append(n_rows + len(want) - 1)
             rows.append(np.asarray(want, dtype=np.int64))
             n_rows += len(want)
-        batch = build_forward_batch(token_ids, starts, tables, rows, num_decodes, self.pool.page_size, self.device)
-        return batch, sample_rows, prompt_rows
+        return BatchInputs(token_ids, starts, tables, rows, num_decodes, self.pool.page_size), sample_rows, prompt_rows
 
     @staticmethod
     def _prompt_logprob_count(it: ScheduledRequest) -> int:

@@ -7,7 +7,9 @@ launches); `engine.model.loader` fills them from the HF checkpoint's separate
 tensors.
 
 The forward pass takes one explicit `ForwardBatch` and the `KVPool`; attention
-goes through an `AttentionBackend`.
+goes through an `AttentionBackend`. Under tensor parallelism (`TPGroup` of N
+ranks) each rank holds 1/N of the heads and of the MLP width, and the o and
+down projections end with an all-reduce (Megatron-LM's split).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.batch import ForwardBatch
 from engine.kv.pool import KVPool
 from engine.model.arch import ArchConfig
 from engine.model.rope import RotaryEmbedding
+from engine.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -41,11 +44,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention of one layer: fused qkv projection, optional q/k norm, RoPE, paged attention."""
 
-    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -62,30 +68,31 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        return self.o_proj(backend.forward(self.layer, q, k, v, pool, batch))
+        return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v, pool, batch)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020) with fused gate/up projection."""
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = cfg.intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, rope)
+        self.self_attn = Attention(cfg, layer, rope, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
@@ -98,17 +105,22 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: the architecture.
+        tp: the tensor-parallel group (embedding, norms and LM head are replicated).
 
     `forward` returns logits [len(batch.logits_indices), vocab_size] in float32.
     """
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        if cfg.num_key_value_heads % tp.size or cfg.intermediate_size % tp.size:
+            raise ValueError(f"--tp-size {tp.size} must divide num_key_value_heads ({cfg.num_key_value_heads}) "
+                             f"and intermediate_size ({cfg.intermediate_size})")
         self.cfg = cfg
+        self.tp = tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from engine.model.arch import ArchConfig
 from engine.model.llama import LlamaForCausalLM
+from engine.parallel.group import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ _FUSED = {  # HF name part -> (fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # column-parallel: split output rows
+_COL_SPLIT = ("o_proj", "down_proj")                                 # row-parallel: split input columns
 _SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.output_scale|(k|v)_scale)$")
 
 
@@ -102,7 +105,8 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) ->
     return h.hexdigest()
 
 
-def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig) -> tuple[list[float], list[float]]:
+def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig,
+                  tp: TPGroup) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
@@ -118,7 +122,7 @@ def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig) -> tupl
                 if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
                     continue
                 name = hf_name.removeprefix("model.")
-                _copy(params, name, f.get_tensor(hf_name), arch, loaded)
+                _copy(params, name, shard(name, f.get_slice(hf_name), tp), arch, tp, loaded)
     missing = set(params) - loaded
     if arch.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -127,19 +131,39 @@ def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig) -> tupl
     return k_scales, v_scales
 
 
-def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, loaded: set[str]) -> None:
+def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (read from a safetensors slice, so only that part is read).
+
+    q/k/v and gate/up weights and biases: rows ``[rank * n / size, (rank + 1) * n / size)``; o and down
+    weights: the same range of columns; everything else whole (Megatron-LM's split).
+    """
+    shape = tensor_slice.get_shape()
+    parts = name.split(".")
+    if tp.size == 1 or len(parts) < 2:
+        return tensor_slice[:]
+    owner = parts[-2]
+    if owner in _ROW_SPLIT:
+        n = shape[0] // tp.size
+        return tensor_slice[tp.rank * n:(tp.rank + 1) * n]
+    if owner in _COL_SPLIT and parts[-1] == "weight":
+        n = shape[1] // tp.size
+        return tensor_slice[:, tp.rank * n:(tp.rank + 1) * n]
+    return tensor_slice[:]
+
+
+def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str]) -> None:
     parts = name.split(".")
     for i, part in enumerate(parts):
         if part in _FUSED:
-            fused, shard = _FUSED[part]
+            fused, index = _FUSED[part]
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
             param = params[target]
             if fused == "qkv_proj":
-                sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+                sizes = [arch.q_size // tp.size, arch.kv_size // tp.size, arch.kv_size // tp.size]
             else:
-                sizes = [arch.intermediate_size] * 2
-            start = sum(sizes[:shard])
-            param.data[start:start + sizes[shard]].copy_(tensor)
+                sizes = [arch.intermediate_size // tp.size] * 2
+            start = sum(sizes[:index])
+            param.data[start:start + sizes[index]].copy_(tensor)
             loaded.add(target)
             return
     if name not in params:
@@ -170,8 +194,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Build the model of the folder `path` on `device`.
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE) -> LoadedModel:
+    """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -182,13 +206,13 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(arch)
+        model = LlamaForCausalLM(arch, tp)
     model.rope.inv_freq = model.rope.inv_freq.float()  # RoPE frequencies stay float32
     if load_format == "dummy":
-        _init_dummy(model, seed, device)
+        _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
-        k_scales, v_scales = _load_tensors(model, folder, arch)
+        k_scales, v_scales = _load_tensors(model, folder, arch, tp)
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     identity = model_identity(folder, arch, load_format, seed)

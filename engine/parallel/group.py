@@ -1,0 +1,97 @@
+"""The tensor-parallel group of one engine instance: N processes, one per GPU (or CPU slice).
+
+Megatron-LM's scheme (Shoeybi et al. 2019): the q/k/v and gate/up projections
+are split by output rows (each rank holds ``1/N`` of the heads and of the MLP
+width), the o and down projections by input columns, and one all-reduce after
+each of those sums the partial outputs. Rank 0 runs the scheduler; every step
+it broadcasts a command (`TPGroup.broadcast_object`) and all ranks execute it
+in lockstep.
+
+Collectives: tensors over NCCL on GPUs and gloo on CPUs; Python objects
+(commands, results) always over a gloo group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=120)  # every rank process must have started by then
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)   # a collective may wait for a large model to load
+
+
+@dataclass
+class TPGroup:
+    """This process's place in the tensor-parallel group.
+
+    Attributes:
+        rank, size: the rank and the group size.
+        device: this rank's device.
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+    _tensor_group: Any = None
+    _object_group: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 schedules, samples and serves; the others only compute."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (the partial outputs of a row-parallel layer)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self._tensor_group)
+        return x
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self._object_group)
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        out = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self._object_group)
+        return out
+
+    def all_min(self, value: int) -> int:
+        """The smallest `value` over the ranks (e.g. the pool size every rank can hold)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._object_group)
+        return int(t.item())
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_tp_group(rank: int, size: int, master: tuple[str, int], device: torch.device) -> TPGroup:
+    """Join the group (every rank calls this with the same `master` address; rank 0 listens there).
+
+    Raises:
+        RuntimeError: the rendezvous failed or a rank did not arrive within `RENDEZVOUS_TIMEOUT`.
+    """
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(master[0], master[1], size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
+                          wait_for_workers=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    logger.info("tensor-parallel rank %d of %d ready (%s)", rank, size, backend)
+    return TPGroup(rank, size, device, dist.group.WORLD, objects)
+
+
+SINGLE = TPGroup(0, 1, torch.device("cpu"))
+"""The group of an engine without tensor parallelism (no collective is ever called)."""

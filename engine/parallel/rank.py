@@ -1,0 +1,155 @@
+"""The ranks of a tensor-parallel engine: processes 1..N-1, and rank 0's driver that commands them.
+
+Rank 0 (the engine's own process) schedules; for each step it broadcasts a
+command (method name and arguments) and every rank, rank 0 included, runs the
+same method of its `RankServer` on its own shard: the collectives inside the
+model then line up. Commands carry host data only (token ids, positions, page
+ids), so each rank builds its tensors on its own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.batch import ForwardBatch, build_forward_batch
+from engine.config import EngineConfig
+from engine.parallel.group import TPGroup, init_tp_group
+from engine.parallel.shard import Shard, build_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchInputs:
+    """Host-side inputs of one forward pass (see `build_forward_batch`)."""
+
+    token_ids: list[np.ndarray]
+    start_positions: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[np.ndarray]
+    num_decodes: int
+    page_size: int
+
+    def build(self, device: torch.device) -> ForwardBatch:
+        return build_forward_batch(self.token_ids, self.start_positions, self.block_tables, self.logits_rows,
+                                   self.num_decodes, self.page_size, device)
+
+
+class RankServer:
+    """The methods every rank runs on command. Rank 0's results are the ones used."""
+
+    def __init__(self, shard: Shard, tp: TPGroup, device: torch.device) -> None:
+        self.shard = shard
+        self.tp = tp
+        self.device = device
+
+    def forward(self, inputs: BatchInputs) -> torch.Tensor | None:
+        logits = self.shard.forward(inputs.build(self.device))
+        return logits if self.tp.is_driver else None
+
+    def ping(self) -> int:
+        return self.tp.rank
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on ``cuda:r`` (offset by the configured index) on GPUs, on the CPU otherwise."""
+    name = config.device.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        base = int(name.split(":")[1]) if ":" in name else 0
+        return torch.device(f"cuda:{base + rank}")
+    return torch.device("cpu")
+
+
+def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConfig, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    device = rank_device(config, rank)
+    if device.type == "cpu":
+        torch.set_num_threads(config.device.cpu_threads)
+    tp = init_tp_group(rank, size, master, device)
+    server = RankServer(build_shard(config, device, tp), tp, device)
+    while True:
+        name, args, gather = tp.broadcast_object()
+        if name == "stop":
+            break
+        try:
+            result: Any = getattr(server, name)(*args)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0 when it gathers
+            logger.exception("tp rank %d: %s failed", rank, name)
+            result = e
+        if gather:
+            tp.gather_objects(result)
+    tp.destroy()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPDriver:
+    """Rank 0's handle on the group: start the other ranks, command them, stop them.
+
+    Args:
+        config: the engine configuration (``parallel.tp_size`` ranks).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.parallel.tp_size
+        master = ("127.0.0.1", _free_port())
+        ctx = mp.get_context("spawn")
+        level = logging.getLogger().getEffectiveLevel()
+        self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level), daemon=True,
+                                  name=f"tp-rank-{r}") for r in range(1, size)]
+        for p in self.procs:
+            p.start()
+        self.device = rank_device(config, 0)
+        self.tp = init_tp_group(0, size, master, self.device)
+        self.local: RankServer | None = None
+
+    def attach(self, server: RankServer) -> None:
+        self.local = server
+
+    def call(self, name: str, *args: Any, gather: bool = False) -> Any:
+        """Run ``RankServer.<name>(*args)`` on every rank; rank 0's result, or every rank's with `gather`.
+
+        Raises:
+            RuntimeError: a rank failed (with `gather`), or a rank process is gone.
+        """
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel ranks exited: {dead}")
+        self.tp.broadcast_object((name, args, gather))
+        result = getattr(self.local, name)(*args)
+        if not gather:
+            return result
+        results = self.tp.gather_objects(result)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            raise RuntimeError(f"{name} failed on {len(errors)} rank(s): {errors[0]!r}")
+        return results
+
+    def shutdown(self, timeout: float = 10.0, graceful: bool = True) -> None:
+        """Stop the ranks: a ``stop`` command, or (``graceful=False``, e.g. after a failed start) SIGKILL."""
+        if not graceful:
+            for p in self.procs:
+                p.kill()
+        elif any(p.is_alive() for p in self.procs):
+            try:
+                self.tp.broadcast_object(("stop", (), False))
+            except Exception as e:  # noqa: BLE001 - the ranks may be gone already
+                logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+        for p in self.procs:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+        self.tp.destroy()

@@ -1,0 +1,97 @@
+"""What one rank holds: its model shard, its KV pool (its share of the KV heads), its attention backend.
+
+Rank 0 builds its `Shard` inside `LLMEngine`; every other rank builds the same
+in its own process (`engine.parallel.rank`). The pool size is the smallest
+any rank can hold, so page ids mean the same slot on every rank and one page
+allocator (rank 0's) serves them all.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.attention import get_backend, resolve_backend_name
+from engine.attention.base import AttentionBackend
+from engine.config import EngineConfig
+from engine.kv.pool import KVLayout, KVPool
+from engine.kv.sizing import PoolPlan, plan_pool
+from engine.model.loader import LoadedModel, load_model
+from engine.parallel.group import TPGroup
+
+logger = logging.getLogger(__name__)
+
+_KV_DTYPE_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class Shard:
+    """One rank's model execution state."""
+
+    loaded: LoadedModel
+    layout: KVLayout
+    plan: PoolPlan
+    pool: KVPool
+    backend: AttentionBackend
+    backend_name: str
+    graph_runner: Any = None
+
+    def forward(self, batch) -> torch.Tensor:
+        """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
+        return self.loaded.model(batch, self.pool, self.backend)
+
+
+def check_tp_size(model_path: str, tp_size: int) -> None:
+    """Refuse a TP size that does not divide the KV heads and the MLP width (before any rank starts).
+
+    Raises:
+        ValueError: naming the sizes.
+    """
+    from engine.model.arch import ArchConfig
+
+    arch = ArchConfig.from_pretrained(model_path)
+    if arch.num_key_value_heads % tp_size or arch.intermediate_size % tp_size:
+        raise ValueError(f"--tp-size {tp_size} must divide num_key_value_heads ({arch.num_key_value_heads}) and "
+                         f"intermediate_size ({arch.intermediate_size})")
+
+
+def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayout:
+    """The pool layout of this rank (``num_kv_heads / tp_size`` heads)."""
+    arch = loaded.arch
+    kv_dtype = config.cache.kv_cache_dtype
+    if kv_dtype == "auto":
+        kv_dtype = _KV_DTYPE_OF[loaded.dtype]
+    fp8 = kv_dtype == "fp8_e4m3"
+    ones = (1.0,) * arch.num_hidden_layers
+    return KVLayout(num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads // tp.size,
+                    head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
+                    k_scales=tuple(loaded.k_scales) if fp8 else ones, v_scales=tuple(loaded.v_scales) if fp8 else ones,
+                    tp_size=tp.size, tp_rank=tp.rank)
+
+
+def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shard:
+    """Load this rank's weights, size and create its pool (agreeing on the size with the other ranks),
+    and pick its attention backend.
+
+    Raises:
+        ValueError: from loading or sizing (see `load_model`, `plan_pool`).
+    """
+    mc = config.model
+    loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp)
+    layout = kv_layout(config, loaded, tp)
+    plan = plan_pool(layout, config.cache, device)
+    if tp.size > 1:
+        num_pages = tp.all_min(plan.num_pages)
+        plan = PoolPlan(num_pages, plan.budget_bytes, plan.available_bytes, plan.source)
+    pool = KVPool(layout, plan.num_pages, device, loaded.dtype)
+    arch = loaded.arch
+    name = resolve_backend_name(config.device.attention_backend, device)
+    backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
+                          num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim, scale=arch.head_dim ** -0.5,
+                          sliding_window=arch.sliding_window)
+    return Shard(loaded, layout, plan, pool, backend, name)
