@@ -162,6 +162,10 @@ class TransferAgent:
             self._nixl.remove_remote_agent(info.agent_name)
             raise
         self._peers[info.agent_name] = info
+        try:  # start setting up the message connection now; the step loops' polls finish it
+            self.send(info.agent_name, protocol.Ping())
+        except Exception as e:
+            logger.info("KV transfer: first probe to %s failed: %r", info.agent_name, e)
         logger.info("KV transfer agent %s connected to peer %s (%s, %d pages) in %.1f ms", self.name,
                     info.agent_name, info.role, info.num_pages, (time.perf_counter() - t0) * 1e3)
 

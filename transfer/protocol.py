@@ -12,6 +12,11 @@ active messages, ordered per connection):
   handle of the transfer; nothing more will be written, the pages are the
   receiver's again. ``ack`` says it answers a `Cancel`.
 * `Cancel` (receiver -> sender, standalone): stop this transfer.
+* `Ack` (receiver -> sender): every push arrived (``what="done"``), or the
+  `Stopped` arrived (``what="stopped"``). Until then the sender keeps
+  polling, which is what moves its last message out: measured here, a
+  message to a peer whose connection is still being set up leaves only
+  while the sender keeps progressing.
 * `Ping` (either way, standalone): a liveness probe; sending it fails fast
   with a disconnect error when the peer's process is gone.
 
@@ -72,11 +77,19 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Ack:
+    """The receiver got the transfer's last message (``what``: ``done`` or ``stopped``)."""
+
+    transfer_id: str
+    what: str
+
+
+@dataclass(frozen=True)
 class Ping:
     """A liveness probe; carries nothing."""
 
 
-Message = Push | Stopped | Cancel | Ping
+Message = Push | Stopped | Cancel | Ack | Ping
 
 
 def encode(msg: Message) -> bytes:
@@ -91,6 +104,8 @@ def encode(msg: Message) -> bytes:
         d = {"t": "stopped", "x": msg.transfer_id, "r": msg.reason, "msg": msg.message, "ack": msg.ack}
     elif isinstance(msg, Cancel):
         d = {"t": "cancel", "x": msg.transfer_id, "r": msg.reason}
+    elif isinstance(msg, Ack):
+        d = {"t": "ack", "x": msg.transfer_id, "w": msg.what}
     elif isinstance(msg, Ping):
         d = {"t": "ping"}
     else:
@@ -116,6 +131,8 @@ def decode(raw: bytes) -> Message:
             return Stopped(str(d["x"]), str(d["r"]), str(d["msg"]), bool(d["ack"]))
         if kind == "cancel":
             return Cancel(str(d["x"]), str(d["r"]))
+        if kind == "ack":
+            return Ack(str(d["x"]), str(d["w"]))
         if kind == "ping":
             return Ping()
     except (KeyError, TypeError, ValueError) as e:

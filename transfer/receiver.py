@@ -241,6 +241,8 @@ class KVReceiver:
 
     # ---- internals -----------------------------------------------------------
     def _on_message(self, peer: str, msg, now: float, ev: ReceiverEvents) -> None:
+        if isinstance(msg, protocol.Stopped):  # whatever it concerns, the sender may stop waiting
+            self._ack(peer, msg.transfer_id, "stopped")
         job = self._jobs.get(msg.transfer_id)
         if job is None:
             level = logging.DEBUG if msg.transfer_id in self._closed else logging.WARNING
@@ -300,6 +302,7 @@ class KVReceiver:
     def _finish(self, job: _Expect, now: float, ev: ReceiverEvents) -> None:
         t = job.ticket
         self._forget(job)
+        self._ack(job.peer, t.transfer_id, "done")
         pushes = tuple(job.pushes[i] for i in range(job.total))
         ev.completed.append(RecvDone(t.transfer_id, t.request_id, t.dst_pages, dict(pushes[-1].meta or {}), pushes,
                                      sum(p.nbytes for p in pushes), now - job.created,
@@ -324,6 +327,12 @@ class KVReceiver:
     def _drain_failures(self, ev: ReceiverEvents) -> None:
         ev.failed.extend(self._failures)
         self._failures.clear()
+
+    def _ack(self, peer: str, transfer_id: str, what: str) -> None:
+        try:
+            self.agent.send(peer, protocol.Ack(transfer_id, what))
+        except TransferError as e:  # the sender stops waiting for it after its own timeout
+            logger.info("KV transfer %s: could not acknowledge %s to %s: %s", transfer_id, what, peer, e)
 
     def _release(self, job: _Expect, why: str, ev: ReceiverEvents) -> None:
         self._forget(job)

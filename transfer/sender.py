@@ -116,6 +116,7 @@ class KVSender:
         self._clock = clock
         self._jobs: dict[str, _Job] = {}
         self._cancelled: OrderedDict[str, str] = OrderedDict()
+        self._unacked: dict[str, float] = {}  # transfer id -> when to stop waiting for decode's Ack
         self._next_ping = 0.0
 
     @property
@@ -124,8 +125,9 @@ class KVSender:
 
     @property
     def has_work(self) -> bool:
-        """True while any transfer is not over: keep calling `poll` (it also progresses NIXL) until False."""
-        return bool(self._jobs)
+        """True while a transfer is not over or its last message is not acknowledged: keep calling `poll`
+        (it is also what progresses NIXL, i.e. what moves that message out) until False."""
+        return bool(self._jobs or self._unacked)
 
     def add_request(self, ticket: KVTicket) -> None:
         """Accept decode's ticket; pushes may follow.
@@ -220,8 +222,15 @@ class KVSender:
         """Advance every transfer: post ready pushes, reap completions, enforce deadlines, handle cancels."""
         now = self._clock()
         ev = SenderEvents()
-        for peer, msg in self.agent.take(protocol.Cancel):
-            self._on_cancel(peer, msg)
+        for peer, msg in self.agent.take(protocol.Cancel, protocol.Ack):
+            if isinstance(msg, protocol.Ack):
+                self._unacked.pop(msg.transfer_id, None)
+            else:
+                self._on_cancel(peer, msg)
+        for tid, until in list(self._unacked.items()):
+            if now > until:
+                del self._unacked[tid]
+                logger.warning("KV transfer %s: decode never acknowledged the last message", tid)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_interval
             self._heartbeat()
@@ -270,6 +279,12 @@ class KVSender:
         except TransferError as e:
             e.transfer_id = job.ticket.transfer_id
             self._stop(job, e)
+            return
+        if p.msg.is_last:
+            self._expect_ack(job.ticket.transfer_id, now)
+
+    def _expect_ack(self, transfer_id: str, now: float) -> None:
+        self._unacked[transfer_id] = now + self.config.sender_idle_timeout
 
     def _advance(self, job: _Job, now: float) -> None:
         tid = job.ticket.transfer_id
@@ -329,6 +344,7 @@ class KVSender:
             try:
                 self.agent.send(job.peer, protocol.Stopped(job.ticket.transfer_id, job.error.reason, str(job.error),
                                                            ack=job.ack))
+                self._expect_ack(job.ticket.transfer_id, self._clock())
             except TransferError as e:
                 logger.info("KV transfer %s: could not tell %s it stopped: %s", job.ticket.transfer_id, job.peer, e)
         ev.failed.append(SendFailed(job.ticket.transfer_id, job.ticket.request_id, job.error))
@@ -348,6 +364,7 @@ class KVSender:
             self._cancelled.popitem(last=False)
         try:
             self.agent.send(peer, protocol.Stopped(msg.transfer_id, "aborted", "no transfer in flight", ack=True))
+            self._expect_ack(msg.transfer_id, self._clock())
         except TransferError as e:
             logger.info("KV transfer %s: could not confirm cancel to %s: %s", msg.transfer_id, peer, e)
 

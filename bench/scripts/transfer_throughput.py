@@ -15,7 +15,8 @@ engine KV pools (stories260K's layout, FP8, page sizes 16 and 64) with a
    model in chunks of 256, each chunk pushed as soon as it is computed; the time
    from the end of the last chunk's forward pass to decode's `poll` reporting
    the transfer complete (both clocks are the host's CLOCK_MONOTONIC). Decode
-   polls in a tight loop here, as an idle decode worker would between steps.
+   polls every 0.2 ms here (every 2 ms during part 1, so that it does not take
+   the CPU from the copy being timed on this 2-core host).
 3. Which UCX transport carried the WRITEs (UCX's own protocol table, captured
    from the prefill process with ``UCX_PROTO_INFO=y``).
 
@@ -29,13 +30,14 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import re
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from transfer.ucx_env import put_protocols
 
 PAGE_SIZES = (16, 64)
 PAGE_COUNTS = (16, 256, 4096)
@@ -77,7 +79,7 @@ class _Side:
         a = self.lm.arch
         cfg = TransferConfig(kv_transfer_timeout=60.0, ucx_tls=opts.ucx_tls, enable_progress_thread=opts.progress_thread,
                              hugepages=opts.hugepages)
-        self.pools, self.allocs, self.agents, self.ends = {}, {}, {}, {}
+        self.pools, self.allocs, self.agents, self.ends, self.registries = {}, {}, {}, {}, {}
         for ps in PAGE_SIZES:
             layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, ps, "fp8_e4m3",
                               tuple(self.lm.k_scales), tuple(self.lm.v_scales))
@@ -85,7 +87,8 @@ class _Side:
             if role == "prefill":  # real-looking bytes: random FP8 codes in every page
                 pool.kv.copy_(torch.randint(0, 120, pool.kv.shape, dtype=torch.uint8))
             agent = TransferAgent(pool, self.lm.identity, role, cfg)
-            metrics = TransferMetrics(CollectorRegistry())
+            self.registries[ps] = CollectorRegistry()
+            metrics = TransferMetrics(self.registries[ps])
             self.pools[ps], self.allocs[ps], self.agents[ps] = pool, PageAllocator(num_pages), agent
             self.ends[ps] = KVSender(agent, metrics) if role == "prefill" else KVReceiver(agent, metrics)
 
@@ -103,14 +106,18 @@ def _decode_main(conn, opts: Options) -> None:
     side = _Side("decode", opts, 2 * max(PAGE_COUNTS) + 64)
     conn.send(side.infos())
     side.connect(conn.recv())
+    interval = 0.002
     while True:
-        # Wait on the pipe briefly rather than spin: this host has 2 cores, and a spinning decode
-        # would take CPU from the copy being measured. 0.2 ms bounds the poll delay in the handover.
-        busy = any(r.has_work for r in side.ends.values())
-        if conn.poll(0.0002 if busy else 0.002):
+        # Decode waits on the pipe between polls rather than spin: this host has 2 cores, and a
+        # spinning decode takes CPU from the copy being measured. The throughput phase polls every
+        # 2 ms (the copy is timed on the prefill side); the handover phase every 0.2 ms, which bounds
+        # the poll delay included in the handover time.
+        if conn.poll(interval):
             cmd, *args = conn.recv()
             if cmd == "exit":
                 return
+            if cmd == "interval":
+                interval = args[0]
             if cmd == "expect":  # (page_size, num_pages, num_tokens, fragmented, prefill agent)
                 ps, n, tokens, frag, prefill = args
                 pages = side.allocs[ps].allocate(2 * n if frag else n)
@@ -141,34 +148,6 @@ def _restore_output(saved: tuple[int, int]) -> None:
     os.dup2(saved[1], 2)
 
 
-def _ucx_write_protocols(path: str) -> list[str]:
-    """The transports in UCX's protocol tables for ``ucp_put`` (remote memory write) to another process.
-
-    Each table has a title (``| <agent> intra-node cfg#1 |``, ``| remote memory write by ucp_put* ... |``)
-    and rows ``| 0..inf | zero-copy | cma/memory |``; tables of the agent's own loopback (``self``) are skipped.
-    """
-    found: list[str] = []
-    title: list[str] = []
-    in_rows = False
-    for line in Path(path).read_text(errors="replace").splitlines():
-        if "|" not in line:
-            continue
-        cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 1:  # a title line of a new table
-            if in_rows:
-                title, in_rows = [], False
-            title.append(cells[0])
-        elif cells and cells[0] == "Range":
-            in_rows = True
-        elif in_rows and len(cells) == 3:
-            heading = " ".join(title)
-            if "remote memory write" in heading and "self" not in heading.split():
-                entry = f"{cells[0]} bytes: {cells[1]} over {cells[2]} ({heading.split(' remote')[0]})"
-                if entry not in found:
-                    found.append(entry)
-    return found
-
-
 def _prefill_main(conn, opts: Options) -> None:
     import torch
 
@@ -180,13 +159,17 @@ def _prefill_main(conn, opts: Options) -> None:
         side.connect(conn.recv())
         tok = None
         while True:
+            if not conn.poll(0.0002 if any(e.has_work for e in side.ends.values()) else None):
+                for e in side.ends.values():  # a worker keeps polling until its last messages are acknowledged
+                    e.poll()
+                continue
             cmd, *args = conn.recv()
             if cmd == "exit":
                 return
             if cmd == "ucx":
-                conn.send(_ucx_write_protocols(proto_path))
+                conn.send(put_protocols(Path(proto_path).read_text(errors="replace")))
             elif cmd == "push":  # (ticket, reps index) -> (seconds, memcpy seconds, descriptors, bytes)
-                conn.send(_timed_push(side, args[0]))
+                conn.send(_timed_push(side, *args))
             elif cmd == "handover":
                 if tok is None:
                     from transformers import AutoTokenizer
@@ -203,16 +186,29 @@ def _prefill_main(conn, opts: Options) -> None:
         os.unlink(proto_path)
 
 
-def _timed_push(side: _Side, ticket_dict: dict) -> tuple[float, float, int, int]:
-    import torch
-
+def _timed_push(side: _Side, ticket_dict: dict, copy_first: bool) -> tuple[float, float, int, int]:
+    """One push of a ticket's pages and one memcpy of the same bytes; the order alternates across calls so
+    that neither always finds the source in the cache."""
     from transfer.descriptors import page_runs
     from transfer.ticket import KVTicket
 
     t = KVTicket.from_dict(ticket_dict)
     ps, sender, alloc = t.page_size, side.ends[t.page_size], side.allocs[t.page_size]
+    nbytes = t.num_pages * side.pools[ps].layout.page_nbytes
+    src, dst = side.pools[ps].kv.view(-1)[:nbytes], _scratch(nbytes, side.hugepages)
+
+    def copy() -> float:
+        c0 = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - c0
+
+    def write_seconds() -> float:  # the sender's own per-push latency metric: post to WRITE complete
+        return side.registries[ps].get_sample_value("pd:kv_transfer_latency_seconds_sum") or 0.0
+
+    mc = copy() if copy_first else 0.0
     pages = alloc.allocate(t.num_pages)
     sender.add_request(t)
+    w0 = write_seconds()
     t0 = time.perf_counter()
     sender.push(t.transfer_id, pages, t.num_tokens)
     ev = _until_done(sender)
@@ -220,13 +216,9 @@ def _timed_push(side: _Side, ticket_dict: dict) -> tuple[float, float, int, int]
     if ev.failed:
         raise RuntimeError(f"push failed: {ev.failed[0].error}")
     alloc.free(pages)
-    nbytes = t.num_pages * side.pools[ps].layout.page_nbytes
-    src = side.pools[ps].kv.view(-1)[:nbytes]
-    dst = _scratch(nbytes, side.hugepages)
-    c0 = time.perf_counter()
-    dst.copy_(src)
-    mc = time.perf_counter() - c0
-    return dt, mc, page_runs(pages, t.dst_pages).num_runs, nbytes
+    if not copy_first:
+        mc = copy()
+    return dt, mc, page_runs(pages, t.dst_pages).num_runs, nbytes, write_seconds() - w0
 
 
 def _until_done(sender, limit_s: float = 60.0):
@@ -349,24 +341,27 @@ def throughput(pair: Pair, opts: Options) -> list[dict]:
     cases = [(ps, n, False) for ps in PAGE_SIZES for n in PAGE_COUNTS] + [(16, 4096, True), (64, 256, True)]
     for ps, n, frag in cases:
         reps = opts.reps_small if n * pair.nbytes_per_page[ps] < (4 << 20) else opts.reps_large
-        times, copies, descs = [], [], 0
+        times, copies, writes, descs = [], [], [], 0
         for i in range(reps + 2):
             ticket = pair.ask(pair.d, "expect", ps, n, n * ps, frag, pair.prefill_agents[ps])
-            dt, mc, descs, nbytes = pair.ask(pair.p, "push", ticket)
+            dt, mc, descs, nbytes, wt = pair.ask(pair.p, "push", ticket, i % 2 == 1)
             pair.wait_done(ticket["transfer_id"])
             if i >= 2:  # the first two warm up (connection, first touch)
                 times.append(dt)
                 copies.append(mc)
-        t, c = statistics.median(times), statistics.median(copies)
-        paired = statistics.median(ci / ti for ti, ci in zip(times, copies))  # each push vs the copy right after it
+                writes.append(wt)
+        t, c, w = statistics.median(times), statistics.median(copies), statistics.median(writes)
         rows.append({"page_size": ps, "pages": n, "fragmented": frag, "bytes": nbytes, "descriptors": descs,
-                     "reps": reps, "nixl_ms": t * 1e3, "nixl_gbps": nbytes / t / 1e9,
-                     "memcpy_gbps": nbytes / c / 1e9, "ratio": c / t, "paired_ratio": paired})
+                     "reps": reps, "push_ms": t * 1e3, "write_ms": w * 1e3, "nixl_gbps": nbytes / w / 1e9,
+                     "memcpy_gbps": nbytes / c / 1e9, "ratio": c / w,
+                     "paired_ratio": statistics.median(ci / wi for wi, ci in zip(writes, copies)),
+                     "push_ratio": c / t})
     return rows
 
 
 def handover(pair: Pair, opts: Options) -> list[dict]:
     rows = []
+    pair.d.send(("interval", 0.0002))
     for ps in PAGE_SIZES:
         lat, pushes, compute = [], 0, []
         n_pages = -(-HANDOVER_TOKENS // ps)
@@ -390,14 +385,15 @@ def print_tables(tp: list[dict], ho: list[dict], ucx: list[str], opts: Options) 
           f"(UCX_TLS={opts.ucx_tls or os.environ.get('UCX_TLS') or 'default'}, "
           f"progress thread {'on' if opts.progress_thread else 'off'}, "
           f"pools in {'huge' if opts.hugepages else '4 KiB'} pages)\n")
-    print("| page size | pages | layout on decode | bytes | descriptors | reps | NIXL ms (p50) | NIXL GB/s "
-          "| memcpy GB/s | NIXL / memcpy | paired ratio (p50) |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| page size | pages | layout on decode | bytes | descriptors | reps | push -> done ms | WRITE ms "
+          "| WRITE GB/s | memcpy GB/s | WRITE / memcpy | paired (p50) | push -> done / memcpy |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in tp:
         size = f"{r['bytes'] / 2**20:.2f} MiB" if r["bytes"] >= 2**20 else f"{r['bytes'] / 2**10:.0f} KiB"
         print(f"| {r['page_size']} | {r['pages']} | {'every other page' if r['fragmented'] else 'consecutive'} "
-              f"| {size} | {r['descriptors']} | {r['reps']} | {r['nixl_ms']:.3f} | {r['nixl_gbps']:.2f} "
-              f"| {r['memcpy_gbps']:.2f} | {100 * r['ratio']:.0f}% | {100 * r['paired_ratio']:.0f}% |")
+              f"| {size} | {r['descriptors']} | {r['reps']} | {r['push_ms']:.3f} | {r['write_ms']:.3f} "
+              f"| {r['nixl_gbps']:.2f} | {r['memcpy_gbps']:.2f} | {100 * r['ratio']:.0f}% "
+              f"| {100 * r['paired_ratio']:.0f}% | {100 * r['push_ratio']:.0f}% |")
     print(f"\n# Handover: {HANDOVER_TOKENS}-token prompt, chunks of {HANDOVER_CHUNK}, end of the last forward pass "
           "-> decode poll sees completion\n")
     print("| page size | pages | pushes | runs | p50 ms | p90 ms | max ms | prefill compute ms (p50) |")
@@ -414,9 +410,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both workers (default: the environment's / UCX's)")
     ap.add_argument("--progress-thread", action="store_true", help="run NIXL's UCX progress thread")
     ap.add_argument("--no-hugepages", action="store_true", help="keep the pools in 4 KiB pages")
-    ap.add_argument("--reps-small", type=int, default=40, help="repetitions of transfers under 4 MiB")
-    ap.add_argument("--reps-large", type=int, default=12, help="repetitions of transfers of 4 MiB or more")
-    ap.add_argument("--handover-runs", type=int, default=15)
+    ap.add_argument("--reps-small", type=int, default=60, help="repetitions of transfers under 4 MiB")
+    ap.add_argument("--reps-large", type=int, default=30, help="repetitions of transfers of 4 MiB or more")
+    ap.add_argument("--handover-runs", type=int, default=20)
     ap.add_argument("--json", default=None, help="also write the raw rows to this file")
     a = ap.parse_args(argv)
     opts = Options(a.ucx_tls, a.progress_thread, not a.no_hugepages, a.reps_small, a.reps_large, a.handover_runs)

@@ -137,11 +137,7 @@ class _Worker:
 
     def busy(self) -> bool:
         """Whether a transfer is in progress (the loop then polls without sleeping long)."""
-        if self.jobs:
-            return True
-        if self.sender is not None and self.sender.num_inflight:
-            return True
-        return self.receiver is not None and (self.receiver.num_waiting + self.receiver.num_quarantined) > 0
+        return bool(self.jobs) or any(e is not None and e.has_work for e in (self.sender, self.receiver))
 
     def _end_job(self, tid: str) -> None:
         job = self.jobs.pop(tid, None)

@@ -247,3 +247,43 @@ def test_peer_failed_by_the_caller_then_confirmed(sides):
     assert [(r.pages, r.why) for r in ev.released] == [((29, 30), "sender stopped")]
     with pytest.raises(Exception, match="cancelled by decode"):
         p.sender.add_request(t)  # the late ticket is refused
+
+
+def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
+    """The sender reports completion when its last WRITE is done, but stays busy (has_work) until decode
+    acknowledges the last notification: a worker that went idle at once could strand it."""
+    clock, p, d = sides
+    t = d.receiver.expect("ack", [31], 16, p.agent.name)
+    p.sender.add_request(t)
+    p.sender.push(t.transfer_id, [7], 16, meta={"first_token_id": 1})
+    sent = None
+    for _ in range(100):
+        ev = p.sender.poll()
+        sent = sent or (ev.completed and ev.completed[0])
+        if sent:
+            break
+    assert sent and sent.transfer_id == t.transfer_id
+    assert p.sender.has_work and p.sender.num_inflight == 0  # done, but the Ack is still to come
+    for _ in range(200):
+        d.receiver.poll()
+        p.sender.poll()
+        if not p.sender.has_work:
+            break
+    assert not p.sender.has_work
+    # A last message that is never acknowledged (decode does not know the transfer) is given up on.
+    t2 = d.receiver.expect("no-ack", [32], 16, p.agent.name)
+    d.receiver.withdraw(t2.transfer_id)
+    p.sender.add_request(t2)
+    p.sender.push(t2.transfer_id, [8], 16, meta={})
+    for _ in range(100):
+        d.receiver.poll()
+        if p.sender.poll().completed:
+            break
+    for _ in range(20):
+        d.receiver.poll()
+        p.sender.poll()
+    assert p.sender.has_work
+    clock.t += T / 2 + 0.1
+    with caplog.at_level("WARNING", logger="transfer.sender"):
+        p.sender.poll()
+    assert not p.sender.has_work and "never acknowledged" in caplog.text

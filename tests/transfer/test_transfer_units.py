@@ -224,3 +224,30 @@ def test_hugepages_keep_the_data_and_report_what_moved():
     if "[never]" not in mode:
         assert moved >= 6 * HUGE  # the 2 MiB-aligned interior went to huge pages
     assert advise(torch.zeros(100, dtype=torch.uint8)) == 0  # smaller than one huge page: nothing to do
+
+
+def test_ucx_protocol_tables_are_parsed():
+    from transfer.ucx_env import put_protocols
+
+    text = """[1.1] [vm:1:0]   +--------+-------------+-------------+
+[1.1] [vm:1:0]   | init self cfg#0                              |
+[1.1] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
+[1.1] [vm:1:0]   +--------+-------------+-------------+
+[1.1] [vm:1:0]   | Range  | Description |   Config    |
+[1.1] [vm:1:0]   +--------+-------------+-------------+
+[1.1] [vm:1:0]   | 0..inf | zero-copy   | cma/memory  |
+[1.1] [vm:1:0]   +--------+-------------+-------------+
+[1.2] [vm:1:0]   | init intra-node cfg#1                           |
+[1.2] [vm:1:0]   | active message by ucp_am_send* from host memory |
+[1.2] [vm:1:0]   +------------+--------------------+---------------+
+[1.2] [vm:1:0]   |   Range    |    Description     |    Config     |
+[1.2] [vm:1:0]   |          0 | short              | tcp/lo        |
+[1.3] [vm:1:0]   +--------+-------------+-------------+
+[1.3] [vm:1:0]   | init intra-node cfg#1                                    |
+[1.3] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
+[1.3] [vm:1:0]   +--------+-------------+-------------+
+[1.3] [vm:1:0]   | Range  | Description |   Config    |
+[1.3] [vm:1:0]   +--------+-------------+-------------+
+[1.3] [vm:1:0]   | 0..inf | zero-copy   | cma/memory  |
+"""
+    assert put_protocols(text) == ["0..inf bytes: zero-copy over cma/memory (init intra-node cfg#1)"]
