@@ -86,3 +86,30 @@ def test_can_run():
     assert not runner.can_run(make_batch([(5, 1)] * 5, 5, 16, 40, gen))  # over max_bs
     assert not runner.can_run(make_batch([(5, 1), (0, 3)], 1, 16, 40, gen))  # has a prefill
     assert not runner.can_run(make_batch([(70, 1)], 1, 16, 40, gen))  # longer than captured
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(600)
+def test_decode_step_makes_no_host_sync():
+    """Graph replay, and an eager Triton decode step, run under torch's sync debug mode set to error."""
+    from engine.assets import DEFAULT_MODEL
+    from engine.model.loader import load_model
+    from greedy_driver import make_pool_for
+    loaded = load_model(DEFAULT_MODEL, "float32", device="cuda")
+    a = loaded.arch
+    backend = TritonAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
+    pool = make_pool_for(loaded, "fp8_e4m3", 16, 64, torch.device("cuda"))
+    runner = CudaGraphRunner(loaded.model, pool, backend, CudaGraphConfig(max_bs=8, max_context_len=256))
+    runner.capture()
+    batch = make_batch([(30, 1), (77, 1), (5, 1)], 3, 16, 64, torch.Generator().manual_seed(4))
+    want = loaded.model(batch, pool, backend).clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = runner.replay(batch)
+        eager = loaded.model(batch, pool, backend)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)

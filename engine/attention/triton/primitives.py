@@ -5,10 +5,12 @@ Triton's own ``tl.sum``, ``tl.max``, ``tl.zeros`` and ``tl.cdiv`` are
 ``triton`` is first imported. In a process that imported ``triton`` before
 ``TRITON_INTERPRET=1`` was set (transformers does, through torch._dynamo)
 they stay compiled-mode functions and the interpreter refuses to call them.
-The kernels therefore use only builtins and the helpers below, which are
-decorated when this package loads, after `engine.attention.triton` has set
-the variable on machines without CUDA. The generated code is the same
-reduction either way.
+The kernels therefore call `tl.reduce` directly. Its combine functions are
+Triton's own (``_elementwise_max``, ``_sum_combine``): the compiler emits the
+same code as for ``tl.max``/``tl.sum``, and the interpreter recognises them
+and reduces with numpy, never calling them (a combine function of our own
+would be run element by element in Python, several times slower). If a
+Triton release drops those names, our own combine functions are used.
 """
 
 from __future__ import annotations
@@ -27,13 +29,20 @@ def _add_combine(a, b):
     return a + b
 
 
+try:
+    from triton.language.standard import _elementwise_max as MAX_COMBINE
+    from triton.language.standard import _sum_combine as SUM_COMBINE
+except ImportError:  # pragma: no cover - depends on the Triton release
+    MAX_COMBINE, SUM_COMBINE = _max_combine, _add_combine
+
+
 @triton.jit
 def row_max(x):
     """Max over axis 1 of a 2-D float32 block."""
-    return tl.reduce(x, 1, _max_combine)
+    return tl.reduce(x, 1, MAX_COMBINE)
 
 
 @triton.jit
 def row_sum(x):
     """Sum over axis 1 of a 2-D float32 block."""
-    return tl.reduce(x, 1, _add_combine)
+    return tl.reduce(x, 1, SUM_COMBINE)
