@@ -1,4 +1,4 @@
-"""CPU attention backend: a compiled paged decode kernel, the torch reference for prefill chunks.
+"""CPU attention backend: a compiled paged attention kernel for decodes and prefill chunks alike.
 
 The decode kernel (``csrc/paged_decode.c``) reads each request's K and V
 pages in place through the block table with an online softmax: one pass over
@@ -106,7 +106,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Decode through the compiled kernel, prefill chunks through the torch reference.
+    """Every query token of a step through the compiled kernel (the torch reference for sliding windows).
 
     Raises:
         ImportError: the kernel cannot be built here.
@@ -120,27 +120,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ImportError("the CPU paged-decode kernel could not be built (see the log)")
 
     def prepare(self, batch: ForwardBatch, pool: KVPool) -> None:
+        """Per step: one row per query token, each with its request's block table and causal length.
+
+        A prefill token at position p attends to positions 0..p, exactly what a decode query with
+        ``seq_len = p + 1`` does, so the whole step (decodes and prefill chunks) is one kernel call per layer.
+        """
         if self.sliding_window is not None or pool.kv.device.type != "cpu":
             return super().prepare(batch, pool)
         self._prepared_for = batch
         self._groups = []
-        nd = batch.num_decodes
-        self._tables = batch.block_tables[:nd].to(torch.int32).contiguous() if nd else None
-        self._lens = batch.seq_lens[:nd].to(torch.int32).contiguous() if nd else None
+        if batch.is_decode_only:
+            self._tables = batch.block_tables.to(torch.int32).contiguous()
+        else:
+            lens = torch.tensor(batch.query_lens_cpu, dtype=torch.long)
+            owner = torch.repeat_interleave(torch.arange(len(lens)), lens)
+            self._tables = batch.block_tables.to(torch.int32)[owner].contiguous()
+        self._lens = (batch.positions + 1).to(torch.int32).contiguous()
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 pool: KVPool, batch: ForwardBatch) -> torch.Tensor:
-        if self.sliding_window is not None or not batch.num_decodes or pool.kv.device.type != "cpu":
+        if self.sliding_window is not None or pool.kv.device.type != "cpu":
             return super().forward(layer, q, k, v, pool, batch)
         if getattr(self, "_prepared_for", None) is not batch:
             self.prepare(batch, pool)
         pool.store_kv(layer, k, v, batch.slot_mapping)
-        nd = batch.num_decodes
-        out = torch.empty_like(q)
-        out[:nd] = paged_decode(q[:nd].float().contiguous(), pool, layer, self._tables, self._lens,
-                                self.scale).to(q.dtype)
-        qsl = batch.query_start_loc_cpu
-        for i in range(nd, batch.num_reqs):
-            lo, hi = qsl[i], qsl[i + 1]
-            self._prefill(layer, q[lo:hi], pool, batch, i, out[lo:hi])
-        return out.view(q.shape[0], -1)
+        out = paged_decode(q.float().contiguous(), pool, layer, self._tables, self._lens, self.scale)
+        return out.to(q.dtype).view(q.shape[0], -1)

@@ -72,3 +72,32 @@ def test_torch_reference_backend_exact_end_to_end(kv):
 @needs_kernel
 def test_auto_backend_is_the_kernel_on_cpu():
     assert LLM().engine.backend.name == "cpu"
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cpu_kernel_mixed_decode_and_prefill_chunks_equal_reference(kv_dtype, page_size):
+    gen = torch.Generator().manual_seed(3)
+    layout = KVLayout(2, 2, 16, page_size, kv_dtype, (0.5, 2.0), (1.5, 0.75))
+    pool = KVPool(layout, 400, "cpu", torch.float32)
+    ref_pool = KVPool(layout, 400, "cpu", torch.float32)
+    # two decodes (cached 30 and 5 tokens) and two prefill chunks (a fresh 20-token prompt, and tokens 40..52)
+    starts, qlens = [30, 5, 0, 40], [1, 1, 20, 13]
+    tables, nxt = [], 1
+    for s, n in zip(starts, qlens):
+        k = -(-(s + n) // page_size)
+        tables.append(list(range(nxt, nxt + k)))
+        nxt += k
+    raw = torch.randn(pool.kv.shape, generator=gen)  # the cached tokens already in the pool
+    pool.kv.copy_(raw.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) if kv_dtype == "fp8_e4m3"
+                  else raw.to(pool.kv.dtype))
+    ref_pool.kv.copy_(pool.kv)
+    batch = build_forward_batch([np.arange(n) + 3 for n in qlens], starts, tables,
+                                [np.arange(n) for n in qlens], 2, page_size, torch.device("cpu"))
+    t = sum(qlens)
+    q, k, v = (torch.randn(t, h, 16, generator=gen) for h in (8, 2, 2))
+    for layer in range(2):
+        ref = TorchAttentionBackend(8, 2, 16, 0.25).forward(layer, q, k, v, ref_pool, batch)
+        out = CpuAttentionBackend(8, 2, 16, 0.25).forward(layer, q, k, v, pool, batch)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
