@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
 # -ffast-math lets gcc vectorise expf (glibc's libmvec); the kernel has no inf/NaN logic to lose.
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -63,7 +63,9 @@ def _library() -> ctypes.CDLL:
                 os.unlink(tmp_path)
     so = ctypes.CDLL(str(lib))
     so.pd_paged_decode.restype = ctypes.c_int
-    so.pd_paged_decode.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P] + [_I64] * 8 + [_F32] * 3 + [_P]
+    so.pd_paged_decode.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P] + [_I64] * 8 + [_F32] * 3 + [_P, ctypes.c_int]
+    so.pd_scratch_floats.restype = _I64
+    so.pd_scratch_floats.argtypes = [_I64] * 4
     return so
 
 
@@ -88,18 +90,20 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.
         seq_lens: [B] int32 context lengths (the current token included).
 
     Returns:
-        [B, num_heads, head_dim] float32.
+        [B, num_heads, head_dim] float32. Uses ``torch.get_num_threads()`` threads (``--cpu-threads``).
     """
     b, hq, d = q.shape
     kv = pool.kv
     _, num_layers, _, hkv, ps, _ = kv.shape
     out = torch.empty_like(q)
-    group = hq // hkv
-    scratch = torch.empty(group * block_tables.shape[1] * ps + ps * d + group * d, dtype=torch.float32)
+    lib = _library()
+    threads = max(torch.get_num_threads(), 1)
+    per_thread = lib.pd_scratch_floats(hq // hkv, block_tables.shape[1], ps, d)
+    scratch = torch.empty(per_thread * threads, dtype=torch.float32)
     k_scale, v_scale = pool.layer_scales(layer)
-    rc = _library().pd_paged_decode(q.data_ptr(), kv.data_ptr(), _DTYPE_CODE[kv.dtype], block_tables.data_ptr(),
-                                    seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, ps, num_layers, layer,
-                                    block_tables.shape[1], scale, k_scale, v_scale, scratch.data_ptr())
+    rc = lib.pd_paged_decode(q.data_ptr(), kv.data_ptr(), _DTYPE_CODE[kv.dtype], block_tables.data_ptr(),
+                             seq_lens.data_ptr(), out.data_ptr(), b, hq, hkv, d, ps, num_layers, layer,
+                             block_tables.shape[1], scale, k_scale, v_scale, scratch.data_ptr(), threads)
     if rc != 0:
         raise ValueError(f"pd_paged_decode rejected its arguments (q {tuple(q.shape)}, kv {tuple(kv.shape)})")
     return out

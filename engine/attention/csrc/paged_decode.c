@@ -8,11 +8,15 @@
  *
  * Pool layout (engine/kv/pool.py): [num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim],
  * element type given by `dtype`: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn (uint8 bits).
- * Plain C with no torch headers, so it compiles in about a second; called through ctypes.
+ * Plain C with no torch headers, so it compiles in about a second; called through ctypes. With OpenMP the
+ * (request, KV head) pairs are spread over `num_threads` threads (the engine's --cpu-threads).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 enum { PD_F32 = 0, PD_BF16 = 1, PD_F16 = 2, PD_FP8_E4M3 = 3 };
 
@@ -70,12 +74,15 @@ static inline const float* tile(const void* base, int64_t idx, int dtype, int64_
 }
 
 /* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [B, max_pages] int32; seq_lens [B] int32.
- * scratch: at least group * max_len + page_size * head_dim + group * head_dim floats, where max_len is
- * the largest seq_len rounded up to a page. Returns 0, or -1 on a bad argument. */
+ * scratch: num_threads * pd_scratch_floats(...) floats. Returns 0, or -1 on a bad argument. */
+int64_t pd_scratch_floats(int64_t group, int64_t max_pages, int64_t page_size, int64_t head_dim) {
+  return group * max_pages * page_size + page_size * head_dim + group * head_dim;
+}
+
 int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* seq_lens,
                     float* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t page_size, int64_t num_layers, int64_t layer, int64_t max_pages, float scale,
-                    float k_scale, float v_scale, float* scratch) {
+                    float k_scale, float v_scale, float* scratch, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || head_dim <= 0 || page_size <= 0) return -1;
   if (dtype == PD_FP8_E4M3 && !fp8_ready) init_fp8();
   const int64_t group = num_heads / num_kv_heads, tile_n = page_size * head_dim;
@@ -83,11 +90,19 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
   const int64_t layer_stride = 2 * kv_stride, page_stride = num_layers * layer_stride;
   const int64_t cap = max_pages * page_size;
   const float qk_scale = scale * k_scale;
-  float *scores = scratch, *buf = scores + group * cap, *acc = buf + tile_n;
-  for (int64_t b = 0; b < batch; b++) {
-    const int64_t len = seq_lens[b], n_pages = (len + page_size - 1) / page_size;
-    if (len <= 0 || n_pages > max_pages) return -1;
-    for (int64_t h = 0; h < num_kv_heads; h++) {
+  for (int64_t b = 0; b < batch; b++)
+    if (seq_lens[b] <= 0 || (seq_lens[b] + page_size - 1) / page_size > max_pages) return -1;
+  const int64_t per_thread = pd_scratch_floats(group, max_pages, page_size, head_dim);
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
+  for (int64_t bh = 0; bh < batch * num_kv_heads; bh++) {
+    {
+      int tid = 0;
+#ifdef _OPENMP
+      tid = omp_get_thread_num();
+#endif
+      float *scores = scratch + tid * per_thread, *buf = scores + group * cap, *acc = buf + tile_n;
+      const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+      const int64_t len = seq_lens[b], n_pages = (len + page_size - 1) / page_size;
       const float* qb = q + (b * num_heads + h * group) * head_dim;
       const int64_t base = layer * layer_stride + h * head_stride;
       for (int64_t p = 0; p < n_pages; p++) { /* scores = q . k for every cached token */
