@@ -55,7 +55,7 @@ class Options:
     handover_runs: int
 
 
-# ---- the worker processes ------------------------------------------------------------------------------------------
+# ---- the worker processes -----------------------------------------------------------------------------------
 class _Side:
     """One pool per page size, each with its own agent, sender or receiver."""
 
@@ -77,8 +77,8 @@ class _Side:
         self.hugepages = opts.hugepages
         self.lm = load_model(DEFAULT_MODEL)
         a = self.lm.arch
-        cfg = TransferConfig(kv_transfer_timeout=60.0, ucx_tls=opts.ucx_tls, enable_progress_thread=opts.progress_thread,
-                             hugepages=opts.hugepages)
+        cfg = TransferConfig(kv_transfer_timeout=60.0, ucx_tls=opts.ucx_tls,
+                             enable_progress_thread=opts.progress_thread, hugepages=opts.hugepages)
         self.pools, self.allocs, self.agents, self.ends, self.registries = {}, {}, {}, {}, {}
         for ps in PAGE_SIZES:
             layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, ps, "fp8_e4m3",
@@ -281,7 +281,8 @@ def _handover(side: _Side, ticket_dict: dict, ids: list[int], torch) -> dict:
             compute += time.perf_counter() - c0
             if hi == len(ids):
                 last_forward_end = time.monotonic()
-            pushes += sender.push(t.transfer_id, pages, hi, meta={"first_token_id": first} if hi == len(ids) else None) > 0
+            meta = {"first_token_id": first} if hi == len(ids) else None
+            pushes += sender.push(t.transfer_id, pages, hi, meta=meta) > 0
             ev = sender.poll()  # a worker polls every step; the last poll may already see the end
     if not (ev.completed or ev.failed):
         ev = _until_done(sender)
@@ -291,7 +292,7 @@ def _handover(side: _Side, ticket_dict: dict, ids: list[int], torch) -> dict:
     return {"last_forward_end": last_forward_end, "pushes": pushes, "compute_s": compute}
 
 
-# ---- the parent -------------------------------------------------------------------------------------------------------
+# ---- the parent ---------------------------------------------------------------------------------------------
 class Pair:
     def __init__(self, opts: Options, timeout: float = 300.0) -> None:
         ctx = mp.get_context("spawn")

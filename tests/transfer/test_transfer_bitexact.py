@@ -9,7 +9,6 @@ must equal the same computation in one process, token for token.
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 from conftest import connect_pair

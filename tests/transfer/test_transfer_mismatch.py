@@ -45,7 +45,8 @@ def test_mismatch_fails_at_handshake_and_writes_nothing(workers, field, prefill_
     pre, decs = workers
     dec = decs[field]
     zero = dec.call("pool_hash")
-    for side, other, local, remote in ((dec, pre, decode_value, prefill_value), (pre, dec, prefill_value, decode_value)):
+    sides = ((dec, pre, decode_value, prefill_value), (pre, dec, prefill_value, decode_value))
+    for side, other, local, remote in sides:
         with pytest.raises(PeerCallError) as err:
             side.call("connect", other.url)
         e = err.value

@@ -132,10 +132,12 @@ def test_decode_deadline_then_quarantine(sides):
     t = d.receiver.expect("deadline", [10, 11], 20, p.agent.name)
     clock.t += T - 0.1
     assert not drain(d, 3, p).failed
+    assert d.metric("pd:num_decode_transfer_queue_reqs") == 1
     clock.t += 0.2
     ev = d.receiver.poll()
     assert [(f.transfer_id, type(f.error).__name__) for f in ev.failed] == [(t.transfer_id, "TransferTimeoutError")]
     assert d.receiver.num_quarantined == 1 and not ev.released
+    assert d.metric("pd:num_decode_transfer_queue_reqs") == 0  # failed: no longer waiting for KV
     p.agent.take(protocol.Cancel)  # the sender here is not told to answer: the quarantine must expire
     clock.t += T + 0.1
     ev = d.receiver.poll()
@@ -163,6 +165,7 @@ def test_real_push_moves_bytes_and_counts_them(sides):
     before = p.metric("pd:kv_transfer_bytes_total")
     t = d.receiver.expect("real", [20, 21, 22, 24, 25], 70, p.agent.name)  # two runs on decode
     p.sender.add_request(t)
+    assert p.metric("pd:num_prefill_inflight_queue_reqs") == 1
     assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 15) == 0  # no page complete yet: nothing posted
     assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 40) == 2
     assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 70, meta={"first_token_id": 11}) == 3
@@ -184,7 +187,7 @@ def test_real_push_moves_bytes_and_counts_them(sides):
     speed_sum, speed_n = p.metric("pd:kv_transfer_speed_gb_s_sum"), p.metric("pd:kv_transfer_speed_gb_s_count")
     assert speed_n >= 2 and 0 < speed_sum / speed_n < 1000  # GB/s: physically plausible for host memory
     ev = p.sender.poll()
-    assert p.sender.num_inflight == 0
+    assert p.sender.num_inflight == 0 and p.metric("pd:num_prefill_inflight_queue_reqs") == 0
 
 
 def test_ready_event_defers_the_post(sides):

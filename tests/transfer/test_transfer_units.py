@@ -18,7 +18,7 @@ from transfer.ticket import KVTicket
 from transfer.ucx_env import apply as apply_ucx
 
 
-# ---- descriptors ---------------------------------------------------------------------------------------------
+# ---- descriptors --------------------------------------------------------------------------------------------
 def test_runs_merge_pages_consecutive_on_both_sides():
     runs = page_runs([1, 2, 3, 7, 8, 9, 10, 4], [20, 21, 22, 23, 24, 30, 31, 2])
     assert runs.src_start.tolist() == [1, 7, 9, 4]
@@ -59,7 +59,7 @@ def test_page_validation():
         page_runs([1, 2, 3], [1, 2])
 
 
-# ---- layout ---------------------------------------------------------------------------------------------------
+# ---- layout -------------------------------------------------------------------------------------------------
 def test_identical_layouts_pass():
     check_compatible(info("prefill-h-1-tp0-aaa"), info())
 
@@ -114,7 +114,7 @@ def test_layout_hash_equals_the_engine_layout_hash():
     assert i.layout_hash == lay.hash()
 
 
-# ---- wire format ------------------------------------------------------------------------------------------------
+# ---- wire format --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("msg", [
     protocol.Push("r1@abc.1", 0, 0, 16, 81920),
     protocol.Push("r1@abc.1", 7, 112, 13, 66560, total=8, meta={"first_token_id": 42}),
@@ -135,7 +135,7 @@ def test_foreign_or_malformed_messages_are_refused(raw):
         protocol.decode(raw)
 
 
-# ---- ticket --------------------------------------------------------------------------------------------------------
+# ---- ticket -------------------------------------------------------------------------------------------------
 def test_ticket_round_trip_and_page_count():
     t = KVTicket("r@a.1", "r", "decode-x-a", "prefill-y-b", tuple(range(5, 10)), 70, 16)
     assert KVTicket.from_dict(t.to_dict()) == t
@@ -145,7 +145,7 @@ def test_ticket_round_trip_and_page_count():
         KVTicket.from_dict({"transfer_id": "x"})
 
 
-# ---- config and UCX variables -----------------------------------------------------------------------------------------
+# ---- config and UCX variables -------------------------------------------------------------------------------
 def test_deadlines_derive_from_the_timeout():
     c = TransferConfig(kv_transfer_timeout=30.0)
     assert (c.push_timeout, c.sender_idle_timeout, c.quarantine) == (7.5, 15.0, 30.0)
@@ -204,7 +204,7 @@ def test_rdma_devices_reads_sysfs(tmp_path):
     assert rdma_devices(tmp_path) == ["mlx5_0", "mlx5_1"]
 
 
-# ---- huge pages ----------------------------------------------------------------------------------------------------------
+# ---- huge pages ---------------------------------------------------------------------------------------------
 def test_hugepages_keep_the_data_and_report_what_moved():
     import torch
 
