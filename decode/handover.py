@@ -80,7 +80,7 @@ class DecodeHooks(StepHooks):
             h.resolve(h.ticket_future, ticket)
 
     def poll(self, engine: LLMEngine) -> None:
-        if not self.by_transfer and not self.receiver.num_quarantined:
+        if not self.by_transfer and not self.receiver.has_work:
             return
         ev = self.receiver.poll()
         for done in ev.completed:
@@ -149,4 +149,4 @@ class DecodeHooks(StepHooks):
             self.by_transfer.pop(h.transfer_id, None)
 
     def has_pending(self) -> bool:
-        return bool(self.by_transfer) or self.receiver.num_quarantined > 0
+        return bool(self.by_transfer) or self.receiver.has_work

@@ -120,7 +120,7 @@ class PrefillHooks(StepHooks):
             self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready)
 
     def poll(self, engine: LLMEngine) -> None:
-        if not self.jobs:
+        if not self.jobs and not self.sender.has_work:  # poll also moves the last acknowledgement out
             return
         ev = self.sender.poll()
         now = time.monotonic()
@@ -152,7 +152,7 @@ class PrefillHooks(StepHooks):
         r.push_tail_s = max(now - (job.last_chunk or now), 0.0)
 
     def has_pending(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs) or self.sender.has_work
 
 
 def _jsonable(logprob) -> list:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import torch
 
@@ -34,6 +35,7 @@ _STORAGE = {
     "fp32": torch.float32,
     "fp8_e4m3": torch.uint8,
 }
+_ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,9 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=_STORAGE[self.kv_cache_dtype]).element_size()
+        return _ELEMENT_SIZE[self.kv_cache_dtype]
 
-    @property
+    @cached_property
     def page_nbytes(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
 
