@@ -24,7 +24,6 @@ from engine.serving.engine_loop import EngineLoop
 from engine.serving.errors import HTTPError, to_http_error
 from engine.serving.openai_serving import PromptSource
 from prefill.server import transfer_http_error
-from transfer.agent import TransferAgent
 from transfer.errors import TransferError
 from transfer.http import PeerDirectory, apply
 
@@ -43,14 +42,14 @@ class RemotePrefill(PromptSource):
     Args:
         loop: the engine loop (decode role).
         hooks: the decode hooks in that loop.
-        agent: this worker's transfer agent.
+        agent: this worker's transfer agent (a `TransferAgent`, or a `transfer.tp.TPAgent` under TP).
         directory: peers' metadata cache.
         self_url: this worker's URL (prefill fetches our metadata from it).
         default_prefill_url: used when a request names none (``--prefill-url``).
         http_timeout: seconds for the whole ``/prefill`` call (queueing and prefill included).
     """
 
-    def __init__(self, loop: EngineLoop, hooks: DecodeHooks, agent: TransferAgent, directory: PeerDirectory,
+    def __init__(self, loop: EngineLoop, hooks: DecodeHooks, agent, directory: PeerDirectory,
                  self_url: str, default_prefill_url: str | None = None, http_timeout: float = 600.0) -> None:
         self.loop = loop
         self.hooks = hooks
@@ -84,8 +83,9 @@ class RemotePrefill(PromptSource):
             resolved = await self.directory.aresolve(url, client=self.client)
             if resolved.fetched or not self.agent.is_connected(resolved.info.agent_name):
                 await self.loop.call(lambda e: apply(self.agent, resolved))
-        except TransferError as e:
-            raise transfer_http_error(e) from e
+        except TransferError as e:  # our own handshake refused the prefill worker: a bad pair, 502 for the router
+            err = transfer_http_error(e)
+            raise HTTPError(502 if err.status < 500 else err.status, err.message, None, err.code) from e
         aloop = asyncio.get_running_loop()
         h = Handover(request_id, resolved.info.agent_name, aloop.create_future(), aloop.create_future(), aloop)
         stream = self.loop.open_stream(request_id)

@@ -14,11 +14,9 @@ from engine.serving.metrics import WorkerMetrics
 from engine.serving.mixed import serving_routes
 from engine.serving.openai_serving import OpenAIServing
 from engine.serving.worker_app import WorkerState, create_worker_app, server_info
-from transfer.agent import TransferAgent
 from transfer.config import from_cli_args
 from transfer.http import PeerDirectory, make_router
-from transfer.metrics import TransferMetrics
-from transfer.receiver import KVReceiver
+from transfer.tp import make_worker_transfer
 
 
 def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None):
@@ -27,8 +25,7 @@ def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "decode")
     tconfig = from_cli_args(args)
-    agent = TransferAgent(engine.pool, engine.loaded.identity, "decode", tconfig)
-    receiver = KVReceiver(agent, TransferMetrics(registry))
+    agent, receiver = make_worker_transfer(engine, "decode", tconfig, registry)
     hooks = DecodeHooks(receiver)
 
     def on_step(e, out, dt):

@@ -53,6 +53,7 @@ class ClusterSpec:
         num_prefill, num_decode: PD workers (ignored when `colocated`).
         colocated: start `num_workers` mixed workers instead.
         engine_argv: engine/transfer flags passed to every worker.
+        role_argv: extra flags for the workers of one role (``{"prefill": [...]}``), after `engine_argv`.
         router_argv: extra router flags.
     """
 
@@ -63,6 +64,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     router_port: int = 8000
     engine_argv: list[str] = field(default_factory=list)
+    role_argv: dict[str, list[str]] = field(default_factory=dict)
     router_argv: list[str] = field(default_factory=list)
     log_level: str = "info"
     echo: bool = True
@@ -96,7 +98,8 @@ class LocalCluster:
     def _add_worker(self, name: str, role: str, port: int) -> None:
         url = f"http://{self.spec.host}:{port}"
         argv = [sys.executable, "-m", "launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
-                "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv]
+                "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
+                *self.spec.role_argv.get(role, [])]
         self.procs.append(Proc(name, role, url, argv))
 
     # ---- lifecycle ---------------------------------------------------------------

@@ -30,13 +30,11 @@ from engine.serving.metrics import WorkerMetrics
 from engine.serving.openai_serving import until_disconnect
 from engine.serving.worker_app import WorkerState, create_worker_app, server_info
 from prefill.jobs import PrefillHooks, PrefillJob
-from transfer.agent import TransferAgent
 from transfer.config import from_cli_args
 from transfer.errors import LayoutMismatchError, StalePeerError, TransferError, TransferTimeoutError
 from transfer.http import PeerDirectory, apply, make_router
-from transfer.metrics import TransferMetrics
-from transfer.sender import KVSender
 from transfer.ticket import KVTicket
+from transfer.tp import make_worker_transfer, parse_ticket
 
 logger = logging.getLogger("pd.prefill")
 
@@ -57,7 +55,7 @@ def transfer_http_error(e: BaseException) -> HTTPError:
 class PrefillServer:
     """Handlers of the prefill role."""
 
-    def __init__(self, engine: LLMEngine, loop: EngineLoop, hooks: PrefillHooks, agent: TransferAgent,
+    def __init__(self, engine: LLMEngine, loop: EngineLoop, hooks: PrefillHooks, agent,
                  directory: PeerDirectory, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.loop = loop
@@ -72,7 +70,7 @@ class PrefillServer:
         try:
             data = json.loads(await request.body())
             rid = str(data["request_id"])
-            ticket = KVTicket.from_dict(data["ticket"])
+            ticket = parse_ticket(data["ticket"])
             params = SamplingParams(**data.get("sampling", {}))
             prompt_ids = [int(t) for t in data["prompt_token_ids"]]
             await self._connect(str(data["decode_url"]), ticket)
@@ -131,8 +129,7 @@ def build_prefill_app(engine: LLMEngine, args: Any, host_info: dict | None = Non
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "prefill")
     tconfig = from_cli_args(args)
-    agent = TransferAgent(engine.pool, engine.loaded.identity, "prefill", tconfig)
-    sender = KVSender(agent, TransferMetrics(registry))
+    agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
     hooks = PrefillHooks(sender, engine.device)
     loop = EngineLoop(engine, hooks, on_step=lambda e, out, dt: metrics.on_step(e))
     info = server_info(engine, dict(host_info or {}, kv_agent=agent.name, kv_incarnation=agent.incarnation))

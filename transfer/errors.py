@@ -24,6 +24,18 @@ class TransferError(RuntimeError):
         self.transfer_id = transfer_id
         self.peer = peer
 
+    def __reduce__(self):
+        # Subclasses take keyword-only arguments, which default exception pickling cannot replay; errors
+        # cross process boundaries under tensor parallelism (a rank's events go to rank 0).
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> TransferError:
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 @dataclass(frozen=True)
 class Mismatch:

@@ -70,6 +70,7 @@ class AgentInfo:
     nixl_metadata: bytes = field(repr=False)
     control_metadata: bytes = field(default=b"", repr=False)
     protocol: int = PROTOCOL_VERSION
+    tp_peers: tuple[AgentInfo, ...] = ()  # rank 0's info also carries ranks 1..N-1 of its worker
 
     @property
     def page_nbytes(self) -> int:
@@ -90,6 +91,7 @@ class AgentInfo:
             "scales_base": self.scales_base, "scales_nbytes": self.scales_nbytes,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
             "control_metadata": base64.b64encode(self.control_metadata).decode("ascii"),
+            **({"tp_peers": [p.to_dict() for p in self.tp_peers]} if self.tp_peers else {}),
         }
 
     @classmethod
@@ -109,6 +111,7 @@ class AgentInfo:
                 nixl_metadata=base64.b64decode(d["nixl_metadata"], validate=True),
                 control_metadata=base64.b64decode(d["control_metadata"], validate=True),
                 protocol=int(d["protocol"]),
+                tp_peers=tuple(cls.from_dict(p) for p in d.get("tp_peers", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed KV transfer agent info: {e!r}") from e

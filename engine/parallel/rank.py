@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+from importlib import import_module
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ class RankServer:
         self.shard = shard
         self.tp = tp
         self.device = device
+        self.extensions: dict[str, Any] = {}
 
     def forward(self, inputs: BatchInputs) -> torch.Tensor | None:
         logits = self.shard.forward(inputs.build(self.device))
@@ -56,6 +58,15 @@ class RankServer:
 
     def ping(self) -> int:
         return self.tp.rank
+
+    def install(self, name: str, factory: str, *args: Any) -> None:
+        """Create ``factory(shard, tp, *args)`` (``"module:callable"``) on this rank, e.g. a transfer agent."""
+        module, attr = factory.split(":")
+        self.extensions[name] = getattr(import_module(module), attr)(self.shard, self.tp, *args)
+
+    def ext(self, name: str, method: str, *args: Any) -> Any:
+        """Call a method of an installed extension."""
+        return getattr(self.extensions[name], method)(*args)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -123,19 +134,23 @@ class TPDriver:
         """Run ``RankServer.<name>(*args)`` on every rank; rank 0's result, or every rank's with `gather`.
 
         Raises:
-            RuntimeError: a rank failed (with `gather`), or a rank process is gone.
+            Exception: with `gather`, the first rank's exception, as raised there.
+            RuntimeError: a rank process is gone.
         """
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel ranks exited: {dead}")
         self.tp.broadcast_object((name, args, gather))
-        result = getattr(self.local, name)(*args)
         if not gather:
-            return result
+            return getattr(self.local, name)(*args)
+        try:
+            result: Any = getattr(self.local, name)(*args)
+        except Exception as e:  # noqa: BLE001 - the other ranks still take part in the gather
+            result = e
         results = self.tp.gather_objects(result)
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
-            raise RuntimeError(f"{name} failed on {len(errors)} rank(s): {errors[0]!r}")
+            raise errors[0]  # the rank's own exception (e.g. a layout mismatch), so callers can tell them apart
         return results
 
     def shutdown(self, timeout: float = 10.0, graceful: bool = True) -> None:

@@ -64,6 +64,7 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             state.loop.stop()
             if on_shutdown is not None:
                 await _maybe_await(on_shutdown())
+            state.loop.engine.close()  # stops tensor-parallel ranks, if any
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 

@@ -1,0 +1,40 @@
+"""Tensor parallelism in a PD cluster: every TP rank pushes its share of the KV heads to the same rank of
+the decode worker, and the output equals a single process's; mismatched TP sizes fail at the handshake."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from cluster_util import PROMPTS, running_cluster, wait_all_free
+
+from engine import LLM, SamplingParams
+
+TP2_FP8 = ["--tp-size", "2", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", "--chunked-prefill-size", "8"]
+
+
+@pytest.mark.timeout(900)
+def test_tp2_pd_equals_single_process():
+    ref = LLM(kv_cache_dtype="fp8_e4m3", page_size=16).generate(
+        PROMPTS, SamplingParams(max_tokens=30, temperature=0.0))
+    with running_cluster(1, 1, engine_argv=TP2_FP8) as cluster:
+        info = httpx.get(next(p.url for p in cluster.procs if p.role == "decode") + "/kv_transfer/info").json()
+        assert len(info["tp_peers"]) == 1  # rank 1's agent is announced with rank 0's
+        client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", max_retries=0)
+        for prompt, r in zip(PROMPTS, ref):
+            out = client.completions.create(model="stories260K", prompt=prompt, max_tokens=30, temperature=0)
+            assert out.choices[0].text == r.text, prompt
+        loads = wait_all_free(cluster, 10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+
+
+@pytest.mark.timeout(900)
+def test_tp_size_mismatch_fails_at_the_handshake_with_both_values():
+    with running_cluster(1, 1, role_argv={"prefill": ["--tp-size", "2"]}) as cluster:
+        r = httpx.post(cluster.router_url + "/v1/completions", timeout=60, json={
+            "model": "stories260K", "prompt": "Once upon a time", "max_tokens": 5})
+        assert r.status_code == 502, r.text
+        message = r.json()["error"]["message"]
+        assert "tp_size" in message and "local=1" in message and "remote=2" in message, message
+        loads = wait_all_free(cluster, 10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads

@@ -1,0 +1,351 @@
+"""KV transfer under tensor parallelism: one agent per rank, rank r of prefill to rank r of decode.
+
+Every rank of a worker holds its own pool (its share of the KV heads) and its
+own `TransferAgent`; all ranks use the same page ids (rank 0's allocator).
+Rank 0 serves one `AgentInfo` whose ``tp_peers`` lists ranks 1..N-1, and
+drives every rank through the proxies here, which keep the single-agent API
+of `KVSender` / `KVReceiver`, so the prefill and decode workers use them
+unchanged:
+
+- `TPTicket`: the per-rank tickets of one request, sent as one JSON object.
+- `TPAgent`, `TPSender`, `TPReceiver`: rank 0's view. Each call runs on every
+  rank (`engine.parallel.rank.TPDriver`); `poll` gathers the ranks' events and
+  merges them: a transfer is complete when every rank's part is, failed as soon
+  as one part fails (the other parts are then aborted), and its pages are
+  reusable only once every rank's part has released them or completed.
+- `RankTransfer`: what each rank holds, installed on all ranks by the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from transfer.agent import TransferAgent
+from transfer.layout import AgentInfo
+from transfer.metrics import TransferMetrics
+from transfer.receiver import KVReceiver, PagesReleased, ReceiverEvents, RecvDone, RecvFailed
+from transfer.sender import KVSender, SendDone, SenderEvents, SendFailed
+from transfer.ticket import KVTicket
+
+EXTENSION = "kv_transfer"
+MIN_POLL_INTERVAL_S = 0.001  # a poll is two collectives; the step loop may ask far more often
+
+
+@dataclass(frozen=True)
+class TPTicket:
+    """The tickets of one request, one per rank (rank r's names rank r's agents)."""
+
+    tickets: tuple[KVTicket, ...]
+
+    @property
+    def transfer_id(self) -> str:
+        return self.tickets[0].transfer_id
+
+    @property
+    def request_id(self) -> str:
+        return self.tickets[0].request_id
+
+    @property
+    def decode_agent(self) -> str:
+        """Rank 0's decode agent (the name the decode worker's served info carries)."""
+        return self.tickets[0].decode_agent
+
+    @property
+    def prefill_agent(self) -> str:
+        return self.tickets[0].prefill_agent
+
+    def to_dict(self) -> dict:
+        return {"tp": [t.to_dict() for t in self.tickets]}
+
+
+def parse_ticket(d: dict) -> KVTicket | TPTicket:
+    """A ticket from its JSON form (a TP ticket when it has ``tp``).
+
+    Raises:
+        ValueError: malformed.
+    """
+    if "tp" in d:
+        return TPTicket(tuple(KVTicket.from_dict(t) for t in d["tp"]))
+    return KVTicket.from_dict(d)
+
+
+class RankTransfer:
+    """One rank's agent and sender or receiver (installed on every rank by `install`).
+
+    Args:
+        shard: the rank's `engine.parallel.shard.Shard` (its pool is registered). Rank 0's shard may carry
+            ``metrics_registry``, the worker's registry, so its metrics are served.
+        tp: the rank's `TPGroup`.
+        role: ``prefill`` or ``decode``.
+        config: the `TransferConfig`.
+        identity: the model identity for the handshake.
+    """
+
+    def __init__(self, shard, tp, role: str, config, identity: str) -> None:
+        self.rank = tp.rank
+        self.device = shard.pool.kv.device
+        self.agent = TransferAgent(shard.pool, identity, role, config)
+        metrics = TransferMetrics(getattr(shard, "metrics_registry", None) or CollectorRegistry())
+        self.sender = KVSender(self.agent, metrics) if role == "prefill" else None
+        self.receiver = KVReceiver(self.agent, metrics) if role == "decode" else None
+        self.peer_names: dict[str, str] = {}  # rank 0's name of a peer worker -> this rank's peer agent
+
+    def info(self) -> AgentInfo:
+        return self.agent.info
+
+    def connect(self, info0: AgentInfo) -> None:
+        peers = (info0,) + info0.tp_peers
+        if len(peers) <= self.rank:
+            raise ValueError(f"peer {info0.agent_name} has {len(peers)} TP ranks; this is rank {self.rank}")
+        mine = peers[self.rank]
+        self.agent.connect(mine)
+        self.peer_names[info0.agent_name] = mine.agent_name
+
+    def disconnect(self, name0: str) -> None:
+        name = self.peer_names.pop(name0, None)
+        if name is not None:
+            self.agent.disconnect(name)
+
+    def sender_add(self, tickets: tuple[KVTicket, ...]) -> None:
+        self.sender.add_request(tickets[self.rank])
+
+    def sender_push(self, tids: tuple[str, ...], block_table: list[int], end: int, meta: dict | None) -> int:
+        ready = None
+        if self.device.type == "cuda":  # posted once this rank's forward pass has written the pages
+            ready = torch.cuda.Event()
+            ready.record()
+        return self.sender.push(tids[self.rank], block_table, end, meta=meta, ready_event=ready)
+
+    def sender_abort(self, tids: tuple[str, ...], message: str) -> bool:
+        return self.sender.abort(tids[self.rank], message)
+
+    def sender_poll(self) -> tuple[SenderEvents, bool, int]:
+        ev = self.sender.poll()
+        return ev, self.sender.has_work, self.sender.num_inflight
+
+    def receiver_expect(self, request_id: str, pages: list[int], num_tokens: int, prefill0: str) -> KVTicket:
+        return self.receiver.expect(request_id, pages, num_tokens, self.peer_names[prefill0])
+
+    def receiver_abort(self, tids: tuple[str, ...], message: str) -> bool:
+        return self.receiver.abort(tids[self.rank], message)
+
+    def receiver_withdraw(self, tids: tuple[str, ...]) -> tuple[int, ...]:
+        return self.receiver.withdraw(tids[self.rank])
+
+    def receiver_peer_failed(self, prefill0: str, message: str) -> None:
+        name = self.peer_names.get(prefill0)
+        if name is not None:
+            self.receiver.peer_failed(name, message)
+
+    def receiver_poll(self) -> tuple[ReceiverEvents, bool, int]:
+        ev = self.receiver.poll()
+        return ev, self.receiver.has_work, self.receiver.num_waiting
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+def install(driver, role: str, config, identity: str) -> list[AgentInfo]:
+    """Create a `RankTransfer` on every rank; returns their infos in rank order."""
+    driver.call("install", EXTENSION, "transfer.tp:RankTransfer", role, config, identity, gather=True)
+    return driver.call("ext", EXTENSION, "info", gather=True)
+
+
+class TPAgent:
+    """Rank 0's stand-in for a `TransferAgent` (the handshake runs on every rank)."""
+
+    def __init__(self, driver, infos: list[AgentInfo]) -> None:
+        self.driver = driver
+        self.name = infos[0].agent_name
+        self.incarnation = infos[0].incarnation
+        self.info = replace(infos[0], tp_peers=tuple(infos[1:]))
+        self._connected: set[str] = set()
+
+    def is_connected(self, name: str) -> bool:
+        return name in self._connected
+
+    def connect(self, info: AgentInfo) -> None:
+        """Raises: LayoutMismatchError (from any rank) as `TransferAgent.connect`."""
+        self.driver.call("ext", EXTENSION, "connect", info, gather=True)
+        self._connected.add(info.agent_name)
+
+    def disconnect(self, name: str) -> None:
+        self.driver.call("ext", EXTENSION, "disconnect", name, gather=True)
+        self._connected.discard(name)
+
+    def close(self) -> None:
+        self.driver.call("ext", EXTENSION, "close", gather=True)
+
+
+@dataclass
+class _Parts:
+    """Rank 0's record of one transfer's per-rank parts."""
+
+    tids: tuple[str, ...]
+    request_id: str
+    done: dict[int, object] = field(default_factory=dict)      # rank -> SendDone / RecvDone
+    failed: dict[int, object] = field(default_factory=dict)    # rank -> SendFailed / RecvFailed
+    released: dict[int, object] = field(default_factory=dict)  # rank -> PagesReleased (decode)
+    reported: bool = False
+    aborted: bool = False
+
+
+class _TPProxy:
+    def __init__(self, driver) -> None:
+        self.driver = driver
+        self.size = driver.tp.size
+        self.parts: dict[str, _Parts] = {}
+        self._has_work = False
+        self._last_poll = 0.0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.parts) or self._has_work
+
+    def _gather(self, method: str) -> list | None:
+        now = time.monotonic()
+        if now - self._last_poll < MIN_POLL_INTERVAL_S:
+            return None
+        self._last_poll = now
+        results = self.driver.call("ext", EXTENSION, method, gather=True)
+        self._has_work = any(r[1] for r in results)
+        return [r[0] for r in results]
+
+    def _abort_rest(self, p: _Parts, method: str, message: str) -> None:
+        if not p.aborted:
+            p.aborted = True
+            self.driver.call("ext", EXTENSION, method, p.tids, message, gather=True)
+
+
+class TPSender(_TPProxy):
+    """Rank 0's `KVSender` for all ranks."""
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self.parts)
+
+    def add_request(self, ticket: TPTicket) -> None:
+        if not isinstance(ticket, TPTicket) or len(ticket.tickets) != self.size:
+            raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
+        self.driver.call("ext", EXTENSION, "sender_add", ticket.tickets, gather=True)
+        self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id)
+
+    def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
+             ready_event=None) -> int:
+        p = self.parts[transfer_id]
+        return self.driver.call("ext", EXTENSION, "sender_push", p.tids, list(block_table), num_computed_tokens, meta)
+
+    def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
+        p = self.parts.get(transfer_id)
+        if p is None:
+            return False
+        self._abort_rest(p, "sender_abort", message)
+        return True
+
+    def poll(self) -> SenderEvents:
+        out = SenderEvents()
+        events = self._gather("sender_poll") if (self.parts or self._has_work) else None
+        if events is None:
+            return out
+        by_rank_tid = {tid: (tid0, r) for tid0, p in self.parts.items() for r, tid in enumerate(p.tids)}
+        for rank, ev in enumerate(events):
+            for item in ev.completed + ev.failed:
+                tid0, r = by_rank_tid.get(item.transfer_id, (None, None))
+                if tid0 is not None:
+                    (self.parts[tid0].done if isinstance(item, SendDone) else self.parts[tid0].failed)[r] = item
+        for tid0, p in list(self.parts.items()):
+            if p.failed and not p.aborted:
+                self._abort_rest(p, "sender_abort", f"rank {min(p.failed)} failed")
+            if len(p.done) + len(p.failed) < self.size:
+                continue
+            del self.parts[tid0]
+            if p.failed:
+                out.failed.append(SendFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
+            else:
+                d = [p.done[r] for r in range(self.size)]
+                out.completed.append(SendDone(tid0, p.request_id, d[0].num_pushes, sum(x.nbytes for x in d),
+                                              max(x.seconds for x in d)))
+        return out
+
+
+class TPReceiver(_TPProxy):
+    """Rank 0's `KVReceiver` for all ranks."""
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for p in self.parts.values() if not p.failed and not p.aborted)
+
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> TPTicket:
+        tickets = self.driver.call("ext", EXTENSION, "receiver_expect", request_id, list(pages), num_tokens,
+                                   prefill_agent, gather=True)
+        ticket = TPTicket(tuple(tickets))
+        self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in tickets), request_id)
+        return ticket
+
+    def abort(self, transfer_id: str, message: str = "aborted by decode") -> bool:
+        p = self.parts.get(transfer_id)
+        if p is None or p.aborted:
+            return False
+        self._abort_rest(p, "receiver_abort", message)
+        return True
+
+    def withdraw(self, transfer_id: str) -> tuple[int, ...]:
+        p = self.parts.pop(transfer_id)
+        return self.driver.call("ext", EXTENSION, "receiver_withdraw", p.tids, gather=True)[0]
+
+    def peer_failed(self, prefill_agent: str, message: str) -> None:
+        self.driver.call("ext", EXTENSION, "receiver_peer_failed", prefill_agent, message, gather=True)
+
+    def poll(self) -> ReceiverEvents:
+        out = ReceiverEvents()
+        events = self._gather("receiver_poll") if (self.parts or self._has_work) else None
+        if events is None:
+            return out
+        by_rank_tid = {tid: (tid0, r) for tid0, p in self.parts.items() for r, tid in enumerate(p.tids)}
+        for ev in events:
+            for item in ev.completed + ev.failed + ev.released:
+                tid0, r = by_rank_tid.get(item.transfer_id, (None, None))
+                if tid0 is None:
+                    continue
+                p = self.parts[tid0]
+                {RecvDone: p.done, RecvFailed: p.failed, PagesReleased: p.released}[type(item)][r] = item
+        for tid0, p in list(self.parts.items()):
+            self._merge(tid0, p, out)
+        return out
+
+    def _merge(self, tid0: str, p: _Parts, out: ReceiverEvents) -> None:
+        if not p.failed and len(p.done) == self.size:
+            del self.parts[tid0]
+            d = [p.done[r] for r in range(self.size)]
+            out.completed.append(RecvDone(tid0, p.request_id, d[0].pages, d[0].meta, d[0].pushes,
+                                          sum(x.nbytes for x in d), max(x.wait_s for x in d),
+                                          max(x.transfer_s for x in d)))
+            return
+        if p.failed and not p.reported:
+            p.reported = True
+            out.failed.append(RecvFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
+            self._abort_rest(p, "receiver_abort", f"rank {min(p.failed)} failed")
+        if p.failed and len(p.done) + len(p.released) == self.size:
+            del self.parts[tid0]
+            pages = next(iter(p.released.values())).pages if p.released else p.done[min(p.done)].pages
+            out.released.append(PagesReleased(tid0, p.request_id, pages, "every rank's part ended"))
+
+
+def make_worker_transfer(engine, role: str, config, registry):
+    """The transfer agent and the sender (prefill) or receiver (decode) of a worker running `engine`.
+
+    Without TP: a `TransferAgent` with a `KVSender` / `KVReceiver`. With TP: a `RankTransfer` on every rank and
+    the `TPAgent` / `TPSender` / `TPReceiver` proxies. Metrics go on `registry` (rank 0's agent).
+    """
+    if engine.tp_driver is None:
+        agent = TransferAgent(engine.pool, engine.loaded.identity, role, config)
+        metrics = TransferMetrics(registry)
+        return agent, (KVSender(agent, metrics) if role == "prefill" else KVReceiver(agent, metrics))
+    engine.shard.metrics_registry = registry
+    infos = install(engine.tp_driver, role, config, engine.loaded.identity)
+    proxy = TPSender(engine.tp_driver) if role == "prefill" else TPReceiver(engine.tp_driver)
+    return TPAgent(engine.tp_driver, infos), proxy
