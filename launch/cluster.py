@@ -102,10 +102,19 @@ class LocalCluster:
                 *self.spec.role_argv.get(role, [])]
         self.procs.append(Proc(name, role, url, argv))
 
+    where = "on this machine"
+
     # ---- lifecycle ---------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        """Spawn every process; with `timeout`, also `wait_ready` (raises as it does)."""
         for p in self.procs + [self.router]:
             self._spawn(p)
+        if timeout is not None:
+            self.wait_ready(timeout)
+
+    def dead(self) -> list[str]:
+        """Names of the processes that exited."""
+        return [p.name for p in self.procs + [self.router] if not p.alive()]
 
     def _spawn(self, p: Proc) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -182,6 +191,7 @@ class LocalCluster:
                 os.killpg(p.popen.pid, signal.SIGKILL)
                 p.popen.wait(5)
 
+    @property
     def manifest(self) -> dict:
         """URLs and PIDs of every process (`pd-serve --manifest` writes this as JSON)."""
         return {"router": {"url": self.router_url, "pid": self.router.pid},
@@ -189,7 +199,7 @@ class LocalCluster:
 
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
-            json.dump(self.manifest(), f, indent=2)
+            json.dump(self.manifest, f, indent=2)
 
 
 def _healthy(client: httpx.Client, p: Proc) -> bool:

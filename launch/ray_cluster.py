@@ -27,13 +27,11 @@ The placement approach follows Ray's placement-group API (docs.ray.io,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from dataclasses import dataclass
 import httpx
 
 from launch.cluster import ClusterSpec, _router_has_model, _router_sees_all_healthy
+from launch.supervise import serve_until_stopped
 
 ACTOR_PREFIX = "pd-worker"
 GPUS_PER_NODE_DEFAULT = 8
@@ -170,6 +169,7 @@ class RayCluster:
     def __init__(self, address: str, spec: ClusterSpec, tp_size: int | None) -> None:
         self.address, self.spec, self.tp_size = address, spec, tp_size
         self.local = address == "local"
+        self.where = "on a local Ray instance (CPU)" if self.local else f"on Ray at {address}"
         self.namespace = f"pd-cluster-{uuid.uuid4().hex[:8]}"
         self.workers: list = []
         self.names: list[str] = []
@@ -317,38 +317,4 @@ def _session_dir(ray) -> str | None:
 def run_ray_cluster(address: str, spec: ClusterSpec, args: argparse.Namespace) -> int:
     """Run `spec` on Ray until SIGINT/SIGTERM; 0 on a clean stop, 1 when start-up failed (``pd-serve`` entry)."""
     cluster = RayCluster(address, spec, getattr(args, "tp_size", None))
-    stop = threading.Event()
-    try:
-        cluster.start(getattr(args, "startup_timeout", 300.0))
-        signal.signal(signal.SIGINT, lambda *_: stop.set())  # after ray.init, which installs its own
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        if getattr(args, "manifest", None):
-            with open(args.manifest, "w") as f:
-                json.dump(cluster.manifest, f, indent=2)
-        _banner(cluster)
-        while not stop.wait(5.0):
-            dead = cluster.dead()
-            if dead:
-                print(f"pd-serve: {', '.join(dead)} exited; the cluster keeps serving with the rest",
-                      file=sys.stderr)
-    except (RuntimeError, ValueError) as e:
-        print(f"pd-serve: {e}", file=sys.stderr)
-        return 1
-    finally:
-        print("pd-serve: stopping", file=sys.stderr)
-        cluster.stop()
-    return 0
-
-
-def _banner(cluster: RayCluster) -> None:
-    m = cluster.manifest
-    roles = ", ".join(f"{w['name']} {w['url']}" for w in m["workers"])
-    where = "a local Ray instance (CPU)" if cluster.local else f"Ray at {cluster.address}"
-    print(f"""
-pd-cluster is ready on {where}, namespace {m['ray']['namespace']} ({roles})
-OpenAI endpoint: {cluster.router_url}/v1
-
-  pd-bench --base-url {cluster.router_url} --dataset-name random --num-prompts 50 --request-rate 5
-
-Ctrl-C stops everything.
-""", flush=True)
+    return serve_until_stopped(cluster, getattr(args, "startup_timeout", 300.0), getattr(args, "manifest", None))

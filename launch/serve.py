@@ -12,12 +12,11 @@ passes flags to the router.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from engine.args import ENGINE_FLAGS, add_engine_args
 from launch.cluster import ClusterSpec, LocalCluster
+from launch.supervise import serve_until_stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,49 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         from launch.ray_cluster import run_ray_cluster
 
         return run_ray_cluster(args.ray_address, spec, args)
-    cluster = LocalCluster(spec)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        cluster.start()
-        cluster.wait_ready(args.startup_timeout)
-        if args.manifest:
-            cluster.write_manifest(args.manifest)
-        _banner(cluster, spec)
-        while not stop.wait(0.5):
-            dead = [p.name for p in cluster.procs + [cluster.router] if not p.alive()]
-            if dead:
-                print(f"pd-serve: {', '.join(dead)} exited; the cluster keeps serving with the rest "
-                      "(the router routes around dead workers)", file=sys.stderr)
-                stop.wait(5.0)
-    except RuntimeError as e:
-        print(f"pd-serve: {e}", file=sys.stderr)
-        return 1
-    finally:
-        print("pd-serve: stopping", file=sys.stderr)
-        cluster.stop()
-    return 0
-
-
-def _banner(cluster: LocalCluster, spec: ClusterSpec) -> None:
-    import httpx
-
-    roles = ", ".join(f"{p.name} {p.url}" for p in cluster.procs)
-    url = cluster.router_url
-    model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
-    print(f"""
-pd-cluster is ready: {'colocated' if spec.colocated else 'prefill/decode disaggregated'} ({roles})
-OpenAI endpoint: {url}/v1
-
-  curl {url}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}}'
-
-  pd-bench --base-url {url} --dataset-name random --random-input-len 200 --random-output-len 100 \\
-    --num-prompts 50 --request-rate 5
-
-Ctrl-C stops everything.
-""", flush=True)
+    return serve_until_stopped(LocalCluster(spec), args.startup_timeout, args.manifest)
 
 
 if __name__ == "__main__":

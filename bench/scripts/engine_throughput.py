@@ -104,7 +104,7 @@ def main() -> None:
         h_dt, h_tok = run_transformers(items, args, tok)
         rows.append((f"transformers generate (batch {args.hf_batch_size})", h_dt, h_tok,
                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-    print(f"\n| system | time (s) | output tokens | output tok/s | total tok/s | peak RSS (MiB) |")
+    print("\n| system | time (s) | output tokens | output tok/s | total tok/s | peak RSS (MiB) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, dt, tokens, rss in rows:
         print(f"| {name} | {dt:.2f} | {tokens} | {tokens / dt:,.0f} | {(tokens + n_in) / dt:,.0f} | {rss:,.0f} |")
