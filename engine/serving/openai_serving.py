@@ -85,12 +85,15 @@ class OpenAIServing:
     # ---- the request path ------------------------------------------------------------
     async def _serve(self, request: Request, kind: str) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # The engine's id is unique per attempt: a router retry of the same request may reach this worker while
+        # the failed attempt still holds its pages (waiting for the sender to stop writing into them).
+        engine_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         arrival = time.monotonic()
         try:
             body, prompt_ids, params = await self._parse(request, kind)
             builder = ResponseBuilder(kind, request_id, self.model_name, self.tokenizer,
                                       want_logprobs=params.logprobs is not None)
-            stream, first = await self._start(request, request_id, prompt_ids, params)
+            stream, first = await self._start(request, engine_id, prompt_ids, params)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             err = to_http_error(e)
             if err.status >= 500:
@@ -99,9 +102,9 @@ class OpenAIServing:
         headers = {"X-Request-Id": request_id}
         timing = _Timing(self.metrics, arrival)
         if body.stream:
-            gen = self._stream(request_id, builder, stream, first, body.include_usage, timing)
+            gen = self._stream(engine_id, builder, stream, first, body.include_usage, timing)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        return await self._collect(request, request_id, builder, stream, first, timing, headers)
+        return await self._collect(request, engine_id, builder, stream, first, timing, headers)
 
     async def _parse(self, request: Request, kind: str):
         raw = await request.body()
