@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
@@ -57,3 +59,43 @@ def test_killed_prefill_is_retried_on_the_other_and_nothing_hangs():
         decode = loads["decode-0"]
         assert decode["num_free_pages"] == decode["num_total_pages"], decode
         assert loads["prefill-1"]["num_free_pages"] == loads["prefill-1"]["num_total_pages"]
+
+
+@pytest.mark.timeout(600)
+def test_retry_with_the_same_request_id_while_the_failed_attempt_still_holds_pages():
+    """A router retry reuses X-Request-Id; it must not collide with the failed attempt, whose decode pages stay
+    held (quarantined) while the frozen prefill cannot confirm it stopped writing into them."""
+    fast_deadline = ["--kv-transfer-timeout", "2"]
+    with running_cluster(2, 1, engine_argv=SLOW_PREFILL, role_argv={"decode": fast_deadline}) as cluster:
+        decode = next(p for p in cluster.procs if p.role == "decode")
+        p0, p1 = (cluster.by_name(n) for n in ("prefill-0", "prefill-1"))
+        body = {"model": "stories260K", "prompt": LONG, "max_tokens": 8, "temperature": 0}
+        try:
+            async def run():
+                async with httpx.AsyncClient(timeout=60) as client:
+                    first = asyncio.ensure_future(client.post(decode.url + "/v1/completions", json=body, headers={
+                        "X-Request-Id": "same-id", "X-PD-Prefill-Url": p0.url}))
+                    deadline = time.monotonic() + 20
+                    while time.monotonic() < deadline and not worker_loads(cluster)["prefill-0"]["num_running_reqs"]:
+                        await asyncio.sleep(0.01)
+                    os.kill(p0.pid, signal.SIGSTOP)  # frozen mid-prefill: it can neither push nor confirm
+                    r1 = await first
+                    held = (await client.get(decode.url + "/get_load")).json()  # (prefill-0 is frozen)
+                    r2 = await client.post(decode.url + "/v1/completions", json=body, headers={
+                        "X-Request-Id": "same-id", "X-PD-Prefill-Url": p1.url})
+                    return r1, held, r2
+
+            r1, held, r2 = asyncio.run(run())
+        finally:
+            os.kill(p0.pid, signal.SIGCONT)
+        assert r1.status_code == 504, r1.text  # the KV deadline
+        assert held["num_free_pages"] < held["num_total_pages"]  # the failed attempt's pages are quarantined
+        assert r2.status_code == 200, r2.text
+        assert r2.headers["x-request-id"] == "same-id"
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            load = httpx.get(decode.url + "/get_load").json()
+            if load["num_free_pages"] == load["num_total_pages"]:
+                break
+            time.sleep(0.1)
+        assert load["num_free_pages"] == load["num_total_pages"]
