@@ -9,7 +9,9 @@
  * Pool layout (engine/kv/pool.py): [num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim],
  * element type given by `dtype`: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn (uint8 bits).
  * Plain C with no torch headers, so it compiles in about a second; called through ctypes. With OpenMP the
- * (request, KV head) pairs are spread over `num_threads` threads (the engine's --cpu-threads).
+ * (request, KV head) pairs are spread over `num_threads` threads (the engine's --cpu-threads). With AVX2 and FMA
+ * (head_dim a multiple of 8), scores take 8 rows at a time through an 8x8 register transpose, and the weighted
+ * sum of V keeps its accumulators in registers; other machines and shapes take the portable loops.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,6 +75,55 @@ static inline const float* tile(const void* base, int64_t idx, int dtype, int64_
   return buf;
 }
 
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PD_AVX2 1
+/* Transpose 8 rows of 8 floats (r0..r7) in place: afterwards r[d] holds element d of every row. */
+static inline void transpose8(__m256* r) {
+  __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20); r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20); r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31); r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31); r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* s[g][r] = scale * q[g] . k[r] for 8 rows of a row-major tile k[rows][hd], hd a multiple of 8, group <= 8. */
+static inline void scores8(const float* k, int64_t hd, const float* q, int64_t group, float scale, float* s,
+                           int64_t s_stride) {
+  __m256 acc[8];
+  for (int64_t g = 0; g < group; g++) acc[g] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < hd; c += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(k + i * hd + c);
+    transpose8(r);
+    for (int64_t g = 0; g < group; g++)
+      for (int d = 0; d < 8; d++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * hd + c + d]), r[d], acc[g]);
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < group; g++) _mm256_storeu_ps(s + g * s_stride, _mm256_mul_ps(acc[g], sc));
+}
+
+/* acc[g][:] += sum_r p[g][r] * v[r][:] over `rows` rows of a row-major tile v[rows][hd], hd a multiple of 8. */
+static inline void pv(const float* v, int64_t rows, int64_t hd, const float* p, int64_t p_stride, int64_t group,
+                      float* acc) {
+  for (int64_t g = 0; g < group; g++) {
+    for (int64_t c = 0; c < hd; c += 8) {
+      __m256 a = _mm256_loadu_ps(acc + g * hd + c);
+      for (int64_t r = 0; r < rows; r++)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[g * p_stride + r]), _mm256_loadu_ps(v + r * hd + c), a);
+      _mm256_storeu_ps(acc + g * hd + c, a);
+    }
+  }
+}
+#endif
 /* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [B, max_pages] int32; seq_lens [B] int32.
  * scratch: num_threads * pd_scratch_floats(...) floats. Returns 0, or -1 on a bad argument. */
 int64_t pd_scratch_floats(int64_t group, int64_t max_pages, int64_t page_size, int64_t head_dim) {
@@ -108,13 +159,19 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
       for (int64_t p = 0; p < n_pages; p++) { /* scores = q . k for every cached token */
         const float* k = tile(kv, block_tables[b * max_pages + p] * page_stride + base, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
-        for (int64_t g = 0; g < group; g++) {
+        int64_t r0 = 0;
+#ifdef PD_AVX2
+        if (head_dim % 8 == 0 && group <= 8)
+          for (; r0 + 8 <= rows; r0 += 8)
+            scores8(k + r0 * head_dim, head_dim, qb, group, qk_scale, scores + p * page_size + r0, cap);
+#endif
+        for (int64_t g = 0; g < group; g++) {  /* the rows left over (all rows without AVX2) */
           const float* qg = qb + g * head_dim;
           float* s = scores + g * cap + p * page_size;
-          for (int64_t r = 0; r < rows; r++) s[r] = 0.0f;
-          for (int64_t d = 0; d < head_dim; d++) {  /* d outer, rows inner: the row loop vectorises */
-            const float qd = qg[d] * qk_scale;
-            for (int64_t r = 0; r < rows; r++) s[r] += qd * k[r * head_dim + d];
+          for (int64_t r = r0; r < rows; r++) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * k[r * head_dim + d];
+            s[r] = dot * qk_scale;
           }
         }
       }
@@ -129,6 +186,12 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
       for (int64_t p = 0; p < n_pages; p++) { /* out = sum_t p_t v_t */
         const float* v = tile(kv, block_tables[b * max_pages + p] * page_stride + base + kv_stride, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
+#ifdef PD_AVX2
+        if (head_dim % 8 == 0) {
+          pv(v, rows, head_dim, scores + p * page_size, cap, group, acc);
+          continue;
+        }
+#endif
         for (int64_t g = 0; g < group; g++) {
           const float* s = scores + g * cap + p * page_size;
           float* a = acc + g * head_dim;
