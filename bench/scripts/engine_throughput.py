@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -36,30 +37,39 @@ def workload(tokenizer, n: int, max_prompt: int, out_scale: float, context: int)
     return items
 
 
-def run_engine(items, args) -> tuple[float, int]:
+def run_engine(items, args) -> tuple[list[float], int]:
     from engine import LLM, SamplingParams
 
     llm = LLM(kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size, cpu_threads=args.threads,
               max_running_requests=args.max_running_requests)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in items]
     llm.generate([ids for ids, _ in items[:4]], params[:4])  # warm-up
-    t = time.perf_counter()
-    outs = llm.generate([ids for ids, _ in items], params)
-    dt = time.perf_counter() - t
-    tokens = sum(len(o.token_ids) for o in outs)
-    assert tokens == sum(n for _, n in items)
-    return dt, tokens
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        outs = llm.generate([ids for ids, _ in items], params)
+        times.append(time.perf_counter() - t)
+        tokens = sum(len(o.token_ids) for o in outs)
+        assert tokens == sum(n for _, n in items)
+    return times, tokens
 
 
-def run_transformers(items, args, tokenizer) -> tuple[float, int]:
+def run_transformers(items, args, tokenizer) -> tuple[list[float], int]:
     from transformers import AutoModelForCausalLM
 
     from engine.assets import DEFAULT_MODEL
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    pad = tokenizer.eos_token_id
-    t = time.perf_counter()
+    times = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        tokens = _transformers_once(model, items, args, tokenizer.eos_token_id)
+        times.append(time.perf_counter() - t)
+    return times, tokens
+
+
+def _transformers_once(model, items, args, pad: int) -> int:
     tokens = 0
     for start in range(0, len(items), args.hf_batch_size):
         batch = items[start:start + args.hf_batch_size]
@@ -71,7 +81,7 @@ def run_transformers(items, args, tokenizer) -> tuple[float, int]:
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=longest,
                                  min_new_tokens=longest, do_sample=False, pad_token_id=pad)
         tokens += sum(min(n, out.shape[1] - width) for _, n in batch)
-    return time.perf_counter() - t, tokens
+    return tokens
 
 
 def main() -> None:
@@ -79,11 +89,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=256)
     ap.add_argument("--output-scale", type=float, default=2.0)
-    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-batch-size", type=int, default=256, help="transformers batch (256: all prompts at once, its fastest here)")
     ap.add_argument("--kv-cache-dtype", default="fp32")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs of each system; best and median reported")
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
@@ -97,19 +108,23 @@ def main() -> None:
     n_out = sum(n for _, n in items)
     print(f"workload: {len(items)} ShareGPT prompts, {n_in} prompt tokens (mean {n_in / len(items):.0f}), "
           f"{n_out} output tokens (mean {n_out / len(items):.0f}); threads={args.threads}")
-    e_dt, e_tok = run_engine(items, args)
-    rss_engine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rows = [("pd-cluster engine", e_dt, e_tok, rss_engine)]
+    e_times, e_tok = run_engine(items, args)
+    rows = [("pd-cluster engine", e_times, e_tok, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)]
     if not args.skip_transformers:
-        h_dt, h_tok = run_transformers(items, args, tok)
-        rows.append((f"transformers generate (batch {args.hf_batch_size})", h_dt, h_tok,
+        h_times, h_tok = run_transformers(items, args, tok)
+        rows.append((f"transformers generate (batch {args.hf_batch_size})", h_times, h_tok,
                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-    print("\n| system | time (s) | output tokens | output tok/s | total tok/s | peak RSS (MiB) |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, dt, tokens, rss in rows:
-        print(f"| {name} | {dt:.2f} | {tokens} | {tokens / dt:,.0f} | {(tokens + n_in) / dt:,.0f} | {rss:,.0f} |")
+    print("\n| system | best time (s) | median time (s) | output tokens | output tok/s (best) | total tok/s (best) "
+          "| peak RSS (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, times, tokens, rss in rows:
+        best, med = min(times), statistics.median(times)
+        print(f"| {name} | {best:.2f} | {med:.2f} | {tokens} | {tokens / best:,.0f} | {(tokens + n_in) / best:,.0f} "
+              f"| {rss:,.0f} |")
     if len(rows) == 2:
-        print(f"\nengine / transformers output throughput: {(e_tok / e_dt) / (rows[1][2] / rows[1][1]):.2f}x")
+        print(f"\nengine / transformers output throughput: {min(rows[1][1]) / min(rows[0][1]):.2f}x (best runs), "
+              f"{statistics.median(rows[1][1]) / statistics.median(rows[0][1]):.2f}x (medians); "
+              f"{args.repeats} timed runs each")
     print("(peak RSS is the process maximum so far: the transformers row includes the engine's peak)")
 
 

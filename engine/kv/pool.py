@@ -110,6 +110,11 @@ class KVPool:
                                    device=self.device).t().contiguous()  # [num_layers, 2]
         self._k_scale = [float(s) for s in layout.k_scales]
         self._v_scale = [float(s) for s in layout.v_scales]
+        # The pool as rows of head_dim elements, for index_copy_ writes (see store_kv).
+        self._rows_view = self.kv.view(-1, layout.head_dim)
+        self._kv_rows = layout.num_kv_heads * layout.page_size      # K -> V of one layer
+        self._layer_rows = 2 * self._kv_rows                         # one layer -> the next
+        self._rows_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- sizes -------------------------------------------------------------
     @property
@@ -135,11 +140,26 @@ class KVPool:
                 -1 marks a padded token whose write is discarded (it lands in the
                 null page, which is never read unmasked).
         """
+        rows = self._rows_for(slot_mapping) + layer * self._layer_rows
+        d = self.layout.head_dim
+        self._rows_view.index_copy_(0, rows.reshape(-1), self._quantize(k, self._k_scale[layer]).reshape(-1, d))
+        self._rows_view.index_copy_(0, (rows + self._kv_rows).reshape(-1),
+                                    self._quantize(v, self._v_scale[layer]).reshape(-1, d))
+
+    def _rows_for(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """[T, num_kv_heads] row indices (rows of head_dim elements) of layer 0's K for a step's slots.
+
+        Computed once per step: every layer passes the same slot_mapping tensor.
+        """
+        if self._rows_cache is not None and self._rows_cache[0] is slot_mapping:
+            return self._rows_cache[1]
         slots = slot_mapping.clamp(min=0)
-        pages = slots // self.page_size
-        offsets = slots % self.page_size
-        self.kv[:, layer, 0][pages, :, offsets] = self._quantize(k, self._k_scale[layer])
-        self.kv[:, layer, 1][pages, :, offsets] = self._quantize(v, self._v_scale[layer])
+        lay = self.layout
+        pages, offsets = slots // lay.page_size, slots % lay.page_size
+        heads = torch.arange(lay.num_kv_heads, device=slots.device) * lay.page_size
+        rows = (pages * (lay.num_layers * 2 * lay.num_kv_heads * lay.page_size) + offsets)[:, None] + heads[None, :]
+        self._rows_cache = (slot_mapping, rows)
+        return rows
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.is_fp8:
