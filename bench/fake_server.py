@@ -5,7 +5,8 @@ It speaks the worker contract of ``docs/worker-api.md``: ``/v1/completions`` and
 ``/v1/chat/completions`` (SSE streaming ending in ``data: [DONE]``, or one JSON
 body with ``usage``), ``/v1/models``, ``/health``, ``/get_load``, ``/server_info``
 and ``/metrics`` (``pd:`` names, measured on the fake itself), plus
-``GET /debug/requests`` listing recent requests and the headers they carried.
+``GET /debug/requests`` listing recent requests and the headers they carried, and
+``GET /debug/timers``: how late its own delays fired (p50/p99/max, ms).
 
 Timing: token ``i`` (0-based) of a request is written at
 ``arrival + ttft + i * itl`` on the monotonic clock, each against its own
@@ -62,6 +63,7 @@ class FakeServer:
         self.config = config
         self.metrics = FakeMetrics(config.max_total_num_tokens)
         self.recent: deque[dict[str, Any]] = deque(maxlen=1024)
+        self.timer_lateness: deque[float] = deque(maxlen=100_000)
         self.incarnation = uuid.uuid4().hex[:12]
         self._on_die = on_die
         self._ids = itertools.count(1)
@@ -87,6 +89,7 @@ class FakeServer:
             ("GET", "/server_info"): self._server_info,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/debug/requests"): self._debug_requests,
+            ("GET", "/debug/timers"): self._debug_timers,
         }
 
     def token_usage(self) -> float:
@@ -135,6 +138,24 @@ class FakeServer:
 
     async def _debug_requests(self, req: Request, resp: Responder) -> None:
         resp.send(200, json.dumps(list(self.recent)).encode(), [JSON])
+
+    async def _debug_timers(self, req: Request, resp: Responder) -> None:
+        resp.send(200, json.dumps(self.timer_stats()).encode(), [JSON])
+
+    def timer_stats(self) -> dict[str, float]:
+        """How late the emulated delays fired (ms): ``count``, ``p50_ms``, ``p99_ms``, ``max_ms``.
+
+        The delays are the benchmark's ground truth; a busy machine makes them late, and a test
+        comparing pd-bench's numbers with the nominal delays must know by how much."""
+        late = sorted(self.timer_lateness) or [0.0]
+        pick = lambda q: late[min(len(late) - 1, int(q * len(late)))] * 1e3  # noqa: E731
+        return {"count": len(self.timer_lateness), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": late[-1] * 1e3}
+
+    async def _sleep_until(self, deadline: float) -> None:
+        delay = deadline - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.timer_lateness.append(max(0.0, time.monotonic() - deadline))
 
     # OpenAI endpoints --------------------------------------------------------------------
     async def _openai(self, req: Request, resp: Responder) -> None:
@@ -230,7 +251,7 @@ class FakeServer:
         pieces: list[str] = []
         first = last = t0
         for i in range(job.n_tokens):
-            await _sleep_until(t0 + (c.ttft_ms + i * c.itl_ms) / 1000.0)
+            await self._sleep_until(t0 + (c.ttft_ms + i * c.itl_ms) / 1000.0)
             if resp.closed:
                 return
             now = time.monotonic()
@@ -264,17 +285,17 @@ class FakeServer:
         q_end = t0 + c.queue_ms / 1000.0
         p_end = t0 + (c.ttft_ms - c.transfer_ms) / 1000.0
         self._queued += 1
-        await _sleep_until(q_end)
+        await self._sleep_until(q_end)
         self._queued -= 1
         t_admit = time.monotonic()
         m.queue_time.observe(t_admit - t0)
-        await _sleep_until(p_end)
+        await self._sleep_until(p_end)
         t_prefilled = time.monotonic()
         m.prefill_time.observe(t_prefilled - t_admit)
         m.prompt_tokens.inc(job.prompt_tokens)
         if c.transfer_ms > 0:
             self._transferring += 1
-            await _sleep_until(t0 + c.ttft_ms / 1000.0)
+            await self._sleep_until(t0 + c.ttft_ms / 1000.0)
             self._transferring -= 1
             took = time.monotonic() - t_prefilled
             m.transfer_time.observe(took)
@@ -310,10 +331,6 @@ def _error(resp: Responder, status: int, message: str, kind: str, headers: list)
     resp.send(status, json.dumps(body).encode(), headers + [JSON])
 
 
-async def _sleep_until(deadline: float) -> None:
-    delay = deadline - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
 
 
 def _load_tokenizer(path: str | None) -> Any:

@@ -136,3 +136,16 @@ def test_prefill_role_serves_no_openai_api():
         r = httpx.post(f.url + "/v1/completions", json={"prompt": "x"})
         assert r.status_code == 404
         assert httpx.get(f.url + "/server_info").json()["role"] == "prefill"
+
+
+def test_debug_timers_count_every_emulated_delay():
+    """Queue, prefill and transfer phases plus one deadline per token: 3 + 4 timers per request."""
+    with FakeServerProcess(["--ttft-ms", "30", "--itl-ms", "5", "--num-tokens", "4",
+                            "--queue-ms", "5", "--transfer-ms", "10"]) as f:
+        assert httpx.get(f.url + "/debug/timers").json()["count"] == 0
+        for _ in range(2):
+            r = httpx.post(f.url + "/v1/completions", json={"model": "stories260K", "prompt": "a b", "max_tokens": 8})
+            assert r.json()["usage"]["completion_tokens"] == 4
+        t = httpx.get(f.url + "/debug/timers").json()
+    assert t["count"] == 2 * (3 + 4)
+    assert 0.0 <= t["p50_ms"] <= t["p99_ms"] <= t["max_ms"] < 1000.0
