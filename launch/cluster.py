@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,11 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from engine.net import free_port
 
 
 @dataclass
@@ -143,7 +138,10 @@ class LocalCluster:
             while pending:
                 for p in list(pending):
                     if not p.alive():
-                        raise RuntimeError(f"{p.name} exited with code {p.popen.poll()} during start-up")
+                        time.sleep(0.3)  # let the output pump read the last lines
+                        tail = "".join(list(self.logs.get(p.name, ()))[-20:])
+                        raise RuntimeError(f"{p.name} exited with code {p.popen.poll()} during start-up; "
+                                           f"its last lines:\n{tail}")
                     if _healthy(client, p):
                         pending.remove(p)
                 if time.monotonic() > deadline:

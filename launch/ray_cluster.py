@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from engine.net import free_port
 from launch.cluster import ClusterSpec, _router_has_model, _router_sees_all_healthy
 from launch.supervise import serve_until_stopped
 
@@ -122,7 +122,7 @@ class ProcessActor:
 
         self.name, self.role = name, role
         self.host = host or ray.util.get_node_ip_address()
-        port = port or _free_port(self.host)
+        port = port or free_port(self.host)
         argv = [a.replace("{host}", self.host).replace("{port}", str(port)) for a in argv_template]
         self.url = f"http://{self.host}:{port}"
         cmd = [sys.executable, "-c", _EXEC_PREAMBLE, str(os.getpid()), "-m", module, *argv]
@@ -155,12 +155,6 @@ class ProcessActor:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RayCluster:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from engine.net import free_port
+
 from bench.fake_process import FakeServerProcess
 
 MODEL = "stories260K"
@@ -208,14 +210,6 @@ def start_router(port: int, prefill: list[str], decode: list[str], cpu: int,
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError("router did not become ready")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from importlib import import_module
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from engine.batch import ForwardBatch, build_forward_batch
 from engine.config import EngineConfig
+from engine.net import free_port
 from engine.parallel.group import TPGroup, init_tp_group
 from engine.parallel.shard import Shard, build_shard
 
@@ -101,12 +101,6 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
     tp.destroy()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TPDriver:
     """Rank 0's handle on the group: start the other ranks, command them, stop them.
 
@@ -116,7 +110,7 @@ class TPDriver:
 
     def __init__(self, config: EngineConfig) -> None:
         size = config.parallel.tp_size
-        master = ("127.0.0.1", _free_port())
+        master = ("127.0.0.1", free_port())
         ctx = mp.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
         self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level), daemon=True,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,14 +16,9 @@ from pathlib import Path
 
 import httpx
 
+from engine.net import free_port  # noqa: F401  (used by the router tests)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, ok=lambda r: r.status_code == 200) -> httpx.Response:

@@ -1,0 +1,31 @@
+"""Ports for servers that another process binds later stay out of the kernel's ephemeral range."""
+
+from __future__ import annotations
+
+import socket
+
+from engine.net import ephemeral_range, free_port
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_bindable():
+    low, high = ephemeral_range()
+    assert 1024 <= low <= high <= 65535
+    ports = {free_port() for _ in range(50)}
+    assert len(ports) > 40  # drawn at random
+    for port in ports:
+        assert 10000 <= port < low
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_a_port_taken_by_a_listener_is_skipped(monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen()
+    free = free_port()
+    draws = iter([taken.getsockname()[1], taken.getsockname()[1], free])
+    monkeypatch.setattr("engine.net.random.randrange", lambda lo, hi: next(draws))
+    try:
+        assert free_port() == free
+    finally:
+        taken.close()
