@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 
-from bench.config import (BenchConfig, DatasetConfig, LengthScaling, LoadConfig, ReportConfig,
+from pd_cluster.bench.config import (BenchConfig, DatasetConfig, LengthScaling, LoadConfig, ReportConfig,
                           ServerMetricsConfig, TargetConfig)
-from bench.datasets import DATASET_NAMES
+from pd_cluster.bench.datasets import DATASET_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,16 +9,16 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from bench import compare, results
-from bench.args import build_parser, to_config
-from bench.arrival import ArrivalPlan, rate_plan, trace_plan
-from bench.config import BenchConfig
-from bench.datasets import TRACE_DATASETS, Dataset, load_dataset
-from bench.metrics import count_output_tokens, summarize
-from bench.preflight import context_length, context_warning, list_models
-from bench.report import format_summary
-from bench.runner import Runner, RunOutput
-from bench.tokenizer import load_tokenizer, resolve_tokenizer_name
+from pd_cluster.bench import compare, results
+from pd_cluster.bench.args import build_parser, to_config
+from pd_cluster.bench.arrival import ArrivalPlan, rate_plan, trace_plan
+from pd_cluster.bench.config import BenchConfig
+from pd_cluster.bench.datasets import TRACE_DATASETS, Dataset, load_dataset
+from pd_cluster.bench.metrics import count_output_tokens, summarize
+from pd_cluster.bench.preflight import context_length, context_warning, list_models
+from pd_cluster.bench.report import format_summary
+from pd_cluster.bench.runner import Runner, RunOutput
+from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
 
 
 def arrival_plan(cfg: BenchConfig, ds: Dataset) -> ArrivalPlan:
@@ -49,7 +49,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     warm = [ds.requests[i % len(ds.requests)] for i in range(cfg.load.warmup_requests)]
     scraper = None
     if cfg.server_metrics.enabled:
-        from bench.server_metrics import discover
+        from pd_cluster.bench.server_metrics import discover
 
         scraper = discover(target.base_url, cfg.server_metrics)
     workers = [ep.url for ep in scraper.endpoints if ep.role != "router"] if scraper else [target.base_url]
@@ -112,7 +112,7 @@ def _save(cfg: BenchConfig, result: dict, out: RunOutput, info: dict) -> None:
     path = results.save(os.path.join(rep.result_dir, name), result)
     print(f"Saved the result to {path}")
     if rep.plot:
-        from bench.plot import write_plots
+        from pd_cluster.bench.plot import write_plots
 
         stem = os.path.splitext(path)[0]
         title = f"{info['model']} | {info['dataset']} | {info['arrivals']}"

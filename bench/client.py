@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.config import TargetConfig
-from bench.datasets.base import SampledRequest
-from bench.http_client import HttpError, HttpPool, Pending
+from pd_cluster.bench.config import TargetConfig
+from pd_cluster.bench.datasets.base import SampledRequest
+from pd_cluster.bench.http_client import HttpError, HttpPool, Pending
 
 
 @dataclass(slots=True)

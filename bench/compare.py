@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.results import load
+from pd_cluster.bench.results import load
 
 ROWS = (
     ("Successful requests", "completed", "higher"),

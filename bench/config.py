@@ -1,4 +1,4 @@
-"""Typed, frozen configuration of one pd-bench run (built from the command line in ``bench.args``)."""
+"""Typed, frozen configuration of one pd-bench run (built from the command line in ``pd_cluster.bench.args``)."""
 
 from __future__ import annotations
 

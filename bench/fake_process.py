@@ -1,4 +1,4 @@
-"""Start fake OpenAI workers (``bench.fake_server``) as separate OS processes.
+"""Start fake OpenAI workers (``pd_cluster.bench.fake_server``) as separate OS processes.
 
 Used by tests and benchmark scripts so the fake runs on its own core and its
 timing is not disturbed by the client under test::
@@ -17,7 +17,7 @@ from collections import deque
 
 
 class FakeServerProcess:
-    """A ``python -m bench.fake_server --port 0 ARGS...`` child process.
+    """A ``python -m pd_cluster.bench.fake_server --port 0 ARGS...`` child process.
 
     ``url`` is ``http://127.0.0.1:PORT`` once started (the port is picked by the
     OS and read from the child's output). The child is killed on :meth:`stop` or
@@ -39,7 +39,7 @@ class FakeServerProcess:
         self.output: deque[str] = deque(maxlen=200)
 
     def start(self) -> "FakeServerProcess":
-        cmd = [sys.executable, "-m", "bench.fake_server", "--host", "127.0.0.1", "--port", "0", *self.args]
+        cmd = [sys.executable, "-m", "pd_cluster.bench.fake_server", "--host", "127.0.0.1", "--port", "0", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ready = threading.Event()
         threading.Thread(target=self._pump, args=(ready,), daemon=True).start()

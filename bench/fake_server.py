@@ -1,6 +1,6 @@
 """A fast fake OpenAI-compatible worker with exact, known delays.
 
-Run it as ``python -m bench.fake_server --port 8100 --ttft-ms 50 --itl-ms 10 --num-tokens 20``.
+Run it as ``python -m pd_cluster.bench.fake_server --port 8100 --ttft-ms 50 --itl-ms 10 --num-tokens 20``.
 It speaks the worker contract of ``docs/worker-api.md``: ``/v1/completions`` and
 ``/v1/chat/completions`` (SSE streaming ending in ``data: [DONE]``, or one JSON
 body with ``usage``), ``/v1/models``, ``/health``, ``/get_load``, ``/server_info``
@@ -11,7 +11,7 @@ and ``/metrics`` (``pd:`` names, measured on the fake itself), plus
 Timing: token ``i`` (0-based) of a request is written at
 ``arrival + ttft + i * itl`` on the monotonic clock, each against its own
 deadline, so errors do not accumulate; the event loop's timers have
-microsecond resolution (``bench.precise_loop``). The time to first token is split into
+microsecond resolution (``pd_cluster.bench.precise_loop``). The time to first token is split into
 emulated phases: ``--queue-ms`` waiting, then prefill, then ``--transfer-ms``
 of KV transfer (prefill gets the rest). As the contract says, the status line
 and headers go out with the first token (``--early-headers`` sends them, and the
@@ -42,11 +42,11 @@ import uuid
 from collections import deque
 from typing import Any, Callable
 
-from bench.fake_config import FakeServerConfig, parse_args
-from bench.fake_format import ChunkFormat, Job
-from bench.fake_metrics import FakeMetrics
-from bench.httpserver import HttpServer, Request, Responder
-from bench.precise_loop import new_event_loop
+from pd_cluster.bench.fake_config import FakeServerConfig, parse_args
+from pd_cluster.bench.fake_format import ChunkFormat, Job
+from pd_cluster.bench.fake_metrics import FakeMetrics
+from pd_cluster.bench.httpserver import HttpServer, Request, Responder
+from pd_cluster.bench.precise_loop import new_event_loop
 
 JSON = ("content-type", "application/json")
 SSE = ("content-type", "text/event-stream")

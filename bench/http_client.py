@@ -7,7 +7,7 @@ bytes are handed over by the event loop, not when a coroutine later resumes.
 So each response body is pushed straight from ``data_received`` into a
 :class:`BodySink`, and the sending coroutine only awaits one future per
 request. The arrival time given with the bytes comes from an
-:class:`ArrivalClock`: on a ``bench.precise_loop`` event loop it is the moment
+:class:`ArrivalClock`: on a ``pd_cluster.bench.precise_loop`` event loop it is the moment
 the loop learnt the socket was readable,
 so processing other streams that became readable at the same moment does not
 make a stream's timestamp late; otherwise it is ``time.monotonic()`` at the top
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from bench.precise_loop import PreciseSelector, new_event_loop
+from pd_cluster.bench.precise_loop import PreciseSelector, new_event_loop
 
 _MAX_HEAD = 64 * 1024
 
@@ -46,7 +46,7 @@ class ArrivalClock:
         return self.selector.ready_at if self.selector is not None else time.monotonic()
 
     def new_loop(self) -> asyncio.AbstractEventLoop:
-        """A precise event loop (see ``bench.precise_loop``) whose stamps this clock reads."""
+        """A precise event loop (see ``pd_cluster.bench.precise_loop``) whose stamps this clock reads."""
         loop, self.selector = new_event_loop()
         return loop
 

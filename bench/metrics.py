@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.client import RequestRecord
-from bench.config import ReportConfig
-from bench.runner import RunOutput
+from pd_cluster.bench.client import RequestRecord
+from pd_cluster.bench.config import ReportConfig
+from pd_cluster.bench.runner import RunOutput
 
 LAG_WARN_S = 0.005
 LOOP_DELAY_WARN_S = 0.005

@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from bench.client import RequestRecord
-from bench.metrics import token_times
+from pd_cluster.bench.client import RequestRecord
+from pd_cluster.bench.metrics import token_times
 
 
 def _cdf(ax, values_s: list[float], title: str) -> None:

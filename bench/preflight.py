@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from bench.datasets import Dataset
+from pd_cluster.bench.datasets import Dataset
 
 
 def list_models(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.metrics import pct_key
+from pd_cluster.bench.metrics import pct_key
 
 WIDTH = 50
 _TITLES = {

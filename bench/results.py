@@ -10,7 +10,7 @@ import re
 from datetime import datetime
 from typing import Any
 
-from bench.client import RequestRecord
+from pd_cluster.bench.client import RequestRecord
 
 FORMAT_VERSION = 1
 

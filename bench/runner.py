@@ -1,7 +1,7 @@
 """The request loop: sends each request at its planned time and collects the records.
 
 One sender coroutine sleeps until each request is due (monotonic deadlines,
-never accumulated sleeps, on the microsecond timers of ``bench.precise_loop``)
+never accumulated sleeps, on the microsecond timers of ``pd_cluster.bench.precise_loop``)
 and then, before any other callback runs, writes it on an idle keep-alive
 connection; a task waits for the answer (and opens a connection first when
 none was idle). With ``--max-concurrency``, a request that finds no free slot
@@ -24,11 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
-from bench.arrival import ArrivalPlan
-from bench.client import RequestRecord, begin_request, build_payload, finish_request, header_lines
-from bench.config import LoadConfig, TargetConfig
-from bench.datasets.base import SampledRequest
-from bench.http_client import ArrivalClock, HttpPool
+from pd_cluster.bench.arrival import ArrivalPlan
+from pd_cluster.bench.client import RequestRecord, begin_request, build_payload, finish_request, header_lines
+from pd_cluster.bench.config import LoadConfig, TargetConfig
+from pd_cluster.bench.datasets.base import SampledRequest
+from pd_cluster.bench.http_client import ArrivalClock, HttpPool
 
 PROBE_INTERVAL_S = 0.005
 
@@ -99,7 +99,7 @@ class Runner:
     def run_sync(self, requests: list[SampledRequest], plan: ArrivalPlan,
                  warmup: Sequence[SampledRequest] = (),
                  before_timed: Callable[[], None] | None = None) -> RunOutput:
-        """:meth:`run` on a new ``bench.precise_loop`` event loop (precise timers, arrival stamps)."""
+        """:meth:`run` on a new ``pd_cluster.bench.precise_loop`` event loop (precise timers, arrival stamps)."""
         with asyncio.Runner(loop_factory=self.clock.new_loop) as r:
             return r.run(self.run(requests, plan, warmup, before_timed))
 

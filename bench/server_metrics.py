@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from bench import prom
-from bench.config import ServerMetricsConfig
+from pd_cluster.bench import prom
+from pd_cluster.bench.config import ServerMetricsConfig
 
 PHASES = (
     ("queue", "pd:request_queue_time_seconds"),

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.assets import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+from pd_cluster.engine.assets import DEFAULT_MODEL, DEFAULT_MODEL_NAME
 
 
 class _Backend(Protocol):

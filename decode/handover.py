@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import StepOutput
-from engine.serving.engine_loop import StepHooks, settle_future
-from transfer.errors import TransferError
-from transfer.receiver import KVReceiver
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import StepOutput
+from pd_cluster.serving.engine_loop import StepHooks, settle_future
+from pd_cluster.transfer.errors import TransferError
+from pd_cluster.transfer.receiver import KVReceiver
 
 logger = logging.getLogger("pd.decode")
 

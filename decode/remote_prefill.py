@@ -18,14 +18,13 @@ import logging
 
 import httpx
 
-from decode.handover import DecodeHooks, Handover
-from engine.sampling.params import SamplingParams
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.errors import HTTPError, to_http_error
-from engine.serving.openai_serving import PromptSource
-from prefill.server import transfer_http_error
-from transfer.errors import TransferError
-from transfer.http import PeerDirectory, apply
+from pd_cluster.decode.handover import DecodeHooks, Handover
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
+from pd_cluster.serving.openai_serving import PromptSource
+from pd_cluster.transfer.errors import TransferError
+from pd_cluster.transfer.http import PeerDirectory, apply
 
 logger = logging.getLogger("pd.decode")
 

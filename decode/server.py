@@ -6,17 +6,17 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from decode.handover import DecodeHooks
-from decode.remote_prefill import RemotePrefill
-from engine.llm_engine import LLMEngine
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.mixed import serving_routes
-from engine.serving.openai_serving import OpenAIServing
-from engine.serving.worker_app import WorkerState, create_worker_app, server_info
-from transfer.config import from_cli_args
-from transfer.http import PeerDirectory, make_router
-from transfer.tp import make_worker_transfer
+from pd_cluster.decode.handover import DecodeHooks
+from pd_cluster.decode.remote_prefill import RemotePrefill
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.openai_serving import serving_routes
+from pd_cluster.serving.openai_serving import OpenAIServing
+from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
+from pd_cluster.transfer.config import from_cli_args
+from pd_cluster.transfer.http import PeerDirectory, make_router
+from pd_cluster.transfer.tp import make_worker_transfer
 
 
 def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None):

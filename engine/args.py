@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.config import (KV_CACHE_DTYPES, ROLES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
+from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                            ParallelConfig, SchedulerConfig, parse_size)
 
 

@@ -2,7 +2,7 @@
 
 One dataclass per component, validated in `__post_init__`, in the style of
 nano-vllm's `Config` and mini-sglang's frozen configs. `EngineConfig` groups
-them; `engine.args` builds it from SGLang-named command-line flags.
+them; `pd_cluster.engine.args` builds it from SGLang-named command-line flags.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.assets import DEFAULT_MODEL
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 ROLES = ("mixed", "prefill", "decode")

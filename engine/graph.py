@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
 

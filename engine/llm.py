@@ -6,10 +6,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.args import config_from_kwargs
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling.params import SamplingParams
+from pd_cluster.engine.args import config_from_kwargs
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import CompletionOutput, RequestOutput
+from pd_cluster.engine.sampling.params import SamplingParams
 
 
 class LLM:
@@ -18,7 +18,7 @@ class LLM:
     Args:
         model: HF checkpoint folder; None means the embedded stories260K.
         **engine_args: engine flags as keywords (``page_size=16``, ``kv_cache_dtype="fp8_e4m3"``,
-            ``kv_cache_memory="64MiB"``, ``chunked_prefill_size=7``, ...; see `engine.args`).
+            ``kv_cache_memory="64MiB"``, ``chunked_prefill_size=7``, ...; see `pd_cluster.engine.args`).
 
     Raises:
         TypeError: an unknown engine argument.

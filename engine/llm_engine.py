@@ -16,21 +16,21 @@ from dataclasses import replace
 import torch
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig, format_size
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
-from engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
-from engine.kv.allocator import PageAllocator
-from engine.model_runner import ModelRunner, StepResult
-from engine.parallel.group import SINGLE
-from engine.parallel.rank import RankServer, TPDriver
-from engine.parallel.shard import build_shard, check_tp_size
-from engine.outputs import PrefillProgress, RequestDelta, StepOutput
-from engine.request import Request, RequestStatus
-from engine.sampling.params import SamplingParams
-from engine.scheduler.page_manager import PageManager
-from engine.scheduler.scheduler import Scheduler, SchedulerOutput
-from engine.stats import EngineStats
+from pd_cluster.engine.config import EngineConfig, format_size
+from pd_cluster.engine.detokenizer import IncrementalDetokenizer
+from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
+from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
+from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.model_runner import ModelRunner, StepResult
+from pd_cluster.engine.parallel.group import SINGLE
+from pd_cluster.engine.executor.tp import RankServer, TPDriver
+from pd_cluster.engine.executor.shard import build_shard, check_tp_size
+from pd_cluster.engine.outputs import PrefillProgress, RequestDelta, StepOutput
+from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.engine.scheduler.page_manager import PageManager
+from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.stats import EngineStats
 
 logger = logging.getLogger("engine")
 

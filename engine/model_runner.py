@@ -2,8 +2,8 @@
 
 Owns the sampler and drives this rank's `Shard` (model, KV pool, attention
 backend; nano-vllm's `ModelRunner`). CUDA-graph replay of decode batches
-happens inside `Shard.forward` (`engine.graph`). Under tensor parallelism each
-forward is a command every rank runs (`engine.parallel.rank`).
+happens inside `Shard.forward` (`pd_cluster.engine.graph`). Under tensor parallelism each
+forward is a command every rank runs (`pd_cluster.engine.executor.tp`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.parallel.rank import BatchInputs, TPDriver
-from engine.parallel.shard import Shard
-from engine.request import Request
-from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
-from engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pd_cluster.engine.batch import BatchInputs
+from pd_cluster.engine.executor.tp import TPDriver
+from pd_cluster.engine.executor.shard import Shard
+from pd_cluster.engine.request import Request
+from pd_cluster.engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from pd_cluster.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling.params import SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

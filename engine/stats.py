@@ -10,7 +10,7 @@ import logging
 import time
 from collections import Counter
 
-from engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("engine")
 

@@ -1,7 +1,7 @@
 """A local cluster of OS processes: N prefill + M decode workers (or mixed workers) and a router.
 
 Used by `pd-serve` and by tests that need to kill or restart one worker.
-Children run ``python -m launch.worker`` / ``python -m router.main`` on free
+Children run ``python -m pd_cluster.launch.worker`` / ``python -m pd_cluster.router.main`` on free
 loopback ports; their output is copied to ours with a ``[role-i]`` prefix.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from engine.net import free_port
+from pd_cluster.engine.net import free_port
 
 
 @dataclass
@@ -82,7 +82,7 @@ class LocalCluster:
             for i in range(spec.num_decode):
                 self._add_worker(f"decode-{i}", "decode", free_port(host))
         self.router_url = f"http://{host}:{spec.router_port}"
-        router_argv = [sys.executable, "-m", "router.main", "--host", host, "--port", str(spec.router_port),
+        router_argv = [sys.executable, "-m", "pd_cluster.router.main", "--host", host, "--port", str(spec.router_port),
                        "--log-level", spec.log_level]
         for role, flag in (("prefill", "--prefill"), ("decode", "--decode"), ("mixed", "--worker")):
             urls = [p.url for p in self.procs if p.role == role]
@@ -92,7 +92,7 @@ class LocalCluster:
 
     def _add_worker(self, name: str, role: str, port: int) -> None:
         url = f"http://{self.spec.host}:{port}"
-        argv = [sys.executable, "-m", "launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
+        argv = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
                 "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
                 *self.spec.role_argv.get(role, [])]
         self.procs.append(Proc(name, role, url, argv))

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from engine.args import add_engine_args
+from pd_cluster.engine.args import add_engine_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine import LLM, SamplingParams
-    from engine.args import ENGINE_FLAGS
+    from pd_cluster.engine import LLM, SamplingParams
+    from pd_cluster.engine.args import ENGINE_FLAGS
 
     prompts = list(args.prompts)
     if args.prompts_file:

@@ -4,10 +4,10 @@ Each worker is a named actor (``pd-worker-<role>-<i>`` in a Ray namespace made
 for this run) holding one placement group: a single bundle on one node with
 the instance's GPUs, so by default one prefill or decode instance takes a whole
 8-GPU node (``--tp-size N`` reserves N GPUs instead). The actor starts
-``python -m launch.worker`` on its node as a child process, on the node's IP and
+``python -m pd_cluster.launch.worker`` on its node as a child process, on the node's IP and
 a free port, and answers ``endpoint()`` with ``{"url", "role"}``: the contract of
 the router's Ray discovery (``router/discovery/ray.py``). The router is an actor
-on the driver's node that runs ``python -m router.main --ray-discovery``.
+on the driver's node that runs ``python -m pd_cluster.router.main --ray-discovery``.
 
 ``--ray-address local`` starts a Ray instance on this machine with CPU
 resources only and runs the same cluster there (servers on ``--host``); Ctrl-C
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from engine.net import free_port
-from launch.cluster import ClusterSpec, _router_has_model, _router_sees_all_healthy
-from launch.supervise import serve_until_stopped
+from pd_cluster.engine.net import free_port
+from pd_cluster.launch.cluster import ClusterSpec, _router_has_model, _router_sees_all_healthy
+from pd_cluster.launch.supervise import serve_until_stopped
 
 ACTOR_PREFIX = "pd-worker"
 GPUS_PER_NODE_DEFAULT = 8
@@ -219,12 +219,12 @@ class RayCluster:
             self.workers.append(actor_cls.options(
                 name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(name, role, "launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host))
+            ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host))
         gcs = ray.get_runtime_context().gcs_address
         self.router = actor_cls.options(
             name="pd-router", num_cpus=1 if self.local else 0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote("pd-router", "router", "router.main", router_argv(self.spec, gcs, self.namespace), self.spec.host,
+        ).remote("pd-router", "router", "pd_cluster.router.main", router_argv(self.spec, gcs, self.namespace), self.spec.host,
                  self.spec.router_port)
         infos = ray.get([a.info.remote() for a in self.workers + [self.router]])
         self._wait_ready(ray, infos, deadline)

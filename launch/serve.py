@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.args import ENGINE_FLAGS, add_engine_args
-from launch.cluster import ClusterSpec, LocalCluster
-from launch.supervise import serve_until_stopped
+from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
+from pd_cluster.launch.cluster import ClusterSpec, LocalCluster
+from pd_cluster.launch.supervise import serve_until_stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None,
                    help="run the roles as Ray actors on this cluster ('local' starts one here)")
     add_engine_args(p)
-    from transfer.config import add_cli_args
+    from pd_cluster.transfer.config import add_cli_args
 
     add_cli_args(p)
     return p
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                        engine_argv=passthrough_argv(args, parser), router_argv=list(args.router_arg),
                        log_level=args.log_level)
     if args.ray_address:
-        from launch.ray_cluster import run_ray_cluster
+        from pd_cluster.launch.ray_cluster import run_ray_cluster
 
         return run_ray_cluster(args.ray_address, spec, args)
     return serve_until_stopped(LocalCluster(spec), args.startup_timeout, args.manifest)

@@ -16,7 +16,7 @@ import logging
 import sys
 import uuid
 
-from engine.args import add_engine_args, config_from_args
+from pd_cluster.engine.args import add_engine_args, config_from_args
 
 ROLE_ALIASES = {"null": "mixed", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")
     add_engine_args(p)
-    from transfer.config import add_cli_args as add_transfer_args
+    from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 
     add_transfer_args(p)
     return p
@@ -52,7 +52,7 @@ def build_app(args: argparse.Namespace):
     """Build the engine and the role's app from parsed flags."""
     import dataclasses
 
-    from engine.llm_engine import LLMEngine
+    from pd_cluster.engine.llm_engine import LLMEngine
 
     role = resolve_role(args)
     config = dataclasses.replace(config_from_args(args), role=role)
@@ -60,14 +60,14 @@ def build_app(args: argparse.Namespace):
     url = args.advertise_url or f"http://{args.host}:{args.port}"
     info = {"url": url, "incarnation": uuid.uuid4().hex[:12]}
     if role == "mixed":
-        from engine.serving.mixed import build_mixed_app
+        from pd_cluster.serving.mixed import build_mixed_app
 
         return build_mixed_app(engine, info)
     if role == "prefill":
-        from prefill.server import build_prefill_app
+        from pd_cluster.prefill.server import build_prefill_app
 
         return build_prefill_app(engine, args, info)
-    from decode.server import build_decode_app
+    from pd_cluster.decode.server import build_decode_app
 
     return build_decode_app(engine, args, info)
 

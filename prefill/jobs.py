@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import StepOutput
-from engine.sampling.params import SamplingParams
-from engine.serving.engine_loop import StepHooks, settle_future
-from transfer.errors import TransferError
-from transfer.sender import KVSender
-from transfer.ticket import KVTicket
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import StepOutput
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.engine_loop import StepHooks, settle_future
+from pd_cluster.transfer.errors import TransferError
+from pd_cluster.transfer.sender import KVSender
+from pd_cluster.transfer.ticket import KVTicket
 
 logger = logging.getLogger("pd.prefill")
 

@@ -22,34 +22,21 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.llm_engine import LLMEngine
-from engine.sampling.params import SamplingParams
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.errors import HTTPError, to_http_error
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.openai_serving import until_disconnect
-from engine.serving.worker_app import WorkerState, create_worker_app, server_info
-from prefill.jobs import PrefillHooks, PrefillJob
-from transfer.config import from_cli_args
-from transfer.errors import LayoutMismatchError, StalePeerError, TransferError, TransferTimeoutError
-from transfer.http import PeerDirectory, apply, make_router
-from transfer.ticket import KVTicket
-from transfer.tp import make_worker_transfer, parse_ticket
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
+from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.openai_serving import until_disconnect
+from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
+from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
+from pd_cluster.transfer.config import from_cli_args
+from pd_cluster.transfer.http import PeerDirectory, apply, make_router
+from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.tp import make_worker_transfer, parse_ticket
 
 logger = logging.getLogger("pd.prefill")
 
-
-def transfer_http_error(e: BaseException) -> HTTPError:
-    """Map transfer errors to statuses: stale peer / layout mismatch 409, timeout 504, others 502."""
-    if isinstance(e, StalePeerError):
-        return HTTPError(409, str(e), None, "stale_peer")
-    if isinstance(e, LayoutMismatchError):
-        return HTTPError(409, str(e), None, "kv_layout_mismatch")
-    if isinstance(e, TransferTimeoutError):
-        return HTTPError(504, str(e), None, "kv_transfer_timeout")
-    if isinstance(e, TransferError):
-        return HTTPError(502, str(e), None, f"kv_transfer_{e.reason}")
-    return to_http_error(e)
 
 
 class PrefillServer:

@@ -13,21 +13,21 @@ import asyncio
 import logging
 import time
 
-from router.asgi import Receive, Scope, Send
-from router.config import Role, RouterConfig
-from router.control import ControlPlane
-from router.discovery.base import DiscoverySource, RegistrySink
-from router.health import HealthMonitor
-from router.limiter import ConcurrencyLimiter
-from router.metrics import RouterMetrics, StateCollector
-from router.models import ModelNames
-from router.proxy import ENDPOINTS, GenerateHandler
-from router.relay import AttemptFailure
-from router.selection import PairSelector
-from router.upstream import Upstreams
-from router.workers import Worker, WorkerRegistry
+from pd_cluster.router.asgi import Receive, Scope, Send
+from pd_cluster.router.config import Role, RouterConfig
+from pd_cluster.router.control import ControlPlane
+from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
+from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.limiter import ConcurrencyLimiter
+from pd_cluster.router.metrics import RouterMetrics, StateCollector
+from pd_cluster.router.models import ModelNames
+from pd_cluster.router.proxy import ENDPOINTS, GenerateHandler
+from pd_cluster.router.relay import AttemptFailure
+from pd_cluster.router.selection import PairSelector
+from pd_cluster.router.upstream import Upstreams
+from pd_cluster.router.workers import Worker, WorkerRegistry
 
-log = logging.getLogger("router.app")
+log = logging.getLogger("pd_cluster.router.app")
 
 
 class RouterApp:

@@ -12,7 +12,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from router.config import (
+from pd_cluster.router.config import (
     POLICY_NAMES,
     CacheAwareConfig,
     CircuitBreakerConfig,

@@ -12,7 +12,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from router.errors import error_body
+from pd_cluster.router.errors import error_body
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from router.config import CircuitBreakerConfig
+from pd_cluster.router.config import CircuitBreakerConfig
 
 
 class CircuitState(str, Enum):

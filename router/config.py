@@ -1,7 +1,7 @@
 """Typed, frozen configuration of the router.
 
 Every field maps to one command-line flag of ``pd-router`` (see
-:func:`router.args.build_parser`); flag names follow SGLang's router
+:func:`pd_cluster.router.args.build_parser`); flag names follow SGLang's router
 (``sglang_router.launch_router``) where the concept is the same.
 """
 
@@ -177,7 +177,7 @@ class RayDiscoveryConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything ``pd-router`` needs; built by :func:`router.args.config_from_args`."""
+    """Everything ``pd-router`` needs; built by :func:`pd_cluster.router.args.config_from_args`."""
 
     host: str = "0.0.0.0"
     port: int = 30000

@@ -18,12 +18,12 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from router.config import Role, RouterConfig
-from router.errors import error_body
-from router.health import HealthMonitor
-from router.metrics import RouterMetrics
-from router.models import ModelNames
-from router.workers import WorkerRegistry, normalize_url
+from pd_cluster.router.config import Role, RouterConfig
+from pd_cluster.router.errors import error_body
+from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.metrics import RouterMetrics
+from pd_cluster.router.models import ModelNames
+from pd_cluster.router.workers import WorkerRegistry, normalize_url
 
 
 class AddWorker(BaseModel):

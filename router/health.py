@@ -23,12 +23,12 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.config import HealthConfig, Role
-from router.load import LoadReport
-from router.upstream import Upstreams
-from router.workers import Worker, WorkerRegistry
+from pd_cluster.router.config import HealthConfig, Role
+from pd_cluster.router.load import LoadReport
+from pd_cluster.router.upstream import Upstreams
+from pd_cluster.router.workers import Worker, WorkerRegistry
 
-log = logging.getLogger("router.health")
+log = logging.getLogger("pd_cluster.router.health")
 
 
 class HealthMonitor:

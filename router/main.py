@@ -13,25 +13,25 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from router.app import RouterApp
-from router.args import parse_config
-from router.config import RouterConfig
-from router.discovery.base import DiscoverySource
-from router.logs import setup_logging
+from pd_cluster.router.app import RouterApp
+from pd_cluster.router.args import parse_config
+from pd_cluster.router.config import RouterConfig
+from pd_cluster.router.discovery.base import DiscoverySource
+from pd_cluster.router.logs import setup_logging
 
-log = logging.getLogger("router.main")
+log = logging.getLogger("pd_cluster.router.main")
 
 
 def build_sources(config: RouterConfig) -> list[tuple[str, DiscoverySource]]:
     """Discovery sources named by the config (imports their clients lazily)."""
     sources: list[tuple[str, DiscoverySource]] = []
     if config.kubernetes is not None:
-        from router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
+        from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
 
         sources.append(("kubernetes", KubernetesDiscovery(
             config.kubernetes, load_kube_config(config.kubernetes.kubeconfig))))
     if config.ray is not None:
-        from router.discovery.ray import RayDiscovery
+        from pd_cluster.router.discovery.ray import RayDiscovery
 
         sources.append(("ray", RayDiscovery(config.ray)))
     return sources

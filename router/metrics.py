@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.circuit import STATE_CODES
-from router.config import Role
-from router.policies import CacheAware, Policy, effective_load
-from router.workers import WorkerRegistry
+from pd_cluster.router.circuit import STATE_CODES
+from pd_cluster.router.config import Role
+from pd_cluster.router.policies import CacheAware, Policy, effective_load
+from pd_cluster.router.workers import WorkerRegistry
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

@@ -7,7 +7,7 @@ worker has answered, every name is passed on and the worker decides.
 
 from __future__ import annotations
 
-from router.workers import WorkerRegistry
+from pd_cluster.router.workers import WorkerRegistry
 
 
 class ModelNames:

@@ -18,23 +18,23 @@ import time
 import uuid
 from collections.abc import Callable
 
-from router.asgi import BodyTooLarge, Receive, Scope, Send, bearer_ok, header, read_body, send_bytes
-from router.asgi import send_error, valid_request_id
-from router.config import Role, RouterConfig
-from router.errors import sse_error_event
-from router.limiter import ConcurrencyLimiter, Overloaded
-from router.metrics import RouterMetrics
-from router.models import ModelNames
-from router.policies import RouteRequest
-from router.relay import AttemptFailure, Relay, RequestState
-from router.request import InvalidRequest, parse_request
-from router.retry import backoff_seconds
-from router.selection import Pair, PairSelector
-from router.supervisor import Supervisor
-from router.upstream import Upstreams
-from router.workers import Worker
+from pd_cluster.router.asgi import BodyTooLarge, Receive, Scope, Send, bearer_ok, header, read_body, send_bytes
+from pd_cluster.router.asgi import send_error, valid_request_id
+from pd_cluster.router.config import Role, RouterConfig
+from pd_cluster.router.errors import sse_error_event
+from pd_cluster.router.limiter import ConcurrencyLimiter, Overloaded
+from pd_cluster.router.metrics import RouterMetrics
+from pd_cluster.router.models import ModelNames
+from pd_cluster.router.policies import RouteRequest
+from pd_cluster.router.relay import AttemptFailure, Relay, RequestState
+from pd_cluster.router.request import InvalidRequest, parse_request
+from pd_cluster.router.retry import backoff_seconds
+from pd_cluster.router.selection import Pair, PairSelector
+from pd_cluster.router.supervisor import Supervisor
+from pd_cluster.router.upstream import Upstreams
+from pd_cluster.router.workers import Worker
 
-log = logging.getLogger("router.proxy")
+log = logging.getLogger("pd_cluster.router.proxy")
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 

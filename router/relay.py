@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from router.asgi import Send
-from router.config import Role
-from router.errors import sse_error_event
-from router.metrics import RouterMetrics
-from router.request import ParsedRequest
-from router.retry import is_retriable_status
-from router.selection import Pair
-from router.supervisor import Supervised
+from pd_cluster.router.asgi import Send
+from pd_cluster.router.config import Role
+from pd_cluster.router.errors import sse_error_event
+from pd_cluster.router.metrics import RouterMetrics
+from pd_cluster.router.request import ParsedRequest
+from pd_cluster.router.retry import is_retriable_status
+from pd_cluster.router.selection import Pair
+from pd_cluster.router.supervisor import Supervised
 
 _PASS_HEADERS = ("content-type", "cache-control")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from router.config import RetryConfig
+from pd_cluster.router.config import RetryConfig
 
 RETRIABLE_STATUSES = frozenset({502, 503, 504})
 

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.config import PolicyConfig, Role
-from router.policies import Policy, RouteRequest, make_policy
-from router.workers import Worker, WorkerRegistry
+from pd_cluster.router.config import PolicyConfig, Role
+from pd_cluster.router.policies import Policy, RouteRequest, make_policy
+from pd_cluster.router.workers import Worker, WorkerRegistry
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from router.asgi import Receive
+from pd_cluster.router.asgi import Receive
 
 
 @dataclass(eq=False)

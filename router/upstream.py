@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from router.config import LimitsConfig
+from pd_cluster.router.config import LimitsConfig
 
 
 def _session(keepalive_secs: float, connect_timeout_secs: float) -> aiohttp.ClientSession:

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 from yarl import URL
 
-from router.circuit import CircuitBreaker
-from router.config import CircuitBreakerConfig, Role
-from router.load import LoadReport
+from pd_cluster.router.circuit import CircuitBreaker
+from pd_cluster.router.config import CircuitBreakerConfig, Role
+from pd_cluster.router.load import LoadReport
 
 
 def normalize_url(url: str) -> str:

@@ -2,17 +2,17 @@
 
 Pieces (see ``docs/transfer.md``):
 
-* `TransferAgent` (`transfer.agent`): one NIXL agent per worker / TP rank, the
+* `TransferAgent` (`pd_cluster.transfer.agent`): one NIXL agent per worker / TP rank, the
   whole pool registered once; serves its `AgentInfo` (metadata + layout).
-* `PeerDirectory`, `make_router` (`transfer.http`): the HTTP side of the handshake.
-* `check_compatible` (`transfer.layout`): refuses peers whose pages mean other bytes.
+* `PeerDirectory`, `make_router` (`pd_cluster.transfer.http`): the HTTP side of the handshake.
+* `check_compatible` (`pd_cluster.transfer.layout`): refuses peers whose pages mean other bytes.
 * `KVReceiver` (decode) makes a `KVTicket` for reserved pages and reports
   completion, failure and page release from a non-blocking `poll`.
 * `KVSender` (prefill) pushes each chunk's pages with a WRITE as soon as they are
   written; the last push carries the completion notification.
 * `TransferMetrics`: the ``pd:kv_transfer_*`` metrics on a caller's registry.
 
-Heavy imports (NIXL, torch) happen only in `transfer.agent`; this package root
+Heavy imports (NIXL, torch) happen only in `pd_cluster.transfer.agent`; this package root
 imports nothing heavy.
 """
 
@@ -20,16 +20,16 @@ from importlib import import_module
 from typing import Any
 
 _LAZY = {
-    "TransferConfig": "transfer.config",
-    "TransferAgent": "transfer.agent",
-    "AgentInfo": "transfer.layout",
-    "check_compatible": "transfer.layout",
-    "KVTicket": "transfer.ticket",
-    "KVSender": "transfer.sender",
-    "KVReceiver": "transfer.receiver",
-    "TransferMetrics": "transfer.metrics",
-    "PeerDirectory": "transfer.http",
-    "make_router": "transfer.http",
+    "TransferConfig": "pd_cluster.transfer.config",
+    "TransferAgent": "pd_cluster.transfer.agent",
+    "AgentInfo": "pd_cluster.transfer.layout",
+    "check_compatible": "pd_cluster.transfer.layout",
+    "KVTicket": "pd_cluster.transfer.ticket",
+    "KVSender": "pd_cluster.transfer.sender",
+    "KVReceiver": "pd_cluster.transfer.receiver",
+    "TransferMetrics": "pd_cluster.transfer.metrics",
+    "PeerDirectory": "pd_cluster.transfer.http",
+    "make_router": "pd_cluster.transfer.http",
 }
 
 __all__ = list(_LAZY)

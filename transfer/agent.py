@@ -31,10 +31,10 @@ import uuid
 
 import numpy as np
 
-from transfer import hugepages, protocol, ucx_env
-from transfer.config import TransferConfig
-from transfer.errors import NixlTransferError, PeerDiedError, PeerNotConnectedError
-from transfer.layout import AgentInfo, check_compatible
+from pd_cluster.transfer import hugepages, protocol, ucx_env
+from pd_cluster.transfer.config import TransferConfig
+from pd_cluster.transfer.errors import NixlTransferError, PeerDiedError, PeerNotConnectedError
+from pd_cluster.transfer.layout import AgentInfo, check_compatible
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class TransferAgent:
         """Post one WRITE of `local` descriptors into the peer's `remote` ones.
 
         Args:
-            local, remote: [N, 3] uint64 ``(address, nbytes, device_id)`` rows (`transfer.descriptors`).
+            local, remote: [N, 3] uint64 ``(address, nbytes, device_id)`` rows (`pd_cluster.transfer.descriptors`).
             notif: if given, NIXL delivers it to the peer after the data; its completion then waits
                 for the peer's progress (see `KVSender`, which notifies separately instead).
 

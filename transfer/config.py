@@ -41,7 +41,7 @@ class TransferConfig:
         num_threads: UCX backend worker threads (0: NIXL's default).
         metadata_timeout: seconds for one HTTP fetch of a peer's metadata.
         hugepages: back a host-memory pool with transparent huge pages before
-            registering it (`transfer.hugepages`); no effect on GPU pools.
+            registering it (`pd_cluster.transfer.hugepages`); no effect on GPU pools.
     """
 
     kv_transfer_timeout: float = 30.0

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import httpx
 from fastapi import APIRouter
 
-from transfer.errors import MetadataFetchError, StalePeerError
-from transfer.layout import AgentInfo
+from pd_cluster.transfer.errors import MetadataFetchError, StalePeerError
+from pd_cluster.transfer.layout import AgentInfo
 
 logger = logging.getLogger(__name__)
 

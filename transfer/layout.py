@@ -27,7 +27,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from transfer.errors import LayoutMismatchError, Mismatch
+from pd_cluster.transfer.errors import LayoutMismatchError, Mismatch
 
 PROTOCOL_VERSION = 1
 

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transfer import protocol
-from transfer.agent import TransferAgent
-from transfer.descriptors import validate_pages
-from transfer.errors import PeerDiedError, ProtocolError, TransferAbortedError, TransferError, TransferTimeoutError
-from transfer.metrics import TransferMetrics
-from transfer.ticket import KVTicket
+from pd_cluster.transfer import protocol
+from pd_cluster.transfer.agent import TransferAgent
+from pd_cluster.transfer.descriptors import validate_pages
+from pd_cluster.transfer.errors import PeerDiedError, ProtocolError, TransferAbortedError, TransferError, TransferTimeoutError
+from pd_cluster.transfer.metrics import TransferMetrics
+from pd_cluster.transfer.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transfer import protocol
-from transfer.agent import DONE, ERR, TransferAgent
-from transfer.descriptors import page_runs, run_descs, validate_pages
-from transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
+from pd_cluster.transfer import protocol
+from pd_cluster.transfer.agent import DONE, ERR, TransferAgent
+from pd_cluster.transfer.descriptors import page_runs, run_descs, validate_pages
+from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
                              TransferTimeoutError)
-from transfer.metrics import TransferMetrics
-from transfer.ticket import KVTicket
+from pd_cluster.transfer.metrics import TransferMetrics
+from pd_cluster.transfer.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 

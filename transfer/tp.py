@@ -9,7 +9,7 @@ unchanged:
 
 - `TPTicket`: the per-rank tickets of one request, sent as one JSON object.
 - `TPAgent`, `TPSender`, `TPReceiver`: rank 0's view. Each call runs on every
-  rank (`engine.parallel.rank.TPDriver`); `poll` gathers the ranks' events and
+  rank (`pd_cluster.engine.executor.tp.TPDriver`); `poll` gathers the ranks' events and
   merges them: a transfer is complete when every rank's part is, failed as soon
   as one part fails (the other parts are then aborted), and its pages are
   reusable only once every rank's part has released them or completed.
@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from prometheus_client import CollectorRegistry
 
-from transfer.agent import TransferAgent
-from transfer.layout import AgentInfo
-from transfer.metrics import TransferMetrics
-from transfer.receiver import KVReceiver, PagesReleased, ReceiverEvents, RecvDone, RecvFailed
-from transfer.sender import KVSender, SendDone, SenderEvents, SendFailed
-from transfer.ticket import KVTicket
+from pd_cluster.transfer.agent import TransferAgent
+from pd_cluster.transfer.layout import AgentInfo
+from pd_cluster.transfer.metrics import TransferMetrics
+from pd_cluster.transfer.receiver import KVReceiver, PagesReleased, ReceiverEvents, RecvDone, RecvFailed
+from pd_cluster.transfer.sender import KVSender, SendDone, SenderEvents, SendFailed
+from pd_cluster.transfer.ticket import KVTicket
 
 EXTENSION = "kv_transfer"
 MIN_POLL_INTERVAL_S = 0.001  # a poll is two collectives; the step loop may ask far more often
@@ -77,7 +77,7 @@ class RankTransfer:
     """One rank's agent and sender or receiver (installed on every rank by `install`).
 
     Args:
-        shard: the rank's `engine.parallel.shard.Shard` (its pool is registered). Rank 0's shard may carry
+        shard: the rank's `pd_cluster.engine.executor.shard.Shard` (its pool is registered). Rank 0's shard may carry
             ``metrics_registry``, the worker's registry, so its metrics are served.
         tp: the rank's `TPGroup`.
         role: ``prefill`` or ``decode``.
@@ -151,7 +151,7 @@ class RankTransfer:
 
 def install(driver, role: str, config, identity: str) -> list[AgentInfo]:
     """Create a `RankTransfer` on every rank; returns their infos in rank order."""
-    driver.call("install", EXTENSION, "transfer.tp:RankTransfer", role, config, identity, gather=True)
+    driver.call("install", EXTENSION, "pd_cluster.transfer.tp:RankTransfer", role, config, identity, gather=True)
     return driver.call("ext", EXTENSION, "info", gather=True)
 
 

@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from transfer.config import TransferConfig
+from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger(__name__)
 

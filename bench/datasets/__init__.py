@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.config import DatasetConfig
-from bench.datasets.base import Dataset, LengthScaling, SampledRequest
-from bench.tokenizer import Tokenizer
+from pd_cluster.bench.config import DatasetConfig
+from pd_cluster.bench.datasets.base import Dataset, LengthScaling, SampledRequest
+from pd_cluster.bench.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix", "mooncake-trace", "azure-trace")
@@ -25,10 +25,10 @@ def load_dataset(cfg: DatasetConfig, tok: Tokenizer) -> Dataset:
 
     Raises ``ValueError`` for an unknown dataset and ``OSError`` for an unreadable file.
     """
-    from bench.datasets.sharegpt import sharegpt_dataset
-    from bench.datasets.synth import PromptSynth
-    from bench.datasets.synthetic import random_dataset, shared_prefix_dataset
-    from bench.datasets.traces import azure_dataset, mooncake_dataset
+    from pd_cluster.bench.datasets.sharegpt import sharegpt_dataset
+    from pd_cluster.bench.datasets.synth import PromptSynth
+    from pd_cluster.bench.datasets.synthetic import random_dataset, shared_prefix_dataset
+    from pd_cluster.bench.datasets.traces import azure_dataset, mooncake_dataset
 
     if cfg.name not in DATASET_NAMES:
         raise ValueError(f"unknown --dataset-name {cfg.name!r}; one of {DATASET_NAMES}")

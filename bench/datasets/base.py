@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.config import LengthScaling
+from pd_cluster.bench.config import LengthScaling
 
 
 @dataclass(frozen=True, slots=True)

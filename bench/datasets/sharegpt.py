@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import random
 
-from bench.config import DatasetConfig
-from bench.datasets.base import Dataset, SampledRequest
-from bench.tokenizer import Tokenizer
+from pd_cluster.bench.config import DatasetConfig
+from pd_cluster.bench.datasets.base import Dataset, SampledRequest
+from pd_cluster.bench.tokenizer import Tokenizer
 
 _HUMAN = ("human", "user")
 _MIN_PROMPT_TOKENS = 4

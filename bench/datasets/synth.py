@@ -14,7 +14,7 @@ import re
 
 import numpy as np
 
-from bench.tokenizer import Tokenizer
+from pd_cluster.bench.tokenizer import Tokenizer
 
 _WORD = re.compile(r"[\u2581\u0120][a-z]{2,}")
 _MAX_CANDIDATES = 4096

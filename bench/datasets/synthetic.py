@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.config import DatasetConfig
-from bench.datasets.base import Dataset, SampledRequest
-from bench.datasets.synth import PromptSynth
+from pd_cluster.bench.config import DatasetConfig
+from pd_cluster.bench.datasets.base import Dataset, SampledRequest
+from pd_cluster.bench.datasets.synth import PromptSynth
 
 _RANDOM_PREFIX_KEY = 1 << 41
 _GSP_KEY_BASE = 1 << 40

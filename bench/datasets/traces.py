@@ -22,10 +22,10 @@ from datetime import datetime
 
 import numpy as np
 
-from bench.config import DatasetConfig
-from bench.datasets.base import Dataset, SampledRequest
-from bench.datasets.synth import PromptSynth
-from bench.datasets.synthetic import measure
+from pd_cluster.bench.config import DatasetConfig
+from pd_cluster.bench.datasets.base import Dataset, SampledRequest
+from pd_cluster.bench.datasets.synth import PromptSynth
+from pd_cluster.bench.datasets.synthetic import measure
 
 _UNIQUE_KEY_BASE = 1 << 42
 

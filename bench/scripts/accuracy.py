@@ -1,11 +1,11 @@
 """How close are pd-bench's numbers to the truth? Errors against a fake server with exact delays.
 
-Starts the fake OpenAI server (``bench.fake_server``, in its own process, with
+Starts the fake OpenAI server (``pd_cluster.bench.fake_server``, in its own process, with
 ``--realtime`` when the OS allows it) with TTFT 50 ms and then 10 ms per token
 for 20 tokens, runs pd-bench at each rate, and prints the reported p50/p99 of
 TTFT, ITL and TPOT minus the truth, with the scheduler lag and the machine load.
 
-    python -m bench.scripts.accuracy --rates 10 100 inf
+    python -m pd_cluster.bench.scripts.accuracy --rates 10 100 inf
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import contextlib
 import io
 import os
 
-from bench.args import build_parser, to_config
-from bench.cli import run_benchmark
-from bench.fake_process import FakeServerProcess
+from pd_cluster.bench.args import build_parser, to_config
+from pd_cluster.bench.cli import run_benchmark
+from pd_cluster.bench.fake_process import FakeServerProcess
 
 TRUTH_MS = {"ttft": 50.0, "itl": 10.0, "tpot": 10.0}
 

@@ -11,7 +11,7 @@ The trace's prompts (mean 2,048 tokens) do not fit the embedded model's
 512-token context: input lengths are scaled by ``--input-len-scale`` and
 capped, output lengths capped, and pd-bench states the scaling in its report.
 
-Run: ``python -m bench.scripts.cluster_pd_vs_colocated`` (about 5 minutes).
+Run: ``python -m pd_cluster.bench.scripts.cluster_pd_vs_colocated`` (about 5 minutes).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launch.cluster import ClusterSpec, LocalCluster, free_port
+from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
 
 
 def run_bench(url: str, args: argparse.Namespace, out_dir: Path, name: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.cli", "--base-url", url, "--dataset-name", "azure-trace",
+    cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", url, "--dataset-name", "azure-trace",
            "--num-prompts", str(args.num_prompts), "--input-len-scale", str(args.input_len_scale),
            "--max-input-len", str(args.max_input_len), "--max-output-len", str(args.max_output_len),
            "--trace-speedup", str(args.trace_speedup), "--ignore-eos", "--save-result", "--result-dir", str(out_dir),

@@ -9,7 +9,7 @@ generates exactly its length (``ignore_eos``; transformers: the batch runs to it
 longest request and each row is cut to its own length). Throughput counts only
 each request's own tokens, for both.
 
-Run: ``python -m bench.scripts.engine_throughput`` (prints a table).
+Run: ``python -m pd_cluster.bench.scripts.engine_throughput`` (prints a table).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def workload(tokenizer, n: int, max_prompt: int, out_scale: float, context: int)
 
 
 def run_engine(items, args) -> tuple[list[float], int]:
-    from engine import LLM, SamplingParams
+    from pd_cluster.engine import LLM, SamplingParams
 
     llm = LLM(kv_cache_dtype=args.kv_cache_dtype, page_size=args.page_size, cpu_threads=args.threads,
               max_running_requests=args.max_running_requests)
@@ -57,7 +57,7 @@ def run_engine(items, args) -> tuple[list[float], int]:
 def run_transformers(items, args, tokenizer) -> tuple[list[float], int]:
     from transformers import AutoModelForCausalLM
 
-    from engine.assets import DEFAULT_MODEL
+    from pd_cluster.engine.assets import DEFAULT_MODEL
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
@@ -100,7 +100,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.assets import DEFAULT_MODEL
+    from pd_cluster.engine.assets import DEFAULT_MODEL
 
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     items = workload(tok, args.num_prompts, args.max_prompt_len, args.output_scale, 512)

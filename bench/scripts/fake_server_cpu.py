@@ -1,11 +1,11 @@
 """CPU cost of the fake OpenAI server per request, i.e. how many requests/s one core can serve.
 
-Starts ``bench.fake_server`` with zero delays, drives it with pd-bench's HTTP
+Starts ``pd_cluster.bench.fake_server`` with zero delays, drives it with pd-bench's HTTP
 client at a fixed concurrency, and reads the server process's CPU time (user +
 system, ``/proc/PID/stat``) before and after. The client's speed does not
 matter: the server's CPU seconds per request give its capacity on one core.
 
-    python -m bench.scripts.fake_server_cpu --requests 6000 --concurrency 32
+    python -m pd_cluster.bench.scripts.fake_server_cpu --requests 6000 --concurrency 32
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import os
 import time
 
-from bench.fake_process import FakeServerProcess
-from bench.http_client import HttpPool
+from pd_cluster.bench.fake_process import FakeServerProcess
+from pd_cluster.bench.http_client import HttpPool
 
 
 class _Sink:

@@ -2,7 +2,7 @@
 
 Run on a CUDA machine (one command; about 5 minutes on an H100)::
 
-    python -m bench.scripts.gpu --output gpu-bench.md
+    python -m pd_cluster.bench.scripts.gpu --output gpu-bench.md
 
 It measures, in one run and on the device itself:
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.scripts.gpu_common import Row, Section, measure_ceilings
+from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
 PARTS = ("decode", "prefill_kernel", "decode_step", "prefill", "nixl")
 
@@ -43,7 +43,7 @@ PARTS = ("decode", "prefill_kernel", "decode_step", "prefill", "nixl")
 def device_info(device: torch.device) -> str:
     import triton
     lines = [f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-             f"- command: `python -m bench.scripts.gpu {' '.join(sys.argv[1:])}`",
+             f"- command: `python -m pd_cluster.bench.scripts.gpu {' '.join(sys.argv[1:])}`",
              f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}"]
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -55,7 +55,7 @@ def device_info(device: torch.device) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.scripts.gpu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pd_cluster.bench.scripts.gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--output", default="gpu-bench.md", help="markdown file for the tables (default: gpu-bench.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> list[Section]:
-    from bench.scripts import gpu_attention, gpu_model, gpu_nixl
-    from engine.attention.triton_backend import TritonAttentionConfig
+    from pd_cluster.bench.scripts import gpu_attention, gpu_model, gpu_nixl
+    from pd_cluster.engine.attention.triton_backend import TritonAttentionConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:

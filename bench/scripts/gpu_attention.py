@@ -17,13 +17,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, pct
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.attention.triton.decode import (DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for,
+from pd_cluster.bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, pct
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.attention.triton.decode import (DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for,
                                             num_kv_splits)
-from engine.attention.triton.extend import ExtendKernelConfig, extend_attention
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
 
 PAGE = 64
 K_SCALE, V_SCALE = 0.05, 0.04

@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU benchmark (`python -m bench.scripts.gpu`): timing, ceilings, shapes, result rows.
+"""Shared pieces of the GPU benchmark (`python -m pd_cluster.bench.scripts.gpu`): timing, ceilings, shapes, result rows.
 
 Timing follows the device guide's method: device events around the region
 (`triton.testing.do_bench`, median, L2 flushed before each call), warm-up
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.arch import ArchConfig
+from pd_cluster.engine.model.arch import ArchConfig
 
 PLANNER_CONFIGS = Path(__file__).resolve().parents[2] / "engine" / "planner" / "configs"
 

@@ -8,7 +8,7 @@ instructions that matter (global loads and their width, tensor-core ops,
 byte-wise shared loads, conversions), following the device guide's advice to
 read the compiler's report and the disassembly before spending device time.
 
-Run: ``TRITON_INTERPRET=0 python -m bench.scripts.gpu_compile`` (prints a table).
+Run: ``TRITON_INTERPRET=0 python -m pd_cluster.bench.scripts.gpu_compile`` (prints a table).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def compile_sm90(fn, types: dict, const: dict, no_div16=(), num_warps: int = 4, 
 
 
 def kernels():
-    from engine.attention.triton import decode, extend, store
+    from pd_cluster.engine.attention.triton import decode, extend, store
     dec_types = dict(Q="*bf16", K_cache="*fp8e4nv", V_cache="*fp8e4nv", block_tables="*i32", seq_lens="*i32",
                      num_splits="*i32", Mid_O="*fp32", Mid_LSE="*fp32", qk_scale="fp32")
     for bn, nw, ns in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 2), (32, 4, 3)):

@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, llama_config, pct
-from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
-from engine.batch import build_forward_batch
-from engine.graph import CudaGraphConfig, CudaGraphRunner
-from engine.kv.pool import KVLayout, KVPool
-from engine.model.loader import LoadedModel, load_model
+from pd_cluster.bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, llama_config, pct
+from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from pd_cluster.engine.batch import build_forward_batch
+from pd_cluster.engine.graph import CudaGraphConfig, CudaGraphRunner
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.model.loader import LoadedModel, load_model
 
 PAGE = 64
 

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from bench.scripts.gpu_common import Row, Section
+from pd_cluster.bench.scripts.gpu_common import Row, Section
 
 
 def _descs(base: int, nbytes: int, desc_bytes: int, dev: int) -> np.ndarray:

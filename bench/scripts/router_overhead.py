@@ -1,6 +1,6 @@
 """The router's added latency and its sustained requests/s on one core.
 
-Starts a fast fake prefill and decode worker (``bench.fake_server``, zero
+Starts a fast fake prefill and decode worker (``pd_cluster.bench.fake_server``, zero
 delays) and ``pd-router`` in front of them, pins the router to one CPU and
 the fake workers and the load generator to the others, then measures with a
 lean closed-loop HTTP/1.1 keep-alive client (raw asyncio streams, so the
@@ -14,7 +14,7 @@ client is not the bottleneck):
 Both for short non-streamed requests (``max_tokens`` 1) and streamed ones
 (``--stream-tokens`` SSE events). Prints one table per measurement.
 
-    python -m bench.scripts.router_overhead --seconds 10 --concurrency 16 64
+    python -m pd_cluster.bench.scripts.router_overhead --seconds 10 --concurrency 16 64
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from engine.net import free_port
+from pd_cluster.engine.net import free_port
 
-from bench.fake_process import FakeServerProcess
+from pd_cluster.bench.fake_process import FakeServerProcess
 
 MODEL = "stories260K"
 
@@ -164,7 +164,7 @@ def baseline_app(kind: str, upstream: str):
 
 
 def start_baseline(kind: str, port: int, upstream: str, cpu: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "bench.scripts.router_overhead", "--serve-baseline", kind,
+    cmd = [sys.executable, "-m", "pd_cluster.bench.scripts.router_overhead", "--serve-baseline", kind,
            "--port", str(port), "--upstream", upstream]
     proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
     wait_port(port, proc)
@@ -197,7 +197,7 @@ def pinned(cpus: set[int]):
 
 def start_router(port: int, prefill: list[str], decode: list[str], cpu: int,
                  extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "router.main", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1", "--port", str(port),
            "--prefill", *prefill, "--decode", *decode, "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
     deadline = time.monotonic() + 60

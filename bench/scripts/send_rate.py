@@ -1,6 +1,6 @@
 """How fast can pd-bench send? Scheduler lag and client load at increasing request rates.
 
-Starts the fake OpenAI server (``bench.fake_server``) in its own process with
+Starts the fake OpenAI server (``pd_cluster.bench.fake_server``) in its own process with
 near-zero delays, then, for each rate, sends ``rate * --seconds`` Poisson
 requests with pd-bench's own runner and prints a table of the achieved send
 rate, the scheduler lag (actual start minus planned, p50/p99/max), the
@@ -8,7 +8,7 @@ event-loop delay, the client's CPU use and the request outcomes, with the
 machine's load average and CPU pressure (PSI: the share of time some task
 waited for a CPU), since other work on the machine delays the client's wake-ups.
 
-    python -m bench.scripts.send_rate --rates 100 250 500 750 1000 --seconds 10
+    python -m pd_cluster.bench.scripts.send_rate --rates 100 250 500 750 1000 --seconds 10
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from bench.arrival import rate_plan
-from bench.config import LoadConfig, ReportConfig, TargetConfig
-from bench.datasets.base import SampledRequest
-from bench.fake_process import FakeServerProcess
-from bench.metrics import count_output_tokens, summarize
-from bench.runner import Runner
+from pd_cluster.bench.arrival import rate_plan
+from pd_cluster.bench.config import LoadConfig, ReportConfig, TargetConfig
+from pd_cluster.bench.datasets.base import SampledRequest
+from pd_cluster.bench.fake_process import FakeServerProcess
+from pd_cluster.bench.metrics import count_output_tokens, summarize
+from pd_cluster.bench.runner import Runner
 
 HEADER = ("rate", "sent", "achieved/s", "lag p50 ms", "lag p99 ms", "lag max ms", "loop p99 ms",
           "client CPU %", "ok", "failed", "TTFT p50 ms", "E2EL p99 ms", "load", "CPU PSI %")

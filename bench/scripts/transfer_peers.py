@@ -1,4 +1,4 @@
-"""The two worker processes of `bench.scripts.transfer_throughput`: a prefill side and a
+"""The two worker processes of `pd_cluster.bench.scripts.transfer_throughput`: a prefill side and a
 decode side, each holding real engine KV pools with a `TransferAgent`, driven over a pipe by
 the parent (`transfer_throughput.Pair`)."""
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.ucx_env import put_protocols
+from pd_cluster.transfer.ucx_env import put_protocols
 
 PAGE_SIZES = (16, 64)
 PAGE_COUNTS = (16, 256, 4096)
@@ -38,15 +38,15 @@ class _Side:
         import torch
         from prometheus_client import CollectorRegistry
 
-        from engine.assets import DEFAULT_MODEL
-        from engine.kv.allocator import PageAllocator
-        from engine.kv.pool import KVLayout, KVPool
-        from engine.model.loader import load_model
-        from transfer.agent import TransferAgent
-        from transfer.config import TransferConfig
-        from transfer.metrics import TransferMetrics
-        from transfer.receiver import KVReceiver
-        from transfer.sender import KVSender
+        from pd_cluster.engine.assets import DEFAULT_MODEL
+        from pd_cluster.engine.kv.allocator import PageAllocator
+        from pd_cluster.engine.kv.pool import KVLayout, KVPool
+        from pd_cluster.engine.model.loader import load_model
+        from pd_cluster.transfer.agent import TransferAgent
+        from pd_cluster.transfer.config import TransferConfig
+        from pd_cluster.transfer.metrics import TransferMetrics
+        from pd_cluster.transfer.receiver import KVReceiver
+        from pd_cluster.transfer.sender import KVSender
 
         torch.set_num_threads(1)
         self.hugepages = opts.hugepages
@@ -71,7 +71,7 @@ class _Side:
         return {ps: ag.info.to_dict() for ps, ag in self.agents.items()}
 
     def connect(self, infos: dict) -> None:
-        from transfer.layout import AgentInfo
+        from pd_cluster.transfer.layout import AgentInfo
 
         for ps, d in infos.items():
             self.agents[ps].connect(AgentInfo.from_dict(d))
@@ -149,7 +149,7 @@ def prefill_main(conn, opts: Options) -> None:
                 if tok is None:
                     from transformers import AutoTokenizer
 
-                    from engine.assets import DEFAULT_MODEL
+                    from pd_cluster.engine.assets import DEFAULT_MODEL
                     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
                 conn.send(_handover(side, args[0], _prompt(tok, HANDOVER_TOKENS), torch))
     except BaseException:
@@ -164,8 +164,8 @@ def prefill_main(conn, opts: Options) -> None:
 def _timed_push(side: _Side, ticket_dict: dict, copy_first: bool) -> tuple[float, float, int, int]:
     """One push of a ticket's pages and one memcpy of the same bytes; the order alternates across calls so
     that neither always finds the source in the cache."""
-    from transfer.descriptors import page_runs
-    from transfer.ticket import KVTicket
+    from pd_cluster.transfer.descriptors import page_runs
+    from pd_cluster.transfer.ticket import KVTicket
 
     t = KVTicket.from_dict(ticket_dict)
     ps, sender, alloc = t.page_size, side.ends[t.page_size], side.allocs[t.page_size]
@@ -213,7 +213,7 @@ def _scratch(nbytes: int, huge: bool):
     """The memcpy destination: touched (no page faults in the timed copy), in the same kind of pages as the pools."""
     import torch
 
-    from transfer import hugepages
+    from pd_cluster.transfer import hugepages
 
     if nbytes not in _SCRATCH:
         _SCRATCH[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
@@ -234,9 +234,9 @@ def _prompt(tok, n: int) -> list[int]:
 def _handover(side: _Side, ticket_dict: dict, ids: list[int], torch) -> dict:
     import numpy as np
 
-    from engine.attention.torch_ref import TorchAttentionBackend
-    from engine.batch import build_forward_batch
-    from transfer.ticket import KVTicket
+    from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+    from pd_cluster.engine.batch import build_forward_batch
+    from pd_cluster.transfer.ticket import KVTicket
 
     t = KVTicket.from_dict(ticket_dict)
     ps, sender, alloc = t.page_size, side.ends[t.page_size], side.allocs[t.page_size]

@@ -20,7 +20,7 @@ engine KV pools (stories260K's layout, FP8, page sizes 16 and 64) with a
 3. Which UCX transport carried the WRITEs (UCX's own protocol table, captured
    from the prefill process with ``UCX_PROTO_INFO=y``).
 
-Run: ``python -m bench.scripts.transfer_throughput`` (add ``--ucx-tls tcp`` to
+Run: ``python -m pd_cluster.bench.scripts.transfer_throughput`` (add ``--ucx-tls tcp`` to
 force TCP, ``--progress-thread`` to run NIXL's progress thread). Prints tables.
 """
 
@@ -34,7 +34,7 @@ import os
 import statistics
 from pathlib import Path
 
-from bench.scripts.transfer_peers import (HANDOVER_CHUNK, HANDOVER_TOKENS, PAGE_COUNTS, PAGE_SIZES, Options,
+from pd_cluster.bench.scripts.transfer_peers import (HANDOVER_CHUNK, HANDOVER_TOKENS, PAGE_COUNTS, PAGE_SIZES, Options,
                                           decode_main, prefill_main)
 
 

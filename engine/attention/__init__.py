@@ -12,12 +12,12 @@ from importlib import import_module
 
 import torch
 
-from engine.attention.base import AttentionBackend
+from pd_cluster.engine.attention.base import AttentionBackend
 
 _REGISTRY = {
-    "torch": ("engine.attention.torch_ref", "TorchAttentionBackend"),
-    "cpu": ("engine.attention.cpu_backend", "CpuAttentionBackend"),
-    "triton": ("engine.attention.triton_backend", "TritonAttentionBackend"),
+    "torch": ("pd_cluster.engine.attention.torch_ref", "TorchAttentionBackend"),
+    "cpu": ("pd_cluster.engine.attention.cpu_backend", "CpuAttentionBackend"),
+    "triton": ("pd_cluster.engine.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 
@@ -32,7 +32,7 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
             return "triton"
         except ImportError:
             return "torch"
-    from engine.attention import cpu_backend
+    from pd_cluster.engine.attention import cpu_backend
 
     return "cpu" if cpu_backend.available() else "torch"
 

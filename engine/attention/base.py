@@ -6,7 +6,7 @@ pool. Reading the current chunk back from the pool too (rather than using the
 fresh full-precision K/V) means chunked and unchunked prefill, and prefill on
 another worker followed by a KV transfer, see exactly the same KV values.
 
-Backends are chosen by name through `engine.attention.get_backend`; the torch
+Backends are chosen by name through `pd_cluster.engine.attention.get_backend`; the torch
 reference backend runs everywhere, the Triton backend on GPUs (and under
 ``TRITON_INTERPRET=1`` for tests).
 """
@@ -17,8 +17,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
 
 
 class AttentionBackend(ABC):

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
 

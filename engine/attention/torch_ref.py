@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
 
 MAX_DECODE_GROUPS = 4
 MIN_GROUP_ROWS = 16

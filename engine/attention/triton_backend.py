@@ -2,11 +2,11 @@
 
 Per layer, `forward` runs the store kernel (K/V into their slots, FP8 with a
 clamp) and then attention over what the pool now holds, exactly the torch
-reference's semantics (`engine.attention.torch_ref`): decode requests
+reference's semantics (`pd_cluster.engine.attention.torch_ref`): decode requests
 (``[:num_decodes]``) through paged flash-decoding, prefill chunks through the
 extend kernel. `prepare` runs once per step and computes the decode split
 counts on the device, so a decode step makes no host sync and can be captured
-in a CUDA graph (`engine.graph`), which calls `prepare_for_capture` once to
+in a CUDA graph (`pd_cluster.engine.graph`), which calls `prepare_for_capture` once to
 give the backend static buffers.
 
 The kernels also run under Triton's interpreter (``TRITON_INTERPRET=1``) on
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.attention.triton.decode import (
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.attention.triton.decode import (
     DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for, num_kv_splits,
 )
-from engine.attention.triton.extend import ExtendKernelConfig, extend_attention
-from engine.attention.triton.store import store_kv
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention
+from pd_cluster.engine.attention.triton.store import store_kv
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
 
 DEFAULT_NUM_SMS_OFF_GPU = 8  # grid sizing under the interpreter, where there are no multiprocessors
 

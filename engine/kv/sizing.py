@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine.config import CacheConfig, format_size
-from engine.kv.pool import KVLayout
+from pd_cluster.engine.config import CacheConfig, format_size
+from pd_cluster.engine.kv.pool import KVLayout
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 2**20
 

@@ -3,7 +3,7 @@
 Follows the HF ``LlamaForCausalLM`` math: pre-norm RMSNorm, RoPE, GQA, SwiGLU.
 Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each q and k head before RoPE.
 q/k/v and gate/up projections are fused into one matrix each (fewer kernel
-launches); `engine.model.loader` fills them from the HF checkpoint's separate
+launches); `pd_cluster.engine.model.loader` fills them from the HF checkpoint's separate
 tensors.
 
 The forward pass takes one explicit `ForwardBatch` and the `KVPool`; attention
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.attention.base import AttentionBackend
-from engine.batch import ForwardBatch
-from engine.kv.pool import KVPool
-from engine.model.arch import ArchConfig
-from engine.model.rope import RotaryEmbedding
-from engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.rope import RotaryEmbedding
+from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.arch import ArchConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.llama import LlamaForCausalLM
+from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.config import parse_size
-from engine.planner.plan import KV_BYTES, WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions
-from engine.planner.spec import BUNDLED, load_spec
+from pd_cluster.engine.config import parse_size
+from pd_cluster.engine.planner.plan import KV_BYTES, WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions
+from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.params import SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams
 
 
 @dataclass

@@ -6,8 +6,8 @@ request's next tokens fit and to make room; it never decides who runs.
 
 from __future__ import annotations
 
-from engine.kv.allocator import PageAllocator
-from engine.request import Request
+from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.request import Request
 
 
 class PageManager:

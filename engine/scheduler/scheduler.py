@@ -26,10 +26,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.scheduler.admission import AdmissionPolicy
-from engine.scheduler.page_manager import PageManager
+from pd_cluster.engine.config import SchedulerConfig
+from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.scheduler.admission import AdmissionPolicy
+from pd_cluster.engine.scheduler.page_manager import PageManager
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import asyncio
 import logging
 from abc import ABC, abstractmethod
 
-from router.config import Role
-from router.workers import WorkerRegistry
+from pd_cluster.router.config import Role
+from pd_cluster.router.workers import WorkerRegistry
 
-log = logging.getLogger("router.discovery")
+log = logging.getLogger("pd_cluster.router.discovery")
 
 
 class RegistrySink:

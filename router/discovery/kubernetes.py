@@ -23,10 +23,10 @@ import time
 from kubernetes import client, config as kube_config, watch
 from kubernetes.client.rest import ApiException
 
-from router.config import KubernetesDiscoveryConfig, Role
-from router.discovery.base import DiscoverySource, RegistrySink
+from pd_cluster.router.config import KubernetesDiscoveryConfig, Role
+from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
 
-log = logging.getLogger("router.discovery.kubernetes")
+log = logging.getLogger("pd_cluster.router.discovery.kubernetes")
 
 ERROR_BACKOFF_SECS = 2.0
 

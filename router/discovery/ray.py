@@ -15,10 +15,10 @@ import logging
 import threading
 from typing import Any
 
-from router.config import RayDiscoveryConfig, Role
-from router.discovery.base import DiscoverySource, RegistrySink
+from pd_cluster.router.config import RayDiscoveryConfig, Role
+from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
 
-log = logging.getLogger("router.discovery.ray")
+log = logging.getLogger("pd_cluster.router.discovery.ray")
 
 ENDPOINT_TIMEOUT_SECS = 10.0
 

@@ -6,10 +6,10 @@ import random
 import time
 from collections.abc import Callable
 
-from router.config import CacheAwareConfig
-from router.policies.base import Candidate, Policy, RouteRequest, effective_load
-from router.policies.cache_aware import CacheAware
-from router.policies.simple import LeastKvUsage, PowerOfTwo, RandomPolicy, RoundRobin
+from pd_cluster.router.config import CacheAwareConfig
+from pd_cluster.router.policies.base import Candidate, Policy, RouteRequest, effective_load
+from pd_cluster.router.policies.cache_aware import CacheAware
+from pd_cluster.router.policies.simple import LeastKvUsage, PowerOfTwo, RandomPolicy, RoundRobin
 
 __all__ = ["Candidate", "Policy", "RouteRequest", "effective_load", "make_policy",
            "CacheAware", "LeastKvUsage", "PowerOfTwo", "RandomPolicy", "RoundRobin"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.load import LoadReport
+from pd_cluster.router.load import LoadReport
 
 
 class Candidate(Protocol):

@@ -10,16 +10,16 @@ Semantics of SGLang's ``cache_aware`` router policy:
    the least, which spreads new prefixes over the fleet.
 
 The chosen worker's tree then records the prompt. Load is
-:func:`router.policies.base.effective_load`.
+:func:`pd_cluster.router.policies.base.effective_load`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.config import CacheAwareConfig
-from router.policies.base import Candidate, Policy, RouteRequest, effective_load, require_candidates
-from router.policies.prefix_tree import ApproxPrefixTree
+from pd_cluster.router.config import CacheAwareConfig
+from pd_cluster.router.policies.base import Candidate, Policy, RouteRequest, effective_load, require_candidates
+from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
 
 
 class CacheAware(Policy):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from router.policies.base import (
+from pd_cluster.router.policies.base import (
     Candidate,
     Policy,
     RouteRequest,

@@ -6,8 +6,8 @@ from typing import Any, Callable
 
 import pytest
 
-from bench.args import build_parser, to_config
-from bench.cli import run_benchmark
+from pd_cluster.bench.args import build_parser, to_config
+from pd_cluster.bench.cli import run_benchmark
 
 
 def bench(url: str, *flags: str) -> dict[str, Any]:

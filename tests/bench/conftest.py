@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fake_process import FakeServerProcess
+from pd_cluster.bench.fake_process import FakeServerProcess
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.arrival import gamma_gaps, rate_plan, trace_plan
+from pd_cluster.bench.arrival import gamma_gaps, rate_plan, trace_plan
 from bench_testkit import bench, measure
 
 

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from bench.config import DatasetConfig, LengthScaling
-from bench.datasets import DEFAULT_PATHS, load_dataset
-from bench.datasets.synth import safe_vocab
-from bench.tokenizer import load_tokenizer, resolve_tokenizer_name
+from pd_cluster.bench.config import DatasetConfig, LengthScaling
+from pd_cluster.bench.datasets import DEFAULT_PATHS, load_dataset
+from pd_cluster.bench.datasets.synth import safe_vocab
+from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.fake_process import FakeServerProcess
+from pd_cluster.bench.fake_process import FakeServerProcess
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from bench_testkit import bench
 
-from bench.args import parse_goodput
-from bench.client import RequestRecord
-from bench.metrics import goodput
+from pd_cluster.bench.args import parse_goodput
+from pd_cluster.bench.client import RequestRecord
+from pd_cluster.bench.metrics import goodput
 
 
 def _rec(i, ok, ttft, latency, out):

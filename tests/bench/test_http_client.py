@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from bench.http_client import HttpError, HttpPool
+from pd_cluster.bench.http_client import HttpError, HttpPool
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from bench_testkit import bench
 
-from bench.arrival import rate_plan
+from pd_cluster.bench.arrival import rate_plan
 
 pytestmark = pytest.mark.timeout(180)
 FAST = ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "5",
@@ -19,7 +19,7 @@ FAST = ["--dataset-name", "random", "--random-input-len", "16", "--random-output
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pd_cluster.bench.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
@@ -104,9 +104,9 @@ def test_duration_caps_the_sends_and_concurrency_limits_in_flight(fake_factory):
 
 
 def test_pd_bench_does_not_import_torch():
-    code = ("import sys; from bench.cli import main; from bench.tokenizer import load_tokenizer; "
-            "from engine.assets import DEFAULT_MODEL; load_tokenizer(DEFAULT_MODEL).encode('Once upon'); "
-            "import bench.plot, bench.server_metrics, bench.fake_server; "
+    code = ("import sys; from pd_cluster.bench.cli import main; from pd_cluster.bench.tokenizer import load_tokenizer; "
+            "from pd_cluster.engine.assets import DEFAULT_MODEL; load_tokenizer(DEFAULT_MODEL).encode('Once upon'); "
+            "import pd_cluster.bench.plot, pd_cluster.bench.server_metrics, bench.fake_server; "
             "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))

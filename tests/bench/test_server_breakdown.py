@@ -11,10 +11,10 @@ import httpx
 import pytest
 from bench_testkit import bench
 
-from bench import prom
-from bench.config import ServerMetricsConfig
-from bench.httpserver import HttpServer
-from bench.server_metrics import discover
+from pd_cluster.bench import prom
+from pd_cluster.bench.config import ServerMetricsConfig
+from pd_cluster.bench.httpserver import HttpServer
+from pd_cluster.bench.server_metrics import discover
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from bench_testkit import bench
 
-from bench.config import DatasetConfig, LengthScaling
-from bench.datasets import DEFAULT_PATHS, load_dataset
-from bench.datasets.traces import block_layout
-from bench.tokenizer import load_tokenizer, resolve_tokenizer_name
+from pd_cluster.bench.config import DatasetConfig, LengthScaling
+from pd_cluster.bench.datasets import DEFAULT_PATHS, load_dataset
+from pd_cluster.bench.datasets.traces import block_layout
+from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
 
 SLICE = str(DEFAULT_PATHS["mooncake-trace"])
 

@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from launch.cluster import ClusterSpec, LocalCluster, free_port
+from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
 
 PROMPTS = [
     "Once upon a time",

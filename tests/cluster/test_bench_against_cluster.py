@@ -15,7 +15,7 @@ from PIL import Image
 @pytest.mark.timeout(900)
 def test_pd_bench_breakdown_json_and_plots(tmp_path):
     with running_cluster(1, 1) as cluster:
-        cmd = [sys.executable, "-m", "bench.cli", "--base-url", cluster.router_url, "--dataset-name", "random",
+        cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", cluster.router_url, "--dataset-name", "random",
                "--random-input-len", "120", "--random-output-len", "24", "--num-prompts", "30",
                "--request-rate", "10", "--seed", "1", "--save-result", "--plot", "--result-dir", str(tmp_path),
                "--result-filename", "run.json", "--disable-tqdm"]

@@ -11,7 +11,7 @@ import openai
 import pytest
 from cluster_util import PROMPTS, metric_value, running_cluster, wait_all_free, worker_loads
 
-from engine import LLM, SamplingParams
+from pd_cluster.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import pytest
 from cluster_util import PROMPTS, FAST_ENGINE
 from engine_reference import hf_greedy
 
-from engine import LLM, SamplingParams
-from launch.cluster import free_port
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.launch.cluster import free_port
 
 MAX_TOKENS = 40
 
@@ -24,7 +24,7 @@ MAX_TOKENS = 40
 def pd_serve(tmp_path_factory):
     manifest = tmp_path_factory.mktemp("pd") / "manifest.json"
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--port", str(port), "--manifest", str(manifest),
+    proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest", str(manifest),
                              "--log-level", "warning", *FAST_ENGINE], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -61,7 +61,7 @@ def _prefill_of(cluster) -> dict[int, str]:
 
 
 def _replay(cluster, tmp: Path, name: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.cli", "--base-url", cluster.router_url, "--dataset-name", "mooncake-trace",
+    cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", cluster.router_url, "--dataset-name", "mooncake-trace",
            "--num-prompts", str(ROWS), "--input-len-scale", str(SCALE), "--max-input-len", str(CAP),
            "--max-output-len", "4", "--output-len-scale", "0.01", "--trace-speedup", "10", "--disable-tqdm",
            "--save-result", "--result-dir", str(tmp), "--result-filename", f"{name}.json", "--seed", "0"]

@@ -8,7 +8,7 @@ import openai
 import pytest
 from cluster_util import PROMPTS, running_cluster, wait_all_free
 
-from engine import LLM, SamplingParams
+from pd_cluster.engine import LLM, SamplingParams
 
 TP2_FP8 = ["--tp-size", "2", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", "--chunked-prefill-size", "8"]
 

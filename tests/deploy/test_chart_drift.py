@@ -13,16 +13,16 @@ import pytest
 from chart_util import (CHART, NAMESPACE, ROOT, VALUE_FILES, WORKER_ROLES, all_pod_templates, container_env_names,
                         expand, flag_value, load_values, objects, render)
 
-import bench.args
-import launch.worker
-import router.args
-from transfer.config import from_cli_args
+import pd_cluster.bench.args
+import pd_cluster.launch.worker
+import pd_cluster.router.args
+from pd_cluster.transfer.config import from_cli_args
 
 CASES = [None, *VALUE_FILES]
 IDS = ["default", *[p.stem for p in VALUE_FILES]]
 LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}  # injected by the LWS controller
-PARSERS = {"launch.worker": launch.worker.build_parser, "router.main": router.args.build_parser,
-           "bench.cli": bench.args.build_parser}
+PARSERS = {"pd_cluster.launch.worker": pd_cluster.launch.worker.build_parser, "pd_cluster.router.main": pd_cluster.router.args.build_parser,
+           "pd_cluster.bench.cli": bench.args.build_parser}
 FAKE_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "pd-pd-cluster-decode-0", "POD_NAMESPACE": NAMESPACE,
             "LWS_LEADER_ADDRESS": "pd-pd-cluster-decode-0.pd-pd-cluster-decode", "LWS_GROUP_SIZE": "2",
             "LWS_WORKER_INDEX": "1"}
@@ -134,7 +134,7 @@ def test_every_container_command_line_parses_with_the_project_cli(path):
 
 
 def _check_worker(ns: argparse.Namespace, argv: list[str], label: str) -> None:
-    from engine.args import config_from_args
+    from pd_cluster.engine.args import config_from_args
 
     role = launch.worker.resolve_role(ns)
     assert role in label.split("/")[0], label
@@ -194,8 +194,8 @@ CHART_MANAGED = {
 }
 
 
-@pytest.mark.parametrize("definition,factory", [("engineArgs", launch.worker.build_parser),
-                                                ("routerArgs", router.args.build_parser)])
+@pytest.mark.parametrize("definition,factory", [("engineArgs", pd_cluster.launch.worker.build_parser),
+                                                ("routerArgs", pd_cluster.router.args.build_parser)])
 def test_values_schema_lists_every_flag_with_its_type(definition, factory):
     schema = json.loads((CHART / "values.schema.json").read_text())["definitions"][definition]
     assert schema["additionalProperties"] is False
@@ -249,11 +249,11 @@ def test_every_schema_flag_renders_and_parses():
 def exported_metric_names() -> set[str]:
     from prometheus_client import CollectorRegistry
 
-    from engine.serving.metrics import WorkerMetrics
-    from router.config import CircuitBreakerConfig
-    from router.metrics import RouterMetrics, StateCollector
-    from router.workers import WorkerRegistry
-    from transfer.metrics import TransferMetrics
+    from pd_cluster.serving.metrics import WorkerMetrics
+    from pd_cluster.router.config import CircuitBreakerConfig
+    from pd_cluster.router.metrics import RouterMetrics, StateCollector
+    from pd_cluster.router.workers import WorkerRegistry
+    from pd_cluster.transfer.metrics import TransferMetrics
 
     reg = CollectorRegistry()
     WorkerMetrics(reg, "decode")

@@ -21,7 +21,7 @@ import openai
 import pytest
 from chart_util import CHART, NAMESPACE, ROOT, expand, flag_value, load_values, one, render
 
-from launch.cluster import free_port
+from pd_cluster.launch.cluster import free_port
 
 sys.path.insert(0, str(ROOT / "tests" / "router"))
 from fake_kube_api import FakeKubeApi  # noqa: E402
@@ -84,7 +84,7 @@ def test_rendered_cluster_serves_exact_greedy_output_through_discovery(rendered,
                 tpl = one(rendered, "StatefulSet", f"-{role}")["spec"]["template"]
                 c = tpl["spec"]["containers"][0]
                 port = free_port()
-                procs.append(spawn("launch.worker", localize(c["args"], port, c["ports"][0]["containerPort"])))
+                procs.append(spawn("pd_cluster.launch.worker", localize(c["args"], port, c["ports"][0]["containerPort"])))
                 workers[role] = (tpl, c, port, procs[-1])
             for role, (tpl, c, port, proc) in workers.items():
                 base = f"http://127.0.0.1:{port}"
@@ -104,7 +104,7 @@ def test_rendered_cluster_serves_exact_greedy_output_through_discovery(rendered,
             argv = localize(rc["args"], rport, rc["ports"][0]["containerPort"])
             argv += ["--kubeconfig", kubeconfig(tmp_path / "kubeconfig", api.url)]
             env = {"PD_ROUTER_API_KEY": API_KEY, "PD_ROUTER_ADMIN_API_KEY": "admin-key"}  # from the Secret
-            procs.append(spawn("router.main", argv, env))
+            procs.append(spawn("pd_cluster.router.main", argv, env))
             base = f"http://127.0.0.1:{rport}"
             wait_200(base + rc["readinessProbe"]["httpGet"]["path"], procs[-1], 60)  # /readiness: a usable pair
             for probe in PROBES:
@@ -133,7 +133,7 @@ def test_rendered_cluster_serves_exact_greedy_output_through_discovery(rendered,
 
 def offline_greedy(worker_args: list[str], max_tokens: int) -> dict[str, str]:
     """The offline engine's greedy text with the rendered KV layout (dtype and page size)."""
-    from engine import LLM, SamplingParams
+    from pd_cluster.engine import LLM, SamplingParams
 
     llm = LLM(kv_cache_dtype=flag_value(worker_args, "--kv-cache-dtype"),
               page_size=int(flag_value(worker_args, "--page-size")), kv_cache_memory="64MiB")

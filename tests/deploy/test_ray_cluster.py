@@ -13,8 +13,8 @@ import openai
 import psutil
 import pytest
 
-from launch.cluster import ClusterSpec, free_port
-from launch.ray_cluster import RayPlacement, plan_placement, router_argv, worker_argv
+from pd_cluster.launch.cluster import ClusterSpec, free_port
+from pd_cluster.launch.ray_cluster import RayPlacement, plan_placement, router_argv, worker_argv
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cluster"))
 from cluster_util import FAST_ENGINE, PROMPTS, running_cluster  # noqa: E402
@@ -56,7 +56,7 @@ def ray_serve(tmp_path_factory):
     """Start ``pd-serve --ray-address local``; yield its URL, manifest and process tree; Ctrl-C it at the end."""
     manifest = tmp_path_factory.mktemp("ray") / "manifest.json"
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "--ray-address", "local", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--ray-address", "local", "--port", str(port),
                              "--manifest", str(manifest), "--log-level", "warning", *FAST_ENGINE],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     state = {"proc": proc, "tree": set()}
@@ -121,8 +121,8 @@ def test_placement_reserves_a_whole_8_gpu_node_by_default():
 
 
 def test_argv_matches_the_worker_and_router_parsers():
-    import launch.worker
-    import router.args
+    import pd_cluster.launch.worker
+    import pd_cluster.router.args
 
     spec = ClusterSpec(engine_argv=["--page-size", "16"], router_argv=["--prefill-policy", "round_robin"])
     w = launch.worker.build_parser().parse_args(worker_argv("decode", "10.0.0.5", 31000, spec))
@@ -139,7 +139,7 @@ def test_a_killed_worker_actor_takes_its_process_with_it():
     """Ray killing an actor (node loss, OOM, ray.kill) must not leave its worker process serving as an orphan."""
     import ray
 
-    from launch.ray_cluster import RayCluster
+    from pd_cluster.launch.ray_cluster import RayCluster
 
     spec = ClusterSpec(router_port=free_port(), engine_argv=list(FAST_ENGINE), log_level="warning", echo=False)
     cluster = RayCluster("local", spec, None)

@@ -9,11 +9,11 @@ import torch
 from transformers import (AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from engine.assets import DEFAULT_MODEL
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.batch import build_forward_batch
-from engine.kv.pool import KVLayout, KVPool
-from engine.model.loader import load_model
+from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.batch import build_forward_batch
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.model.loader import load_model
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
               max_position_embeddings=1024)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.kv.allocator import NULL_PAGE, OutOfPagesError, PageAllocator
+from pd_cluster.engine.kv.allocator import NULL_PAGE, OutOfPagesError, PageAllocator
 
 
 def test_allocates_lowest_ids_first_and_never_the_null_page():

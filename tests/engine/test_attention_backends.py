@@ -7,12 +7,12 @@ import pytest
 import torch
 from engine_reference import PROMPTS, hf_greedy
 
-from engine import LLM, SamplingParams
-from engine.attention import cpu_backend
-from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.batch import build_forward_batch
-from engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.attention import cpu_backend
+from pd_cluster.engine.attention.cpu_backend import CpuAttentionBackend
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.batch import build_forward_batch
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
 
 needs_kernel = pytest.mark.skipif(not cpu_backend.available(), reason="no C compiler for the CPU kernel")
 

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.errors import ContextLengthExceeded, PoolCapacityExceeded
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.errors import ContextLengthExceeded, PoolCapacityExceeded
 
 _PROBE = r"""
 import json, os, sys, psutil
-from engine.args import config_from_kwargs
-from engine.llm_engine import LLMEngine
+from pd_cluster.engine.args import config_from_kwargs
+from pd_cluster.engine.llm_engine import LLMEngine
 before = psutil.Process().memory_info().rss
 engine = LLMEngine(config_from_kwargs(context_length=int(sys.argv[1]), kv_cache_memory="64MiB"))
 after = psutil.Process().memory_info().rss

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine.assets import DEFAULT_MODEL
-from engine.detokenizer import IncrementalDetokenizer
+from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

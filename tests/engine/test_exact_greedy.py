@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from engine_reference import PROMPTS, hf_greedy, hf_model
 
-from engine import LLM, SamplingParams
+from pd_cluster.engine import LLM, SamplingParams
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

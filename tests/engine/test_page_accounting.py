@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from engine_reference import PROMPTS, hf_greedy
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.args import config_from_kwargs
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.args import config_from_kwargs
 
 GREEDY_64 = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 

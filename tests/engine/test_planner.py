@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from engine.planner.cli import main
-from engine.planner.plan import PlanInput, make_plan
-from engine.planner.spec import BUNDLED, load_spec
+from pd_cluster.engine.planner.cli import main
+from pd_cluster.engine.planner.plan import PlanInput, make_plan
+from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
 def test_llama_3_1_8b_fp8_bytes_per_token_by_hand():
@@ -67,7 +67,7 @@ def test_suggests_fixes_when_it_does_not_fit(capsys):
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "engine.planner.cli", "--model", "llama-3.1-8b"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pd_cluster.engine.planner.cli", "--model", "llama-3.1-8b"], capture_output=True,
                          text=True, timeout=60, check=True)
     assert "65,536 B" in out.stdout
 

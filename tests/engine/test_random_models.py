@@ -18,7 +18,7 @@ import pytest
 import torch
 from random_models import FAMILIES, RelativeNoiseCache, build, engine_logits, row_rel_error
 
-from engine import LLM, SamplingParams
+from pd_cluster.engine import LLM, SamplingParams
 
 PROMPT_IDS = torch.randint(3, 512, (200,), generator=torch.Generator().manual_seed(1)).tolist()
 FP8_U = 2.0 ** -4

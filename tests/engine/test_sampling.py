@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.sampling.params import SamplingParamError
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParamError
 
 
 @pytest.mark.parametrize("kwargs, field", [

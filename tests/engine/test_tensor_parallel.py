@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from engine_reference import PROMPTS, hf_greedy
 
-from engine import LLM, SamplingParams
+from pd_cluster.engine import LLM, SamplingParams
 
 
 @pytest.mark.timeout(600)

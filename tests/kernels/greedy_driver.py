@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend
-from engine.batch import build_forward_batch
-from engine.graph import CudaGraphRunner
-from engine.kv.pool import KVLayout, KVPool
-from engine.model.loader import LoadedModel
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import build_forward_batch
+from pd_cluster.engine.graph import CudaGraphRunner
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.model.loader import LoadedModel
 
 
 def make_pool_for(loaded: LoadedModel, kv_dtype: str, page_size: int, num_pages: int, device) -> KVPool:

@@ -16,9 +16,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.batch import ForwardBatch, build_forward_batch
-from engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.batch import ForwardBatch, build_forward_batch
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
 
 REL_ERR_BOUND = {
     torch.float32: 1e-4,   # "far under 1e-3" (METHOD.md); the GPU path uses IEEE fp32 dots, not TF32

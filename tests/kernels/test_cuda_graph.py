@@ -1,13 +1,13 @@
-"""`engine.graph`: buckets, bucket choice, static-buffer filling and padding (CPU), capture and replay (GPU)."""
+"""`pd_cluster.engine.graph`: buckets, bucket choice, static-buffer filling and padding (CPU), capture and replay (GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
-from engine.graph import (PAD_SEQ_LEN, CaptureBuffers, CudaGraphConfig, CudaGraphRunner, capture_batch_sizes,
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend
+from pd_cluster.engine.graph import (PAD_SEQ_LEN, CaptureBuffers, CudaGraphConfig, CudaGraphRunner, capture_batch_sizes,
                           maybe_capture_decode_graphs, select_bucket)
 from kernel_cases import device, make_batch
 
@@ -64,7 +64,7 @@ def test_fill_rejects_what_it_cannot_hold():
 
 
 def test_runner_requires_graph_safe_backend():
-    from engine.kv.pool import KVLayout, KVPool
+    from pd_cluster.engine.kv.pool import KVLayout, KVPool
     layout = KVLayout(1, 2, 16, 16, "fp16", (1.0,), (1.0,))
     pool = KVPool(layout, 4, device(), torch.float16)
     with pytest.raises(ValueError, match="cannot be captured"):
@@ -75,7 +75,7 @@ def test_runner_requires_graph_safe_backend():
 
 
 def test_can_run():
-    from engine.kv.pool import KVLayout, KVPool
+    from pd_cluster.engine.kv.pool import KVLayout, KVPool
     gen = torch.Generator().manual_seed(2)
     layout = KVLayout(1, 2, 16, 16, "fp16", (1.0,), (1.0,))
     pool = KVPool(layout, 40, device(), torch.float16)
@@ -93,8 +93,8 @@ def test_can_run():
 @pytest.mark.timeout(600)
 def test_decode_step_makes_no_host_sync():
     """Graph replay, and an eager Triton decode step, run under torch's sync debug mode set to error."""
-    from engine.assets import DEFAULT_MODEL
-    from engine.model.loader import load_model
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+    from pd_cluster.engine.model.loader import load_model
     from greedy_driver import make_pool_for
     loaded = load_model(DEFAULT_MODEL, "float32", device="cuda")
     a = loaded.arch

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton.decode import (DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for,
+from pd_cluster.engine.attention.triton.decode import (DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for,
                                             num_kv_splits)
 from kernel_cases import (REL_ERR_BOUND, device, make_batch, make_pool, random_q, reference_attention,
                           rel_err)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton.extend import ExtendKernelConfig, extend_attention
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention
 from kernel_cases import REL_ERR_BOUND, make_batch, make_pool, random_q, reference_attention, rel_err
 
 HEAD_DIM = 32

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.assets import DEFAULT_MODEL
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.attention.triton.decode import DecodeKernelConfig
-from engine.attention.triton.extend import ExtendKernelConfig
-from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
-from engine.graph import CudaGraphConfig, CudaGraphRunner
-from engine.model.loader import load_model
+from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig
+from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from pd_cluster.engine.graph import CudaGraphConfig, CudaGraphRunner
+from pd_cluster.engine.model.loader import load_model
 from greedy_driver import greedy, make_pool_for
 from kernel_cases import device
 

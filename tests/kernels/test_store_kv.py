@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.triton.store import store_kv
+from pd_cluster.engine.attention.triton.store import store_kv
 from kernel_cases import device, make_pool
 
 INTERPRETED = not torch.cuda.is_available()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import get_backend
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.attention.triton.decode import DecodeKernelConfig
-from engine.attention.triton.extend import ExtendKernelConfig
-from engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
-from engine.kv.pool import KVPool
+from pd_cluster.engine.attention import get_backend
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig
+from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from pd_cluster.engine.kv.pool import KVPool
 from kernel_cases import REL_ERR_BOUND, device, make_batch, make_pool, random_q, rel_err
 
 SMALL = TritonAttentionConfig(
@@ -109,8 +109,8 @@ def test_kernels_run_when_triton_was_imported_first():
 
     code = """
 import triton, torch
-from engine.kv.pool import KVLayout, KVPool
-from engine.attention.triton.store import store_kv
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.attention.triton.store import store_kv
 layout = KVLayout(1, 2, 16, 4, "fp16", (1.0,), (1.0,))
 pool, ref = KVPool(layout, 3, "cpu", torch.float16), KVPool(layout, 3, "cpu", torch.float16)
 k, v = torch.randn(5, 2, 16).half(), torch.randn(5, 2, 16).half()
@@ -118,7 +118,7 @@ slots = torch.tensor([4, 7, -1, 9, 11])
 store_kv(k, v, *pool.layer_cache(0), slots, 1.0, 1.0)
 ref.store_kv(0, k, v, slots)
 assert torch.equal(pool.kv[1:], ref.kv[1:]), "store differs"
-from engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits
+from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits
 q, bt = torch.randn(2, 4, 16).half(), torch.tensor([[1, 2, 3], [3, 1, 0]], dtype=torch.int32)
 seq, cfg = torch.tensor([12, 6], dtype=torch.int32), DecodeKernelConfig(block_n=16, min_tokens_per_split=4)
 ws = DecodeWorkspace(num_kv_splits(seq, 2, cfg), torch.empty(2, 4, 2, 16), torch.empty(2, 4, 2), 2)

@@ -1,11 +1,11 @@
-"""A PD-aware fake worker for router tests: ``bench.fake_server`` plus the prefill check.
+"""A PD-aware fake worker for router tests: ``pd_cluster.bench.fake_server`` plus the prefill check.
 
 A fake decode worker here contacts the prefill worker named in
 ``X-PD-Prefill-Url`` (``GET /health``) before generating, and answers 502
 when it cannot reach it, as a real decode worker does when its prefill died.
 Without the header it answers 400. Run as
 ``python -m tests.router.pd_fake --port N --role decode ...`` (the flags of
-``bench.fake_server``).
+``pd_cluster.bench.fake_server``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 import sys
 from urllib.parse import urlsplit
 
-from bench.fake_server import FakeServer, parse_args
-from bench.httpserver import HttpServer, Request, Responder
+from pd_cluster.bench.fake_server import FakeServer, parse_args
+from pd_cluster.bench.httpserver import HttpServer, Request, Responder
 
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.net import free_port  # noqa: F401  (used by the router tests)
+from pd_cluster.engine.net import free_port  # noqa: F401  (used by the router tests)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,13 +116,13 @@ class FakeWorker(Proc):
 
 
 class RouterProc(Proc):
-    """``python -m router.main`` on a free port; ready when ``/readiness`` is 200."""
+    """``python -m pd_cluster.router.main`` on a free port; ready when ``/readiness`` is 200."""
 
     def __init__(self, args: list[str], port: int | None = None, ready: str = "/readiness") -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_path = ready
-        super().__init__([sys.executable, "-m", "router.main", "--host", "127.0.0.1",
+        super().__init__([sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1",
                           "--port", str(self.port), *args], "router")
 
     def start(self, timeout: float = 60.0) -> "RouterProc":

@@ -15,10 +15,10 @@ import pytest
 from fake_kube_api import FakeKubeApi
 from kubernetes import client
 
-from router.config import CircuitBreakerConfig, KubernetesDiscoveryConfig, Role
-from router.discovery.base import RegistrySink
-from router.discovery.kubernetes import KubernetesDiscovery
-from router.workers import WorkerRegistry
+from pd_cluster.router.config import CircuitBreakerConfig, KubernetesDiscoveryConfig, Role
+from pd_cluster.router.discovery.base import RegistrySink
+from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery
+from pd_cluster.router.workers import WorkerRegistry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.config import CacheAwareConfig
-from router.load import LoadReport
-from router.policies import (
+from pd_cluster.router.config import CacheAwareConfig
+from pd_cluster.router.load import LoadReport
+from pd_cluster.router.policies import (
     CacheAware,
     LeastKvUsage,
     PowerOfTwo,
@@ -20,8 +20,8 @@ from router.policies import (
     effective_load,
     make_policy,
 )
-from router.policies.base import estimated_usage, has_admission_room
-from router.policies.prefix_tree import ApproxPrefixTree
+from pd_cluster.router.policies.base import estimated_usage, has_admission_room
+from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
 
 
 @dataclass(eq=False)

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from router.config import CircuitBreakerConfig, RayDiscoveryConfig, Role
-from router.discovery.base import RegistrySink
-from router.discovery.ray import RayDiscovery, parse_endpoint
-from router.workers import WorkerRegistry
+from pd_cluster.router.config import CircuitBreakerConfig, RayDiscoveryConfig, Role
+from pd_cluster.router.discovery.base import RegistrySink
+from pd_cluster.router.discovery.ray import RayDiscovery, parse_endpoint
+from pd_cluster.router.workers import WorkerRegistry
 
 ray = pytest.importorskip("ray")
 

@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from router.args import build_parser, config_from_args, parse_config
-from router.circuit import CircuitBreaker, CircuitState
-from router.config import CircuitBreakerConfig, RetryConfig, Role
-from router.limiter import ConcurrencyLimiter, Overloaded
-from router.request import InvalidRequest, parse_request
-from router.retry import backoff_seconds, is_retriable_status
-from router.workers import WorkerRegistry, normalize_url
+from pd_cluster.router.args import build_parser, config_from_args, parse_config
+from pd_cluster.router.circuit import CircuitBreaker, CircuitState
+from pd_cluster.router.config import CircuitBreakerConfig, RetryConfig, Role
+from pd_cluster.router.limiter import ConcurrencyLimiter, Overloaded
+from pd_cluster.router.request import InvalidRequest, parse_request
+from pd_cluster.router.retry import backoff_seconds, is_retriable_status
+from pd_cluster.router.workers import WorkerRegistry, normalize_url
 
 
 def breaker(**kw) -> CircuitBreaker:
@@ -206,7 +206,7 @@ def test_bad_flags_are_refused():
 
 @pytest.mark.asyncio
 async def test_supervisor_cancels_overdue_requests_and_watches_only_long_ones():
-    from router.supervisor import Supervisor
+    from pd_cluster.router.supervisor import Supervisor
 
     sup = Supervisor(tick_secs=0.01, watch_after_secs=0.05)
     disconnect = asyncio.Event()

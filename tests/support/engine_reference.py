@@ -12,7 +12,7 @@ import functools
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.assets import DEFAULT_MODEL
 
 PROMPTS = [
     "Once upon a time, there was a little dog named Max who",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transfer.layout import AgentInfo
+from pd_cluster.transfer.layout import AgentInfo
 
 
 def info(name="decode-h-1-tp0-abc", **layout) -> AgentInfo:

@@ -55,7 +55,7 @@ def module_launcher():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.assets import DEFAULT_MODEL
+    from pd_cluster.engine.assets import DEFAULT_MODEL
 
     return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
 

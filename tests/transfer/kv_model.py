@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.assets import DEFAULT_MODEL
-from engine.attention.torch_ref import TorchAttentionBackend
-from engine.batch import build_forward_batch
-from engine.kv.pool import KVLayout, KVPool
-from engine.model.loader import LoadedModel, load_model
+from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
+from pd_cluster.engine.batch import build_forward_batch
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.model.loader import LoadedModel, load_model
 
 @dataclass
 class ModelPool:

@@ -61,13 +61,13 @@ class _Worker:
         from prometheus_client import CollectorRegistry
 
         import kv_model
-        from engine.kv.allocator import PageAllocator
-        from transfer.agent import TransferAgent
-        from transfer.config import TransferConfig
-        from transfer.http import PeerDirectory
-        from transfer.metrics import TransferMetrics
-        from transfer.receiver import KVReceiver
-        from transfer.sender import KVSender
+        from pd_cluster.engine.kv.allocator import PageAllocator
+        from pd_cluster.transfer.agent import TransferAgent
+        from pd_cluster.transfer.config import TransferConfig
+        from pd_cluster.transfer.http import PeerDirectory
+        from pd_cluster.transfer.metrics import TransferMetrics
+        from pd_cluster.transfer.receiver import KVReceiver
+        from pd_cluster.transfer.sender import KVSender
 
         self.spec = spec
         self.km = kv_model
@@ -90,7 +90,7 @@ class _Worker:
         import uvicorn
         from fastapi import FastAPI
 
-        from transfer.http import make_router
+        from pd_cluster.transfer.http import make_router
 
         app = FastAPI()
         app.include_router(make_router(self.agent.info))
@@ -146,7 +146,7 @@ class _Worker:
 
     # ---- commands --------------------------------------------------------------------------------------------
     def cmd_connect(self, url: str, expected: str | None = None) -> dict:
-        from transfer.http import apply
+        from pd_cluster.transfer.http import apply
 
         r = self.directory.resolve(url, expected)
         apply(self.agent, r)
@@ -187,8 +187,8 @@ class _Worker:
         incarnation it does not hold, and the stale one is dropped."""
         import torch
 
-        from transfer.http import apply
-        from transfer.ticket import KVTicket
+        from pd_cluster.transfer.http import apply
+        from pd_cluster.transfer.ticket import KVTicket
 
         t = KVTicket.from_dict(ticket)
         if decode_url is not None and not self.agent.is_connected(t.decode_agent):

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from agent_infos import info as make_info
 
-from transfer.errors import MetadataFetchError, StalePeerError
-from transfer.http import INFO_PATH, PeerDirectory, apply, make_router
+from pd_cluster.transfer.errors import MetadataFetchError, StalePeerError
+from pd_cluster.transfer.http import INFO_PATH, PeerDirectory, apply, make_router
 
 
 class Server:

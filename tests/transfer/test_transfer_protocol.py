@@ -12,14 +12,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine.kv.pool import KVLayout, KVPool
-from transfer import protocol
-from transfer.agent import TransferAgent
-from transfer.config import TransferConfig
-from transfer.errors import PeerNotConnectedError, StalePeerError
-from transfer.metrics import TransferMetrics
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.transfer import protocol
+from pd_cluster.transfer.agent import TransferAgent
+from pd_cluster.transfer.config import TransferConfig
+from pd_cluster.transfer.errors import PeerNotConnectedError, StalePeerError
+from pd_cluster.transfer.metrics import TransferMetrics
+from pd_cluster.transfer.receiver import KVReceiver
+from pd_cluster.transfer.sender import KVSender
 
 T = 2.0
 LAYOUT = KVLayout(5, 4, 8, 16, "fp8_e4m3", (0.5,) * 5, (0.25,) * 5)
@@ -115,7 +115,7 @@ def test_notifications_from_another_agent_are_ignored(sides, caplog):
         t = d.receiver.expect("foreign", [9], 10, p.agent.name)
         other.agent.send(d.agent.name, push_msg(t.transfer_id, 0, 0, 1, total=1))
         other.agent.send(d.agent.name, protocol.Stopped(t.transfer_id, "aborted", "not yours"))
-        with caplog.at_level("WARNING", logger="transfer.receiver"):
+        with caplog.at_level("WARNING", logger="pd_cluster.transfer.receiver"):
             ev = drain(d, 200, p, other)
         assert not ev.completed and not ev.failed and not ev.released
         assert f"ignoring Push from {other.agent.name}" in caplog.text  # it arrived, and was ignored
@@ -287,6 +287,6 @@ def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
         p.sender.poll()
     assert p.sender.has_work
     clock.t += T / 2 + 0.1
-    with caplog.at_level("WARNING", logger="transfer.sender"):
+    with caplog.at_level("WARNING", logger="pd_cluster.transfer.sender"):
         p.sender.poll()
     assert not p.sender.has_work and "never acknowledged" in caplog.text

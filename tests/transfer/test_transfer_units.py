@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from agent_infos import info
 
-from transfer import protocol
-from transfer.config import TransferConfig, add_cli_args, from_cli_args
-from transfer.descriptors import page_runs, run_descs, validate_pages
-from transfer.errors import LayoutMismatchError
-from transfer.layout import AgentInfo, check_compatible, compare
-from transfer.ticket import KVTicket
-from transfer.ucx_env import apply as apply_ucx
+from pd_cluster.transfer import protocol
+from pd_cluster.transfer.config import TransferConfig, add_cli_args, from_cli_args
+from pd_cluster.transfer.descriptors import page_runs, run_descs, validate_pages
+from pd_cluster.transfer.errors import LayoutMismatchError
+from pd_cluster.transfer.layout import AgentInfo, check_compatible, compare
+from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.ucx_env import apply as apply_ucx
 
 
 # ---- descriptors --------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def test_agent_info_round_trip_and_validation():
 
 
 def test_layout_hash_equals_the_engine_layout_hash():
-    from engine.kv.pool import KVLayout
+    from pd_cluster.engine.kv.pool import KVLayout
 
     lay = KVLayout(5, 4, 8, 16, "fp8_e4m3", (0.5,) * 5, (0.25,) * 5)
     i = AgentInfo("d-h-1-tp0-a", "a", "decode", "m", lay.to_dict(), 10, "DRAM", 0, 0, 11 * lay.page_nbytes, 0, 40, b"")
@@ -172,7 +172,7 @@ def test_cli_flags():
 
 def test_ucx_settings_pass_through(caplog):
     env = {"UCX_TLS": "tcp"}
-    with caplog.at_level(logging.INFO, logger="transfer.ucx_env"):
+    with caplog.at_level(logging.INFO, logger="pd_cluster.transfer.ucx_env"):
         eff = apply_ucx(TransferConfig(ucx_tls="shm,tcp", ucx_net_devices="lo"), env)
     assert env == {"UCX_TLS": "shm,tcp", "UCX_NET_DEVICES": "lo"} and eff == env
     assert "overrides UCX_TLS=tcp" in caplog.text
@@ -183,20 +183,20 @@ def test_ucx_settings_pass_through(caplog):
 
 
 def test_warns_when_rdma_devices_present_and_net_devices_unset(monkeypatch, caplog):
-    import transfer.ucx_env as u
+    import pd_cluster.transfer.ucx_env as u
 
     monkeypatch.setattr(u, "rdma_devices", lambda: ["mlx5_0", "mlx5_1"])
-    with caplog.at_level(logging.WARNING, logger="transfer.ucx_env"):
+    with caplog.at_level(logging.WARNING, logger="pd_cluster.transfer.ucx_env"):
         apply_ucx(TransferConfig(), {})
     assert "UCX_NET_DEVICES is unset" in caplog.text and "mlx5_0:1" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="transfer.ucx_env"):
+    with caplog.at_level(logging.WARNING, logger="pd_cluster.transfer.ucx_env"):
         apply_ucx(TransferConfig(ucx_net_devices="mlx5_0:1"), {})
     assert "unset" not in caplog.text
 
 
 def test_rdma_devices_reads_sysfs(tmp_path):
-    from transfer.ucx_env import rdma_devices
+    from pd_cluster.transfer.ucx_env import rdma_devices
 
     assert rdma_devices(tmp_path / "missing") == []
     (tmp_path / "mlx5_1").mkdir()
@@ -208,7 +208,7 @@ def test_rdma_devices_reads_sysfs(tmp_path):
 def test_hugepages_keep_the_data_and_report_what_moved():
     import torch
 
-    from transfer.hugepages import HUGE, advise
+    from pd_cluster.transfer.hugepages import HUGE, advise
 
     gen = torch.Generator().manual_seed(5)
     t = torch.randint(0, 256, (8 * HUGE,), dtype=torch.uint8, generator=gen)
@@ -227,7 +227,7 @@ def test_hugepages_keep_the_data_and_report_what_moved():
 
 
 def test_ucx_protocol_tables_are_parsed():
-    from transfer.ucx_env import put_protocols
+    from pd_cluster.transfer.ucx_env import put_protocols
 
     text = """[1.1] [vm:1:0]   +--------+-------------+-------------+
 [1.1] [vm:1:0]   | init self cfg#0                              |

@@ -21,9 +21,9 @@ import torch
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits  # noqa: E402
-from engine.attention.triton.extend import ExtendKernelConfig, extend_attention  # noqa: E402
-from engine.attention.triton.store import store_kv  # noqa: E402
+from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits  # noqa: E402
+from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention  # noqa: E402
+from pd_cluster.engine.attention.triton.store import store_kv  # noqa: E402
 
 __all__ = ["DecodeKernelConfig", "DecodeWorkspace", "ExtendKernelConfig", "decode_attention", "extend_attention",
            "num_kv_splits", "store_kv"]

@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import FP16_MAX, cdiv, dot_dtype, dot_precision, head_block, next_pow2
-from engine.attention.triton.paging import load_kv_tile
-from engine.attention.triton.primitives import row_max, row_sum
+from pd_cluster.engine.attention.triton.common import FP16_MAX, cdiv, dot_dtype, dot_precision, head_block, next_pow2
+from pd_cluster.engine.attention.triton.paging import load_kv_tile
+from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 
 LOG2E = 1.4426950408889634
 FP16_LIMIT = tl.constexpr(FP16_MAX)

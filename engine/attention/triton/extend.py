@@ -23,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
-from engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT
-from engine.attention.triton.paging import load_kv_tile
-from engine.attention.triton.primitives import row_max, row_sum
+from pd_cluster.engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
+from pd_cluster.engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT
+from pd_cluster.engine.attention.triton.paging import load_kv_tile
+from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 
 
 @dataclass(frozen=True)

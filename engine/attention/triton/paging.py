@@ -1,7 +1,7 @@
 """Reading one tile of K or V through a block table (shared by the decode and extend kernels).
 
 A pool page holds, per KV head, a contiguous ``page_size x head_dim`` tile
-(`engine.kv.pool`). A tile of ``BLOCK_N`` tokens starting at position
+(`pd_cluster.engine.kv.pool`). A tile of ``BLOCK_N`` tokens starting at position
 ``start`` is found in one of two ways:
 
 * ``PAGE_ALIGNED`` (``page_size % BLOCK_N == 0`` and ``start % BLOCK_N == 0``):

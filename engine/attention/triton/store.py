@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.triton.common import FP8_E4M3_MAX, head_block, next_pow2
+from pd_cluster.engine.attention.triton.common import FP8_E4M3_MAX, head_block, next_pow2
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 

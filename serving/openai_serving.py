@@ -22,12 +22,12 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.outputs import RequestDelta
-from engine.sampling.params import SamplingParams
-from engine.serving.errors import HTTPError, to_http_error
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.protocol import ChatCompletionRequest, CompletionRequest
-from engine.serving.responses import SSE_DONE, ResponseBuilder
+from pd_cluster.engine.outputs import RequestDelta
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.errors import HTTPError, to_http_error
+from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder
 
 logger = logging.getLogger("pd.serving")
 
@@ -232,3 +232,10 @@ class _Timing:
             self.m.transfer_time.observe(t.transfer_s)
         if t.prefill_done is not None and t.finished is not None:
             self.m.decode_time.observe(max(t.finished - t.prefill_done, 0.0))
+
+
+def serving_routes(serving: "OpenAIServing") -> list:
+    """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`."""
+    return [("/v1/completions", serving.completions, ["POST"]),
+            ("/v1/chat/completions", serving.chat_completions, ["POST"]),
+            ("/v1/models", serving.models, ["GET"])]

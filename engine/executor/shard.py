@@ -1,7 +1,7 @@
 """What one rank holds: its model shard, its KV pool (its share of the KV heads), its attention backend.
 
 Rank 0 builds its `Shard` inside `LLMEngine`; every other rank builds the same
-in its own process (`engine.parallel.rank`). The pool size is the smallest
+in its own process (`pd_cluster.engine.executor.tp`). The pool size is the smallest
 any rank can hold, so page ids mean the same slot on every rank and one page
 allocator (rank 0's) serves them all.
 """
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_backend, resolve_backend_name
-from engine.attention.base import AttentionBackend
-from engine.config import EngineConfig
-from engine.kv.pool import KVLayout, KVPool
-from engine.kv.sizing import PoolPlan, plan_pool
-from engine.model.loader import LoadedModel, load_model
-from engine.parallel.group import TPGroup
+from pd_cluster.engine.attention import get_backend, resolve_backend_name
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
+from pd_cluster.engine.model.loader import LoadedModel, load_model
+from pd_cluster.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def check_tp_size(model_path: str, tp_size: int) -> None:
     Raises:
         ValueError: naming the sizes.
     """
-    from engine.model.arch import ArchConfig
+    from pd_cluster.engine.model.arch import ArchConfig
 
     arch = ArchConfig.from_pretrained(model_path)
     if arch.num_key_value_heads % tp_size or arch.intermediate_size % tp_size:

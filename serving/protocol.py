@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import RequestRejected
+from pd_cluster.engine.errors import RequestRejected
 
 
 class StreamOptions(BaseModel):

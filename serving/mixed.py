@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.sampling.params import SamplingParams
-from engine.serving.engine_loop import EngineLoop
-from engine.serving.openai_serving import PromptSource
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.openai_serving import PromptSource, serving_routes
 
 
 class LocalPrefill(PromptSource):
@@ -34,9 +34,9 @@ def build_mixed_app(engine, host_info: dict | None = None):
     """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints."""
     from prometheus_client import CollectorRegistry
 
-    from engine.serving.metrics import WorkerMetrics
-    from engine.serving.openai_serving import OpenAIServing
-    from engine.serving.worker_app import WorkerState, create_worker_app, server_info
+    from pd_cluster.serving.metrics import WorkerMetrics
+    from pd_cluster.serving.openai_serving import OpenAIServing
+    from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
 
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, engine.role)
@@ -44,9 +44,3 @@ def build_mixed_app(engine, host_info: dict | None = None):
     state = WorkerState(loop, registry, server_info(engine, host_info))
     serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics)
     return create_worker_app(state, serving_routes(serving))
-
-
-def serving_routes(serving) -> list:
-    return [("/v1/completions", serving.completions, ["POST"]),
-            ("/v1/chat/completions", serving.chat_completions, ["POST"]),
-            ("/v1/models", serving.models, ["GET"])]

@@ -18,29 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.batch import ForwardBatch, build_forward_batch
-from engine.config import EngineConfig
-from engine.net import free_port
-from engine.parallel.group import TPGroup, init_tp_group
-from engine.parallel.shard import Shard, build_shard
+from pd_cluster.engine.batch import BatchInputs
+from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.net import free_port
+from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
+from pd_cluster.engine.executor.shard import Shard, build_shard
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class BatchInputs:
-    """Host-side inputs of one forward pass (see `build_forward_batch`)."""
-
-    token_ids: list[np.ndarray]
-    start_positions: list[int]
-    block_tables: list[list[int]]
-    logits_rows: list[np.ndarray]
-    num_decodes: int
-    page_size: int
-
-    def build(self, device: torch.device) -> ForwardBatch:
-        return build_forward_batch(self.token_ids, self.start_positions, self.block_tables, self.logits_rows,
-                                   self.num_decodes, self.page_size, device)
 
 
 class RankServer:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import Logprob, RequestDelta
+from pd_cluster.engine.outputs import Logprob, RequestDelta
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine.serving.engine_loop import EngineLoop
+from pd_cluster.serving.engine_loop import EngineLoop
 
 logger = logging.getLogger("pd.worker")
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestDelta, StepOutput
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import RequestDelta, StepOutput
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,144 @@
+"""Layer contracts over the source tree, read with `ast` (no imports are executed).
+
+* every import of a project module goes through the one namespace, ``pd_cluster``;
+* the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code;
+* the prefill and decode roles never import each other;
+* the package folders form no cycle (imports inside functions count too).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FOLDERS = ["engine", "serving", "prefill", "decode", "router", "transfer", "bench", "launch"]
+WEB_AND_METRICS = {"fastapi", "starlette", "pydantic", "prometheus_client", "httpx", "aiohttp", "uvicorn"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["pd_cluster", *parts])
+
+
+def _imports(path: Path) -> list[str]:
+    """Absolute module names imported by one file (``from a import b`` gives ``a`` and ``a.b``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import; use pd_cluster.* names"
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _sources(*folders: str) -> list[Path]:
+    out = []
+    for folder in folders or FOLDERS:
+        out += [p for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts]
+    return out
+
+
+def _is_module(dotted: str) -> bool:
+    parts = dotted.split(".")[1:]
+    p = REPO.joinpath(*parts) if parts else REPO
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def test_every_project_import_uses_the_namespace():
+    bad = []
+    for path in _sources() + list((REPO / "tests").rglob("*.py")):
+        for name in _imports(path):
+            if name.split(".")[0] in FOLDERS:
+                bad.append(f"{path.relative_to(REPO)}: {name}")
+    assert not bad, "imports outside pd_cluster.*:\n" + "\n".join(bad)
+
+
+def test_engine_imports_no_web_metrics_serving_or_role_code():
+    bad = []
+    for path in _sources("engine"):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            second = name.split(".")[1] if name.startswith("pd_cluster.") and "." in name else None
+            if top in WEB_AND_METRICS or (second and second != "engine"):
+                bad.append(f"{path.relative_to(REPO)}: {name}")
+    assert not bad, "the engine must stay pure model execution:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("role,other", [("prefill", "decode"), ("decode", "prefill")])
+def test_roles_do_not_import_each_other(role, other):
+    bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources(role) for n in _imports(p)
+           if n == f"pd_cluster.{other}" or n.startswith(f"pd_cluster.{other}.")]
+    assert not bad, f"{role} imports {other}:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("lower", ["transfer", "router"])
+def test_lower_layers_do_not_import_roles_or_serving(lower):
+    upper = {"serving", "prefill", "decode", "launch", "bench"} - {lower}
+    bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources(lower) for n in _imports(p)
+           if n.startswith("pd_cluster.") and n.split(".")[1] in upper]
+    assert not bad, "\n".join(bad)
+
+
+def _package_of(module: str) -> str:
+    """The folder (package) a module lives in: ``pd_cluster.engine.kv.pool`` -> ``pd_cluster.engine.kv``."""
+    parts = module.split(".")
+    p = REPO.joinpath(*parts[1:])
+    return module if (p / "__init__.py").is_file() else ".".join(parts[:-1])
+
+
+def _folder_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in _sources():
+        src = _package_of(_module_name(path))
+        for name in _imports(path):
+            if not name.startswith("pd_cluster."):
+                continue
+            while name and not _is_module(name):
+                name = name.rpartition(".")[0]
+            dst = _package_of(name)
+            # a folder may use its own parents' __init__ re-exports without forming a folder cycle
+            if dst != src and not src.startswith(dst + "."):
+                graph[src].add(dst)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_folder_cycles():
+    cycle = _find_cycle(_folder_graph())
+    assert cycle is None, "folder import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_planted_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None

@@ -1,0 +1,54 @@
+"""The built wheel installs exactly one top-level import name, ``pd_cluster``, with its data files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FOLDERS = ["engine", "serving", "prefill", "decode", "router", "transfer", "bench", "launch"]
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_package_list_matches_the_folders():
+    """Every folder with shipped files (Python or data) under a role folder is listed, and nothing else."""
+    listed = set(_pyproject()["tool"]["setuptools"]["packages"])
+    tracked = subprocess.run(["git", "ls-files", *FOLDERS], cwd=REPO, capture_output=True, text=True, check=True)
+    folders = {str(Path(f).parent) for f in tracked.stdout.split()}
+    expected = {"pd_cluster"} | {"pd_cluster." + f.replace("/", ".") for f in folders}
+    assert listed == expected, f"missing: {sorted(expected - listed)}; extra: {sorted(listed - expected)}"
+
+
+def test_console_scripts_point_into_the_namespace():
+    scripts = _pyproject()["project"]["scripts"]
+    assert set(scripts) == {"pd-serve", "pd-worker", "pd-router", "pd-bench", "pd-plan", "pd-generate"}
+    assert all(target.startswith("pd_cluster.") for target in scripts.values()), scripts
+
+
+@pytest.mark.slow
+def test_wheel_has_one_top_level_package(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = tmp_path.glob("pd_cluster-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pd_cluster"}, tops
+    top_level = [n for n in names if n.endswith(".dist-info/top_level.txt")]
+    if top_level:
+        assert zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["pd_cluster"]
+    for needed in ["pd_cluster/__init__.py", "pd_cluster/engine/llm.py", "pd_cluster/serving/openai_serving.py",
+                   "pd_cluster/engine/assets/stories260K/model.safetensors",
+                   "pd_cluster/engine/assets/stories260K/config.json",
+                   "pd_cluster/engine/attention/csrc/paged_decode.c",
+                   "pd_cluster/bench/data/azure_code_1000.csv"]:
+        assert needed in names, f"{needed} not in the wheel"
+    assert not any(n.startswith("pd_cluster/tests/") or n.startswith("pd_cluster/docs/") for n in names)
