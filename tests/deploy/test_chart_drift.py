@@ -13,16 +13,16 @@ import pytest
 from chart_util import (CHART, NAMESPACE, ROOT, VALUE_FILES, WORKER_ROLES, all_pod_templates, container_env_names,
                         expand, flag_value, load_values, objects, render)
 
-import pd_cluster.bench.args
-import pd_cluster.launch.worker
-import pd_cluster.router.args
+from pd_cluster.bench import args as bench_args
+from pd_cluster.launch import worker as launch_worker
+from pd_cluster.router import args as router_args
 from pd_cluster.transfer.config import from_cli_args
 
 CASES = [None, *VALUE_FILES]
 IDS = ["default", *[p.stem for p in VALUE_FILES]]
 LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}  # injected by the LWS controller
-PARSERS = {"pd_cluster.launch.worker": pd_cluster.launch.worker.build_parser, "pd_cluster.router.main": pd_cluster.router.args.build_parser,
-           "pd_cluster.bench.cli": bench.args.build_parser}
+PARSERS = {"pd_cluster.launch.worker": launch_worker.build_parser, "pd_cluster.router.main": router_args.build_parser,
+           "pd_cluster.bench.cli": bench_args.build_parser}
 FAKE_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "pd-pd-cluster-decode-0", "POD_NAMESPACE": NAMESPACE,
             "LWS_LEADER_ADDRESS": "pd-pd-cluster-decode-0.pd-pd-cluster-decode", "LWS_GROUP_SIZE": "2",
             "LWS_WORKER_INDEX": "1"}
@@ -194,8 +194,8 @@ CHART_MANAGED = {
 }
 
 
-@pytest.mark.parametrize("definition,factory", [("engineArgs", pd_cluster.launch.worker.build_parser),
-                                                ("routerArgs", pd_cluster.router.args.build_parser)])
+@pytest.mark.parametrize("definition,factory", [("engineArgs", launch_worker.build_parser),
+                                                ("routerArgs", router_args.build_parser)])
 def test_values_schema_lists_every_flag_with_its_type(definition, factory):
     schema = json.loads((CHART / "values.schema.json").read_text())["definitions"][definition]
     assert schema["additionalProperties"] is False

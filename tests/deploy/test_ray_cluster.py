@@ -121,14 +121,14 @@ def test_placement_reserves_a_whole_8_gpu_node_by_default():
 
 
 def test_argv_matches_the_worker_and_router_parsers():
-    import pd_cluster.launch.worker
-    import pd_cluster.router.args
+    from pd_cluster.launch import worker as launch_worker
+    from pd_cluster.router import args as router_args
 
     spec = ClusterSpec(engine_argv=["--page-size", "16"], router_argv=["--prefill-policy", "round_robin"])
-    w = launch.worker.build_parser().parse_args(worker_argv("decode", "10.0.0.5", 31000, spec))
+    w = launch_worker.build_parser().parse_args(worker_argv("decode", "10.0.0.5", 31000, spec))
     assert (w.role, w.host, w.port, w.advertise_url, w.page_size) == (
         "decode", "10.0.0.5", 31000, "http://10.0.0.5:31000", 16)
-    cfg = router.args.config_from_args(router.args.build_parser().parse_args(
+    cfg = router_args.config_from_args(router_args.build_parser().parse_args(
         router_argv(spec, "10.0.0.1:6379", "pd-cluster-x")))
     assert (cfg.ray.address, cfg.ray.namespace, cfg.ray.actor_prefix) == ("10.0.0.1:6379", "pd-cluster-x", "pd-worker")
     assert cfg.policy.prefill == "round_robin" and cfg.port == spec.router_port
