@@ -91,3 +91,31 @@ def test_logprobs(llm):
         assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6  # greedy: chosen is the top-1
         assert top[0][1] >= top[1][1] >= top[2][1]
     assert len(out.prompt_logprobs) == 4  # one per prompt token after the first
+
+
+def _hf_greedy_with_min_tokens(prompt: str, max_new: int, min_new: int, stop_ids: list[int]) -> list[int]:
+    """transformers' greedy run that bans `stop_ids` for the first `min_new` tokens and stops on them after."""
+    import torch
+    from engine_reference import hf_model
+    model, tok = hf_model()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new, do_sample=False, min_new_tokens=min_new,
+                             eos_token_id=stop_ids, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_min_tokens_bans_stop_ids_until_reached_like_transformers(llm):
+    # The reported request: it used to kill the engine loop (in-place write to an inference tensor).
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=4, min_tokens=2, temperature=0.0))[0]
+    assert out.token_ids == [432, 383, 286, 261] and out.finish_reason == "length"
+    # Greedy stops on id 426 (".") after 11 tokens; min_tokens=12 bans it (and EOS) until 12 tokens exist.
+    free = llm.generate("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[426]))[0]
+    assert len(free.token_ids) == 11 and free.token_ids[-1] == 426
+    eos = list(llm.engine.eos_token_ids)
+    held = llm.generate("Once upon a time", SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[426],
+                                                           min_tokens=12))[0]
+    assert held.token_ids == _hf_greedy_with_min_tokens("Once upon a time", 60, 12, [426] + eos)
+    assert held.token_ids[:10] == free.token_ids[:10] and 426 not in held.token_ids[:12]
+    assert len(held.token_ids) == 23 and held.token_ids[-1] == 426 and held.finish_reason == "stop"
+    assert held.text == ", there was a little girl named Lily who loved to play with her toys."
