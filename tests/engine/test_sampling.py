@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.sampling.params import SamplingParamError
@@ -119,3 +122,168 @@ def test_min_tokens_bans_stop_ids_until_reached_like_transformers(llm):
     assert held.token_ids[:10] == free.token_ids[:10] and 426 not in held.token_ids[:12]
     assert len(held.token_ids) == 23 and held.token_ids[-1] == 426 and held.finish_reason == "stop"
     assert held.text == ", there was a little girl named Lily who loved to play with her toys."
+
+
+# ---- filters without a full sort, against transformers' warpers --------------------------------------------------
+
+def _reference_filter(x, top_k: int, top_p: float, min_p: float):
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    row = x[None].clone()
+    if top_k > 0:
+        row = TopKLogitsWarper(top_k)(ids, row)
+    if top_p < 1.0:
+        row = TopPLogitsWarper(top_p)(ids, row)
+    if min_p > 0.0:
+        row = MinPLogitsWarper(min_p)(ids, row)
+    return row[0]
+
+
+FILTERS = [(-1, 0.9, 0.0), (50, 1.0, 0.0), (50, 0.8, 0.0), (0, 0.5, 0.05), (10, 0.95, 0.2), (-1, 1.0, 0.3),
+           (3000, 0.99, 0.0), (1, 0.3, 0.0), (-1, 0.999, 0.0)]
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])
+def test_top_k_top_p_min_p_equal_transformers_warpers(scale):
+    from pd_cluster.engine.sampling.sampler import top_k_top_p_min_p
+    g = torch.Generator().manual_seed(int(scale * 10))
+    x = torch.randn(len(FILTERS), 5000, generator=g) * scale
+    ours = top_k_top_p_min_p(x, torch.tensor([f[0] for f in FILTERS]), torch.tensor([f[1] for f in FILTERS]),
+                             torch.tensor([f[2] for f in FILTERS]), max_k=max(f[0] for f in FILTERS))
+    for i, (k, p, m) in enumerate(FILTERS):
+        ref = _reference_filter(x[i], k, p, m)
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), (i, FILTERS[i])
+        assert torch.equal(ours[i][~torch.isinf(ref)], x[i][~torch.isinf(ref)])
+        assert torch.isfinite(ours[i]).sum() >= 1
+
+
+def test_no_full_sort_of_a_128k_vocabulary_for_greedy_top_k_top_p_min_p_and_logprobs():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from pd_cluster.engine.sampling.batch import SamplingBatch
+    from pd_cluster.engine.sampling.sampler import Sampler, prompt_logprobs
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    vocab = 128256
+    x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 4  # a peaked distribution
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(top_k=40, seed=1, logprobs=20),
+              SamplingParams(top_p=0.9, seed=2), SamplingParams(min_p=0.1), SamplingParams(top_k=100, top_p=0.8)]
+    sampler = Sampler(torch.device("cpu"), vocab_size=vocab)
+    batch = SamplingBatch.plain(params, [sampler.new_request_generator(p.seed) for p in params])
+    with Ops() as ops:
+        out = sampler(x, batch)
+        prompt_logprobs(x, [1, 2, 3, 4, 5], 20)
+    assert out.errors == [None] * 5 and out.token_ids[0] == int(x[0].argmax())
+    assert "topk" in ops.seen and not {"sort", "argsort", "msort"} & ops.seen, sorted(ops.seen)
+    with Ops() as ops:
+        sampler(x, SamplingBatch.plain([SamplingParams(temperature=0.0)] * 5))
+    assert not {"sort", "argsort", "topk"} & ops.seen
+
+
+# ---- seeded sampling and Sampler.skip --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("params", [SamplingParams(seed=11), SamplingParams(seed=12, top_k=20, top_p=0.9),
+                                    SamplingParams(seed=13, min_p=0.05, temperature=0.7),
+                                    SamplingParams(seed=14, repetition_penalty=1.3, logit_bias={3: 5.0}),
+                                    SamplingParams(seed=15, temperature=0.0)])
+def test_skip_advances_the_generator_exactly_as_sampling_one_token(params):
+    from pd_cluster.engine.sampling.batch import SamplingBatch
+    from pd_cluster.engine.sampling.sampler import Sampler
+    vocab = 512
+    g = torch.Generator().manual_seed(7)
+    first, second = torch.randn(2, 3, vocab, generator=g) * 3
+    sampler = Sampler(torch.device("cpu"), vocab_size=vocab)
+    others = [SamplingParams(seed=99), SamplingParams()]
+
+    def batch(gen):  # the seeded request sits between an unseeded and another seeded one
+        p = [others[1], params, others[0]]
+        return SamplingBatch([*p], [None, gen, sampler.new_request_generator(99)], [[1, 2], [1, 2, 3], [4]],
+                             [1, 2, 1], [(), (), ()])
+
+    g_sampled = sampler.new_request_generator(params.seed)
+    sampler(first, batch(g_sampled))
+    want = sampler(second, batch(g_sampled)).token_ids[1]
+    g_skipped = sampler.new_request_generator(params.seed)
+    sampler.skip(params, g_skipped)
+    got = sampler(second, batch(g_skipped)).token_ids[1]
+    assert got == want and torch.equal(g_skipped.get_state(), g_sampled.get_state())
+    untouched = sampler.new_request_generator(params.seed)
+    assert torch.equal(g_skipped.get_state(), untouched.get_state()) == params.greedy
+
+
+def test_seeded_sampling_draws_the_distribution():
+    """Many seeds on one fixed distribution: frequencies match the top-k-renormalised probabilities."""
+    from pd_cluster.engine.sampling.batch import SamplingBatch
+    from pd_cluster.engine.sampling.sampler import Sampler
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0, -3.0]])
+    sampler = Sampler(torch.device("cpu"), vocab_size=6)
+    counts = Counter()
+    for seed in range(4000):
+        p = SamplingParams(seed=seed, top_k=3)
+        counts[sampler(logits, SamplingBatch.plain([p], [sampler.new_request_generator(seed)])).token_ids[0]] += 1
+    expected = logits[0, :3].softmax(-1)
+    assert set(counts) == {0, 1, 2}
+    for tok in range(3):
+        assert abs(counts[tok] / 4000 - expected[tok].item()) < 0.03
+
+
+# ---- per-request fault isolation -------------------------------------------------------------------------------
+
+def _run_engine(engine, requests):
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    finals, steps = {}, 0
+    while engine.has_work() and steps < 500:
+        steps += 1
+        for d in engine.step().deltas:
+            if d.finished:
+                finals[d.request_id] = d
+    return finals
+
+
+def test_a_failing_logits_processor_fails_only_its_request(llm):
+    from engine_reference import PROMPTS, hf_greedy
+
+    def boom(output_ids, logits):
+        if len(output_ids) == 3:
+            raise RuntimeError("boom")
+        return logits
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    finals = _run_engine(engine, [("ok0", PROMPTS[0], greedy),
+                                  ("bad", PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                                     logits_processors=[boom])),
+                                  ("ok2", PROMPTS[2], greedy),
+                                  ("nan", PROMPTS[3], SamplingParams(max_tokens=24, ignore_eos=True, logits_processors=[
+                                      lambda out, row: torch.full_like(row, float("-inf"))]))])
+    assert finals["bad"].finish_reason == "error" and "boom" in finals["bad"].error
+    assert finals["bad"].new_token_ids == list(hf_greedy(PROMPTS[1], 24))[:3]
+    assert finals["nan"].finish_reason == "error" and "no finite value" in finals["nan"].error
+    for rid, prompt in (("ok0", PROMPTS[0]), ("ok2", PROMPTS[2])):
+        assert finals[rid].finish_reason == "length" and finals[rid].error is None
+        assert finals[rid].new_token_ids == list(hf_greedy(prompt, 24))
+    assert engine.num_free_pages() == engine.allocator.num_pages and not engine.requests
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.0, logits_processors=[boom]))[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 3
+
+
+def test_a_row_that_breaks_the_batched_path_is_isolated_row_by_row(llm):
+    from engine_reference import PROMPTS, hf_greedy
+    engine = llm.engine
+    biased = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={5: 1.0})
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("broken", PROMPTS[4], SamplingParams(max_tokens=12, temperature=0.0, logit_bias={5: 1.0}))
+    engine.requests["broken"].params.logit_bias[10**6] = 1.0  # past admission's check: the batched index fails
+    finals = _run_engine(engine, [("a", PROMPTS[5], greedy), ("b", PROMPTS[6], biased)])
+    assert finals["broken"].finish_reason == "error" and "IndexError" in finals["broken"].error
+    assert finals["a"].new_token_ids == list(hf_greedy(PROMPTS[5], 12))
+    assert finals["b"].finish_reason == "length" and len(finals["b"].new_token_ids) == 12
+    assert engine.num_free_pages() == engine.allocator.num_pages and not engine.requests
