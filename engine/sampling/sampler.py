@@ -182,7 +182,7 @@ class Sampler:
             x = top_k_top_p_min_p(x, torch.tensor([p.top_k for p in params], device=dev),
                                   torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev),
                                   torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev),
-                                  max_k=max(p.top_k for p in params),
+                                  max_k=max((p.top_k for p in params if p.top_k < x.shape[-1]), default=0),
                                   any_top_p=any(p.top_p < 1.0 for p in params),
                                   any_min_p=any(p.min_p > 0.0 for p in params))
         return x.softmax(dim=-1)
@@ -236,7 +236,7 @@ def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         top_p: [S] float in (0, 1]; keeps the smallest set of most likely tokens, within the top-k, whose
             renormalised mass reaches top_p (Holtzman et al. 2019; transformers' TopPLogitsWarper rule).
         min_p: [S] float in [0, 1]; drops tokens whose probability is below min_p times the top one.
-        max_k: the largest entry of `top_k` (a host value: no device sync).
+        max_k: the largest entry of `top_k` below V (a host value: no device sync); <= 0: no top-k.
         any_top_p, any_min_p: whether any row asks for top-p / min-p (host values).
 
     Returns:

@@ -170,3 +170,10 @@ def test_logit_bias_outside_the_vocabulary_is_rejected_naming_the_field(llm):
         llm.generate("Once", SamplingParams(max_tokens=2, logit_bias={100000: 1.0}))
     assert err.value.param == "logit_bias"
     assert not llm.engine.has_work() and llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+
+
+def test_n_above_one_is_refused_by_the_engine_naming_the_field(llm):
+    from pd_cluster.engine.errors import RequestRejected
+    with pytest.raises(RequestRejected) as err:
+        llm.generate("Once", SamplingParams(max_tokens=2, n=2))
+    assert err.value.param == "n" and not llm.engine.requests
