@@ -197,7 +197,8 @@ class LLMEngine:
         self.requests[req.request_id] = req
         p = req.params
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+            p.min_tokens)
         if stream:
             self.streaming.add(req.request_id)
         self.scheduler.add(req)

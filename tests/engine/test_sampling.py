@@ -287,3 +287,13 @@ def test_a_row_that_breaks_the_batched_path_is_isolated_row_by_row(llm):
     assert finals["a"].new_token_ids == list(hf_greedy(PROMPTS[5], 12))
     assert finals["b"].finish_reason == "length" and len(finals["b"].new_token_ids) == 12
     assert engine.num_free_pages() == engine.allocator.num_pages and not engine.requests
+
+
+def test_stop_strings_wait_for_min_tokens_like_vllm(llm):
+    free = llm.generate("Once upon a time", SamplingParams(max_tokens=80, temperature=0.0, stop="Lily"))[0]
+    assert free.text == ", there was a little girl named " and len(free.token_ids) == 10
+    held = llm.generate("Once upon a time", SamplingParams(max_tokens=80, temperature=0.0, stop="Lily",
+                                                           min_tokens=12))[0]
+    assert held.finish_reason == "stop" and held.outputs[0].stop_reason == "Lily"
+    assert held.text == (", there was a little girl named Lily. She loved to play outside in the park. One day, she "
+                         "saw a big, red ball. She wanted to play with it, but it was too high.\n")
