@@ -100,11 +100,20 @@ class Sampler:
         except Exception:  # noqa: BLE001 - isolate the failing row(s)
             logger.exception("sampling: batched logits processing failed; retrying row by row")
             x = self._prepare_row_by_row(x, batch, errors)
-        tokens = self._pick(x, batch, errors)
+        try:
+            tokens = self._pick(x, batch, errors)
+        except _BeforeDraws:  # nothing drawn yet: every generator is where it was
+            logger.exception("sampling: batched choice failed; retrying row by row")
+            tokens = self._pick_row_by_row(x, batch, errors)
         for i, e in enumerate(errors):
             if e is not None:
                 tokens[i] = -1
-        return SamplerOutput(tokens, self._logprobs(logits, batch.params, tokens), errors)
+        try:
+            logprobs = self._logprobs(logits, batch.params, tokens)
+        except Exception:  # noqa: BLE001
+            logger.exception("sampling: batched logprobs failed; retrying row by row")
+            logprobs = self._logprobs_row_by_row(logits, batch.params, tokens, errors)
+        return SamplerOutput(tokens, logprobs, errors)
 
     # ---- logits processing ---------------------------------------------------
     @staticmethod
@@ -157,13 +166,21 @@ class Sampler:
 
     # ---- choosing tokens ------------------------------------------------------
     def _pick(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
-        """Greedy rows: argmax. Sampled rows: temperature, filters, one draw each."""
-        tokens = x.argmax(dim=-1)
-        bad = x.isnan().any(dim=-1) | (x == float("-inf")).all(dim=-1)
-        sampled = [i for i, p in enumerate(batch.params) if not p.greedy and errors[i] is None]
+        """Greedy rows: argmax. Sampled rows: temperature, filters, one draw each.
+
+        Raises:
+            _BeforeDraws: something failed before any generator was used (the rows can be retried).
+        """
+        try:
+            tokens = x.argmax(dim=-1)
+            bad = x.isnan().any(dim=-1) | (x == float("-inf")).all(dim=-1)
+            sampled = [i for i, p in enumerate(batch.params) if not p.greedy and errors[i] is None]
+            if sampled:
+                idx = torch.tensor(sampled, device=x.device)
+                probs = self._filtered_probs(x[idx], [batch.params[i] for i in sampled])
+        except Exception as e:  # noqa: BLE001
+            raise _BeforeDraws() from e
         if sampled:
-            idx = torch.tensor(sampled, device=x.device)
-            probs = self._filtered_probs(x[idx], [batch.params[i] for i in sampled])
             q = self._draws(probs, [batch.generators[i] for i in sampled], sampled, errors)
             tokens[idx] = (probs / q).argmax(dim=-1)
             bad[idx] |= probs.isnan().any(dim=-1)
@@ -172,6 +189,19 @@ class Sampler:
             if is_bad and errors[i] is None:
                 errors[i] = "the logits hold no finite value to sample from (NaN or every token banned)"
         return out[0]
+
+    def _pick_row_by_row(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
+        tokens = [-1] * len(batch)
+        for i in range(len(batch)):
+            if errors[i] is not None:
+                continue
+            row_errors: list[str | None] = [None]
+            try:
+                tokens[i] = self._pick(x[i:i + 1], batch.select([i]), row_errors)[0]
+            except _BeforeDraws as e:
+                row_errors[0] = f"sampling failed: {type(e.__cause__).__name__}: {e.__cause__}"
+            errors[i] = row_errors[0]
+        return tokens
 
     @staticmethod
     def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -208,6 +238,19 @@ class Sampler:
         return q
 
     # ---- logprobs ---------------------------------------------------------------
+    def _logprobs_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int],
+                             errors: list[str | None]) -> list[Logprob | None]:
+        out: list[Logprob | None] = [None] * len(params)
+        for i, p in enumerate(params):
+            if p.logprobs is None or tokens[i] < 0:
+                continue
+            try:
+                out[i] = self._logprobs(logits[i:i + 1], [p], [tokens[i]])[0]
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
+                tokens[i] = -1
+        return out
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[Logprob | None]:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
@@ -224,6 +267,10 @@ class Sampler:
             n = params[i].logprobs
             out[i] = (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
         return out
+
+
+class _BeforeDraws(Exception):
+    """Choosing tokens failed before any generator was used."""
 
 
 def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,

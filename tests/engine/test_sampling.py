@@ -297,3 +297,35 @@ def test_stop_strings_wait_for_min_tokens_like_vllm(llm):
     assert held.finish_reason == "stop" and held.outputs[0].stop_reason == "Lily"
     assert held.text == (", there was a little girl named Lily. She loved to play outside in the park. One day, she "
                          "saw a big, red ball. She wanted to play with it, but it was too high.\n")
+
+
+def test_a_row_that_breaks_the_batched_choice_fails_alone_and_seeded_rows_draw_once(monkeypatch):
+    """A failure before any draw retries row by row: the seeded rows' tokens are those of a batch without it."""
+    from pd_cluster.engine.sampling import sampler as sampler_mod
+    from pd_cluster.engine.sampling.batch import SamplingBatch
+    real = sampler_mod.top_k_top_p_min_p
+
+    def fragile(x, top_k, top_p, min_p, **kw):
+        if bool((top_p == 0.125).any()):
+            raise RuntimeError("filter broke")
+        return real(x, top_k, top_p, min_p, **kw)
+
+    monkeypatch.setattr(sampler_mod, "top_k_top_p_min_p", fragile)
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(seed=1, top_k=30), SamplingParams(top_p=0.125, seed=2), SamplingParams(temperature=0.0),
+              SamplingParams(seed=4, top_p=0.9)]
+    sampler = sampler_mod.Sampler(torch.device("cpu"), vocab_size=vocab)
+
+    def run(rows):
+        ps = [params[i] for i in rows]
+        gens = [sampler.new_request_generator(p.seed) for p in ps]
+        return sampler(logits[rows], SamplingBatch.plain(ps, gens)), gens
+
+    out, gens = run([0, 1, 2, 3])
+    assert out.errors[1] is not None and "filter broke" in out.errors[1] and out.token_ids[1] == -1
+    assert [e for i, e in enumerate(out.errors) if i != 1] == [None] * 3
+    healthy, healthy_gens = run([0, 2, 3])
+    assert [out.token_ids[i] for i in (0, 2, 3)] == healthy.token_ids and healthy.token_ids[1] == int(logits[2].argmax())
+    assert torch.equal(gens[0].get_state(), healthy_gens[0].get_state())
+    assert torch.equal(gens[3].get_state(), healthy_gens[2].get_state())
