@@ -329,3 +329,22 @@ def test_a_row_that_breaks_the_batched_choice_fails_alone_and_seeded_rows_draw_o
     assert [out.token_ids[i] for i in (0, 2, 3)] == healthy.token_ids and healthy.token_ids[1] == int(logits[2].argmax())
     assert torch.equal(gens[0].get_state(), healthy_gens[0].get_state())
     assert torch.equal(gens[3].get_state(), healthy_gens[2].get_state())
+
+
+def test_prefill_role_min_tokens_and_a_failing_request_keep_pages_held_until_released():
+    """The prefill worker samples the first token (EOS banned by min_tokens); a failing request hands over nothing."""
+    engine = LLM(role="prefill").engine
+
+    def boom(output_ids, logits):
+        raise RuntimeError("boom")
+
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=4, min_tokens=2, temperature=0.0))
+    engine.add_request("b", "Once upon a time", SamplingParams(max_tokens=4, temperature=0.0, logits_processors=[boom]))
+    out = engine.step()
+    deltas = {d.request_id: d for d in out.deltas}
+    assert deltas["a"].new_token_ids == [432] and deltas["a"].error is None
+    assert deltas["b"].finish_reason == "error" and deltas["b"].new_token_ids == [] and "boom" in deltas["b"].error
+    assert [(p.request_id, p.done) for p in out.prefill_progress] == [("a", True)]
+    assert sorted(engine.scheduler.held) == ["a", "b"] and engine.num_free_pages() < engine.allocator.num_pages
+    assert engine.release_request("a") and engine.release_request("b")
+    assert engine.num_free_pages() == engine.allocator.num_pages and not engine.has_work()
