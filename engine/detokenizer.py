@@ -30,10 +30,12 @@ class IncrementalDetokenizer:
         stop: stop strings.
         include_stop_str_in_output: keep a matched stop string in the text.
         skip_special_tokens: drop special tokens from the text.
+        min_tokens: stop strings are looked for only once more than this many tokens exist (as vLLM).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
-                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         context = list(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
         self.ids: list[int] = context
@@ -45,6 +47,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0
         self.stop_matched: str | None = None
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -55,6 +59,7 @@ class IncrementalDetokenizer:
             if self.stop_matched is not None:
                 break
             self.ids.append(tok)
+            self.num_tokens += 1
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
@@ -66,7 +71,7 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> None:
         start = max(len(self.text) - max((len(s) for s in self.stop), default=0) + 1, 0)
         self.text += delta
-        if not self.stop:
+        if not self.stop or self.num_tokens <= self.min_tokens:
             return
         best: tuple[int, str] | None = None
         for s in self.stop:

@@ -27,7 +27,7 @@ from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, RequestDelta, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus
-from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParamError, SamplingParams
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from pd_cluster.engine.stats import EngineStats
@@ -137,6 +137,13 @@ class LLMEngine:
             raise RequestRejected("prompt: must contain at least one token", param="prompt")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
             raise RequestRejected(f"prompt: token ids must be in [0, {self.arch.vocab_size})", param="prompt")
+        if params.n != 1:
+            raise RequestRejected("n: the engine generates one sequence per request; the server fans n out",
+                                  param="n")
+        try:
+            params.check_vocab(self.arch.vocab_size)
+        except SamplingParamError as e:
+            raise RequestRejected(str(e), param=e.param) from e
         if params.max_tokens is None:
             params = replace(params, max_tokens=max(self.context_length - n, 1))
         total = n + params.max_tokens
@@ -190,7 +197,8 @@ class LLMEngine:
         self.requests[req.request_id] = req
         p = req.params
         self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens)
+            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
+            p.min_tokens)
         if stream:
             self.streaming.add(req.request_id)
         self.scheduler.add(req)
@@ -218,16 +226,34 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status.finished:
             return False
+        self._end(req, RequestStatus.FINISHED_ABORTED, release_pages)
+        return True
+
+    def fail_request(self, request_id: str, error: str) -> bool:
+        """Finish one request with an error (finish_reason ``error``, `RequestDelta.error`); others go on.
+
+        A prefill worker keeps the pages held (its pushes may still read them) until `release_request`.
+        Returns False when the request is unknown or already finished.
+        """
+        req = self.requests.get(request_id)
+        if req is None or req.status.finished:
+            return False
+        logger.warning("request %s failed: %s", request_id, error)
+        self._end(req, RequestStatus.FINISHED_ERROR, release_pages=self.role != "prefill", error=error)
+        return True
+
+    def _end(self, req: Request, status: RequestStatus, release_pages: bool, error: str | None = None) -> None:
         self.scheduler.remove(req, release_pages=release_pages)
         held = not release_pages and bool(req.block_table)
-        req.status = RequestStatus.FINISHED_ABORTED
+        req.status = status
         req.times.finished = time.monotonic()
         if held:
-            self.scheduler.held[request_id] = req
-        self._pending.append(self._finish_delta(req))
+            self.scheduler.held[req.request_id] = req
+        delta = self._finish_delta(req)
+        delta.error = error
+        self._pending.append(delta)
         if not held:
             self._forget(req)
-        return True
 
     def release_request(self, request_id: str) -> bool:
         """Free the pages of a held request: prefilled (prefill role) or aborted with ``release_pages=False``.
@@ -272,8 +298,14 @@ class LLMEngine:
                                                             list(req.block_table), item.samples))
         if result.sampler_output is not None:
             so = result.sampler_output
-            for req, tok, lp in zip(result.sampled_reqs, so.token_ids, so.logprobs):
-                self._on_token(req, tok, lp)
+            failed = set()
+            for req, tok, lp, err in zip(result.sampled_reqs, so.token_ids, so.logprobs, so.errors):
+                if err is None:
+                    self._on_token(req, tok, lp)
+                elif self.fail_request(req.request_id, err):
+                    failed.add(req.request_id)
+            if failed:  # no first token to hand over: the prefill hooks see only the error delta
+                out.prefill_progress = [p for p in out.prefill_progress if p.request_id not in failed]
         self.stats.on_step(sched, self.scheduler, len(result.sampled_reqs))
         out.deltas, self._pending = self._pending, []
         return out
@@ -313,7 +345,7 @@ class LLMEngine:
             detok.add_all(req.output_token_ids)
         detok.flush_pending()
         new_tokens = req.output_token_ids[-1:] if streaming else req.output_token_ids
-        if status == RequestStatus.FINISHED_ABORTED and streaming:
+        if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) and streaming:
             new_tokens = []
         lps = req.logprobs[-len(new_tokens):] if req.logprobs and new_tokens else None
         return RequestDelta(

@@ -17,6 +17,7 @@ from pd_cluster.engine.batch import BatchInputs
 from pd_cluster.engine.executor.tp import TPDriver
 from pd_cluster.engine.executor.shard import Shard
 from pd_cluster.engine.request import Request
+from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from pd_cluster.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -44,7 +45,7 @@ class ModelRunner:
         self.pool = shard.pool
         self.device = device
         self.tp_driver = tp_driver
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the model on the step `out` and sample the next tokens."""
@@ -56,18 +57,8 @@ class ModelRunner:
         if not sampled:
             return StepResult([], None)
         sample_logits = logits[torch.tensor(sample_rows, device=logits.device)] if prompt_rows else logits
-        self._ban_early_stops(sample_logits, sampled)
-        result = self.sampler(sample_logits, [r.params for r in sampled], [r.generator for r in sampled])
+        result = self.sampler(sample_logits, SamplingBatch.from_requests(sampled))
         return StepResult(sampled, result)
-
-    @staticmethod
-    def _ban_early_stops(logits: torch.Tensor, reqs: list[Request]) -> None:
-        """``min_tokens``: EOS and stop ids cannot be sampled before that many tokens exist (as in vLLM)."""
-        for i, req in enumerate(reqs):
-            if req.num_output_tokens < req.params.min_tokens:
-                banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else list(req.eos_token_ids))
-                if banned:
-                    logits[i, banned] = float("-inf")
 
     def _forward(self, inputs: BatchInputs) -> torch.Tensor:
         if self.tp_driver is not None:

@@ -18,10 +18,11 @@ class RequestDelta:
         new_text: text that became final this step (held-back stop-string
             prefixes and incomplete UTF-8 are not included yet).
         new_logprobs: one entry per new token when logprobs were asked.
-        finished, finish_reason (``stop``, ``length``, ``abort``), stop_reason (the
+        finished, finish_reason (``stop``, ``length``, ``abort``, ``error``), stop_reason (the
             stop string or stop token id, else None).
         num_prompt_tokens, num_output_tokens: totals so far (for ``usage``).
         prompt_logprobs: the prompt's logprobs, once, when complete.
+        error: with finish_reason ``error``, what failed (this request only; the batch went on).
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class RequestDelta:
     num_output_tokens: int
     prompt_logprobs: list[Logprob] | None = None
     times: Any = None  # engine.request.RequestTimes of a finished request, for metrics
+    error: str | None = None
 
 
 @dataclass

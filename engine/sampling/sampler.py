@@ -1,18 +1,46 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched token sampling: logits processing, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+A step's logits go through, per row: the request's own logits processors,
+``min_tokens`` bans, ``logit_bias`` and penalties (`penalties`); then greedy rows
+take the argmax, and sampled rows are divided by their temperature, filtered by
+top-k, top-p and min-p in that order (transformers' warper order; top-p and
+min-p act on the distribution renormalised within the top-k), and sampled.
+
+No full sort of the vocabulary: top-k reads the k-th value with `torch.topk`;
+top-p looks at the `torch.topk` candidates (the top-k, or 1,024 when top-k is
+off) and widens them only while the candidates hold less than ``top_p`` of the
+mass; min-p is a threshold on the top probability. Greedy takes one argmax.
 
 Sampling draws one exponential variate per vocabulary entry and takes
 ``argmax(p / q)``, which samples from ``p`` exactly (the Gumbel-max trick in
-exponential form, as vLLM's sampler does). Seeded requests draw ``q`` from
-their own `torch.Generator`, so their tokens do not depend on the batch.
+exponential form, as vLLM's sampler does). Seeded requests draw ``q`` from their
+own `torch.Generator`, always ``vocab_size`` float32 variates per token, so their
+tokens do not depend on the batch and `Sampler.skip` can advance a generator
+without logits.
+
+Per-request fault isolation: a row whose processing or sampling fails (a
+processor raises, the logits hold no finite value) gets an error in
+`SamplerOutput.errors` and token -1; the other rows are sampled as usual.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.engine.sampling.penalties import apply_bans, apply_logit_bias, apply_penalties
+
+logger = logging.getLogger("engine.sampling")
+
+TOP_P_CANDIDATES = 1024
+"""Top-p without top-k first looks at this many candidates (doubled while they hold less than top_p)."""
+
+Logprob = tuple[float, list[tuple[int, float]]]
 
 
 @dataclass
@@ -20,30 +48,15 @@ class SamplerOutput:
     """Result of sampling one step.
 
     Attributes:
-        token_ids: [B] int64 chosen tokens.
+        token_ids: per row, the chosen token, or -1 for a row that failed.
         logprobs: per row, None or (chosen token's logprob, [(token_id, logprob)] top-N),
-            computed from the model's raw distribution (before temperature).
+            computed from the model's raw distribution (before any processing, vLLM's default).
+        errors: per row, None or why the row could not be sampled (the request fails, the batch goes on).
     """
 
     token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
-
-
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                             min_p: torch.Tensor) -> torch.Tensor:
-    """Mask filtered tokens to -inf. logits [B, V] float32; top_k [B] int (<=0: off); top_p, min_p [B]."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, vocab)
-    drop = ranks >= k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    cum = probs.cumsum(dim=-1)
-    drop |= (cum - probs) >= top_p[:, None]  # keep the smallest prefix whose mass reaches top_p
-    drop |= probs < (min_p[:, None] * probs[:, :1])
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    logprobs: list[Logprob | None]
+    errors: list[str | None]
 
 
 class Sampler:
@@ -52,71 +65,276 @@ class Sampler:
     Args:
         device: where the logits live.
         seed: seed of the shared generator used by unseeded requests.
+        vocab_size: the logits' width (the draws per sampled token; see `skip`).
     """
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, vocab_size: int | None = None) -> None:
         self.device = device
+        self.vocab_size = vocab_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def new_request_generator(self, seed: int | None) -> torch.Generator | None:
         """A generator for a seeded request (None for unseeded ones)."""
         return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> SamplerOutput:
-        """Sample from logits [B, V] (float32), one row per request."""
-        greedy_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in params):
-            tokens = greedy_ids
-        else:
-            tokens = self._sample(logits, params, generators, greedy_ids)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
+    def skip(self, params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Advance `generator` exactly as sampling one token for a request with these params would.
 
-    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], greedy_ids: torch.Tensor) -> torch.Tensor:
-        dev = logits.device
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=dev)
-        scaled = logits / temps[:, None]
-        if any(p.needs_topk_topp for p in params):
-            scaled = _apply_top_k_top_p_min_p(
-                scaled,
-                torch.tensor([p.top_k for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], device=dev),
-                torch.tensor([p.min_p for p in params], device=dev))
-        probs = scaled.softmax(dim=-1)
-        q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i].exponential_(generator=g)
-        sampled = (probs / q).argmax(dim=-1)
-        is_greedy = torch.tensor([p.greedy for p in params], device=dev)
-        return torch.where(is_greedy, greedy_ids, sampled)
+        The decode worker calls this for the first token, which the prefill worker sampled from the same seed.
+        Greedy requests draw nothing; sampled ones draw ``vocab_size`` float32 exponentials.
+        """
+        if generator is None or params.greedy:
+            return
+        if self.vocab_size is None:
+            raise ValueError("Sampler.skip needs the vocabulary size (construct the Sampler with vocab_size)")
+        torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=generator)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from logits [B, V] (float32 or lower), one row per entry of `batch`."""
+        n = len(batch)
+        errors: list[str | None] = [None] * n
+        x = self._run_processors(logits, batch, errors)
+        try:
+            x = self._prepare(x, batch)
+        except Exception:  # noqa: BLE001 - isolate the failing row(s)
+            logger.exception("sampling: batched logits processing failed; retrying row by row")
+            x = self._prepare_row_by_row(x, batch, errors)
+        try:
+            tokens = self._pick(x, batch, errors)
+        except _BeforeDraws:  # nothing drawn yet: every generator is where it was
+            logger.exception("sampling: batched choice failed; retrying row by row")
+            tokens = self._pick_row_by_row(x, batch, errors)
+        for i, e in enumerate(errors):
+            if e is not None:
+                tokens[i] = -1
+        try:
+            logprobs = self._logprobs(logits, batch.params, tokens)
+        except Exception:  # noqa: BLE001
+            logger.exception("sampling: batched logprobs failed; retrying row by row")
+            logprobs = self._logprobs_row_by_row(logits, batch.params, tokens, errors)
+        return SamplerOutput(tokens, logprobs, errors)
+
+    # ---- logits processing ---------------------------------------------------
+    @staticmethod
+    def _needs_processing(batch: SamplingBatch) -> bool:
+        return any(b for b in batch.banned) or any(p.logit_bias or p.has_penalties for p in batch.params)
+
+    def _run_processors(self, logits: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> torch.Tensor:
+        """float32 logits with each row's own processors applied; a row whose processor raises fails alone."""
+        owned = any(p.logits_processors for p in batch.params) or self._needs_processing(batch)
+        x = logits.float()
+        if owned and x.data_ptr() == logits.data_ptr():
+            x = x.clone()
+        for i, p in enumerate(batch.params):
+            if not p.logits_processors:
+                continue
+            try:
+                row = x[i]
+                for fn in p.logits_processors:
+                    args = (batch.output_ids(i), row)
+                    if _arity(fn) == 3:
+                        args = (batch.prompt_ids(i),) + args
+                    row = fn(*args)
+                    if not isinstance(row, torch.Tensor) or row.shape != x[i].shape:
+                        raise TypeError(f"a logits processor returned {type(row).__name__}, not a [vocab] tensor")
+                x[i] = row
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"logits processor failed: {type(e).__name__}: {e}"
+                x[i] = 0.0
+        return x
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                  tokens: list[int]) -> list[tuple[float, list[tuple[int, float]]] | None]:
-        want = [p.logprobs for p in params]
-        if all(n is None for n in want):
-            return [None] * len(params)
-        logp = logits.log_softmax(dim=-1)
-        top_n = max(n for n in want if n is not None)
-        top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1)
-        chosen = logp.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    def _prepare(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Bans, bias and penalties, in place on `x` [B, V] float32."""
+        apply_bans(x, batch)
+        apply_logit_bias(x, batch)
+        apply_penalties(x, batch)
+        return x
+
+    def _prepare_row_by_row(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> torch.Tensor:
+        for i in range(len(batch)):
+            if errors[i] is not None:
+                continue
+            row = x[i:i + 1].clone()
+            try:
+                x[i:i + 1] = self._prepare(row, batch.select([i]))
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"logits processing failed: {type(e).__name__}: {e}"
+                x[i] = 0.0
+        return x
+
+    # ---- choosing tokens ------------------------------------------------------
+    def _pick(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
+        """Greedy rows: argmax. Sampled rows: temperature, filters, one draw each.
+
+        Raises:
+            _BeforeDraws: something failed before any generator was used (the rows can be retried).
+        """
+        try:
+            tokens = x.argmax(dim=-1)
+            bad = x.isnan().any(dim=-1) | (x == float("-inf")).all(dim=-1)
+            sampled = [i for i, p in enumerate(batch.params) if not p.greedy and errors[i] is None]
+            if sampled:
+                idx = torch.tensor(sampled, device=x.device)
+                probs = self._filtered_probs(x[idx], [batch.params[i] for i in sampled])
+        except Exception as e:  # noqa: BLE001
+            raise _BeforeDraws() from e
+        if sampled:
+            q = self._draws(probs, [batch.generators[i] for i in sampled], sampled, errors)
+            tokens[idx] = (probs / q).argmax(dim=-1)
+            bad[idx] |= probs.isnan().any(dim=-1)
+        out = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
+        for i, is_bad in enumerate(out[1]):
+            if is_bad and errors[i] is None:
+                errors[i] = "the logits hold no finite value to sample from (NaN or every token banned)"
+        return out[0]
+
+    def _pick_row_by_row(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
+        tokens = [-1] * len(batch)
+        for i in range(len(batch)):
+            if errors[i] is not None:
+                continue
+            row_errors: list[str | None] = [None]
+            try:
+                tokens[i] = self._pick(x[i:i + 1], batch.select([i]), row_errors)[0]
+            except _BeforeDraws as e:
+                row_errors[0] = f"sampling failed: {type(e.__cause__).__name__}: {e.__cause__}"
+            errors[i] = row_errors[0]
+        return tokens
+
+    @staticmethod
+    def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p; returns probabilities [S, V] float32."""
+        dev = x.device
+        x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+        if any(p.needs_topk_topp for p in params):
+            x = top_k_top_p_min_p(x, torch.tensor([p.top_k for p in params], device=dev),
+                                  torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev),
+                                  torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev),
+                                  max_k=max((p.top_k for p in params if p.top_k < x.shape[-1]), default=0),
+                                  any_top_p=any(p.top_p < 1.0 for p in params),
+                                  any_min_p=any(p.min_p > 0.0 for p in params))
+        return x.softmax(dim=-1)
+
+    def _draws(self, probs: torch.Tensor, generators: list[torch.Generator | None], rows: list[int],
+               errors: list[str | None]) -> torch.Tensor:
+        """Exponential variates [S, V]: unseeded rows from the shared generator, seeded rows from their own."""
+        q = torch.empty_like(probs)
+        unseeded = [j for j, g in enumerate(generators) if g is None]
+        if len(unseeded) == len(generators):
+            return q.exponential_(generator=self.generator)
+        if unseeded:
+            fill = torch.empty(len(unseeded), probs.shape[-1], dtype=probs.dtype, device=probs.device)
+            q[torch.tensor(unseeded, device=probs.device)] = fill.exponential_(generator=self.generator)
+        for j, g in enumerate(generators):
+            if g is None:
+                continue
+            try:
+                q[j].exponential_(generator=g)
+            except Exception as e:  # noqa: BLE001
+                errors[rows[j]] = f"sampling failed: {type(e).__name__}: {e}"
+                q[j] = 1.0
+        return q
+
+    # ---- logprobs ---------------------------------------------------------------
+    def _logprobs_row_by_row(self, logits: torch.Tensor, params: list[SamplingParams], tokens: list[int],
+                             errors: list[str | None]) -> list[Logprob | None]:
+        out: list[Logprob | None] = [None] * len(params)
+        for i, p in enumerate(params):
+            if p.logprobs is None or tokens[i] < 0:
+                continue
+            try:
+                out[i] = self._logprobs(logits[i:i + 1], [p], [tokens[i]])[0]
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
+                tokens[i] = -1
+        return out
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[Logprob | None]:
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
+        out: list[Logprob | None] = [None] * len(params)
+        if not rows:
+            return out
+        dev = logits.device
+        logp = logits[torch.tensor(rows, device=dev)].float().log_softmax(dim=-1)
+        top_n = max(params[i].logprobs for i in rows)
+        top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1)  # at most 20: no full sort
+        chosen = logp.gather(-1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])[:, 0].tolist()
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        out: list[tuple[float, list[tuple[int, float]]] | None] = []
-        for i, n in enumerate(want):
-            out.append(None if n is None else (chosen[i], list(zip(top_ids[i][:n], top_vals[i][:n]))))
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            out[i] = (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
         return out
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Logprobs of the actual next prompt tokens.
+class _BeforeDraws(Exception):
+    """Choosing tokens failed before any generator was used."""
+
+
+def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                      max_k: int, any_top_p: bool = True, any_min_p: bool = True) -> torch.Tensor:
+    """Mask filtered tokens to -inf, without sorting the whole vocabulary.
+
+    Args:
+        x: [S, V] float32 logits (already divided by the temperature).
+        top_k: [S] int; <= 0 or >= V is off. Tokens tied with the k-th value are kept (as transformers, vLLM).
+        top_p: [S] float in (0, 1]; keeps the smallest set of most likely tokens, within the top-k, whose
+            renormalised mass reaches top_p (Holtzman et al. 2019; transformers' TopPLogitsWarper rule).
+        min_p: [S] float in [0, 1]; drops tokens whose probability is below min_p times the top one.
+        max_k: the largest entry of `top_k` below V (a host value: no device sync); <= 0: no top-k.
+        any_top_p, any_min_p: whether any row asks for top-p / min-p (host values).
+
+    Returns:
+        [S, V] float32: `x` with the filtered tokens at -inf. The most likely token always survives.
+    """
+    vocab = x.shape[-1]
+    if 0 < max_k:
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
+        kmax = min(max_k, vocab)
+        kth = x.topk(kmax, dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+        x = x.masked_fill((k > 0)[:, None] & (x < kth), float("-inf"))
+    if any_top_p:
+        x = _top_p(x, top_p)
+    if any_min_p:
+        probs = x.softmax(dim=-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    return x
+
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p cut, looking at `torch.topk` candidates widened only while they hold less than top_p."""
+    vocab = x.shape[-1]
+    probs = x.softmax(dim=-1)
+    width = min(TOP_P_CANDIDATES, vocab)
+    while True:
+        cand_probs, cand_ids = probs.topk(width, dim=-1)  # sorted, descending
+        cum = cand_probs.cumsum(dim=-1)
+        if width == vocab or bool(((cum[:, -1] >= top_p) | (top_p >= 1.0)).all()):
+            break
+        width = min(2 * width, vocab)
+    keep = (cum - cand_probs) < top_p[:, None]  # rank j is kept while the mass before it is below top_p
+    last = keep.sum(dim=-1, keepdim=True) - 1
+    cut = x.gather(1, cand_ids.gather(1, last))
+    cut = cut.masked_fill(top_p[:, None] >= 1.0, float("-inf"))  # rows without top-p keep everything
+    return x.masked_fill(x < cut, float("-inf"))
+
+
+def _arity(fn) -> int:
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return 2
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], n: int) -> list[Logprob]:
+    """Logprobs of the actual next prompt tokens (raw distribution; top-N by `torch.topk`, no full sort).
 
     Args:
         logits: [L, V] logits at L consecutive prompt positions.
         next_ids: the L tokens that follow those positions.
-        n: top-N to return per position.
+        n: top-N to return per position (0..20).
     """
     logp = logits.float().log_softmax(dim=-1)
     chosen = logp.gather(-1, torch.tensor(next_ids, device=logits.device)[:, None])[:, 0].tolist()
