@@ -74,6 +74,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         raise RuntimeError(f"all {out.warmup_sent} warm-up requests failed: {out.warmup_errors[:3]}")
     count_output_tokens(out.records, tok)
     summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
+    if scraper is not None:
+        from pd_cluster.bench.server_metrics import prefix_cache_hit_rate
+
+        summary["server_prefix_cache_hit_rate"] = prefix_cache_hit_rate(breakdown)
     info = _info(cfg, target, ds, plan, tok_name, out)
     print(format_summary(summary, info, cfg.report.metric_percentiles, cfg.report.percentile_metrics, breakdown))
     result = {"format_version": results.FORMAT_VERSION, "date": datetime.now().isoformat(timespec="seconds"),
