@@ -84,7 +84,8 @@ def test_replays_at_the_csv_timestamps_against_the_fake(fake_factory):
     want = (np.array([float(r["Timestamp"]) for r in rows]) - float(rows[0]["Timestamp"])) / speedup
     planned = np.array([r["planned_s"] for r in reqs])
     assert np.allclose(planned, want, atol=1e-9)  # the plan is the trace, exactly
-    assert [r["max_tokens"] for r in reqs] == [r["output_tokens"] for r in reqs] == [int(r["Response tokens"]) for r in rows]
+    want_out = [int(r["Response tokens"]) for r in rows]
+    assert [r["max_tokens"] for r in reqs] == [r["output_tokens"] for r in reqs] == want_out
     assert [r["prompt_len"] for r in reqs] == [int(r["Request tokens"]) for r in rows]
     lag = np.array([r["started_s"] for r in reqs]) - planned
     # A loose bound: on an idle machine the lag is well under 1 ms (docs/perf/bench.md); this

@@ -37,7 +37,8 @@ def test_output_len_fixes_sharegpt_output():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (("--dataset-name", "mooncake-trace", "--input-len", "16"), "--input-len has no meaning for --dataset-name mooncake-trace"),
+    (("--dataset-name", "mooncake-trace", "--input-len", "16"),
+     "--input-len has no meaning for --dataset-name mooncake-trace"),
     (("--dataset-name", "sharegpt", "--input-len", "16"), "--input-len has no meaning for --dataset-name sharegpt"),
     (("--dataset-name", "burstgpt", "--output-len", "4"), "--output-len has no meaning for --dataset-name burstgpt"),
     (("--input-len", "16", "--random-input-len", "32"), "--input-len 16 conflicts with --random-input-len 32"),
