@@ -45,7 +45,8 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pd:num_retracted_reqs": ("vllm:num_preemptions",),
     "pd:request_success": ("vllm:request_success",),
     "pd:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
-    "pd:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",),
+    # vLLM >= 0.11 calls it inter_token_latency_seconds; older dashboards read time_per_output_token_seconds.
+    "pd:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     "pd:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "pd:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
     "pd:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),

@@ -30,6 +30,9 @@ TWINS = {  # pd: sample -> vllm: sample (same labels but the model_name they bot
     "pd:time_to_first_token_seconds_sum": "vllm:time_to_first_token_seconds_sum",
     "pd:e2e_request_latency_seconds_count": "vllm:e2e_request_latency_seconds_count",
     "pd:e2e_request_latency_seconds_bucket": "vllm:e2e_request_latency_seconds_bucket",
+    "pd:inter_token_latency_seconds_count": "vllm:inter_token_latency_seconds_count",
+    "pd:num_retracted_reqs_total": "vllm:num_preemptions_total",
+    "pd:request_queue_time_seconds_count": "vllm:request_queue_time_seconds_count",
 }
 
 
@@ -81,6 +84,9 @@ def test_vllm_names_carry_the_pd_values_with_model_name(worker):
     assert list(prompt_tokens.values())[0] >= 8  # the two prompts were counted, not zeros
     assert sum(_by_name(scrape, "vllm:request_success_total").values()) == 2
     assert list(_by_name(scrape, "vllm:e2e_request_latency_seconds_count").values()) == [2.0]
+    itl = _by_name(scrape, "vllm:inter_token_latency_seconds_count")
+    assert list(itl.values())[0] >= 2 and _by_name(scrape, "vllm:time_per_output_token_seconds_count") == itl
+    assert _by_name(scrape, "vllm:gpu_cache_usage_perc") == _by_name(scrape, "pd:token_usage")
     usage = list(_by_name(scrape, "vllm:kv_cache_usage_perc").values())[0]
     assert 0.0 <= usage <= 1.0
 
