@@ -13,7 +13,7 @@ from pd_cluster.bench.datasets import DATASET_NAMES
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pd-bench",
+        prog="pd-bench", allow_abbrev=False,
         description="Benchmark an OpenAI-compatible server (pd-cluster or any other). "
                     "`pd-bench compare A.json B.json` compares two saved results.")
     t = p.add_argument_group("target")
@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: 1000 for random, the whole file for file datasets")
     d.add_argument("--random-input-len", type=int, default=1024)
     d.add_argument("--random-output-len", type=int, default=128)
+    d.add_argument("--input-len", type=int, default=None,
+                   help="as in `vllm bench throughput`: --random-input-len (random dataset only)")
+    d.add_argument("--output-len", type=int, default=None,
+                   help="as in `vllm bench throughput`: --random-output-len for random, "
+                        "--sharegpt-output-len for sharegpt")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     d.add_argument("--random-prefix-len", type=int, default=0)
@@ -108,8 +113,47 @@ def parse_goodput(items: list[str] | None) -> tuple[tuple[str, float], ...]:
     return tuple(out)
 
 
+def resolve_generic_lengths(ns: argparse.Namespace) -> None:
+    """Apply ``--input-len`` / ``--output-len`` with the meaning of ``vllm bench throughput``.
+
+    ``vllm bench serve`` and ``sglang.bench_serving`` name the random dataset's lengths
+    ``--random-input-len`` / ``--random-output-len``; ``vllm bench throughput`` and
+    ``vllm bench latency`` call them ``--input-len`` / ``--output-len``, and there
+    ``--output-len`` also fixes ShareGPT's output length. pd-bench accepts both spellings
+    with that meaning and refuses them where it has none (the trace and shared-prefix
+    datasets, whose lengths come from the data or the ``--gsp-*`` flags).
+
+    Raises:
+        ValueError: a generic flag given for a dataset where it has no meaning, a
+            non-positive length, or a conflicting specific flag.
+    """
+    for flag, value in (("--input-len", ns.input_len), ("--output-len", ns.output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    targets = {"random": {"input_len": "random_input_len", "output_len": "random_output_len"},
+               "sharegpt": {"output_len": "sharegpt_output_len"}}.get(ns.dataset_name, {})
+    for generic in ("input_len", "output_len"):
+        value = getattr(ns, generic)
+        if value is None:
+            continue
+        flag = "--" + generic.replace("_", "-")
+        if generic not in targets:
+            raise ValueError(f"{flag} has no meaning for --dataset-name {ns.dataset_name} (it is vLLM's "
+                             f"generic length flag: --random-{flag[2:]} for random"
+                             + (", --sharegpt-output-len for sharegpt" if generic == "output_len" else "")
+                             + "); to fit trace lengths use --input-len-scale/--output-len-scale and "
+                               "--max-input-len/--max-output-len")
+        specific = targets[generic]
+        default = build_parser().get_default(specific)
+        given = getattr(ns, specific)
+        if given != default and given != value:
+            raise ValueError(f"{flag} {value} conflicts with --{specific.replace('_', '-')} {given}")
+        setattr(ns, specific, value)
+
+
 def to_config(ns: argparse.Namespace) -> BenchConfig:
     """Validated configuration from parsed flags. Raises ``ValueError`` on bad values."""
+    resolve_generic_lengths(ns)
     extra = json.loads(ns.extra_body) if ns.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")

@@ -74,6 +74,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         raise RuntimeError(f"all {out.warmup_sent} warm-up requests failed: {out.warmup_errors[:3]}")
     count_output_tokens(out.records, tok)
     summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
+    if scraper is not None:
+        from pd_cluster.bench.server_metrics import prefix_cache_hit_rate
+
+        summary["server_prefix_cache_hit_rate"] = prefix_cache_hit_rate(breakdown)
     info = _info(cfg, target, ds, plan, tok_name, out)
     print(format_summary(summary, info, cfg.report.metric_percentiles, cfg.report.percentile_metrics, breakdown))
     result = {"format_version": results.FORMAT_VERSION, "date": datetime.now().isoformat(timespec="seconds"),
@@ -120,6 +124,16 @@ def _save(cfg: BenchConfig, result: dict, out: RunOutput, info: dict) -> None:
             print(f"Saved a plot to {png}")
 
 
+def run_failure(summary: dict[str, Any]) -> str | None:
+    """Why the run as a whole failed (no request completed), or None. The exit status is then 1."""
+    if summary["completed"] > 0:
+        return None
+    reasons = ", ".join(f"{k}: {v}" for k, v in summary["failure_reasons"].items())
+    sent = summary["failed"]
+    return (f"every request failed ({sent} of {sent}; {reasons})" if sent
+            else "no request was sent (check --duration)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:
@@ -127,13 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        run_benchmark(to_config(ns))
+        result = run_benchmark(to_config(ns))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"pd-bench: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("pd-bench: interrupted; no result", file=sys.stderr)
         return 130
+    failure = run_failure(result["summary"])
+    if failure:
+        print(f"pd-bench: error: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

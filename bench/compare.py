@@ -16,6 +16,7 @@ ROWS = (
     ("Total token throughput (tok/s)", "total_token_throughput", "higher"),
     ("Request goodput (req/s)", "request_goodput", "higher"),
     ("Mean concurrency", "mean_concurrency", None),
+    ("Prefix cache hit rate (server)", "server_prefix_cache_hit_rate", "higher"),
     ("Mean TTFT (ms)", "mean_ttft_ms", "lower"),
     ("Median TTFT (ms)", "median_ttft_ms", "lower"),
     ("P99 TTFT (ms)", "p99_ttft_ms", "lower"),

@@ -30,6 +30,7 @@ class FakeServerConfig:
     fail_every: int = 0
     die_after: int = 0
     tokenizer: str | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "mixed"):
@@ -41,7 +42,8 @@ class FakeServerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
-    p = argparse.ArgumentParser(prog="python -m pd_cluster.bench.fake_server", description="A fast fake OpenAI-compatible worker with exact, known delays.")
+    p = argparse.ArgumentParser(prog="python -m pd_cluster.bench.fake_server", allow_abbrev=False,
+                                description="A fast fake OpenAI-compatible worker with exact, known delays.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
     p.add_argument("--role", choices=("prefill", "decode", "mixed"), default="mixed")
@@ -61,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
     p.add_argument("--fail-every", type=int, default=0, help="fail every N-th OpenAI request (0: never)")
     p.add_argument("--die-after", type=int, default=0, help="exit mid-stream in the N-th request (0: never)")
     p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="emulate a prefix cache and export its counts (costs ~0.1 ms per 1,000-token prompt)")
     p.add_argument("--realtime", action="store_true", help="try SCHED_FIFO so timers fire on time")
     a = p.parse_args(argv)
     return FakeServerConfig(**{k: v for k, v in vars(a).items()})

@@ -25,7 +25,7 @@ DESC_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class FakeMetrics:
     """Prometheus metrics of one fake worker (names: ``docs/worker-api.md``)."""
 
-    def __init__(self, max_total_num_tokens: int) -> None:
+    def __init__(self, max_total_num_tokens: int, prefix_cache: bool = False) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         # Gauges whose value is computed at scrape time are bound by the server.
         self.num_running_reqs = Gauge("pd:num_running_reqs", "requests in the running batch", registry=r)
@@ -40,6 +40,9 @@ class FakeMetrics:
         self.prompt_tokens = Counter("pd:prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("pd:generation_tokens", "tokens generated", registry=r)
         Counter("pd:num_retracted_reqs", "requests retracted", registry=r)
+        self.prefix_cache = [Counter(f"{ns}:prefix_cache_{kind}", f"prompt tokens {doc} the prefix cache", registry=r)
+                             for ns in ("pd", "vllm") for kind, doc in (("queries", "looked up in"),
+                                                                        ("hits", "found in"))] if prefix_cache else []
         self.request_success = Counter(
             "pd:request_success", "finished requests", ["finish_reason"], registry=r
         )
@@ -61,6 +64,11 @@ class FakeMetrics:
         )
         Counter("pd:kv_transfer_failed", "failed transfers", ["reason"], registry=r)
         self._gen_mark = (time.monotonic(), 0.0)
+
+    def observe_prefix_cache(self, queries: int, hits: int) -> None:
+        """Count one prompt's lookup in the emulated prefix cache (under the pd: and vllm: names)."""
+        for i, c in enumerate(self.prefix_cache):
+            c.inc(hits if i % 2 else queries)
 
     def observe_transfer(self, nbytes: int, seconds: float, num_descriptors: int) -> None:
         """Record one emulated KV push of ``nbytes`` bytes that took ``seconds``."""

@@ -20,7 +20,9 @@ chat role chunk, on arrival instead, as vLLM does).
 The number of tokens is ``min(max_tokens, --num-tokens)`` (``finish_reason``
 ``stop`` when ``--num-tokens`` ends it first, as an EOS would); with
 ``ignore_eos`` it is ``max_tokens``. Prompt tokens are counted with
-``--tokenizer`` when given, else as whitespace-separated words.
+``--tokenizer`` when given, else as whitespace-separated words; with
+``--enable-prefix-caching`` the same units feed an emulated prefix cache
+(``bench/fake_cache.py``) whose counts are exported.
 
 Under CPU contention the fake's own timers fire late; ``--realtime`` asks the
 OS for ``SCHED_FIFO`` scheduling (Linux, needs CAP_SYS_NICE; it says whether it
@@ -42,6 +44,7 @@ import uuid
 from collections import deque
 from typing import Any, Callable
 
+from pd_cluster.bench.fake_cache import FakePrefixCache
 from pd_cluster.bench.fake_config import FakeServerConfig, parse_args
 from pd_cluster.bench.fake_format import ChunkFormat, Job
 from pd_cluster.bench.fake_metrics import FakeMetrics
@@ -61,7 +64,7 @@ class FakeServer:
 
     def __init__(self, config: FakeServerConfig, on_die: Callable[[], None] | None = None) -> None:
         self.config = config
-        self.metrics = FakeMetrics(config.max_total_num_tokens)
+        self.metrics = FakeMetrics(config.max_total_num_tokens, config.enable_prefix_caching)
         self.recent: deque[dict[str, Any]] = deque(maxlen=1024)
         self.timer_lateness: deque[float] = deque(maxlen=100_000)
         self.incarnation = uuid.uuid4().hex[:12]
@@ -75,6 +78,7 @@ class FakeServer:
         self._generated_total = 0
         self._total_pages = config.max_total_num_tokens // config.page_size
         self._tokenizer = _load_tokenizer(config.tokenizer)
+        self.prefix_cache = FakePrefixCache(config.page_size) if config.enable_prefix_caching else None
         m = self.metrics
         m.num_running_reqs.set_function(lambda: self._running)
         m.num_queue_reqs.set_function(lambda: self._queued)
@@ -215,8 +219,10 @@ class FakeServer:
             raise _ClientError(400, "max_tokens must be a positive integer")
         n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
         opts = body.get("stream_options") or {}
-        return Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")),
-                    self._count_prompt(prompt), n, reason)
+        units = self._prompt_units(prompt)
+        if self.prefix_cache is not None:
+            self.metrics.observe_prefix_cache(len(units), self.prefix_cache.lookup_and_insert(units))
+        return Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")), len(units), n, reason)
 
     def _num_output(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
         eos_at = self.config.num_tokens
@@ -226,13 +232,14 @@ class FakeServer:
             return max_tokens, "length"
         return eos_at, "stop"
 
-    def _count_prompt(self, prompt: Any) -> int:
+    def _prompt_units(self, prompt: Any) -> list:
+        """The prompt's tokens as the fake counts them: ids, else the tokenizer's ids, else words."""
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return len(prompt)
+            return list(prompt)
         text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
         if self._tokenizer is not None:
-            return len(self._tokenizer.encode(text, add_special_tokens=True))
-        return len(text.split())
+            return list(self._tokenizer.encode(text, add_special_tokens=True))
+        return text.split()
 
     def _take_pages(self, job: Job, tokens: int) -> None:
         need = -(-tokens // self.config.page_size)

@@ -48,6 +48,8 @@ def format_summary(s: dict[str, Any], info: dict[str, Any], percentiles: tuple[f
               _row("Total Token throughput (tok/s):", s["total_token_throughput"]),
               _row("Mean concurrency:", s["mean_concurrency"]),
               _row("Peak concurrent requests:", s["peak_concurrency"])]
+    if s.get("server_prefix_cache_hit_rate") is not None:
+        lines.append(_row("Prefix cache hit rate (server, %):", 100.0 * s["server_prefix_cache_hit_rate"]))
     if "request_goodput" in s:
         slos = " ".join(f"{k}:{v:g}" for k, v in s["goodput_slos_ms"].items())
         lines += [_row("Goodput SLOs (ms):", slos), _row("Request goodput (req/s):", s["request_goodput"]),
@@ -84,6 +86,9 @@ def _breakdown_lines(b: dict[str, Any] | None) -> list[str]:
     if b["peak_token_usage"]:
         url, peak = max(b["peak_token_usage"].items(), key=lambda kv: kv[1])
         lines.append(_row("Peak token usage (%):", f"{100 * peak:.1f} ({url})"))
+    for pc in b.get("prefix_cache", []):
+        lines.append(_row(f"Prefix cache hits [{pc['role']}] (tokens):",
+                          f"{pc['hits']:,.0f} of {pc['queries']:,.0f}"))
     if not b["phases"] and not b["kv_transfer"]:
         lines.append("no pd: request histograms changed during the run")
     lines += b["notes"]

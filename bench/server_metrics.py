@@ -7,7 +7,10 @@ the timed phase and just after it; the deltas give, per role, the mean and p99
 of the time requests spent queued, prefilling, transferring KV and decoding,
 and the KV bytes moved and their speed. During the run a background thread
 polls each worker's ``/get_load`` (cheap JSON) for the peak token usage.
-A target without ``pd:`` metrics (any other OpenAI server) gets no breakdown.
+It also reports the server-side prefix-cache hit rate, from vLLM's
+``vllm:prefix_cache_{queries,hits}_total`` (pd-cluster exports them too, and
+``pd:``-named twins), so a vLLM target gets it as well. A target with neither
+(any other OpenAI server) gets no breakdown.
 """
 
 from __future__ import annotations
@@ -107,7 +110,8 @@ class Scraper:
         return {"endpoints": [{"url": ep.url, "role": ep.role} for ep in self.endpoints],
                 "phases": phases, "kv_transfer": _kv(before, after, roles, duration_s),
                 "peak_token_usage": dict(self.peak_usage), "peak_queue_reqs": dict(self.peak_queue),
-                "counters": _counters(before, after, roles), "notes": list(self.notes)}
+                "counters": _counters(before, after, roles),
+                "prefix_cache": prefix_cache(before, after, roles), "notes": list(self.notes)}
 
 
 def _per_role(before: dict, after: dict, roles: dict[str, str], name: str) -> dict[str, prom.HistogramDelta]:
@@ -161,6 +165,37 @@ def _counters(before: dict, after: dict, roles: dict[str, str]) -> dict[str, dic
     return out
 
 
+PREFIX_CACHE_NAMES = (("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+                      ("pd:prefix_cache_queries_total", "pd:prefix_cache_hits_total"))
+
+
+def prefix_cache(before: dict, after: dict, roles: dict[str, str]) -> list[dict[str, Any]]:
+    """Per role (routers skipped): prompt tokens looked up in the server's prefix cache during the run,
+    those found, and the hit rate (hits / queries, in tokens, as vLLM defines it). vLLM's counter
+    names are read first, then pd-cluster's own; endpoints exporting neither are left out."""
+    rows: dict[str, list[float]] = {}
+    for url, a in after.items():
+        role = roles.get(url, "unknown")
+        if role == "router":
+            continue
+        for queries, hits in PREFIX_CACHE_NAMES:
+            if any(n == queries for n, _ in a):
+                q, h = (prom.delta_sum(before.get(url, {}), a, n) for n in (queries, hits))
+                acc = rows.setdefault(role, [0.0, 0.0])
+                acc[0] += q
+                acc[1] += h
+                break
+    return [{"role": role, "queries": q, "hits": h, "hit_rate": h / q if q > 0 else math.nan}
+            for role, (q, h) in sorted(rows.items())]
+
+
+def prefix_cache_hit_rate(breakdown: dict[str, Any] | None) -> float | None:
+    """The hit rate over every role that looked prompts up in its prefix cache; None when none did."""
+    rows = (breakdown or {}).get("prefix_cache") or []
+    q, h = sum(r["queries"] for r in rows), sum(r["hits"] for r in rows)
+    return h / q if q > 0 else None
+
+
 def discover(base_url: str, cfg: ServerMetricsConfig) -> Scraper | None:
     """The endpoints to scrape, or None when nothing exposes ``pd:`` metrics."""
     base = base_url.rstrip("/")
@@ -206,7 +241,8 @@ def _role(c: httpx.Client, url: str) -> str:
 def _has_pd(c: httpx.Client, url: str) -> bool:
     try:
         r = c.get(url + "/metrics")
-        return r.status_code == 200 and ("pd:" in r.text or "pd_router_" in r.text)
+        return r.status_code == 200 and ("pd:" in r.text or "pd_router_" in r.text
+                                         or "vllm:prefix_cache_queries" in r.text)
     except httpx.HTTPError:
         return False
 

@@ -1,14 +1,24 @@
-"""Prometheus metrics of a worker, with SGLang's names under the prefix ``pd:`` (docs/worker-api.md).
+"""Prometheus metrics of a worker: SGLang's names under the prefix ``pd:`` (docs/worker-api.md), and the
+same values again under vLLM's ``vllm:`` names, every series labelled ``model_name`` as vLLM's are.
 
 Gauges are refreshed from the engine after every step (in the engine thread);
 per-request histograms are observed when a request finishes. Every worker has
 its own `CollectorRegistry`, so several workers (and tests) in one process do
 not collide.
+
+The ``vllm:`` names are what llm-d's endpoint picker, KEDA autoscaling recipes
+and vLLM's Grafana dashboards read (vLLM ``vllm/v1/metrics/loggers.py``). They
+are not separate metrics: at scrape time each ``pd:`` family in `VLLM_NAMES` is
+written a second time under its vLLM name, so the two can never disagree.
 """
 
 from __future__ import annotations
 
+from typing import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from pd_cluster.engine.llm_engine import LLMEngine
 
@@ -19,19 +29,53 @@ disable_created_metrics()  # no *_created series: they double the scrape size an
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
+MODEL_LABEL = "model_name"
+
+# pd: family -> the vLLM (v1) families that carry the same value. Counters are named without
+# ``_total`` here, as prometheus_client names families; the samples end in ``_total``.
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "pd:num_running_reqs": ("vllm:num_requests_running",),
+    "pd:num_queue_reqs": ("vllm:num_requests_waiting",),
+    # vLLM >= 0.10 calls it kv_cache_usage_perc; older endpoint pickers read gpu_cache_usage_perc.
+    "pd:token_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "pd:prompt_tokens": ("vllm:prompt_tokens",),
+    "pd:generation_tokens": ("vllm:generation_tokens",),
+    "pd:prefix_cache_queries": ("vllm:prefix_cache_queries",),
+    "pd:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    "pd:num_retracted_reqs": ("vllm:num_preemptions",),
+    "pd:request_success": ("vllm:request_success",),
+    "pd:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    # vLLM >= 0.11 calls it inter_token_latency_seconds; older dashboards read time_per_output_token_seconds.
+    "pd:inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "pd:e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "pd:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
+    "pd:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
+    "pd:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+}
+
+# Attributes of `engine.stats` read for the prefix-cache counters (totals since start, in prompt
+# tokens: looked up in the prefix cache, and found there). Absent: the counters stay at 0.
+PREFIX_CACHE_STATS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
 
 class WorkerMetrics:
-    """The ``pd:*`` metrics of one worker (the ``pd:kv_transfer_*`` ones and the inflight/transfer
-    queue gauges come from `transfer.TransferMetrics` on the same registry).
+    """The ``pd:*`` metrics of one worker and their ``vllm:*`` twins (the ``pd:kv_transfer_*`` ones and
+    the inflight/transfer queue gauges come from `transfer.TransferMetrics` on the same registry, and
+    carry no ``model_name`` label).
 
     Args:
-        registry: where to register (one per worker).
+        registry: where to expose (one per worker).
         role: ``prefill``, ``decode`` or ``mixed`` (a constant label on nothing; exposed in `/server_info`).
+        model_name: the served model name, the value of every series' ``model_name`` label. None: taken
+            from the engine (``engine.model_name``) at the first `on_step`; until then the label is empty,
+            which Prometheus treats as absent.
     """
 
-    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+    def __init__(self, registry: CollectorRegistry, role: str, model_name: str | None = None) -> None:
         self.role = role
-        g = lambda name, doc: Gauge(f"pd:{name}", doc, registry=registry)  # noqa: E731
+        self.model_name = model_name
+        own = CollectorRegistry()  # the pd: families; exposed on `registry` through `_Exposition`
+        g = lambda name, doc: Gauge(f"pd:{name}", doc, registry=own)  # noqa: E731
         self.num_running_reqs = g("num_running_reqs", "Requests in the running batch.")
         self.num_queue_reqs = g("num_queue_reqs", "Requests waiting for admission.")
         self.token_usage = g("token_usage", "Used KV pages over all pages (0..1).")
@@ -40,13 +84,17 @@ class WorkerMetrics:
         self.num_prefill_bootstrap_queue_reqs = g("num_prefill_bootstrap_queue_reqs",
                                                   "Prefill: jobs waiting for their decode peer's metadata.")
         self.num_decode_prealloc_queue_reqs = g("num_decode_prealloc_queue_reqs", "Decode: requests waiting for pages.")
-        c = lambda name, doc, labels=(): Counter(f"pd:{name}", doc, labels, registry=registry)  # noqa: E731
+        c = lambda name, doc, labels=(): Counter(f"pd:{name}", doc, labels, registry=own)  # noqa: E731
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.num_retracted_reqs = c("num_retracted_reqs", "Requests retracted because the pool was full.")
         self.request_success = c("request_success", "Finished requests.", ("finish_reason",))
+        self.prefix_cache_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(0 while the engine does not count them).")
+        self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(0 while the engine does not count them).")
         h = lambda name, doc, buckets=LATENCY_BUCKETS: Histogram(  # noqa: E731
-            f"pd:{name}", doc, buckets=buckets, registry=registry)
+            f"pd:{name}", doc, buckets=buckets, registry=own)
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token, at this worker.")
         self.itl = h("inter_token_latency_seconds", "Between consecutive tokens.", ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "Arrival to finish.")
@@ -54,10 +102,14 @@ class WorkerMetrics:
         self.prefill_time = h("request_prefill_time_seconds", "Per request: prefill compute, first to last chunk.")
         self.transfer_time = h("request_transfer_time_seconds", "Per request: KV handover: waiting for the KV minus prefill queueing and compute.")
         self.decode_time = h("request_decode_time_seconds", "Per request: first decode step to finish.")
-        self._seen = {"prompt": 0, "gen": 0, "retracted": 0}
+        self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0}
+        self.prefix_cache_counted: bool | None = None  # None until the first step tells
+        registry.register(_Exposition(own, self))
 
     def on_step(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine (engine thread)."""
+        if self.model_name is None:
+            self.model_name = str(engine.model_name)
         load = engine.load()
         self.num_running_reqs.set(load["num_running_reqs"])
         self.num_queue_reqs.set(load["num_queue_reqs"])
@@ -68,8 +120,36 @@ class WorkerMetrics:
         self._inc(self.prompt_tokens, "prompt", st.prompt_tokens_total)
         self._inc(self.generation_tokens, "gen", st.generation_tokens_total)
         self._inc(self.num_retracted_reqs, "retracted", engine.scheduler.num_retracted_total)
+        queries, hits = (getattr(st, name, None) for name in PREFIX_CACHE_STATS)
+        self.prefix_cache_counted = queries is not None and hits is not None
+        if self.prefix_cache_counted:
+            self._inc(self.prefix_cache_queries, "pc_queries", int(queries))
+            self._inc(self.prefix_cache_hits, "pc_hits", int(hits))
 
     def _inc(self, counter: Counter, key: str, total: int) -> None:
         if total > self._seen[key]:
             counter.inc(total - self._seen[key])
             self._seen[key] = total
+
+
+class _Exposition(Collector):
+    """Writes the worker's ``pd:`` families with the ``model_name`` label, then their ``vllm:`` twins."""
+
+    def __init__(self, own: CollectorRegistry, metrics: WorkerMetrics) -> None:
+        self.own = own
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        model = self.metrics.model_name or ""
+        for fam in self.own.collect():
+            yield _relabel(fam, fam.name, model)
+            for alias in VLLM_NAMES.get(fam.name, ()):
+                yield _relabel(fam, alias, model)
+
+
+def _relabel(fam: Metric, name: str, model: str) -> Metric:
+    """A copy of `fam` named `name` (sample suffixes such as ``_total``/``_bucket`` kept), labelled ``model``."""
+    out = Metric(name, fam.documentation, fam.type, fam.unit)
+    out.samples = [s._replace(name=name + s.name[len(fam.name):], labels={MODEL_LABEL: model, **s.labels})
+                   for s in fam.samples]
+    return out

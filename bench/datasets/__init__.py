@@ -9,8 +9,8 @@ from pd_cluster.bench.datasets.base import Dataset, LengthScaling, SampledReques
 from pd_cluster.bench.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
-DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix", "mooncake-trace", "azure-trace")
-TRACE_DATASETS = ("mooncake-trace", "azure-trace")
+DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix", "mooncake-trace", "azure-trace", "burstgpt")
+TRACE_DATASETS = ("mooncake-trace", "azure-trace", "burstgpt")
 DEFAULT_PATHS = {
     "sharegpt": DATA_DIR / "sharegpt_50_with_responses.json",
     "mooncake-trace": DATA_DIR / "mooncake_conversation_1000.jsonl",
@@ -25,6 +25,7 @@ def load_dataset(cfg: DatasetConfig, tok: Tokenizer) -> Dataset:
 
     Raises ``ValueError`` for an unknown dataset and ``OSError`` for an unreadable file.
     """
+    from pd_cluster.bench.datasets.burstgpt import burstgpt_dataset
     from pd_cluster.bench.datasets.sharegpt import sharegpt_dataset
     from pd_cluster.bench.datasets.synth import PromptSynth
     from pd_cluster.bench.datasets.synthetic import random_dataset, shared_prefix_dataset
@@ -42,4 +43,6 @@ def load_dataset(cfg: DatasetConfig, tok: Tokenizer) -> Dataset:
         return shared_prefix_dataset(cfg, synth)
     if cfg.name == "mooncake-trace":
         return mooncake_dataset(cfg, synth, path)
+    if cfg.name == "burstgpt":
+        return burstgpt_dataset(cfg, synth, path)
     return azure_dataset(cfg, synth, path)

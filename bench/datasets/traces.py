@@ -16,7 +16,6 @@ trailing blocks (the last block of a prompt absorbs any rounding remainder).
 
 from __future__ import annotations
 
-import csv
 import json
 from datetime import datetime
 
@@ -26,6 +25,7 @@ from pd_cluster.bench.config import DatasetConfig
 from pd_cluster.bench.datasets.base import Dataset, SampledRequest
 from pd_cluster.bench.datasets.synth import PromptSynth
 from pd_cluster.bench.datasets.synthetic import measure
+from pd_cluster.bench.datasets.tables import SHAPES, number, read_csv
 
 _UNIQUE_KEY_BASE = 1 << 42
 
@@ -88,25 +88,24 @@ def mooncake_dataset(cfg: DatasetConfig, synth: PromptSynth, path: str) -> Datas
     return ds
 
 
-def _parse_azure_time(text: str) -> datetime:
+def _parse_azure_time(text: str, path: str) -> datetime:
     day, _, frac = text.strip().partition(".")
-    base = datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
+    try:
+        base = datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        raise ValueError(f"{path}: column 'TIMESTAMP': expected YYYY-MM-DD HH:MM:SS[.f], got {text!r}") from None
     return base.replace(microsecond=int((frac + "000000")[:6])) if frac else base
 
 
 def azure_dataset(cfg: DatasetConfig, synth: PromptSynth, path: str) -> Dataset:
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            rows.append(row)
-            if cfg.num_prompts is not None and len(rows) >= cfg.num_prompts:
-                break
+    """Raises ``ValueError`` naming a missing column or a bad value."""
+    rows = read_csv(path, SHAPES["azure-trace"], "azure-trace", cfg.num_prompts)
     sc = cfg.scaling
     rng = np.random.default_rng([cfg.seed, 3])
-    times = [_parse_azure_time(r["TIMESTAMP"]) for r in rows]
+    times = [_parse_azure_time(r["TIMESTAMP"], path) for r in rows]
     ids_list, outs, capped_in, capped_out = [], [], 0, 0
     for r in rows:
-        raw_in, raw_out = int(r["ContextTokens"]), int(r["GeneratedTokens"])
+        raw_in, raw_out = number(r, "ContextTokens", path), number(r, "GeneratedTokens", path)
         length = sc.input_len(raw_in)
         capped_in += length < round(raw_in * sc.input_scale)
         ids_list.append(synth.random_ids(rng, length))

@@ -12,12 +12,16 @@ import argparse
 import sys
 
 from pd_cluster.engine.config import parse_size
+from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
+                                              rope_type, unsupported_reason)
 from pd_cluster.engine.planner.plan import KV_BYTES, WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-plan", description="KV-cache memory planner for pd-cluster deployments.")
+    p = argparse.ArgumentParser(prog="pd-plan", allow_abbrev=False,
+                                description="KV-cache memory planner for pd-cluster deployments.")
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"a bundled config ({', '.join(BUNDLED)}) or a model folder / config.json")
     p.add_argument("--tp-size", type=int, default=1)
@@ -30,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--context-length", type=int, default=131072)
     p.add_argument("--host-memory", default="2TiB", help="DRAM per node, for the host-tier suggestion")
+    p.add_argument("--prefill-tflops", type=float, default=DEFAULT_PREFILL_TFLOPS,
+                   help="sustained prefill rate per GPU (TFLOP/s) for the prefill-time estimate "
+                        f"(default {DEFAULT_PREFILL_TFLOPS:g}: about 40%% of an H200's dense BF16 peak)")
     return p
 
 
@@ -37,14 +44,38 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB"
 
 
-def render(plan: Plan) -> str:
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1e3:,.0f} ms"
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     s, inp = plan.spec, plan.inp
+    refused = unsupported_reason(s)
+    limit = context_limit(s)
+    n = inp.context_length
+    beyond = n > limit.tokens
+    verdict = f"{'fits' if plan.fits else 'does NOT fit'} one TP-{inp.tp_size} instance"
+    if beyond:
+        verdict = f"BEYOND the model's {limit.tokens:,}-token context limit (memory: {verdict})"
+    if refused:
+        verdict += "; NOT SERVABLE by this engine"
+    flops = prefill_flops(s, n)
+    served_arch = next((a for a in s.architectures if a in SUPPORTED_ARCHITECTURES), "")
     rows = [
         ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} chunked), "
                   f"{s.num_kv_heads} KV heads x {s.head_dim}, {s.num_params() / 1e9:.2f}B params"),
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
                        f"weights {inp.weight_dtype}, page_size {inp.page_size}"),
+        ("engine support", f"NO: {refused}" if refused else
+         f"yes ({served_arch}, rope {rope_type(s)})"),
+        ("model context limit", f"{limit.tokens:,} tokens ({limit.derivation})"),
         ("KV bytes/token (model)", f"{plan.kv_bytes_per_token:,} B"),
         ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ({plan.kv_heads_per_gpu} KV head(s)"
                                      f" x {s.global_layers} global layers)"),
@@ -53,14 +84,23 @@ def render(plan: Plan) -> str:
         ("pool tokens per GPU / instance", f"{plan.tokens_per_instance:,}"),
         ("pool tokens per node", f"{plan.tokens_per_node:,} ({plan.instances_per_node} instance(s))"),
         ("longest single request", f"{plan.tokens_per_instance:,} tokens"),
-        ("asked context", f"{inp.context_length:,} tokens: "
-                          f"{'fits' if plan.fits else 'does NOT fit'} one TP-{inp.tp_size} instance"),
+        ("asked context", f"{n:,} tokens: {verdict}"),
+        (f"prefill of one {n:,}-token request", f"~{_duration(prefill_seconds(s, n, inp.tp_size, prefill_tflops))} "
+                                                 f"({flops:.3g} FLOPs at --prefill-tflops {prefill_tflops:g} per GPU "
+                                                 f"x TP {inp.tp_size}; no prefix-cache hits)"),
+        (f"{n:,}-token requests at once", f"{plan.requests_at_once(n):,} per instance, "
+                                           f"{plan.requests_at_once(n) * plan.instances_per_node:,} per node "
+                                           f"(KV pool only)"),
     ]
     if s.local_layers:
-        rows.insert(4, ("chunked-attention KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
+        rows.insert(6, ("chunked-attention KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
                                                          f"(capped at {s.attention_chunk_size:,} tokens)"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if beyond:
+        lines.append(f"{'context':<{width}}  positions past {limit.tokens:,} were never trained: quality degrades "
+                     f"there; serve --context-length {limit.tokens:,} or less, or a model (or RoPE scaling its card "
+                     "documents) made for the longer context")
     for tip in suggestions(plan):
         lines.append(f"{'to make it fit':<{width}}  {tip}")
     lines.append(f"{'start-up':<{width}}  the pool is sized from the memory budget, not --context-length: "
@@ -77,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                         mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
                         weight_dtype=args.dtype, page_size=args.page_size, context_length=args.context_length,
                         host_memory_per_node=parse_size(args.host_memory))
+        if args.prefill_tflops <= 0:
+            raise ValueError(f"--prefill-tflops must be > 0, got {args.prefill_tflops}")
     except (ValueError, FileNotFoundError) as e:
         print(f"pd-plan: {e}", file=sys.stderr)
         return 2
-    print(render(make_plan(spec, inp)))
+    print(render(make_plan(spec, inp), args.prefill_tflops))
     return 0
 
 

@@ -61,6 +61,11 @@ class Plan:
     def fits(self) -> bool:
         return self.tokens_per_instance >= self.inp.context_length
 
+    def requests_at_once(self, num_tokens: int) -> int:
+        """How many requests of `num_tokens` tokens (page-rounded) fit in one instance's KV pool together."""
+        padded = -(-num_tokens // self.inp.page_size) * self.inp.page_size
+        return self.pool_per_gpu // max(self.kv_bytes_for(padded), 1) if self.pool_per_gpu > 0 else 0
+
     def kv_bytes_for(self, num_tokens: int) -> int:
         """KV bytes on one GPU for one request of `num_tokens` tokens."""
         s = self.spec

@@ -9,8 +9,9 @@ attends globally (Meta's iRoPE design).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
@@ -24,6 +25,9 @@ class ModelSpec:
         global_layers: layers whose KV grows with the context.
         local_layers: chunked-attention layers, KV capped at `attention_chunk_size` tokens.
         num_experts, expert_intermediate_size, shared_experts, moe_layers: MoE shape (0 when dense).
+        experts_per_token: routed experts each token goes through (``num_experts_per_tok``; 0 when dense).
+        architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
+        rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
     """
 
     name: str
@@ -43,6 +47,24 @@ class ModelSpec:
     expert_intermediate_size: int = 0
     shared_experts: int = 0
     moe_layers: int = 0
+    experts_per_token: int = 0
+    architectures: tuple[str, ...] = ()
+    rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+
+    def _attention_params(self) -> int:
+        h = self.hidden_size
+        return h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
+
+    def active_params_per_token(self) -> int:
+        """Parameters each prompt token multiplies through in prefill: attention, the dense MLPs, and in
+        MoE layers the router, the shared expert(s) and ``experts_per_token`` routed experts. Embeddings
+        (a lookup) and the LM head (applied to the last token only) are left out."""
+        h = self.hidden_size
+        dense_layers = self.num_layers - self.moe_layers
+        moe = (self.experts_per_token + self.shared_experts) * 3 * h * self.expert_intermediate_size \
+            + h * self.num_experts
+        return self.num_layers * (self._attention_params() + 2 * h) + dense_layers * 3 * h * self.intermediate_size \
+            + self.moe_layers * moe
 
     def num_params(self) -> int:
         """Parameters of the language model (embeddings, attention, MLP/experts, norms, head)."""
@@ -78,7 +100,9 @@ def load_spec(name_or_path: str) -> ModelSpec:
 
 def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     """Build a `ModelSpec` from a parsed config (Llama 4's ``text_config`` is unwrapped)."""
+    architectures = tuple(str(a) for a in cfg.get("architectures") or ())
     cfg = cfg.get("text_config", cfg)
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
@@ -97,4 +121,6 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         global_layers=global_layers, local_layers=layers - global_layers,
         attention_chunk_size=int(chunk) if chunk and interval else None,
         num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
-        shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0)
+        shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
+        experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0,
+        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None)

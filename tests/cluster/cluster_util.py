@@ -63,8 +63,8 @@ def _idle(load: dict) -> bool:
 
 
 def metric_value(text: str, name: str) -> float:
-    """The value of an unlabelled sample `name` in Prometheus text."""
+    """The value of the first sample `name` in Prometheus text."""
     for line in text.splitlines():
-        if line.startswith(name + " "):
+        if line.startswith(name + " ") or line.startswith(name + "{"):  # the only series, labelled or not
             return float(line.split()[-1])
     raise KeyError(name)

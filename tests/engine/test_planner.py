@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
 from pd_cluster.engine.planner.cli import main
+from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, SUPPORTED_ROPE_TYPES, context_limit,
+                                              prefill_flops, prefill_seconds, unsupported_reason)
 from pd_cluster.engine.planner.plan import PlanInput, make_plan
-from pd_cluster.engine.planner.spec import BUNDLED, load_spec
+from pd_cluster.engine.planner.spec import BUNDLED, load_spec, spec_from_config
 
 
 def test_llama_3_1_8b_fp8_bytes_per_token_by_hand():
@@ -75,3 +78,120 @@ def test_console_script_runs():
 def test_bad_input_is_a_clean_error(capsys):
     assert main(["--model", "no-such-model"]) == 2
     assert "neither a bundled config" in capsys.readouterr().err
+
+
+# --- what the engine can serve, the model's context limit, prefill time -------------------------------
+
+def _render(*argv: str, capsys) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _row(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_llama_4_scout_is_marked_not_servable_naming_the_architecture(capsys):
+    text = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000", capsys=capsys)
+    assert "NO: the engine cannot serve Llama4ForConditionalGeneration" in _row(text, "engine support")
+    assert _row(text, "asked context").endswith("fits one TP-8 instance; NOT SERVABLE by this engine")
+    assert unsupported_reason(load_spec("llama-4-scout")) is not None
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-72b"])
+def test_supported_models_say_so(name, capsys):
+    assert unsupported_reason(load_spec(name)) is None
+    assert _row(_render("--model", name, capsys=capsys), "engine support").split()[2] == "yes"
+
+
+def test_planner_agrees_with_the_engines_loader():
+    """A config the planner calls servable loads in ArchConfig; one it refuses, ArchConfig refuses."""
+    import json
+
+    from pd_cluster.engine.model.arch import ArchConfig
+
+    for name, path in BUNDLED.items():
+        cfg = json.loads(path.read_text())
+        if unsupported_reason(load_spec(name)) is None:
+            ArchConfig.from_dict(cfg)
+        else:
+            with pytest.raises(ValueError, match="unsupported architectures"):
+                ArchConfig.from_dict(cfg)
+
+
+def test_rope_types_match_the_engines():
+    from pd_cluster.engine.model.rope import rope_parameters
+
+    base = {"factor": 4.0, "original_max_position_embeddings": 1024, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    for kind in SUPPORTED_ROPE_TYPES:
+        rope_parameters(64, 10000.0, {**base, "rope_type": kind}, 4096)  # accepted
+    with pytest.raises(ValueError, match="unsupported rope_type"):
+        rope_parameters(64, 10000.0, {**base, "rope_type": "longrope"}, 4096)
+    cfg = json.loads(BUNDLED["llama-3.1-8b"].read_text())
+    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
+    assert "rope_scaling type 'longrope'" in unsupported_reason(spec_from_config(cfg, "x"))
+
+
+def test_llama_3_1_8b_at_200k_is_beyond_its_context(capsys):
+    text = _render("--model", "llama-3.1-8b", "--context-length", "200000", capsys=capsys)
+    assert _row(text, "asked context").startswith(
+        "asked context                         200,000 tokens: BEYOND the model's 131,072-token context limit")
+    assert "131,072 tokens (max_position_embeddings 131,072, llama3 RoPE from 8,192)" in text
+    at_limit = _render("--model", "llama-3.1-8b", "--context-length", "131072", capsys=capsys)
+    assert "BEYOND" not in at_limit and "fits one TP-1 instance" in _row(at_limit, "asked context")
+
+
+@pytest.mark.parametrize("scaling,limit", [
+    (None, 32_768),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32_768}, 131_072),
+    ({"type": "yarn", "factor": 2.0}, 65_536),  # no original: max_position_embeddings x factor
+    ({"rope_type": "linear", "factor": 2.0}, 65_536),
+    ({"rope_type": "dynamic", "factor": 3.0}, 98_304),
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 32_768),
+])
+def test_context_limit_takes_rope_scaling_into_account(scaling, limit):
+    cfg = json.loads(BUNDLED["qwen2.5-72b"].read_text())  # max_position_embeddings 32,768
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    assert context_limit(spec_from_config(cfg, "q")).tokens == limit
+
+
+def test_prefill_flops_by_hand():
+    spec = load_spec("llama-3.1-8b")
+    h, L = 4096, 100_000
+    attn_params = h * 128 * (32 + 16) + 32 * 128 * h
+    active = 32 * (attn_params + 2 * h + 3 * h * 14336)
+    assert spec.active_params_per_token() == active
+    assert prefill_flops(spec, L) == 2 * active * L + 2 * (32 * 128) * L * L * 32
+    assert prefill_seconds(spec, L, 2, 500.0) == pytest.approx(prefill_flops(spec, L) / (2 * 500e12))
+    scout = load_spec("llama-4-scout")  # 1 routed + 1 shared expert of 16; chunked layers see 8,192 tokens
+    moe = 2 * 3 * 5120 * 8192 + 5120 * 16
+    assert scout.active_params_per_token() == 48 * (scout._attention_params() + 2 * 5120 + moe)
+    assert prefill_flops(scout, L) == pytest.approx(
+        2 * scout.active_params_per_token() * L + 2 * 40 * 128 * L * (12 * L + 36 * 8192))
+
+
+def test_prints_the_prefill_time_at_the_stated_rate_and_requests_at_once(capsys):
+    text = _render("--model", "llama-3.1-8b", "--tp-size", "8", "--context-length", "131072",
+                   "--prefill-tflops", "250", capsys=capsys)
+    spec = load_spec("llama-3.1-8b")
+    secs = prefill_seconds(spec, 131072, 8, 250.0)
+    row = _row(text, "prefill of one 131,072-token request")
+    assert f"~{secs:.1f} s" in row and "--prefill-tflops 250 per GPU x TP 8" in row
+    plan = make_plan(spec, PlanInput(tp_size=8, context_length=131072))
+    n = plan.pool_per_gpu // (131072 * plan.kv_bytes_per_token_per_gpu)
+    assert n == plan.tokens_per_instance // 131072 > 1
+    assert _row(text, "131,072-token requests at once").endswith(f"{n:,} per instance, {n:,} per node (KV pool only)")
+    default = _render("--model", "llama-3.1-8b", capsys=capsys)
+    assert f"--prefill-tflops {DEFAULT_PREFILL_TFLOPS:g} per GPU" in default
+
+
+def test_bad_prefill_rate_is_a_clean_error(capsys):
+    assert main(["--prefill-tflops", "0"]) == 2
+    assert "--prefill-tflops must be > 0" in capsys.readouterr().err
+
+
+def test_no_abbreviations(capsys):
+    with pytest.raises(SystemExit):
+        main(["--context", "1000"])
+    assert "unrecognized arguments: --context" in capsys.readouterr().err
