@@ -96,8 +96,8 @@ def check_tree(data: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         if not isinstance(node, (dict, list)):
             continue
         if depth >= max_depth:
-            raise HTTPError(400, f"{path or 'body'}: nested deeper than {max_depth} levels", path or None,
-                            "invalid_json")
+            top = path.split(".")[0].split("[")[0] or None  # the body field that holds it
+            raise HTTPError(400, f"{top or 'body'}: nested deeper than {max_depth} levels", top, "invalid_json")
         if isinstance(node, dict):
             for key, value in node.items():
                 _check_string(key, path or "body")

@@ -130,17 +130,16 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise HTTPError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
         kwargs = body.sampling_kwargs()
-        reserve = kwargs["max_tokens"] or 1
         if kind == "completion":
             prompt, param = body.single_prompt(), "prompt"
             if isinstance(prompt, str):
-                self.tok.check_fits([prompt], reserve, param)
+                self.tok.check_fits([prompt], param)
                 prompt_ids = self.tok.encode(prompt, body.add_special_tokens)
             else:
                 prompt_ids = prompt
         else:
             conversation, param = body.conversation(), "messages"
-            self.tok.check_fits([m["content"] for m in conversation], reserve, param)
+            self.tok.check_fits([m["content"] for m in conversation], param)
             prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt)
             if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
                 prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids

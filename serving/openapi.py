@@ -165,7 +165,9 @@ def _op(summary: str, ok: dict[str, Any], body: type[BaseModel] | None = None,
 
 def _generation(summary: str, request: type[BaseModel], response: type[BaseModel]) -> dict[str, Any]:
     ok = _json(response, "the completion; with `stream: true`, server-sent events ending in `data: [DONE]`")
-    ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    ok["content"]["text/event-stream"] = {"schema": {  # one server-sent event
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}}}}
     return _op(summary, ok, request)
 
 

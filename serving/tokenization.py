@@ -99,12 +99,12 @@ class Tokenization:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- the bound --------------------------------------------------------------------
-    def check_fits(self, texts: list[str], reserve: int, param: str) -> None:
-        """Refuse texts that cannot fit the context whatever they tokenize to, without tokenizing.
+    def check_fits(self, texts: list[str], param: str) -> None:
+        """Refuse texts that cannot fit the context with one output token, whatever they tokenize to, without
+        tokenizing them (a larger output budget is checked once the prompt's length is known).
 
         Args:
             texts: the prompt's text parts (a chat's message contents).
-            reserve: tokens the request needs besides the prompt (its output budget, at least 1).
             param: the field to blame (``prompt`` or ``messages``).
 
         Raises:
@@ -113,7 +113,7 @@ class Tokenization:
         n = self.bytes_per_token
         if n is None:
             return
-        limit = self.context_length - max(reserve, 1)
+        limit = self.context_length - 1
         chars = sum(len(t) for t in texts)
         if math.ceil(chars / n) <= limit:
             nbytes = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
@@ -124,7 +124,7 @@ class Tokenization:
         raise HTTPError(
             400, f"This model's maximum context length is {self.context_length} tokens. However, your "
                  f"{param} has at least {math.ceil(nbytes / n)} tokens ({nbytes} bytes or more, and one token "
-                 f"covers at most {n} bytes), which with {max(reserve, 1)} for the completion cannot fit. "
+                 f"covers at most {n} bytes), which leaves no room for the completion. "
                  f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
     # ---- in the thread ------------------------------------------------------------------

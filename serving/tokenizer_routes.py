@@ -49,11 +49,11 @@ class TokenizerRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
         if body.prompt is not None:
-            self.tok.check_fits([body.prompt], 0, "prompt")
+            self.tok.check_fits([body.prompt], "prompt")
             ids = self.tok.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
         else:
             conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-            self.tok.check_fits([m["content"] for m in conversation], 0, "messages")
+            self.tok.check_fits([m["content"] for m in conversation], "messages")
             ids = self.tok.chat_ids(conversation, body.add_generation_prompt)
             bos = self.tok.tokenizer.bos_token_id
             if body.add_special_tokens and bos is not None:
