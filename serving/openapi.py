@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from pd_cluster.serving.fields import HARMLESS_FIELDS, REFUSED_FIELDS
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -200,10 +201,24 @@ def worker_openapi(role: str, paths: list[str]) -> dict[str, Any]:
                                     ref_template="#/components/schemas/{model}")
     from pd_cluster.serving.worker_app import package_version
 
+    defs = schemas.get("$defs", {})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        _close_request_schema(defs[name])
     return {
         "openapi": "3.1.0",
         "info": {"title": f"pd-cluster {role} worker", "version": package_version(),
                  "description": "OpenAI-compatible API of a pd-cluster worker; see docs/worker-api.md."},
         "paths": {p: _PATHS[p] for p in paths if p in _PATHS} | {"/openapi.json": _PATHS["/openapi.json"]},
-        "components": {"schemas": schemas.get("$defs", {})},
+        "components": {"schemas": defs},
     }
+
+
+def _close_request_schema(schema: dict[str, Any]) -> None:
+    """Unknown fields are refused (`fields.py`): list the metadata accepted and the fields refused unless
+    no-op, and allow nothing else."""
+    props = schema.setdefault("properties", {})
+    for name in HARMLESS_FIELDS:
+        props.setdefault(name, {"description": "metadata: accepted and ignored"})
+    for name in REFUSED_FIELDS:
+        props.setdefault(name, {"description": "not supported: refused with a 400 unless it has its no-op value"})
+    schema["additionalProperties"] = False

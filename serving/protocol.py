@@ -110,7 +110,8 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | list[TokenId] | list[
+        list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, lt=2 ** 31)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False

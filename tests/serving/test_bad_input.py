@@ -74,7 +74,7 @@ CASES = [
     # missing and empty
     ("missing-prompt", C, {"max_tokens": 2}, 400, "prompt", "missing_required_parameter"),
     ("missing-messages", CHAT, {"max_tokens": 2}, 400, "messages", "missing_required_parameter"),
-    ("empty-prompt", C, with_(OK, prompt=""), 400, "prompt", "invalid_request"),
+    ("empty-prompt", C, with_(OK, prompt=""), 400, "prompt", "invalid_value"),
     ("empty-prompt-list", C, with_(OK, prompt=[]), 400, "prompt", "invalid_request"),
     ("empty-messages", CHAT, with_(MSG, messages=[]), 400, "messages", "invalid_value"),
     # ranges
