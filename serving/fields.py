@@ -64,6 +64,7 @@ REFUSED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "chat_template_kwargs": _none_or_empty,
     "documents": _none,
     "echo": _is(False),
+    "best_of": _is(1),
     "min_tokens_ratio": _none,
     "priority": _is(0),
 }
