@@ -37,7 +37,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
