@@ -1,8 +1,10 @@
 """The OpenAI API of a decode or mixed worker: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-Handlers validate, tokenize (chat: the tokenizer's chat template), then hand
-the prompt to a `PromptSource`: local prefill (mixed) or a remote prefill worker
-(decode). Response headers are sent only once the first token exists, so a
+Handlers read the body, then parse, validate and tokenize it (chat: the
+tokenizer's chat template) in the tokenizer thread (`tokenization.py`), after a
+length bound that refuses prompts too long to fit before tokenizing them; then
+they hand the prompt to a `PromptSource`: local prefill (mixed) or a remote
+prefill worker (decode). Response headers are sent only once the first token exists, so a
 failure before it is an HTTP error status the router can retry (502/503/504).
 A client that disconnects aborts the request.
 """
@@ -68,7 +70,7 @@ class OpenAIServing:
         source: where prompts are prefilled.
         tokenizer: the model's tokenizer.
         model_name: the served model name.
-        context_length: for ``/v1/models``.
+        context_length: the engine's context length (tokens): ``/v1/models`` and the length checks.
         metrics: the worker's metrics.
     """
 
@@ -103,7 +105,8 @@ class OpenAIServing:
         try:
             body, prompt_ids, params = await self._parse(request, kind)
             texts = TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            builder = ResponseBuilder(kind, request_id, self.model_name, texts, want_logprobs=params.logprobs is not None,
+            builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                      want_logprobs=params.logprobs is not None,
                                       prompt_token_ids=prompt_ids if body.return_token_ids else None)
             stream, first = await self._start(request, engine_id, prompt_ids, params)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
