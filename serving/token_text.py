@@ -94,7 +94,8 @@ def _byte_level_decoder(tokenizer: Any) -> dict[str, int] | None:
     decoder = getattr(backend, "decoder", None)
     if decoder is None or "ByteLevel" not in type(decoder).__name__ and "ByteLevel" not in str(decoder):
         return None
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
     cs = bs[:]
     n = 0
     for b in range(256):
