@@ -19,6 +19,7 @@ from typing import Any
 
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestDelta, StepOutput
+from pd_cluster.serving.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +46,22 @@ class EngineLoop:
         hooks: role plug-ins.
         idle_poll_s: sleep between polls while only `hooks` have pending work (seconds).
         on_step: optional callback after each step (metrics), in the engine thread.
+        on_fatal: called on the event loop once the loop has died and every request in flight has been
+            failed (the worker app exits the process from it).
+
+    If the thread dies (an exception from `step` or a hook), every open stream receives an
+    `EngineDeadError` in place of its next delta, every pending and later `call` raises it, and
+    `alive` turns False (``/health`` answers 503).
     """
 
     def __init__(self, engine: LLMEngine, hooks: StepHooks | None = None, idle_poll_s: float = 0.0005,
-                 on_step: Callable[[LLMEngine, StepOutput, float], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine, StepOutput, float], None] | None = None,
+                 on_fatal: Callable[[BaseException], Any] | None = None) -> None:
         self.engine = engine
         self.hooks = hooks or StepHooks()
         self.idle_poll_s = idle_poll_s
         self.on_step = on_step
+        self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -79,21 +88,32 @@ class EngineLoop:
 
     # ---- from the event loop -------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` in the engine thread between steps; return or raise its result."""
+        """Run ``fn(engine)`` in the engine thread between steps; return or raise its result.
+
+        Raises:
+            EngineDeadError: the loop has died (before or while the command waited).
+        """
+        if self.fatal is not None:
+            raise self._dead_error()
         fut = asyncio.get_running_loop().create_future()
         self._commands.put((fn, fut))
         self._wake.set()
         return await fut
 
     def call_soon(self, fn: Callable[[LLMEngine], Any]) -> None:
-        """Run ``fn(engine)`` in the engine thread, without waiting (thread-safe)."""
+        """Run ``fn(engine)`` in the engine thread, without waiting (thread-safe); dropped once the loop died."""
+        if self.fatal is not None:
+            return
         self._commands.put((fn, None))
         self._wake.set()
 
     def open_stream(self, request_id: str) -> asyncio.Queue:
         """A queue that receives the request's `RequestDelta`s. Call before adding the request."""
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = q
+        if self.fatal is not None:
+            q.put_nowait(self._dead_error())
+        else:
+            self._streams[request_id] = q
         return q
 
     def close_stream(self, request_id: str) -> None:
@@ -115,7 +135,39 @@ class EngineLoop:
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - the worker must learn the loop died
             self.fatal = e
-            logger.exception("engine loop died")
+            logger.critical("engine loop died: %s: %s; failing every request in flight", type(e).__name__, e,
+                            exc_info=True)
+            self._fail_pending_commands()
+            if self._aloop is not None and not self._aloop.is_closed():
+                try:
+                    self._aloop.call_soon_threadsafe(self._fail_streams)
+                except RuntimeError:  # the event loop closed meanwhile
+                    pass
+
+    def _dead_error(self) -> EngineDeadError:
+        e = self.fatal
+        return EngineDeadError(f"the engine loop died ({type(e).__name__}: {e}); the worker is restarting")
+
+    def _fail_pending_commands(self) -> None:
+        error = self._dead_error()
+        while True:
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None:
+                self._aloop.call_soon_threadsafe(settle_future, fut, None, error)
+
+    def _fail_streams(self) -> None:
+        """On the event loop: every open stream gets the error; then `on_fatal`."""
+        error = self._dead_error()
+        streams, self._streams = self._streams, {}
+        for q in streams.values():
+            q.put_nowait(error)
+        self._fail_pending_commands()  # commands queued while the loop was dying
+        logger.error("engine loop died: failed %d request(s) in flight", len(streams))
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
 
     def _drain_commands(self) -> None:
         while True:

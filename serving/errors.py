@@ -7,14 +7,27 @@ Retriable statuses for the router: 502, 503, 504 (see docs/worker-api.md).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.errors import EngineOverloaded, RequestRejected
 from pd_cluster.transfer.errors import LayoutMismatchError, StalePeerError, TransferError, TransferTimeoutError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "server_error",
-          503: "server_error", 504: "server_error"}
+logger = logging.getLogger("pd.serving")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
+          504: "server_error"}
+
+
+class EngineDeadError(RuntimeError):
+    """The worker's engine loop died: every request in flight fails with it (HTTP 503, code ``engine_dead``),
+    and the worker process exits so that its supervisor restarts it."""
 
 
 class HTTPError(Exception):
@@ -37,8 +50,52 @@ class HTTPError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    """OpenAI's error body; ``type`` follows the status (4xx ``invalid_request_error`` unless more specific)."""
+    kind = _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(err: HTTPError, request_id: str | None = None) -> JSONResponse:
+    """The JSON response of `err` (with ``X-Request-Id`` when given)."""
+    headers = dict(err.headers)
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def install_error_handlers(app: Any) -> None:
+    """Answer every error of `app` in OpenAI's format: unknown routes (404), wrong methods (405), FastAPI's
+    own validation errors (400), `HTTPError` raised by a handler, and any other exception (500)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    async def on_http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:
+            err = HTTPError(404, f"Invalid URL ({request.method} {request.url.path})", None, "unknown_url")
+        elif exc.status_code == 405:
+            err = HTTPError(405, f"Method {request.method} is not allowed for {request.url.path}", None,
+                            "method_not_allowed")
+        else:
+            err = HTTPError(exc.status_code, str(exc.detail), None, None)
+        err.headers.update(exc.headers or {})
+        return error_response(err)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = (exc.errors() or [{}])[0]
+        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return error_response(HTTPError(400, f"{param}: {first.get('msg')}", param, "invalid_value"))
+
+    async def on_http_error(request: Request, exc: HTTPError) -> Response:
+        return error_response(exc)
+
+    async def on_exception(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(to_http_error(exc))
+
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPError, on_http_error)
+    app.add_exception_handler(Exception, on_exception)
 
 
 def to_http_error(exc: BaseException) -> HTTPError:
@@ -47,6 +104,8 @@ def to_http_error(exc: BaseException) -> HTTPError:
         return exc
     if isinstance(exc, RequestRejected):
         return HTTPError(400, str(exc), exc.param, exc.code)
+    if isinstance(exc, EngineDeadError):
+        return HTTPError(503, str(exc), None, "engine_dead")
     if isinstance(exc, EngineOverloaded):
         return HTTPError(503, str(exc), None, "overloaded", headers={"Retry-After": "1"})
     if isinstance(exc, ValueError):  # SamplingParamError and other parameter errors

@@ -1,8 +1,10 @@
 """The OpenAI API of a decode or mixed worker: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
 
-Handlers validate, tokenize (chat: the tokenizer's chat template), then hand
-the prompt to a `PromptSource`: local prefill (mixed) or a remote prefill worker
-(decode). Response headers are sent only once the first token exists, so a
+Handlers read the body, then parse, validate and tokenize it (chat: the
+tokenizer's chat template) in the tokenizer thread (`tokenization.py`), after a
+length bound that refuses prompts too long to fit before tokenizing them; then
+they hand the prompt to a `PromptSource`: local prefill (mixed) or a remote
+prefill worker (decode). Response headers are sent only once the first token exists, so a
 failure before it is an HTTP error status the router can retry (502/503/504).
 A client that disconnects aborts the request.
 """
@@ -10,24 +12,26 @@ A client that disconnects aborts the request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
-from pd_cluster.serving.errors import HTTPError, to_http_error
+from pd_cluster.serving.body import parse_json_object, read_body
+from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
-from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder
+from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, sse
+from pd_cluster.serving.token_text import TokenTexts
+from pd_cluster.serving.tokenization import Tokenization
+from pd_cluster.serving.validation import validate_body
 
 logger = logging.getLogger("pd.serving")
 
@@ -51,6 +55,14 @@ class PromptSource(ABC):
         """Abort the request wherever it is (idempotent, non-blocking)."""
 
 
+class Prepared(NamedTuple):
+    """A validated, tokenized request."""
+
+    body: Any
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 class OpenAIServing:
     """Request handlers shared by the decode and mixed workers.
 
@@ -58,7 +70,7 @@ class OpenAIServing:
         source: where prompts are prefilled.
         tokenizer: the model's tokenizer.
         model_name: the served model name.
-        context_length: for ``/v1/models``.
+        context_length: the engine's context length (tokens): ``/v1/models`` and the length checks.
         metrics: the worker's metrics.
     """
 
@@ -69,6 +81,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.context_length = context_length
         self.metrics = metrics
+        self.tok = Tokenization(tokenizer, context_length)
 
     # ---- routes ------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -91,14 +104,16 @@ class OpenAIServing:
         arrival = time.monotonic()
         try:
             body, prompt_ids, params = await self._parse(request, kind)
-            builder = ResponseBuilder(kind, request_id, self.model_name, self.tokenizer,
-                                      want_logprobs=params.logprobs is not None)
+            texts = TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                      want_logprobs=params.logprobs is not None,
+                                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
             stream, first = await self._start(request, engine_id, prompt_ids, params)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             err = to_http_error(e)
             if err.status >= 500:
                 logger.warning("request %s failed before the first token: %s %s", request_id, err.status, err.message)
-            return JSONResponse(err.body(), status_code=err.status, headers={"X-Request-Id": request_id, **err.headers})
+            return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
         timing = _Timing(self.metrics, arrival)
         if body.stream:
@@ -106,37 +121,53 @@ class OpenAIServing:
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
         return await self._collect(request, engine_id, builder, stream, first, timing, headers)
 
-    async def _parse(self, request: Request, kind: str):
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HTTPError(400, f"malformed JSON body: {e}", None, "invalid_json") from e
-        if not isinstance(data, dict):
-            raise HTTPError(400, "the request body must be a JSON object", None, "invalid_json")
-        try:
-            body = (CompletionRequest if kind == "completion" else ChatCompletionRequest).model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(x) for x in first.get("loc", ())) or None
-            raise HTTPError(400, f"{param}: {first.get('msg')}", param, "invalid_value") from e
+    async def _parse(self, request: Request, kind: str) -> "Prepared":
+        """Read, validate and tokenize the body; everything but reading runs in the tokenizer thread."""
+        raw = await read_body(request)
+        return await self.tok.run(self._prepare, raw, kind)
+
+    def _prepare(self, raw: bytes, kind: str) -> "Prepared":
+        data = parse_json_object(raw)
+        model = CompletionRequest if kind == "completion" else ChatCompletionRequest
+        body = validate_body(model, data)
         if body.model is not None and body.model != self.model_name:
             raise HTTPError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
+        kwargs = body.sampling_kwargs()
         if kind == "completion":
-            prompt = body.single_prompt()
-            prompt_ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+            prompt, param = body.single_prompt(), "prompt"
+            if isinstance(prompt, str):
+                self.tok.check_fits([prompt], param)
+                prompt_ids = self.tok.encode(prompt, body.add_special_tokens)
+            else:
+                prompt_ids = prompt
         else:
-            text = self.tokenizer.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
-            prompt_ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        params = SamplingParams(**body.sampling_kwargs())
-        return body, prompt_ids, params
+            conversation, param = body.conversation(), "messages"
+            self.tok.check_fits([m["content"] for m in conversation], param)
+            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt)
+            if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
+                prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+        self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
+        return Prepared(body, prompt_ids, SamplingParams(**kwargs))
+
+    def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
+        """Blame the prompt when it leaves no room for one token, else the output budget."""
+        ctx = self.context_length
+        if n >= ctx:
+            raise HTTPError(400, f"This model's maximum context length is {ctx} tokens. However, your {param} "
+                                 f"has {n} tokens, which leaves no room for the completion. Please reduce the "
+                                 f"length of the {param}.", param, "context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > ctx:
+            raise HTTPError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                 f"{n + max_tokens} tokens ({n} in the {param}, {max_tokens} in the completion). "
+                                 f"Please reduce the length of the {param} or the completion.",
+                            max_tokens_param, "context_length_exceeded")
 
     async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Start the request and wait for its first delta, aborting if the client goes away."""
         started = asyncio.ensure_future(self.source.start(request_id, prompt_ids, params, dict(request.headers)))
         try:
             stream = await until_disconnect(request, started)
-            first = await until_disconnect(request, asyncio.ensure_future(stream.get()))
+            first = _raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
         except BaseException:
             self.source.abort(request_id)
             raise
@@ -159,6 +190,12 @@ class OpenAIServing:
                     finished = True
                     break
                 d = await stream.get()
+                if isinstance(d, BaseException):  # the engine died mid-stream: end with an error event
+                    err = to_http_error(d)
+                    logger.warning("request %s failed mid-stream: %s", request_id, err.message)
+                    yield sse(err.body())
+                    yield SSE_DONE
+                    return
             if include_usage:
                 yield builder.usage_chunk()
             yield SSE_DONE
@@ -178,11 +215,22 @@ class OpenAIServing:
                 if d.finished:
                     break
                 d = await until_disconnect(request, asyncio.ensure_future(stream.get()))
+                if isinstance(d, BaseException):
+                    err = to_http_error(d)
+                    logger.warning("request %s failed: %s", request_id, err.message)
+                    return JSONResponse(err.body(), status_code=err.status, headers=headers)
         except BaseException:
             self.source.abort(request_id)
             raise
         timing.on_finish(builder.finish_reason, d)
         return JSONResponse(builder.full(), headers=headers)
+
+
+def _raise_error(d: Any) -> Any:
+    """A stream item, or raise it when the engine loop put an error there (`EngineDeadError`)."""
+    if isinstance(d, BaseException):
+        raise d
+    return d
 
 
 async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
@@ -235,7 +283,13 @@ class _Timing:
 
 
 def serving_routes(serving: "OpenAIServing") -> list:
-    """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`."""
+    """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`: completions, chat,
+    models, and vLLM's ``/tokenize`` and ``/detokenize``."""
+    from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
+
+    tok = TokenizerRoutes(serving)
     return [("/v1/completions", serving.completions, ["POST"]),
             ("/v1/chat/completions", serving.chat_completions, ["POST"]),
-            ("/v1/models", serving.models, ["GET"])]
+            ("/v1/models", serving.models, ["GET"]),
+            ("/tokenize", tok.tokenize, ["POST"]),
+            ("/detokenize", tok.detokenize, ["POST"])]

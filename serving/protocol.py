@@ -1,66 +1,105 @@
 """OpenAI request bodies (completions and chat completions) and their mapping to `SamplingParams`.
 
-Field names and defaults follow OpenAI's API reference; the extras that vLLM
-and SGLang accept (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``,
-``stop_token_ids``, ``skip_special_tokens``) are accepted too. Torch-free.
+Field names, defaults and ranges follow OpenAI's API reference; the extras that
+vLLM and SGLang accept (``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``add_special_tokens``, ``return_token_ids``)
+are accepted too. Nothing that changes the output is ignored: a field is
+honoured, or refused with a 400 naming it (`fields.py` lists which).
+Types are strict (``"5"`` is not an int). Torch-free.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import dataclasses
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_cluster.engine.errors import RequestRejected
+from pd_cluster.engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from pd_cluster.serving.fields import check_extra_fields
+
+MAX_STOP = 16
+"""Most stop strings per request."""
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_INT64 = 2 ** 63
+
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, lt=2 ** 31)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(1, ge=1, le=1, description="only 1 is supported")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     # vLLM / SGLang extras
-    top_k: int = -1
-    min_p: float = 0.0
+    top_k: int | None = Field(-1, ge=-1, lt=2 ** 31)
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    repetition_penalty: float | None = Field(1.0, gt=0, le=100)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    min_tokens: int = Field(0, ge=0, lt=2 ** 31)
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
 
-    def _unsupported(self) -> None:
-        if self.n != 1:
-            raise RequestRejected("n: only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestRejected(f"{name}: only 0 is supported", param=name)
-        if self.logit_bias:
-            raise RequestRejected("logit_bias: not supported", param="logit_bias")
+    # ---- what the engine does with them ----------------------------------------------------
+    def _check_extras(self) -> None:
+        check_extra_fields(self.model_extra or {}, "chat" if isinstance(self, ChatCompletionRequest) else "completion")
 
     def _sampling_kwargs(self) -> dict[str, Any]:
-        return dict(
+        kw: dict[str, Any] = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=self.seed, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-            skip_special_tokens=self.skip_special_tokens,
+            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
+            stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
+        kw.update(self._penalties())
+        return kw
+
+    def _penalties(self) -> dict[str, Any]:
+        """Penalties and logit bias for `SamplingParams`, refused by name where the engine lacks the field."""
+        wanted: dict[str, Any] = {}
+        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != default:
+                wanted[name] = value
+        if self.logit_bias:
+            try:
+                wanted["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError as e:
+                raise RequestRejected("logit_bias: keys must be token ids (integers as strings)",
+                                      param="logit_bias", code="invalid_value") from e
+        for name in wanted:
+            if name not in _SAMPLING_FIELDS:
+                raise RequestRejected(f"{name}: not supported by this server yet", param=name,
+                                      code="unsupported_parameter")
+        return wanted
 
     @property
     def include_usage(self) -> bool:
@@ -70,77 +109,98 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | list[TokenId] | list[
+        list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=2 ** 31)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    add_special_tokens: bool = True
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (text or token ids).
 
         Raises:
-            RequestRejected: several prompts, an empty list, or unsupported options.
+            RequestRejected: several prompts, an empty prompt, or a field that is not supported.
         """
-        self._unsupported()
+        self._check_extras()
+        if self.n not in (None, 1):
+            raise RequestRejected("n: only n=1 is supported", param="n", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise RequestRejected("best_of: only best_of=1 is supported", param="best_of",
+                                  code="unsupported_parameter")
         if self.echo:
-            raise RequestRejected("echo: not supported", param="echo")
+            raise RequestRejected("echo: not supported", param="echo", code="unsupported_parameter")
         if self.suffix:
-            raise RequestRejected("suffix: not supported", param="suffix")
+            raise RequestRejected("suffix: not supported", param="suffix", code="unsupported_parameter")
         p = self.prompt
         if isinstance(p, str):
+            if not p:
+                raise RequestRejected("prompt: must not be empty", param="prompt")
             return p
         if not p:
             raise RequestRejected("prompt: must not be empty", param="prompt")
         if all(isinstance(x, int) for x in p):
             return list(p)  # type: ignore[arg-type]
         if len(p) == 1:
+            if not p[0]:
+                raise RequestRejected("prompt: must not be empty", param="prompt")
             return p[0]  # type: ignore[return-value]
-        raise RequestRejected("prompt: only one prompt per request is supported", param="prompt")
+        raise RequestRejected("prompt: only one prompt per request is supported", param="prompt",
+                              code="unsupported_parameter")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return dict(self._sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
 
-    def text(self) -> str:
+    def text(self, index: int) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise RequestRejected(f"messages: content part type {part.get('type')!r} is not supported",
-                                      param="messages")
-            parts.append(str(part.get("text", "")))
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestRejected(f"messages[{index}].content[{j}]: only parts of type 'text' with a string "
+                                      f"'text' are supported", param=f"messages[{index}].content[{j}]",
+                                      code="unsupported_parameter")
+            parts.append(part["text"])
         return "".join(parts)
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(None, ge=1, lt=2 ** 31)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2 ** 31)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as plain dicts for the chat template.
 
         Raises:
-            RequestRejected: no messages or unsupported options.
+            RequestRejected: a field or message part that is not supported.
         """
-        self._unsupported()
-        if not self.messages:
-            raise RequestRejected("messages: must contain at least one message", param="messages")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        self._check_extras()
+        if self.n not in (None, 1):
+            raise RequestRejected("n: only n=1 is supported", param="n", code="unsupported_parameter")
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
     def sampling_kwargs(self) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -148,3 +208,29 @@ class ChatCompletionRequest(_Common):
             raise RequestRejected("top_logprobs: requires logprobs=true", param="top_logprobs")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return dict(self._sampling_kwargs(), max_tokens=limit, logprobs=n_logprobs)
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered with the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[TokenId]

@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.engine.outputs import Logprob, RequestDelta
-
-
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+from pd_cluster.serving.token_text import TokenTexts
 
 
 @dataclass
@@ -29,33 +26,36 @@ class ResponseBuilder:
         kind: ``completion`` or ``chat``.
         request_id: the response id suffix.
         model: the served model name.
-        tokenizer: for token strings in logprobs.
+        texts: the tokens' strings in context (`TokenTexts`), for logprobs.
         want_logprobs: the request asked for logprobs.
+        prompt_token_ids: set when the request asked for ``return_token_ids`` (vLLM): responses then carry
+            ``prompt_token_ids`` and ``token_ids``.
     """
 
     kind: str
     request_id: str
     model: str
-    tokenizer: Any
+    texts: TokenTexts
     want_logprobs: bool = False
+    prompt_token_ids: list[int] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
-    logprobs: list[Logprob] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
-    _text_offset: int = 0
 
     @property
     def response_id(self) -> str:
         return ("cmpl-" if self.kind == "completion" else "chatcmpl-") + self.request_id
 
     def add(self, d: RequestDelta) -> None:
+        """Take one delta (call once per delta, before `chunk`)."""
         self.text.append(d.new_text)
         self.token_ids.extend(d.new_token_ids)
-        if d.new_logprobs:
-            self.logprobs.extend(d.new_logprobs)
+        if self.want_logprobs and d.new_logprobs:
+            self.entries.extend(self._entry(t, lp) for t, lp in zip(d.new_token_ids, d.new_logprobs))
         self.prompt_tokens, self.completion_tokens = d.num_prompt_tokens, d.num_output_tokens
         if d.finished:
             self.finish_reason = d.finish_reason
@@ -65,36 +65,44 @@ class ResponseBuilder:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     # ---- logprobs ---------------------------------------------------------------------
-    def _completion_logprobs(self, token_ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
-        tokens, offsets = [], []
-        for t in token_ids:
-            offsets.append(self._text_offset)
-            s = _token_text(self.tokenizer, t)
-            tokens.append(s)
-            self._text_offset += len(s)
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-                "top_logprobs": [{_token_text(self.tokenizer, i): v for i, v in top} for _, top in lps],
-                "text_offset": offsets}
+    def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        """One token's logprobs: its string in context, offset and bytes, and its top candidates'."""
+        chosen_lp, top = lp
+        candidates = [(self.texts.candidate(i), _finite(v)) for i, v in top]
+        tok = self.texts.add(token_id)
+        return {"token": tok, "logprob": _finite(chosen_lp), "top": candidates}
 
-    def _chat_logprobs(self, token_ids: list[int], lps: list[Logprob]) -> dict[str, Any]:
-        def entry(tid: int, lp: float) -> dict[str, Any]:
-            s = _token_text(self.tokenizer, tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    def _completion_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        top_logprobs = []
+        for e in entries:
+            top: dict[str, float] = {}
+            for c, v in e["top"]:
+                top.setdefault(c.text, v)  # two ids may decode to the same string: keep the likelier
+            top_logprobs.append(top)
+        return {"tokens": [e["token"].text for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": top_logprobs,
+                "text_offset": [e["token"].offset for e in entries]}
 
-        return {"content": [dict(entry(t, lp), top_logprobs=[entry(i, v) for i, v in top])
-                            for t, (lp, top) in zip(token_ids, lps)]}
+    @staticmethod
+    def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+        def one(t: Any, lp: float) -> dict[str, Any]:
+            return {"token": t.text, "logprob": lp, "bytes": list(t.raw)}
 
-    def _logprobs_for(self, token_ids: list[int], lps: list[Logprob] | None) -> dict[str, Any] | None:
-        if not self.want_logprobs or not lps:
+        return {"content": [dict(one(e["token"], e["logprob"]), top_logprobs=[one(c, v) for c, v in e["top"]])
+                            for e in entries]}
+
+    def _logprobs_for(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not self.want_logprobs or not entries:
             return None
         if self.kind == "completion":
-            return self._completion_logprobs(token_ids, lps)
-        return self._chat_logprobs(token_ids, lps)
+            return self._completion_logprobs(entries)
+        return self._chat_logprobs(entries)
 
     # ---- whole response -----------------------------------------------------------------
     def full(self) -> dict[str, Any]:
         text = "".join(self.text)
-        lps = self._logprobs_for(self.token_ids, self.logprobs)
+        lps = self._logprobs_for(self.entries)
         if self.kind == "completion":
             choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
             obj = "text_completion"
@@ -102,13 +110,24 @@ class ResponseBuilder:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                       "finish_reason": self.finish_reason}
             obj = "chat.completion"
-        return {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+        body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
+        self._token_ids(body, choice, self.token_ids, True)
+        return body
+
+    def _token_ids(self, body: dict[str, Any], choice: dict[str, Any], token_ids: list[int], first: bool) -> None:
+        """vLLM's ``return_token_ids``: prompt ids (completions: in the choice; chat: top level) and output ids."""
+        if self.prompt_token_ids is None:
+            return
+        if first:
+            (choice if self.kind == "completion" else body)["prompt_token_ids"] = list(self.prompt_token_ids)
+        choice["token_ids"] = list(token_ids)
 
     # ---- stream -------------------------------------------------------------------------
     def chunk(self, d: RequestDelta, first: bool) -> bytes:
         """The SSE event for one delta (the chat stream's first event also carries the role)."""
-        lps = self._logprobs_for(d.new_token_ids, d.new_logprobs)
+        n = len(d.new_token_ids) if self.want_logprobs and d.new_logprobs else 0
+        lps = self._logprobs_for(self.entries[len(self.entries) - n:] if n else [])
         if self.kind == "completion":
             choice = {"index": 0, "text": d.new_text, "logprobs": lps, "finish_reason": d.finish_reason}
             obj = "text_completion"
@@ -118,13 +137,20 @@ class ResponseBuilder:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
             obj = "chat.completion.chunk"
-        return sse({"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
-                    "choices": [choice]})
+        body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        self._token_ids(body, choice, d.new_token_ids, first)
+        return sse(body)
 
     def usage_chunk(self) -> bytes:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return sse({"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                     "choices": [], "usage": self.usage()})
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: an impossible token's logprob is -9999.0 (as vLLM answers)."""
+    return max(float(logprob), -9999.0)
 
 
 def sse(obj: dict[str, Any]) -> bytes:

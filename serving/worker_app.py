@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.serving.errors import install_error_handlers
+from pd_cluster.serving.openapi import worker_openapi
 
 logger = logging.getLogger("pd.worker")
 
@@ -46,10 +50,31 @@ class WorkerState:
         return dict(self.loop.engine.load(), **self.extra_load())
 
 
+ENGINE_DEAD_EXIT_CODE = 70
+"""Exit status of a worker whose engine loop died (``EX_SOFTWARE`` of sysexits.h)."""
+
+FATAL_GRACE_S = 1.0
+"""Seconds between failing the requests in flight and exiting, so their error answers reach the clients."""
+
+
 def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list[str]]],
                       on_startup: Callable[[], Any] | None = None,
-                      on_shutdown: Callable[[], Any] | None = None) -> FastAPI:
-    """A FastAPI app with the common endpoints and `routes` ((path, handler(request), methods))."""
+                      on_shutdown: Callable[[], Any] | None = None, exit_on_fatal: bool = True) -> FastAPI:
+    """A FastAPI app with the common endpoints and `routes` ((path, handler(request), methods)).
+
+    Every error is answered in OpenAI's format (`errors.install_error_handlers`); ``/openapi.json``
+    describes the app (`openapi.worker_openapi`). When the engine loop dies, the requests in flight
+    have already been failed by the loop; with `exit_on_fatal` the process then exits with
+    `ENGINE_DEAD_EXIT_CODE` after `FATAL_GRACE_S`, so that pd-serve, Ray or Kubernetes restarts it
+    (an in-process test app passes False and only turns unhealthy).
+    """
+
+    def on_fatal(error: BaseException) -> None:
+        state.draining = True
+        if exit_on_fatal:
+            asyncio.get_running_loop().call_later(FATAL_GRACE_S, _exit_dead, state)
+
+    state.loop.on_fatal = on_fatal
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,6 +92,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             state.loop.engine.close()  # stops tensor-parallel ranks, if any
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = state
+    install_error_handlers(app)
 
     async def health(request: Request) -> Response:
         if state.draining or not state.loop.alive:
@@ -83,10 +110,40 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    for path, handler, methods in [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
-                                   ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"])] + routes:
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": package_version()})
+
+    all_routes = [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
+                  ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"]),
+                  ("/version", version, ["GET"])] + routes
+    document = worker_openapi(state.info.get("role", "mixed"), [path for path, _, _ in all_routes])
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(document)
+
+    for path, handler, methods in all_routes + [("/openapi.json", openapi, ["GET"])]:
         app.add_route(path, handler, methods=methods)
     return app
+
+
+def _exit_dead(state: WorkerState) -> None:
+    """Exit the process now: the engine loop is dead and cannot be restarted in place."""
+    logger.critical("engine loop died (%s): exiting with status %d so that the worker is restarted",
+                    state.loop.fatal, ENGINE_DEAD_EXIT_CODE)
+    try:
+        state.loop.engine.close()  # stops tensor-parallel ranks, if any
+    except Exception:  # noqa: BLE001 - exiting anyway
+        logger.exception("closing the engine failed")
+    logging.shutdown()
+    os._exit(ENGINE_DEAD_EXIT_CODE)
+
+
+def package_version() -> str:
+    """pd-cluster's version (its installed distribution's, else the source tree's)."""
+    try:
+        return importlib.metadata.version("pd-cluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"
 
 
 async def _maybe_await(x: Any) -> Any:

@@ -86,7 +86,7 @@ def test_client_disconnect_frees_both_workers_within_2s(pd):
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),
     (json.dumps({"model": "stories260K", "prompt": "hi", "max_tokens": -5}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": "stories260K", "prompt": "x " * 600, "max_tokens": 10}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "stories260K", "prompt": "x " * 600, "max_tokens": 10}).encode(), 400, "prompt"),
     (json.dumps({"model": "gpt-17", "prompt": "hi"}).encode(), 404, "model"),
     (json.dumps({"model": "stories260K", "prompt": "hi", "top_p": 3}).encode(), 400, "top_p"),
     (json.dumps({"model": "stories260K", "prompt": "hi", "stop": {"x": 1}}).encode(), 400, None),

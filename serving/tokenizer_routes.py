@@ -1,0 +1,72 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` on decode and mixed workers.
+
+``/tokenize`` takes ``{"prompt": str}`` or chat ``{"messages": [...]}`` (rendered with the chat
+template) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes
+``{"tokens": [int]}`` and answers ``{"prompt": str}``. Both run in the tokenizer thread and refuse
+texts that cannot fit the context before tokenizing them, like the completion endpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pd_cluster.serving.body import parse_json_object, read_body
+from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
+from pd_cluster.serving.protocol import DetokenizeRequest, TokenizeRequest
+from pd_cluster.serving.validation import validate_body
+
+
+class TokenizerRoutes:
+    """Handlers over an `OpenAIServing`'s tokenizer (`Tokenization`)."""
+
+    def __init__(self, serving: Any) -> None:
+        self.serving = serving
+        self.tok = serving.tok
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._handle(request, self._detokenize)
+
+    async def _handle(self, request: Request, fn) -> Response:
+        try:
+            raw = await read_body(request)
+            return JSONResponse(await self.tok.run(fn, raw))
+        except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
+            return error_response(to_http_error(e))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.serving.model_name:
+            raise HTTPError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def _tokenize(self, raw: bytes) -> dict[str, Any]:
+        body = validate_body(TokenizeRequest, parse_json_object(raw))
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "give exactly one of `prompt` and `messages`", "prompt", "invalid_value")
+        if body.prompt is not None:
+            self.tok.check_fits([body.prompt], "prompt")
+            ids = self.tok.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
+        else:
+            conversation = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+            self.tok.check_fits([m["content"] for m in conversation], "messages")
+            ids = self.tok.chat_ids(conversation, body.add_generation_prompt)
+            bos = self.tok.tokenizer.bos_token_id
+            if body.add_special_tokens and bos is not None:
+                ids = [bos] + ids
+        strs = self.tok.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.tok.context_length, "tokens": ids, "token_strs": strs}
+
+    def _detokenize(self, raw: bytes) -> dict[str, Any]:
+        body = validate_body(DetokenizeRequest, parse_json_object(raw))
+        self._check_model(body.model)
+        vocab = len(self.tok.tokenizer)
+        bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise HTTPError(400, f"tokens[{bad}]: {body.tokens[bad]} is not a token id (the vocabulary has {vocab})",
+                            f"tokens[{bad}]", "invalid_value")
+        return {"prompt": self.tok.decode(body.tokens)}
