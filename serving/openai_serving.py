@@ -173,6 +173,8 @@ class OpenAIServing:
             raise
         if first.finished and first.finish_reason == "abort" and not first.new_token_ids:
             raise HTTPError(503, "the request was aborted before its first token", None, "aborted")
+        if (err := _request_error(first)) is not None and not first.new_token_ids:
+            raise err
         return stream, first
 
     async def _stream(self, request_id: str, builder: ResponseBuilder, stream: asyncio.Queue,
@@ -183,9 +185,16 @@ class OpenAIServing:
             while True:
                 timing.on_delta(d)
                 builder.add(d)
-                if d.new_text or d.new_token_ids or d.finished or is_first:
+                failed = _request_error(d)
+                if d.new_text or d.new_token_ids or (d.finished and failed is None) or is_first:
                     yield builder.chunk(d, is_first)
                 is_first = False
+                if failed is not None:  # this request failed in the engine (the batch goes on)
+                    finished = True
+                    logger.warning("request %s failed mid-stream: %s", request_id, failed.message)
+                    yield sse(failed.body())
+                    yield SSE_DONE
+                    return
                 if d.finished:
                     finished = True
                     break
@@ -212,6 +221,9 @@ class OpenAIServing:
             while True:
                 timing.on_delta(d)
                 builder.add(d)
+                if (failed := _request_error(d)) is not None:
+                    logger.warning("request %s failed: %s", request_id, failed.message)
+                    return JSONResponse(failed.body(), status_code=failed.status, headers=headers)
                 if d.finished:
                     break
                 d = await until_disconnect(request, asyncio.ensure_future(stream.get()))
@@ -224,6 +236,14 @@ class OpenAIServing:
             raise
         timing.on_finish(builder.finish_reason, d)
         return JSONResponse(builder.full(), headers=headers)
+
+
+def _request_error(d: RequestDelta) -> HTTPError | None:
+    """The error of a delta that ends its request with ``finish_reason == "error"`` (the engine failed this
+    request alone, e.g. while preparing its logits or sampling; see `LLMEngine.fail_request`), else None."""
+    if not (d.finished and d.finish_reason == "error"):
+        return None
+    return HTTPError(500, f"the request failed in the engine: {d.error or 'unknown error'}", None, "request_failed")
 
 
 def _raise_error(d: Any) -> Any:
