@@ -87,6 +87,7 @@ class PrefixCache:
         self.root = _Node((), NULL_PAGE, None)
         self._by_page: dict[int, _Node] = {}
         self._num_evictable = 0
+        self.num_evicted_total = 0
         self._clock = itertools.count(1)
         self._seq = itertools.count()
         self._lru: list[tuple[int, int, _Node]] = []  # (stamp, seq, node) of evictable leaves; stale entries skipped
@@ -212,6 +213,7 @@ class PrefixCache:
         del self._by_page[node.page]
         node.evicted = True
         self._num_evictable -= 1
+        self.num_evicted_total += 1
         self.allocator.free([node.page])
 
     def _compact(self) -> None:
