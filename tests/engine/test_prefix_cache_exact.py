@@ -10,6 +10,7 @@ the same bytes as when computed from scratch.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from engine_reference import PROMPTS, hf_model
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.args import config_from_kwargs
+from pd_cluster.engine.args import add_engine_args, config_from_args, config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -57,6 +58,9 @@ def assert_no_page_in_use(engine: LLMEngine) -> None:
     pages = engine.pages
     assert pages.num_in_use == 0 and engine.num_free_pages() == engine.allocator.num_pages
     assert engine.allocator.num_free + pages.num_evictable == engine.allocator.num_pages
+    load = engine.load()  # /get_load: cached pages nobody holds count as free, not as used
+    assert load["num_free_pages"] == load["num_total_pages"] and load["token_usage"] == 0
+    assert load["num_evictable_pages"] == pages.num_evictable > 0
 
 
 @pytest.mark.parametrize("kv", ["fp32", "fp8_e4m3"])
@@ -161,6 +165,9 @@ def test_prefill_role_computes_only_the_suffix_and_cached_pages_hold_the_same_by
 
 
 def test_flags_turn_the_cache_off_and_decode_role_has_none():
+    parser = add_engine_args(argparse.ArgumentParser())
+    for argv, on in (([], True), (["--disable-radix-cache"], False), (["--no-enable-prefix-caching"], False)):
+        assert config_from_args(parser.parse_args(argv)).cache.enable_prefix_caching is on
     for kw in ({"disable_radix_cache": True}, {"no_enable_prefix_caching": True}):
         assert LLM(**kw).engine.prefix_cache is None
     assert LLM().engine.prefix_cache is not None
