@@ -118,6 +118,20 @@ def test_engine_mixed_role_staggered_arrivals_and_abort(kv, caplog):
     assert_no_page_in_use(engine)
 
 
+@pytest.mark.timeout(600)
+def test_tensor_parallel_cache_on_equals_off():
+    # Page ids are rank 0's: every rank's pool reuses the same cached pages for its share of the heads.
+    prompts = [list(p) for p in shared_prefix_prompts()]
+    llm = LLM(tp_size=2, kv_cache_dtype="fp8_e4m3", page_size=16, chunked_prefill_size=7, max_running_requests=3)
+    try:
+        outs = llm.generate(prompts, GREEDY) + llm.generate(prompts, GREEDY)
+        assert [tuple(o.token_ids) for o in outs] == 2 * list(cache_off("fp8_e4m3", 16))
+        assert llm.engine.stats.prefix_cache_hits > 0
+        assert_no_page_in_use(llm.engine)
+    finally:
+        llm.engine.close()
+
+
 def test_tiny_pool_evicts_and_retracts_and_stays_exact():
     # 24 pages of 16 tokens: one 200-token request and its output nearly fill the pool, so finished
     # requests' cached pages must be evicted for the next ones, and overcommitted admission retracts.
