@@ -113,6 +113,9 @@ class CacheConfig:
             overrides `mem_fraction_static` on GPU when set.
         num_pages: exact number of usable pages (tests and planners); overrides
             both budgets when set.
+        disable_radix_cache: turn the prefix cache off (SGLang's flag; vLLM's
+            ``--no-enable-prefix-caching`` is an alias). The cache is on by
+            default in the mixed and prefill roles; the decode role never uses it.
     """
 
     page_size: int = 64
@@ -120,6 +123,11 @@ class CacheConfig:
     mem_fraction_static: float = 0.88
     kv_cache_memory: int | None = None
     num_pages: int | None = None
+    disable_radix_cache: bool = False
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return not self.disable_radix_cache
 
     def __post_init__(self) -> None:
         if not 1 <= self.page_size <= 256:

@@ -91,7 +91,7 @@ class LLM:
                     if out.logprobs is not None:
                         out.cumulative_logprob = sum(lp for lp, _ in out.logprobs)
                     results[d.request_id] = RequestOutput(d.request_id, None, req.prompt_token_ids, [out], True,
-                                                          d.prompt_logprobs)
+                                                          d.prompt_logprobs, d.num_cached_tokens)
                     bar.update(1)
         bar.close()
         return results

@@ -21,6 +21,7 @@ from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
 from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
@@ -86,7 +87,10 @@ class LLMEngine:
             logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
-        self.pages = PageManager(self.allocator, self.layout.page_size)
+        # The decode role keeps no prefix cache yet: its prompt pages are filled by a prefill worker.
+        self.prefix_cache = PrefixCache(self.allocator, self.layout.page_size) \
+            if config.cache.enable_prefix_caching and self.role != "decode" else None
+        self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
@@ -117,11 +121,12 @@ class LLMEngine:
     def _log_startup(self, backend_name: str) -> None:
         logger.info(
             "max_total_num_tokens=%d, page_size=%d, kv_cache_dtype=%s, context_len=%d, chunked_prefill_size=%d, "
-            "max_running_requests=%d, available_mem=%s, kv_cache_memory=%s (%s), attention_backend=%s, role=%s",
+            "max_running_requests=%d, available_mem=%s, kv_cache_memory=%s (%s), attention_backend=%s, role=%s, "
+            "prefix_cache=%s",
             self.pool.max_total_num_tokens, self.layout.page_size, self.layout.kv_cache_dtype, self.context_length,
             self.config.scheduler.chunked_prefill_size, self.max_running_requests,
             format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
-            backend_name, self.role)
+            backend_name, self.role, "on" if self.prefix_cache is not None else "off")
 
     # ---- requests --------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -243,12 +248,9 @@ class LLMEngine:
         return True
 
     def _end(self, req: Request, status: RequestStatus, release_pages: bool, error: str | None = None) -> None:
-        self.scheduler.remove(req, release_pages=release_pages)
-        held = not release_pages and bool(req.block_table)
+        held = self.scheduler.remove(req, release_pages=release_pages)
         req.status = status
         req.times.finished = time.monotonic()
-        if held:
-            self.scheduler.held[req.request_id] = req
         delta = self._finish_delta(req)
         delta.error = error
         self._pending.append(delta)
@@ -260,10 +262,9 @@ class LLMEngine:
 
         Returns False when the request holds nothing.
         """
-        req = self.scheduler.held.pop(request_id, None)
+        req = self.scheduler.release(request_id)
         if req is None:
             return False
-        self.pages.release(req)
         self._forget(req)
         return True
 
@@ -334,7 +335,8 @@ class LLMEngine:
 
     def _delta(self, req: Request, tokens: list[int], text: str, logprob) -> RequestDelta:
         return RequestDelta(req.request_id, tokens, text, [logprob] if logprob is not None else None,
-                            False, None, None, req.num_prompt_tokens, req.num_output_tokens)
+                            False, None, None, req.num_prompt_tokens, req.num_output_tokens,
+                            num_cached_tokens=req.num_cached_tokens or 0)
 
     def _finish_delta(self, req: Request, status: RequestStatus | None = None) -> RequestDelta:
         """The last delta of a request: everything not sent yet."""
@@ -352,7 +354,7 @@ class LLMEngine:
             req.request_id, new_tokens, detok.take_delta(True), lps, True, status.value,
             req.stop_reason, req.num_prompt_tokens, req.num_output_tokens,
             prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-            times=req.times)
+            times=req.times, num_cached_tokens=req.num_cached_tokens or 0)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (no-op without TP). The engine is unusable afterwards."""
@@ -362,7 +364,8 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages a request could take now: free ones plus unreferenced cached ones (evicted on demand)."""
+        return self.pages.num_available
 
     def load(self) -> dict:
         """Numbers for ``/get_load`` and the gauges."""
@@ -371,7 +374,8 @@ class LLMEngine:
             "num_running_reqs": len(self.scheduler.running),
             "num_queue_reqs": len(self.scheduler.waiting),
             "token_usage": self.pages.token_usage,
-            "num_free_pages": self.allocator.num_free,
+            "num_free_pages": self.pages.num_available,
+            "num_evictable_pages": self.pages.num_evictable,
             "num_total_pages": self.allocator.num_pages,
             "max_running_requests": self.max_running_requests,
         }

@@ -23,6 +23,8 @@ class RequestDelta:
         num_prompt_tokens, num_output_tokens: totals so far (for ``usage``).
         prompt_logprobs: the prompt's logprobs, once, when complete.
         error: with finish_reason ``error``, what failed (this request only; the batch went on).
+        num_cached_tokens: prompt tokens whose KV came from the prefix cache (OpenAI's
+            ``usage.prompt_tokens_details.cached_tokens``); 0 before admission.
     """
 
     request_id: str
@@ -37,6 +39,7 @@ class RequestDelta:
     prompt_logprobs: list[Logprob] | None = None
     times: Any = None  # engine.request.RequestTimes of a finished request, for metrics
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -90,6 +93,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[Logprob] | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field)
 
     @property
     def text(self) -> str:

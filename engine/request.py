@@ -2,7 +2,8 @@
 
 As in vLLM v1 there is no separate prefill or decode phase: a request has
 `num_tokens` known tokens (prompt plus generated) of which `num_computed_tokens`
-already have KV in the pool; each step computes some of the rest.
+already have KV in the pool; each step computes some of the rest. A request
+that starts on a cached prefix starts with `num_computed_tokens` at its length.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

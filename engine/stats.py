@@ -20,12 +20,23 @@ class EngineStats:
 
     Args:
         decode_log_interval: decode steps between two ``Decode batch.`` lines.
+
+    Attributes:
+        prompt_tokens_total: prompt tokens computed (cached ones are not).
+        generation_tokens_total: tokens sampled.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache, at each request's
+            first admission (vLLM's ``prefix_cache_queries``; 0 while the cache is off).
+        prefix_cache_hits: of those, tokens found cached (vLLM's ``prefix_cache_hits``).
+        cached_tokens_total: tokens served from the cache, retracted requests' re-admissions included.
     """
 
     def __init__(self, decode_log_interval: int) -> None:
         self.decode_log_interval = decode_log_interval
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.cached_tokens_total = 0
         self.finished: Counter[str] = Counter()
         self.gen_throughput = 0.0
         self._decode_steps = 0
@@ -38,13 +49,16 @@ class EngineStats:
                          for p in out.prefills)
         self.prompt_tokens_total += new_prompt
         self.generation_tokens_total += num_sampled
+        self.prefix_cache_queries += out.prefix_cache_queries
+        self.prefix_cache_hits += out.prefix_cache_hits
+        self.cached_tokens_total += out.num_cached_tokens
         self._interval_tokens += num_sampled
         if out.retracted:
             logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                            len(out.retracted), scheduler.admission.new_token_ratio)
         if out.prefills:
-            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
-                        "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt,
+            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                        "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt, out.num_cached_tokens,
                         scheduler.pages.token_usage, len(scheduler.running), len(scheduler.waiting))
         if out.decodes:
             self._decode_steps += 1

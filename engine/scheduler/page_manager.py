@@ -1,12 +1,16 @@
-"""Grows and frees a request's block table on top of the page allocator.
+"""Grows and frees a request's block table on top of the page allocator and the prefix cache.
 
 A small manager in mini-sglang's style: the scheduler asks it whether a
-request's next tokens fit and to make room; it never decides who runs.
+request's next tokens fit and to make room; it never decides who runs. With a
+`PrefixCache` it also starts a request on its cached prefix (`match`), adds the
+pages a step completed to the cache (`cache_computed`), and evicts unreferenced
+cached pages, least recently used first, before reporting that pages are short.
 """
 
 from __future__ import annotations
 
 from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.kv.prefix_cache import CacheChain, PrefixCache
 from pd_cluster.engine.request import Request
 
 
@@ -16,11 +20,31 @@ class PageManager:
     Args:
         allocator: the pool's page allocator.
         page_size: tokens per page.
+        cache: the prefix cache over `allocator`; None disables prefix caching.
+
+    Page states: *free* (in the allocator), *evictable* (cached, no request
+    holds it) and *in use*; ``num_free + num_evictable + num_in_use == num_pages``.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.cache = cache
+        self._chains: dict[str, CacheChain] = {}  # request id -> its place in the cache
+
+    # ---- sizes ---------------------------------------------------------------------
+    @property
+    def num_evictable(self) -> int:
+        return self.cache.num_evictable if self.cache is not None else 0
+
+    @property
+    def num_available(self) -> int:
+        """Pages a request could get now: free plus evictable."""
+        return self.allocator.num_free + self.num_evictable
+
+    @property
+    def num_in_use(self) -> int:
+        return self.allocator.num_pages - self.num_available
 
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
@@ -31,29 +55,67 @@ class PageManager:
         return max(self.pages_for(num_tokens) - len(req.block_table), 0)
 
     def can_grow(self, req: Request, num_tokens: int) -> bool:
-        return self.allocator.can_allocate(self.extra_pages(req, num_tokens))
+        return self.extra_pages(req, num_tokens) <= self.num_available
 
     def grow(self, req: Request, num_tokens: int) -> list[int]:
-        """Append pages so `req` holds `num_tokens` tokens; returns the new page ids.
+        """Append pages so `req` holds `num_tokens` tokens, evicting cached pages if needed.
+
+        Returns:
+            The new page ids.
 
         Raises:
-            OutOfPagesError: not enough free pages (the block table is unchanged).
+            OutOfPagesError: not enough free and evictable pages (the block table is unchanged).
         """
-        new = self.allocator.allocate(self.extra_pages(req, num_tokens))
+        n = self.extra_pages(req, num_tokens)
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        new = self.allocator.allocate(n)
         req.block_table.extend(new)
         return new
 
+    # ---- prefix cache -----------------------------------------------------------------
+    def match(self, req: Request) -> int:
+        """Start `req` (holding no pages) on its longest cached prefix of full pages.
+
+        The last known token is never matched, so at least one token is computed and
+        sampled. Returns the number of cached tokens (0 without a cache).
+        """
+        if self.cache is None or req.block_table:
+            return 0
+        pages, chain = self.cache.match(req.token_ids, req.num_tokens - 1)
+        req.block_table = pages
+        self._chains[req.request_id] = chain
+        return len(pages) * self.page_size
+
+    def cache_computed(self, req: Request) -> None:
+        """Add the pages of `req` that are full and computed to the prefix cache."""
+        if self.cache is None:
+            return
+        chain = self._chains.get(req.request_id)
+        if chain is None:
+            chain = self._chains[req.request_id] = CacheChain(self.cache.root)
+        self.cache.insert(req.token_ids, req.block_table, req.num_computed_tokens // self.page_size, chain)
+
+    # ---- release -------------------------------------------------------------------------
     def release(self, req: Request) -> None:
-        """Free all pages of `req` and empty its block table."""
-        if req.block_table:
+        """Drop `req`'s references to its pages and empty its block table.
+
+        Uncached pages become free; cached ones stay in the cache (evictable once unreferenced).
+        """
+        chain = self._chains.pop(req.request_id, None)
+        if self.cache is not None:
+            self.cache.release(req.block_table + (chain.anchors if chain else []))
+        elif req.block_table:
             self.allocator.free(req.block_table)
-            req.block_table = []
+        req.block_table = []
 
     @property
     def free_tokens(self) -> int:
-        return self.allocator.num_free * self.page_size
+        """Tokens the available (free plus evictable) pages hold."""
+        return self.num_available * self.page_size
 
     @property
     def token_usage(self) -> float:
-        """Used pages over all pages, 0..1 (SGLang's ``token usage``)."""
-        return self.allocator.num_used / self.allocator.num_pages
+        """Pages in use (evictable cached pages not counted) over all pages, 0..1 (SGLang's ``token usage``)."""
+        return self.num_in_use / self.allocator.num_pages

@@ -4,15 +4,23 @@ Every step spends a token budget (``max_prefill_tokens``): running requests
 first, in arrival order, each computing the tokens it lacks (1 for a decode,
 up to ``chunked_prefill_size`` for a prompt chunk); then waiting requests, FCFS,
 while the budget, ``max_running_requests`` and admission control allow. Pages
-are taken on demand. When a running request cannot grow, the most recently
-admitted running request is retracted: its pages are freed and it goes back to
-the front of the queue to be recomputed (SGLang's retraction, vLLM's recompute
-preemption).
+are taken on demand. When a running request cannot grow, unreferenced cached
+pages are evicted first; only then is the most recently admitted running
+request retracted: its pages are freed and it goes back to the front of the
+queue to be recomputed (SGLang's retraction, vLLM's recompute preemption).
+
+Prefix cache (`pd_cluster.engine.kv.prefix_cache`): a request admitted to
+compute locally starts on its longest cached prefix of full pages, with
+``num_computed_tokens`` at that length; its last known token is always
+computed so that there are logits to sample. Requests asking for prompt
+logprobs skip the lookup (they need the logits of every prompt position).
+After every step the pages it completed join the cache.
 
 Roles:
 - ``mixed``: prefill and decode locally.
 - ``prefill``: a request ends after its first token; its pages stay held
-  (``PREFILLED``) until the worker, its KV pushed, calls `release`.
+  (``PREFILLED``) until the worker, its KV pushed, calls `release`. Cached
+  pages are part of its block table like computed ones, so they are pushed too.
 - ``decode``: remote requests get pages for their prompt at admission
   (``WAITING_FOR_REMOTE_KV``); the worker then has the prefill worker fill
   them and calls `complete_remote_prefill` with the first token. A retracted
@@ -60,6 +68,9 @@ class SchedulerOutput:
     prefills: list[ScheduledRequest] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
     reserved: list[Request] = field(default_factory=list)  # decode role: pages just reserved
+    num_cached_tokens: int = 0       # prompt tokens found in the prefix cache by the requests admitted this step
+    prefix_cache_queries: int = 0    # tokens looked up in the prefix cache (first admissions only, as vLLM)
+    prefix_cache_hits: int = 0       # of which found
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -93,7 +104,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
-        self.held: dict[str, Request] = {}        # finished but pages held (prefill role: for the push)
+        self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
 
     # ---- queue management ----------------------------------------------------
@@ -108,16 +119,34 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def remove(self, req: Request, release_pages: bool = True) -> None:
-        """Take `req` out of every queue; free its pages unless told not to."""
+    def remove(self, req: Request, release_pages: bool = True) -> bool:
+        """Take `req` out of every queue; free its pages, or hold them until `release`.
+
+        Args:
+            release_pages: False when something may still read or write the pages
+                (a NIXL transfer): a request holding pages is then kept in `held`.
+
+        Returns:
+            True when `req` is now held.
+        """
         if req in self.running:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.held.pop(req.request_id, None)
-        if release_pages:
+        if release_pages or not req.block_table:
             self.pages.release(req)
+            return False
+        self.held[req.request_id] = req
+        return True
+
+    def release(self, request_id: str) -> Request | None:
+        """Free the pages of a held request; returns it, or None when `request_id` is not held."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.pages.release(req)
+        return req
 
     # ---- the step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -183,22 +212,46 @@ class Scheduler:
         reserved = self.admission.reserved_tokens(self.running) + self.admission.reserved_tokens(self.remote.values())
         while self.waiting and self.num_holding < self.max_running:
             req = self.waiting[0]
-            need = self.admission.tokens_needed(req)
-            if self.num_holding and need > self.pages.free_tokens - reserved:
-                break  # admission: running requests keep their reservation
             if req.remote_kv:
-                if not self._reserve_remote(req, out):
+                need = self.admission.tokens_needed(req)
+                if not self._fits(need, reserved) or not self._reserve_remote(req, out):
                     break
             else:
+                cached = self._match(req)
+                need = self.admission.tokens_needed(req)  # after the match: cached tokens are not needed
                 n = self._chunk(req, budget)
-                if n <= 0 or not self.pages.can_grow(req, req.num_computed_tokens + n):
+                if not (self._fits(need, reserved) and n > 0
+                        and self.pages.can_grow(req, req.num_computed_tokens + n)):
+                    self.pages.release(req)  # give the matched pages back
+                    req.num_computed_tokens = 0
                     break
                 self.pages.grow(req, req.num_computed_tokens + n)
                 self.waiting.popleft()
                 self._admit(req)
+                self._count_cached(req, cached, out)
                 out.prefills.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 budget -= n
             reserved += need
+
+    def _fits(self, need: int, reserved: float) -> bool:
+        """Admission: a new request fits when the running ones keep their reservation (always, when alone)."""
+        return not self.num_holding or need <= self.pages.free_tokens - reserved
+
+    def _match(self, req: Request) -> int:
+        """Start a request that holds no pages on its cached prefix; returns the cached tokens."""
+        if req.params.prompt_logprobs is not None:
+            return 0
+        cached = self.pages.match(req)
+        req.num_computed_tokens = cached
+        return cached
+
+    def _count_cached(self, req: Request, cached: int, out: SchedulerOutput) -> None:
+        out.num_cached_tokens += cached
+        if req.num_cached_tokens is None:  # first admission (a retracted request is not counted again)
+            req.num_cached_tokens = min(cached, req.num_prompt_tokens)
+            if self.pages.cache is not None and req.params.prompt_logprobs is None:
+                out.prefix_cache_queries += req.num_tokens
+                out.prefix_cache_hits += cached
 
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
         if not self.pages.can_grow(req, req.num_prompt_tokens):
@@ -221,6 +274,7 @@ class Scheduler:
         """Advance progress of everything the step computed."""
         for item in out.scheduled:
             item.req.num_computed_tokens = item.end
+            self.pages.cache_computed(item.req)
         if out.decodes:
             self.admission.on_decode_step()
         if out.retracted:

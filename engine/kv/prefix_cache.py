@@ -1,0 +1,225 @@
+"""Prefix cache: full KV pages shared across requests, keyed by their exact token chain.
+
+The structure is SGLang's radix tree (RadixAttention, Zheng et al. 2024) with
+every edge exactly one page long: a node is one full page of ``page_size``
+tokens, its key is that page's token tuple, and its parent is the page before
+it. Matching a prompt walks from the root one page at a time.
+
+Why a page-granular tree and not vLLM's chained page hashes:
+- **No collision can serve wrong KV.** A child is found by a dict lookup on the
+  exact token tuple, and Python compares keys by equality after hashing, so two
+  different token chains never share a node. Chained hashes would need a
+  verification of the tokens on every hit (or a cryptographic hash) to say the
+  same.
+- **Leaf-first LRU eviction** falls out of the tree: only a page whose subtree is
+  gone can be evicted, so no cached page is ever left unreachable (a hash map
+  keeps such orphans until they age out), and the pages of a long conversation go
+  from its tip towards the shared system prompt.
+- Only full pages are cached, so the radix tree's edge splitting is never
+  needed: a page-long edge is the whole node.
+
+Ownership. The cache holds one reference (`PageAllocator.incref`) on every page
+of the tree; each request holds one on every page of its block table. A cached
+page with no request reference (reference count 1) is *evictable*: it counts as
+available, and `evict` frees it, least recently used first, when the allocator
+runs short. Thus ``free + evictable + in use == total`` at all times.
+
+Invariant (what makes leaf-first eviction always able to free every evictable
+page): a request that references a node references all its ancestors. Matching
+takes the whole chain from the root; a request only adds pages under a node it
+holds. When a request computed a page that another request cached first (both
+were prefilling the same prefix), it keeps its own copy in its block table and
+takes an extra reference on the cached one (an *anchor*) so that its later pages
+can hang under it; anchors are released with the request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pd_cluster.engine.kv.allocator import NULL_PAGE, PageAllocator
+
+
+class _Node:
+    """One cached page: `tokens` (its ``page_size`` token ids) and `page` (its page id)."""
+
+    __slots__ = ("tokens", "page", "parent", "children", "stamp", "evicted")
+
+    def __init__(self, tokens: tuple[int, ...], page: int, parent: "_Node | None") -> None:
+        self.tokens = tokens
+        self.page = page
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.stamp = 0  # logical time of the last use (LRU order)
+        self.evicted = False
+
+
+@dataclass
+class CacheChain:
+    """Where one request stands in the tree.
+
+    Attributes:
+        node: the deepest node the request holds (the root before anything).
+        num_pages: how many leading pages of the request's block table are in the tree
+            (matched or inserted); `PrefixCache.insert` continues from here.
+        anchors: cached pages the request references without using (see the module docstring).
+    """
+
+    node: _Node
+    num_pages: int = 0
+    anchors: list[int] = field(default_factory=list)
+
+
+class PrefixCache:
+    """The page-granular radix tree over one pool's allocator.
+
+    Args:
+        allocator: the pool's page allocator (the cache holds one reference per cached page).
+        page_size: tokens per page.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = _Node((), NULL_PAGE, None)
+        self._by_page: dict[int, _Node] = {}
+        self._num_evictable = 0
+        self.num_evicted_total = 0
+        self._clock = itertools.count(1)
+        self._seq = itertools.count()
+        self._lru: list[tuple[int, int, _Node]] = []  # (stamp, seq, node) of evictable leaves; stale entries skipped
+
+    # ---- sizes -------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Pages in the tree (referenced by requests or not)."""
+        return len(self._by_page)
+
+    @property
+    def num_evictable(self) -> int:
+        """Cached pages no request references: available to `evict`."""
+        return self._num_evictable
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._by_page
+
+    # ---- lookup ------------------------------------------------------------------
+    def _keys(self, token_ids: Sequence[int], start: int, stop: int):
+        ps = self.page_size
+        for i in range(start, stop):
+            yield tuple(token_ids[i * ps:(i + 1) * ps])
+
+    def match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], CacheChain]:
+        """Take the longest cached chain of full pages that is a prefix of ``token_ids[:max_tokens]``.
+
+        The pages get one reference each (the caller's); release them with `release`.
+
+        Returns:
+            (page ids in order, the chain to continue inserting from).
+        """
+        node, pages = self.root, []
+        for key in self._keys(token_ids, 0, max(max_tokens, 0) // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            pages.append(child.page)
+        stamp = next(self._clock)
+        for p in pages:
+            self._acquire(p)
+            self._by_page[p].stamp = stamp
+        return pages, CacheChain(node, len(pages))
+
+    def insert(self, token_ids: Sequence[int], block_table: Sequence[int], num_full_pages: int,
+               chain: CacheChain) -> None:
+        """Add the request's pages ``[chain.num_pages, num_full_pages)`` to the tree.
+
+        Args:
+            token_ids: the request's tokens (at least ``num_full_pages * page_size``).
+            block_table: its page ids; the pages given must hold computed KV for those tokens.
+            num_full_pages: how many leading pages are full and computed.
+            chain: the request's position, advanced in place.
+        """
+        if num_full_pages <= chain.num_pages:
+            return
+        node, stamp = chain.node, next(self._clock)
+        for i, key in enumerate(self._keys(token_ids, chain.num_pages, num_full_pages), start=chain.num_pages):
+            child = node.children.get(key)
+            page = block_table[i]
+            if child is None:
+                child = _Node(key, page, node)
+                node.children[key] = child
+                self._by_page[page] = child
+                self.allocator.incref([page])  # the cache's reference
+            elif child.page != page:  # someone cached this page first: hold theirs as an anchor
+                self._acquire(child.page)
+                chain.anchors.append(child.page)
+            child.stamp = stamp
+            node = child
+        chain.node, chain.num_pages = node, num_full_pages
+
+    # ---- references ----------------------------------------------------------------
+    def _acquire(self, page: int) -> None:
+        if self.allocator.refcount(page) == 1:
+            self._num_evictable -= 1
+        self.allocator.incref([page])
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one request reference from each page; cached pages left unreferenced become evictable."""
+        stamp = next(self._clock)
+        for p in pages:
+            self.allocator.free([p])
+            node = self._by_page.get(p)
+            if node is not None:
+                node.stamp = stamp
+                if self.allocator.refcount(p) == 1:
+                    self._num_evictable += 1
+                    self._push_if_leaf(node)
+
+    def _push_if_leaf(self, node: _Node) -> None:
+        if not node.children and node is not self.root:
+            heapq.heappush(self._lru, (node.stamp, next(self._seq), node))
+            if len(self._lru) > 2 * len(self._by_page) + 64:
+                self._compact()
+
+    # ---- eviction --------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free up to `num_pages` evictable pages, least recently used leaves first.
+
+        Returns:
+            The number of pages freed (fewer only when fewer were evictable).
+        """
+        freed = 0
+        while freed < num_pages and self._lru:
+            stamp, _, node = heapq.heappop(self._lru)
+            if not self._is_evictable_leaf(node, stamp):
+                continue  # stale entry: touched, referenced or grown since it was pushed
+            self._remove(node)
+            freed += 1
+            parent = node.parent
+            if parent is not self.root and self.allocator.refcount(parent.page) == 1:
+                self._push_if_leaf(parent)
+        return freed
+
+    def _is_evictable_leaf(self, node: _Node, stamp: int) -> bool:
+        return (not node.evicted and not node.children and node.stamp == stamp
+                and self.allocator.refcount(node.page) == 1)
+
+    def _remove(self, node: _Node) -> None:
+        del node.parent.children[node.tokens]
+        del self._by_page[node.page]
+        node.evicted = True
+        self._num_evictable -= 1
+        self.num_evicted_total += 1
+        self.allocator.free([node.page])
+
+    def _compact(self) -> None:
+        self._lru = [e for e in self._lru if self._is_evictable_leaf(e[2], e[0])]
+        heapq.heapify(self._lru)
+
+    def clear(self) -> int:
+        """Evict every evictable page (e.g. before a weight update); returns how many were freed."""
+        return self.evict(self._num_evictable)
