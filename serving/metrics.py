@@ -55,7 +55,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
 
 # Attributes of `engine.stats` read for the prefix-cache counters (totals since start, in prompt
 # tokens: looked up in the prefix cache, and found there). Absent: the counters stay at 0.
-PREFIX_CACHE_STATS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits")
 
 
 class WorkerMetrics:

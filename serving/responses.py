@@ -44,6 +44,7 @@ class ResponseBuilder:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
 
     @property
@@ -57,12 +58,16 @@ class ResponseBuilder:
         if self.want_logprobs and d.new_logprobs:
             self.entries.extend(self._entry(t, lp) for t, lp in zip(d.new_token_ids, d.new_logprobs))
         self.prompt_tokens, self.completion_tokens = d.num_prompt_tokens, d.num_output_tokens
+        self.cached_tokens = max(self.cached_tokens, d.num_cached_tokens)
         if d.finished:
             self.finish_reason = d.finish_reason
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` counts prompt tokens whose KV came
+        from this worker's prefix cache."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # ---- logprobs ---------------------------------------------------------------------
     def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
