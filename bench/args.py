@@ -12,7 +12,7 @@ from pd_cluster.bench.datasets import DATASET_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="pd-bench",
         description="Benchmark an OpenAI-compatible server (pd-cluster or any other). "
                     "`pd-bench compare A.json B.json` compares two saved results.")

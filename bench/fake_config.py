@@ -41,7 +41,7 @@ class FakeServerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
-    p = argparse.ArgumentParser(prog="python -m pd_cluster.bench.fake_server", description="A fast fake OpenAI-compatible worker with exact, known delays.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pd_cluster.bench.fake_server", description="A fast fake OpenAI-compatible worker with exact, known delays.")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100, help="0 picks a free port (printed at start)")
     p.add_argument("--role", choices=("prefill", "decode", "mixed"), default="mixed")

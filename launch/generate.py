@@ -17,7 +17,8 @@ from pd_cluster.engine.args import add_engine_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-generate", description="Offline generation on one engine (mixed role).")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="pd-generate", description="Offline generation on one engine (mixed role).")
     p.add_argument("prompts", nargs="*", help="prompts (default: one example prompt)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)

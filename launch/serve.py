@@ -20,7 +20,8 @@ from pd_cluster.launch.supervise import serve_until_stopped
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-serve", description="Run a local pd-cluster (router + workers).")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="pd-serve", description="Run a local pd-cluster (router + workers).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--num-prefill", type=int, default=1)

@@ -143,7 +143,7 @@ def _add_discovery(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pd-router`` argument parser (no side effects)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="pd-router",
         description="OpenAI-compatible router for prefill/decode disaggregated workers.")
     p.add_argument("--host", default=RouterConfig.host)

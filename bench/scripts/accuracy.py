@@ -36,7 +36,7 @@ def one(url: str, rate: str, num: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--rates", nargs="+", default=["10", "100", "inf"])
     p.add_argument("--num", type=int, nargs="+", default=[150, 500, 50], help="requests per rate")
     a = p.parse_args(argv)

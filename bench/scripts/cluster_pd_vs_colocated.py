@@ -62,7 +62,8 @@ def transfer_share(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--input-len-scale", type=float, default=0.1)
     ap.add_argument("--max-input-len", type=int, default=400)

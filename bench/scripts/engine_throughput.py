@@ -85,7 +85,8 @@ def _transformers_once(model, items, args, pad: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=256)
     ap.add_argument("--output-scale", type=float, default=2.0)

@@ -59,7 +59,7 @@ async def drive(url: str, n: int, concurrency: int, stream: bool, tokens: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=6000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-tokens", type=int, default=4)

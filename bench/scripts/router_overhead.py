@@ -321,7 +321,7 @@ def poll_cost(a: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=10.0, help="measuring time per row")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])

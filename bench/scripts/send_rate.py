@@ -54,7 +54,7 @@ def one_rate(url: str, rate: float, seconds: float, tokens: int, seed: int) -> l
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--rates", type=float, nargs="+", default=[100, 250, 500, 750, 1000])
     p.add_argument("--seconds", type=float, default=10.0, help="sending time per rate")
     p.add_argument("--num-tokens", type=int, default=4, help="streamed tokens per response")

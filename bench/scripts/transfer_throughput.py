@@ -153,7 +153,7 @@ def print_tables(tp: list[dict], ho: list[dict], ucx: list[str], opts: Options) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--ucx-tls", default=None, help="UCX_TLS for both workers (default: the environment's / UCX's)")
     ap.add_argument("--progress-thread", action="store_true", help="run NIXL's UCX progress thread")
     ap.add_argument("--no-hugepages", action="store_true", help="keep the pools in 4 KiB pages")

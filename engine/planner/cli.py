@@ -17,7 +17,8 @@ from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-plan", description="KV-cache memory planner for pd-cluster deployments.")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="pd-plan", description="KV-cache memory planner for pd-cluster deployments.")
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"a bundled config ({', '.join(BUNDLED)}) or a model folder / config.json")
     p.add_argument("--tp-size", type=int, default=1)
