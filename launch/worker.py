@@ -18,6 +18,7 @@ import sys
 import uuid
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
+from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.worker_app import WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.trust_remote_code:
         logging.getLogger("pd.worker").info("--trust-remote-code has no effect: pd-cluster runs no code "
                                             "from a checkpoint")
+    if config.engine.device.attention_backend == "triton":
+        use_triton_interpreter_without_cuda()  # before the kernels are imported
     import uvicorn
 
     app = build_app(config)
