@@ -38,7 +38,7 @@ class Flag:
     name: str
     field: str
     type: Callable[[str], Any] | None
-    help: str
+    help: str | None
     action: str | type | None = None
     choices: tuple[Any, ...] | None = None
     aliases: tuple[str, ...] = ()
