@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -27,6 +28,8 @@ import httpx
 from pd_cluster.engine.net import free_port
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
 
+# One thread, alive as long as the process, forks every child (see `LocalCluster._spawn`).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-spawner")
 API_KEY_ENV = "PD_ROUTER_API_KEY"  # as pd_cluster.router.args reads them: keys never appear in a command line
 ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
 
@@ -117,25 +120,32 @@ class LocalCluster:
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
-        """Spawn every process; with `timeout`, also `wait_ready` (raises as it does)."""
+        """Spawn every process; with `timeout`, also `wait_ready` until the router's ``/readiness`` is 200
+        (``pd-serve``'s moment of "ready"; raises as `wait_ready` does)."""
         for p in self.procs + [self.router]:
             self._spawn(p)
         if timeout is not None:
-            self.wait_ready(timeout)
+            self.wait_ready(timeout, every_worker=False)
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""
         return [p.name for p in self.procs + [self.router] if not p.alive()]
 
     def _spawn(self, p: Proc) -> None:
-        """Start `p` (from the calling thread: its exit would send the children their parent-death signal)."""
+        """Start `p`, always from the cluster's own spawner thread.
+
+        The kernel sends the parent-death signal when the *thread* that forked a child exits, so a child
+        started from a short-lived thread (``asyncio.to_thread``, a pool) would be killed with it. The spawner
+        thread lives as long as this process.
+        """
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if p.role == "router":
             for var, key in ((API_KEY_ENV, self.spec.api_key), (ADMIN_API_KEY_ENV, self.spec.admin_api_key)):
                 if key:
                     env[var] = key
-        p.popen = subprocess.Popen(parent_bound_argv(p.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   env=env, start_new_session=True, text=True, errors="replace")
+        p.popen = _SPAWNER.submit(subprocess.Popen, parent_bound_argv(p.argv), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
+                                  errors="replace").result()
         p.restarts.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(p,), daemon=True).start()
 
@@ -148,11 +158,13 @@ class LocalCluster:
                 sys.stdout.write(f"[{p.name}] {line}")
                 sys.stdout.flush()
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
+    def wait_ready(self, timeout: float = 300.0, every_worker: bool = True) -> None:
         """Block until every process answers ``/health`` and the router's ``/readiness`` is 200.
 
         The router's ``/readiness`` needs no key and is 200 once it can route a request (a healthy prefill
-        and decode pair, or a mixed worker): the moment a request can succeed.
+        and decode pair, or a mixed worker): the moment a request can succeed. With `every_worker` (tests
+        that spread load over several workers), also until the router's ``/workers`` lists every worker
+        healthy (with the admin key when there is one).
 
         Raises:
             RuntimeError: a process exited or `timeout` seconds passed.
@@ -178,6 +190,21 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the router's /readiness was not 200 after {timeout:.0f} s")
                 time.sleep(0.1)
+            while every_worker and not self._router_sees_every_worker(client):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router did not see every worker healthy after {timeout:.0f} s")
+                time.sleep(0.1)
+
+    def _router_sees_every_worker(self, client: httpx.Client) -> bool:
+        headers = {"Authorization": f"Bearer {self.spec.admin_api_key}"} if self.spec.admin_api_key else {}
+        try:
+            r = client.get(self.router_url + "/workers", headers=headers)
+            if r.status_code == 403:  # --api-key without --admin-api-key: the admin API is off
+                return True
+            healthy = {w["url"] for w in r.json()["workers"] if w["healthy"]}
+            return {p.url for p in self.procs} <= healthy
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
 
     # ---- supervision -------------------------------------------------------------
     def tend(self, now: float | None = None) -> bool:

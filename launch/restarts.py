@@ -11,7 +11,7 @@ a retry library such as tenacity, built around retrying one blocking call, does 
 a CI timeout): on Linux the child asks the kernel for ``PR_SET_PDEATHSIG`` (prctl(2)) before it execs the
 real command. The request is made in a tiny Python preamble rather than in a ``preexec_fn``, which is unsafe
 in a process with threads (ours copy the children's output). The kernel sends the signal when the *thread*
-that forked the child exits, so the launcher spawns its children from its main thread.
+that forked the child exits, so a launcher forks its children from one thread that lives as long as it does.
 """
 
 from __future__ import annotations

@@ -89,3 +89,25 @@ def test_a_parent_bound_child_dies_with_its_parent():
 def test_parent_bound_argv_wraps_the_command():
     argv = parent_bound_argv(["/bin/echo", "hi"], signal.SIGINT, parent_pid=42)
     assert argv[0] == sys.executable and argv[3:] == ["42", str(int(signal.SIGINT)), "/bin/echo", "hi"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(60)
+def test_a_child_started_from_a_short_lived_thread_outlives_that_thread():
+    """The parent-death signal follows the forking *thread*: `LocalCluster` forks from one lasting thread, so a
+    restart called from ``asyncio.to_thread`` or a pool does not die when that thread ends."""
+    import threading
+
+    from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, Proc
+
+    cluster = LocalCluster(ClusterSpec(num_prefill=0, num_decode=0, echo=False))
+    proc = Proc("sleeper", "mixed", "", [sys.executable, "-c", "import time; time.sleep(60)"])
+    t = threading.Thread(target=cluster._spawn, args=(proc,))
+    t.start()
+    t.join()
+    try:
+        time.sleep(2.0)  # the preamble has run its prctl and exec'd; the spawning thread is long gone
+        assert proc.alive() and psutil.Process(proc.pid).cmdline()[-1] == "import time; time.sleep(60)"
+    finally:
+        proc.popen.kill()
+        proc.popen.wait(10)
