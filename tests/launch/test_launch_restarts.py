@@ -102,11 +102,15 @@ def test_a_child_started_from_a_short_lived_thread_outlives_that_thread():
 
     cluster = LocalCluster(ClusterSpec(num_prefill=0, num_decode=0, echo=False))
     proc = Proc("sleeper", "mixed", "", [sys.executable, "-c", "import time; time.sleep(60)"])
-    t = threading.Thread(target=cluster._spawn, args=(proc,))
+    def spawn_then_end() -> None:
+        cluster._spawn(proc)
+        time.sleep(2.0)  # let the child's preamble run its prctl while this thread still lives
+
+    t = threading.Thread(target=spawn_then_end)
     t.start()
     t.join()
     try:
-        time.sleep(2.0)  # the preamble has run its prctl and exec'd; the spawning thread is long gone
+        time.sleep(1.0)  # this thread ended a second ago
         assert proc.alive() and psutil.Process(proc.pid).cmdline()[-1] == "import time; time.sleep(60)"
     finally:
         proc.popen.kill()
