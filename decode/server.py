@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry
 
 from pd_cluster.decode.handover import DecodeHooks
@@ -13,18 +11,17 @@ from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import serving_routes
 from pd_cluster.serving.openai_serving import OpenAIServing
-from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
-from pd_cluster.transfer.config import from_cli_args
+from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
 from pd_cluster.transfer.http import PeerDirectory, make_router
 from pd_cluster.transfer.tp import make_worker_transfer
 
 
-def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None):
+def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):
     """A FastAPI app for `engine` in the decode role, with its transfer agent."""
     host_info = dict(host_info or {})
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "decode")
-    tconfig = from_cli_args(args)
+    tconfig = config.transfer
     agent, receiver = make_worker_transfer(engine, "decode", tconfig, registry)
     hooks = DecodeHooks(receiver)
 
@@ -34,7 +31,7 @@ def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None
 
     loop = EngineLoop(engine, hooks, on_step=on_step)
     source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout), host_info.get("url", ""),
-                           getattr(args, "prefill_url", None))
+                           config.prefill_url)
     info = server_info(engine, dict(host_info, kv_agent=agent.name, kv_incarnation=agent.incarnation))
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_decode_prealloc_queue_reqs": hooks.num_prealloc,

@@ -1,18 +1,27 @@
 """Engine flags with SGLang's names, and the conversion to `EngineConfig`.
 
-One table (`ENGINE_FLAGS`) drives both the command line (`add_engine_args`)
-and the keyword arguments of `LLM(...)` (`config_from_kwargs`), so the two can
+One table (`ENGINE_FLAGS`, rows of `pd_cluster.engine.flags.Flag`) drives both the command line
+(`add_engine_args`) and the keyword arguments of `LLM(...)` (`config_from_kwargs`), so the two can
 not drift apart.
+
+Spellings users paste from vLLM and SGLang are aliases where the meaning is ours too:
+``--model-path`` (SGLang) is ``--model``, ``--tokenizer-path`` (SGLang) is ``--tokenizer``,
+``--max-model-len`` (vLLM) is ``--context-length``, ``--random-seed`` (SGLang) is ``--seed``,
+``--tensor-parallel-size`` (both) is ``--tp-size``. ``--trust-remote-code`` is accepted and changes nothing:
+pd-cluster never runs code shipped with a checkpoint (its models are built in, its tokenizer is
+``tokenizer.json`` through `transformers`), so there is nothing to trust. ``--gpu-memory-utilization`` is
+refused: vLLM's fraction budgets the whole instance (activations and CUDA graphs included), ours
+(``--mem-fraction-static``, SGLang's) budgets weights and the KV pool only.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                           ParallelConfig, SchedulerConfig, parse_size)
+                                      ParallelConfig, SchedulerConfig, parse_size)
+from pd_cluster.engine.flags import Flag, Refused, add_flags
 
 
 def _kv_dtype(text: str) -> str:
@@ -30,61 +39,56 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-@dataclass(frozen=True)
-class Flag:
-    """One engine flag: its name, the config section and field it sets, its type and help."""
-
-    name: str
-    section: str
-    field: str
-    type: Callable[[str], Any] | None
-    help: str
-    action: str | None = None
-    choices: tuple[str, ...] | None = None
-
-    @property
-    def dest(self) -> str:
-        return self.name.lstrip("-").replace("-", "_")
-
-
 ENGINE_FLAGS: tuple[Flag, ...] = (
-    Flag("--model", "model", "model", str, "HF checkpoint folder (default: the embedded stories260K)."),
-    Flag("--tokenizer", "model", "tokenizer", str, "Tokenizer folder (default: the model's)."),
-    Flag("--dtype", "model", "dtype", str, "Weights/activations dtype: auto, float32, bfloat16, float16."),
-    Flag("--load-format", "model", "load_format", str, "auto (safetensors) or dummy (random weights).",
+    Flag("--model", "model.model", str, "HF checkpoint folder (default: the embedded stories260K).",
+         aliases=("--model-path",)),
+    Flag("--tokenizer", "model.tokenizer", str, "Tokenizer folder (default: the model's).",
+         aliases=("--tokenizer-path",)),
+    Flag("--dtype", "model.dtype", str, "Weights/activations dtype: auto, float32, bfloat16, float16."),
+    Flag("--load-format", "model.load_format", str, "auto (safetensors) or dummy (random weights).",
          choices=("auto", "safetensors", "dummy")),
-    Flag("--served-model-name", "model", "served_model_name", str, "Model name in the API (default: folder name)."),
-    Flag("--seed", "model", "seed", int, "Seed of dummy weights and of unseeded sampling."),
-    Flag("--page-size", "cache", "page_size", int, "Tokens per KV page, 1..256 (default 64)."),
-    Flag("--kv-cache-dtype", "cache", "kv_cache_dtype", _kv_dtype, "auto, bf16, fp16, fp32 or fp8_e4m3."),
-    Flag("--mem-fraction-static", "cache", "mem_fraction_static", float,
+    Flag("--served-model-name", "model.served_model_name", str, "Model name in the API (default: folder name)."),
+    Flag("--seed", "model.seed", int, "Seed of dummy weights and of unseeded sampling.",
+         aliases=("--random-seed",)),
+    Flag("--page-size", "cache.page_size", int, "Tokens per KV page, 1..256 (default 64)."),
+    Flag("--kv-cache-dtype", "cache.kv_cache_dtype", _kv_dtype, "auto, bf16, fp16, fp32 or fp8_e4m3."),
+    Flag("--mem-fraction-static", "cache.mem_fraction_static", float,
          "GPU: fraction of device memory for weights + KV pool (default 0.88)."),
-    Flag("--kv-cache-memory", "cache", "kv_cache_memory", _size,
+    Flag("--kv-cache-memory", "cache.kv_cache_memory", _size,
          "Bytes for the KV pool, e.g. 2GiB (CPU default 256MiB; on GPU overrides --mem-fraction-static)."),
-    Flag("--num-pages", "cache", "num_pages", int, "Exact number of KV pages (overrides the budgets)."),
-    Flag("--disable-radix-cache", "cache", "disable_radix_cache", None, "Turn the prefix cache off.",
-         action="store_true"),
-    Flag("--no-enable-prefix-caching", "cache", "disable_radix_cache", None, "Alias of --disable-radix-cache.",
-         action="store_true"),
-    Flag("--context-length", "scheduler", "context_length", int,
-         "Longest prompt + output accepted (default: the model's). Never sizes the pool."),
-    Flag("--chunked-prefill-size", "scheduler", "chunked_prefill_size", int, "Most prompt tokens per request per step."),
-    Flag("--max-prefill-tokens", "scheduler", "max_prefill_tokens", int, "Token budget of one step."),
-    Flag("--max-running-requests", "scheduler", "max_running_requests", int, "Most requests in the running batch."),
-    Flag("--max-queued-requests", "scheduler", "max_queued_requests", int, "Waiting requests before 503s."),
-    Flag("--schedule-conservativeness", "scheduler", "schedule_conservativeness", float,
+    Flag("--num-pages", "cache.num_pages", int, "Exact number of KV pages (overrides the budgets)."),
+    Flag("--disable-radix-cache", "cache.disable_radix_cache", None, "Turn the prefix cache off.",
+         action="store_true", aliases=("--no-enable-prefix-caching",)),
+    Flag("--context-length", "scheduler.context_length", int,
+         "Longest prompt + output accepted (default: the model's). Never sizes the pool.",
+         aliases=("--max-model-len",)),
+    Flag("--chunked-prefill-size", "scheduler.chunked_prefill_size", int, "Most prompt tokens per request per step."),
+    Flag("--max-prefill-tokens", "scheduler.max_prefill_tokens", int, "Token budget of one step."),
+    Flag("--max-running-requests", "scheduler.max_running_requests", int, "Most requests in the running batch."),
+    Flag("--max-queued-requests", "scheduler.max_queued_requests", int, "Waiting requests before 503s."),
+    Flag("--schedule-conservativeness", "scheduler.schedule_conservativeness", float,
          "Scales the new-token reservation (>1: fewer retractions)."),
-    Flag("--schedule-policy", "scheduler", "schedule_policy", str, "Queue order: fcfs.", choices=("fcfs",)),
-    Flag("--decode-log-interval", "scheduler", "decode_log_interval", int, "Decode steps between log lines."),
-    Flag("--tp-size", "parallel", "tp_size", int, "Tensor-parallel size."),
-    Flag("--device", "device", "device", str, "auto, cpu or cuda[:N]."),
-    Flag("--attention-backend", "device", "attention_backend", str, "auto, torch, cpu or triton.",
+    Flag("--schedule-policy", "scheduler.schedule_policy", str, "Queue order: fcfs.", choices=("fcfs",)),
+    Flag("--decode-log-interval", "scheduler.decode_log_interval", int, "Decode steps between log lines."),
+    Flag("--tp-size", "parallel.tp_size", int, "Tensor-parallel size.", aliases=("--tensor-parallel-size",)),
+    Flag("--device", "device.device", str, "auto, cpu or cuda[:N]."),
+    Flag("--attention-backend", "device.attention_backend", str, "auto, torch, cpu or triton.",
          choices=("auto", "torch", "cpu", "triton")),
-    Flag("--disable-cuda-graph", "device", "disable_cuda_graph", None, "Do not replay CUDA graphs.",
+    Flag("--disable-cuda-graph", "device.disable_cuda_graph", None, "Do not replay CUDA graphs.",
          action="store_true"),
-    Flag("--cuda-graph-max-bs", "device", "cuda_graph_max_bs", int, "Largest decode batch captured in a graph."),
-    Flag("--cpu-threads", "device", "cpu_threads", int, "Intra-op threads on CPU (default 1)."),
+    Flag("--cuda-graph-max-bs", "device.cuda_graph_max_bs", int, "Largest decode batch captured in a graph."),
+    Flag("--cpu-threads", "device.cpu_threads", int, "Intra-op threads on CPU (default 1)."),
+    Flag("--trust-remote-code", "compat.trust_remote_code", None,
+         "Accepted for vLLM/SGLang command lines; no effect: no code from a checkpoint is ever run.",
+         action="store_true"),
 )
+
+# Spellings of vLLM/SGLang whose meaning differs from any flag of ours: refused with the reason.
+REFUSED_FLAGS: tuple[Refused, ...] = (
+    Refused("--gpu-memory-utilization", "vLLM's fraction covers the whole instance; pd-cluster's "
+            "--mem-fraction-static (SGLang's) covers weights + KV pool only, or set --kv-cache-memory"),
+)
+COMPAT_ONLY = ("--trust-remote-code",)  # accepted so pasted command lines run; they change nothing
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
              "parallel": ParallelConfig, "device": DeviceConfig}
@@ -93,15 +97,7 @@ _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerC
 def add_engine_args(parser: argparse.ArgumentParser, include_role: bool = False) -> argparse.ArgumentParser:
     """Add every engine flag to `parser` (defaults None: the config's defaults apply)."""
     group = parser.add_argument_group("engine")
-    for f in ENGINE_FLAGS:
-        kwargs: dict[str, Any] = {"dest": f.dest, "help": f.help, "default": None}
-        if f.action:
-            kwargs["action"] = f.action
-        else:
-            kwargs["type"] = f.type
-        if f.choices:
-            kwargs["choices"] = f.choices
-        group.add_argument(f.name, **kwargs)
+    add_flags(group, ENGINE_FLAGS + REFUSED_FLAGS)
     if include_role:
         group.add_argument("--role", choices=ROLES, default=None, help="prefill, decode or mixed.")
     return parser
@@ -123,11 +119,13 @@ def config_from_kwargs(**kwargs: Any) -> EngineConfig:
         if value is None or value is False:
             continue
         f = by_dest[key]
-        if f.field == "kv_cache_memory":
+        if f.section == "compat":
+            continue
+        if f.attr == "kv_cache_memory":
             value = parse_size(value)
-        elif f.field == "kv_cache_dtype":
+        elif f.attr == "kv_cache_dtype":
             value = _kv_dtype(value)
-        sections[f.section][f.field] = value
+        sections[f.section][f.attr] = value
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     return EngineConfig(**built, **({"role": role} if role else {}))
 

@@ -2,7 +2,12 @@
 
 Used by `pd-serve` and by tests that need to kill or restart one worker.
 Children run ``python -m pd_cluster.launch.worker`` / ``python -m pd_cluster.router.main`` on free
-loopback ports; their output is copied to ours with a ``[role-i]`` prefix.
+loopback ports; their output is copied to ours with a ``[role-i]`` prefix. Every child gets
+``PR_SET_PDEATHSIG`` (see `pd_cluster.launch.restarts`), so none outlives its launcher.
+
+`LocalCluster.tend` is one step of supervision (``pd-serve`` calls it twice a second): a process that
+exited is restarted on its port after a backoff, and a restarted worker is registered with the router
+again once it answers ``/health``, so that the router checks it at once instead of at its next round.
 """
 
 from __future__ import annotations
@@ -15,11 +20,18 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
 
 from pd_cluster.engine.net import free_port
+from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
+
+# One thread, alive as long as the process, forks every child (see `LocalCluster._spawn`).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-spawner")
+API_KEY_ENV = "PD_ROUTER_API_KEY"  # as pd_cluster.router.args reads them: keys never appear in a command line
+ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
 
 
 @dataclass
@@ -31,6 +43,7 @@ class Proc:
     url: str
     argv: list[str]
     popen: subprocess.Popen | None = None
+    restarts: RestartState = field(default_factory=RestartState)
 
     @property
     def pid(self) -> int | None:
@@ -50,6 +63,9 @@ class ClusterSpec:
         engine_argv: engine/transfer flags passed to every worker.
         role_argv: extra flags for the workers of one role (``{"prefill": [...]}``), after `engine_argv`.
         router_argv: extra router flags.
+        api_key, admin_api_key: the router's keys (given to it through its environment); the launcher
+            uses the admin key to register restarted workers.
+        restart: when to restart a process that exited (`tend`).
     """
 
     num_prefill: int = 1
@@ -63,6 +79,9 @@ class ClusterSpec:
     router_argv: list[str] = field(default_factory=list)
     log_level: str = "info"
     echo: bool = True
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    restart: RestartBackoff = field(default_factory=RestartBackoff)
 
 
 class LocalCluster:
@@ -101,20 +120,33 @@ class LocalCluster:
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
-        """Spawn every process; with `timeout`, also `wait_ready` (raises as it does)."""
+        """Spawn every process; with `timeout`, also `wait_ready` until the router's ``/readiness`` is 200
+        (``pd-serve``'s moment of "ready"; raises as `wait_ready` does)."""
         for p in self.procs + [self.router]:
             self._spawn(p)
         if timeout is not None:
-            self.wait_ready(timeout)
+            self.wait_ready(timeout, every_worker=False)
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""
         return [p.name for p in self.procs + [self.router] if not p.alive()]
 
     def _spawn(self, p: Proc) -> None:
+        """Start `p`, always from the cluster's own spawner thread.
+
+        The kernel sends the parent-death signal when the *thread* that forked a child exits, so a child
+        started from a short-lived thread (``asyncio.to_thread``, a pool) would be killed with it. The spawner
+        thread lives as long as this process.
+        """
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        p.popen = subprocess.Popen(p.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True, text=True, errors="replace")
+        if p.role == "router":
+            for var, key in ((API_KEY_ENV, self.spec.api_key), (ADMIN_API_KEY_ENV, self.spec.admin_api_key)):
+                if key:
+                    env[var] = key
+        p.popen = _SPAWNER.submit(subprocess.Popen, parent_bound_argv(p.argv), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
+                                  errors="replace").result()
+        p.restarts.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(p,), daemon=True).start()
 
     def _pump(self, p: Proc) -> None:
@@ -126,8 +158,13 @@ class LocalCluster:
                 sys.stdout.write(f"[{p.name}] {line}")
                 sys.stdout.flush()
 
-    def wait_ready(self, timeout: float = 300.0) -> None:
-        """Block until every worker and the router answer ``/health`` and the router knows the model.
+    def wait_ready(self, timeout: float = 300.0, every_worker: bool = True) -> None:
+        """Block until every process answers ``/health`` and the router's ``/readiness`` is 200.
+
+        The router's ``/readiness`` needs no key and is 200 once it can route a request (a healthy prefill
+        and decode pair, or a mixed worker): the moment a request can succeed. With `every_worker` (tests
+        that spread load over several workers), also until the router's ``/workers`` lists every worker
+        healthy (with the admin key when there is one).
 
         Raises:
             RuntimeError: a process exited or `timeout` seconds passed.
@@ -147,11 +184,92 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"not ready after {timeout:.0f} s: {[p.name for p in pending]}")
                 time.sleep(0.2)
-            while not (_router_sees_all_healthy(client, self.router_url, len(self.procs))
-                       and _router_has_model(client, self.router_url)):
+            while not router_ready(client, self.router_url):
+                if not self.router.alive():
+                    raise RuntimeError(f"the router exited with code {self.router.popen.poll()} during start-up")
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the router never saw every worker healthy")
-                time.sleep(0.2)
+                    raise RuntimeError(f"the router's /readiness was not 200 after {timeout:.0f} s")
+                time.sleep(0.1)
+            while every_worker and not self._router_sees_every_worker(client):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the router did not see every worker healthy after {timeout:.0f} s")
+                time.sleep(0.1)
+
+    def _router_sees_every_worker(self, client: httpx.Client) -> bool:
+        headers = {"Authorization": f"Bearer {self.spec.admin_api_key}"} if self.spec.admin_api_key else {}
+        try:
+            r = client.get(self.router_url + "/workers", headers=headers)
+            if r.status_code == 403:  # --api-key without --admin-api-key: the admin API is off
+                return True
+            healthy = {w["url"] for w in r.json()["workers"] if w["healthy"]}
+            return {p.url for p in self.procs} <= healthy
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    # ---- supervision -------------------------------------------------------------
+    def tend(self, now: float | None = None) -> bool:
+        """One supervision step: note exits, restart what is due, re-register workers that answer again.
+
+        Returns True when a process was restarted (its PID in `manifest` changed).
+        """
+        now = time.monotonic() if now is None else now
+        changed = False
+        for p in self.procs + [self.router]:
+            r = p.restarts
+            if p.popen is None or r.given_up:
+                continue
+            if not p.alive():
+                if r.due is None:
+                    self._on_exit(p, now)
+                elif now >= r.due:
+                    self._spawn(p)
+                    r.on_restart(now)
+                    changed = True
+                    self._say(f"restarted {p.name} (pid {p.pid}, restart {r.total})")
+            elif r.awaiting_health and self._answers(p):
+                r.awaiting_health = False
+                if p.role != "router":
+                    self._register(p)
+                self._say(f"{p.name} is serving again ({p.url})")
+        return changed
+
+    def _on_exit(self, p: Proc, now: float) -> None:
+        code = p.popen.poll()
+        delay = p.restarts.on_exit(self.spec.restart, now)
+        p.restarts.awaiting_health = False
+        if p.role == "router":
+            left = "no request is served until it is back"
+        else:
+            others = [q.name for q in self.procs if q.role == p.role and q is not p and q.alive()]
+            left = (f"the router routes {p.role} work to {', '.join(others)}" if others else
+                    f"no {p.role} worker is left: requests fail with 503 until one is back")
+        plan = (f"restarting it in {delay:.1f} s" if delay is not None else
+                f"giving up after {self.spec.restart.max_restarts} restarts in a row")
+        self._say(f"{p.name} (pid {p.pid}) exited with code {code}; {left}; {plan}")
+
+    def _answers(self, p: Proc) -> bool:
+        with httpx.Client(timeout=1.0) as client:
+            if p.role == "router":
+                return router_ready(client, p.url)
+            return _healthy(client, p)
+
+    def _register(self, p: Proc) -> None:
+        """Register a restarted worker with the router again: its breaker and health state start afresh and
+        the router checks it now (``DELETE`` then ``POST /workers``, with the admin key)."""
+        headers = {"Authorization": f"Bearer {self.spec.admin_api_key}"} if self.spec.admin_api_key else {}
+        try:
+            with httpx.Client(timeout=5.0, headers=headers) as client:
+                client.request("DELETE", self.router_url + "/workers", params={"url": p.url})
+                r = client.post(self.router_url + "/workers", json={"url": p.url, "role": p.role})
+            if r.status_code >= 400:
+                self._say(f"the router refused to register {p.name} again ({r.status_code}: {r.text[:200]}); "
+                          "it finds it at its next health check")
+        except httpx.HTTPError as e:
+            self._say(f"could not register {p.name} with the router ({e!r}); it finds it at its next health check")
+
+    @staticmethod
+    def _say(msg: str) -> None:
+        print(f"pd-serve: {msg}", file=sys.stderr, flush=True)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Kill one process (tests: a worker dying mid-request)."""
@@ -192,8 +310,9 @@ class LocalCluster:
     @property
     def manifest(self) -> dict:
         """URLs and PIDs of every process (`pd-serve --manifest` writes this as JSON)."""
-        return {"router": {"url": self.router_url, "pid": self.router.pid},
-                "workers": [{"name": p.name, "role": p.role, "url": p.url, "pid": p.pid} for p in self.procs]}
+        return {"router": {"url": self.router_url, "pid": self.router.pid, "restarts": self.router.restarts.total},
+                "workers": [{"name": p.name, "role": p.role, "url": p.url, "pid": p.pid,
+                             "restarts": p.restarts.total} for p in self.procs]}
 
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
@@ -207,17 +326,9 @@ def _healthy(client: httpx.Client, p: Proc) -> bool:
         return False
 
 
-def _router_sees_all_healthy(client: httpx.Client, url: str, n: int) -> bool:
+def router_ready(client: httpx.Client, url: str) -> bool:
+    """True when the router at `url` answers ``/readiness`` with 200 (no key needed)."""
     try:
-        workers = client.get(url + "/workers").json()["workers"]
-        return len(workers) >= n and all(w["healthy"] for w in workers)
-    except (httpx.HTTPError, ValueError, KeyError):
-        return False
-
-
-def _router_has_model(client: httpx.Client, url: str) -> bool:
-    try:
-        r = client.get(url + "/v1/models")
-        return r.status_code == 200 and bool(r.json().get("data"))
-    except (httpx.HTTPError, ValueError):
+        return client.get(url + "/readiness").status_code == 200
+    except httpx.HTTPError:
         return False

@@ -17,7 +17,8 @@ from pd_cluster.engine.args import add_engine_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-generate", description="Offline generation on one engine (mixed role).")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="pd-generate", description="Offline generation on one engine (mixed role).")
     p.add_argument("prompts", nargs="*", help="prompts (default: one example prompt)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -32,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.attention_backend == "triton":
+        from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
+
+        use_triton_interpreter_without_cuda()  # before the kernels are imported
     from pd_cluster.engine import LLM, SamplingParams
     from pd_cluster.engine.args import ENGINE_FLAGS
 

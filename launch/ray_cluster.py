@@ -38,23 +38,13 @@ from dataclasses import dataclass
 import httpx
 
 from pd_cluster.engine.net import free_port
-from pd_cluster.launch.cluster import ClusterSpec, _router_has_model, _router_sees_all_healthy
+from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, router_ready
+from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 
 ACTOR_PREFIX = "pd-worker"
 GPUS_PER_NODE_DEFAULT = 8
 STOP_TIMEOUT_S = 20.0
-# Run in the child before the real command: default SIGINT/SIGTERM handling and an empty signal mask (a Ray
-# worker ignores or blocks some signals, and both survive exec), the parent-death signal, a check that the
-# parent is still the actor, then exec.
-_EXEC_PREAMBLE = ("import ctypes, os, signal, sys; "
-                  "[signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)]; "
-                  "signal.pthread_sigmask(signal.SIG_SETMASK, []); "
-                  "sys.platform.startswith('linux') and ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT); "
-                  "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
-                  "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
-
-
 @dataclass(frozen=True)
 class RayPlacement:
     """What one worker instance reserves: one bundle, packed on one node.
@@ -117,7 +107,7 @@ class ProcessActor:
     """
 
     def __init__(self, name: str, role: str, module: str, argv_template: list[str], host: str | None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, env: dict[str, str] | None = None) -> None:
         import ray
 
         self.name, self.role = name, role
@@ -125,8 +115,9 @@ class ProcessActor:
         port = port or free_port(self.host)
         argv = [a.replace("{host}", self.host).replace("{port}", str(port)) for a in argv_template]
         self.url = f"http://{self.host}:{port}"
-        cmd = [sys.executable, "-c", _EXEC_PREAMBLE, str(os.getpid()), "-m", module, *argv]
-        self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        cmd = parent_bound_argv([sys.executable, "-m", module, *argv], signal.SIGINT)
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+                                     start_new_session=True)
 
     def __repr__(self) -> str:  # Ray prefixes the child's log lines with this
         return self.name
@@ -170,6 +161,7 @@ class RayCluster:
         self.groups: list = []
         self.router = None
         self.manifest: dict = {}
+        self._reported: set[str] = set()
 
     @property
     def router_url(self) -> str:
@@ -224,8 +216,8 @@ class RayCluster:
         self.router = actor_cls.options(
             name="pd-router", num_cpus=1 if self.local else 0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote("pd-router", "router", "pd_cluster.router.main", router_argv(self.spec, gcs, self.namespace), self.spec.host,
-                 self.spec.router_port)
+        ).remote("pd-router", "router", "pd_cluster.router.main", router_argv(self.spec, gcs, self.namespace),
+                 self.spec.host, self.spec.router_port, _key_env(self.spec))
         infos = ray.get([a.info.remote() for a in self.workers + [self.router]])
         self._wait_ready(ray, infos, deadline)
         self.manifest = {"router": {"url": self.router_url, "pid": infos[-1]["pid"]}, "workers": infos[:-1],
@@ -247,10 +239,9 @@ class RayCluster:
                         pass
                 _check_deadline(deadline, f"not healthy: {[i['name'] for i, _ in pending.values()]}")
                 time.sleep(0.5)
-            while not (_router_sees_all_healthy(client, self.router_url, len(self.workers))
-                       and _router_has_model(client, self.router_url)):
-                _check_deadline(deadline, "the router never saw every worker healthy")
-                time.sleep(0.5)
+            while not router_ready(client, self.router_url):
+                _check_deadline(deadline, "the router's /readiness was never 200")
+                time.sleep(0.2)
 
     def actors(self) -> list[tuple[str, object]]:
         """(name, handle) of every actor started so far, the router last."""
@@ -269,6 +260,15 @@ class RayCluster:
             except Exception:  # the actor died (its child got the parent-death signal)
                 out.append(name)
         return out
+
+    def tend(self) -> bool:
+        """Report actors that died, once each. Ray restarts nothing here: the actors run with max_restarts=0."""
+        for name in self.dead():
+            if name not in self._reported:
+                self._reported.add(name)
+                print(f"pd-serve: {name} exited; pd-serve does not restart Ray actors: the router routes around "
+                      "it while another worker of its role is left", file=sys.stderr, flush=True)
+        return False
 
     def stop(self) -> None:
         """Router first (no new requests), then the workers; then the actors, the groups and a local Ray."""
@@ -293,6 +293,12 @@ class RayCluster:
         ray.shutdown()
 
 
+def _key_env(spec: ClusterSpec) -> dict[str, str]:
+    """The router's keys, for its environment (never its command line)."""
+    keys = {API_KEY_ENV: spec.api_key, ADMIN_API_KEY_ENV: spec.admin_api_key}
+    return {var: key for var, key in keys.items() if key}
+
+
 def _wait_ref(ray, ref, deadline: float) -> bool:
     ready, _ = ray.wait([ref], timeout=max(deadline - time.monotonic(), 0.1))
     return bool(ready)
@@ -311,4 +317,5 @@ def _session_dir(ray) -> str | None:
 def run_ray_cluster(address: str, spec: ClusterSpec, args: argparse.Namespace) -> int:
     """Run `spec` on Ray until SIGINT/SIGTERM; 0 on a clean stop, 1 when start-up failed (``pd-serve`` entry)."""
     cluster = RayCluster(address, spec, getattr(args, "tp_size", None))
-    return serve_until_stopped(cluster, getattr(args, "startup_timeout", 300.0), getattr(args, "manifest", None))
+    return serve_until_stopped(cluster, getattr(args, "startup_timeout", 300.0), getattr(args, "manifest", None),
+                               spec.api_key)

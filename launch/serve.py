@@ -2,8 +2,12 @@
 
 Starts the router and N prefill + M decode workers (default 1P1D) as
 subprocesses on the embedded stories260K (or ``--model``), waits until all are
-healthy, prints the endpoint and an example request, and stops everything on
-Ctrl-C. ``--colocated`` starts mixed workers instead. Engine flags
+healthy and the router's ``/readiness`` is 200, prints the endpoint and an example
+request, restarts a process that dies (with backoff, ``--max-restarts``), and stops
+everything on Ctrl-C. No child outlives ``pd-serve``, however it dies (Linux
+``PR_SET_PDEATHSIG``). ``--colocated`` starts mixed workers instead.
+``--api-key`` and ``--admin-api-key`` are the router's keys, as ``vllm serve`` and
+SGLang take them. Engine flags
 (``--page-size``, ``--kv-cache-dtype``, ...) and ``--kv-transfer-*`` flags
 pass through to every worker; ``--router-arg=--prefill-policy=cache_aware``
 passes flags to the router.
@@ -12,15 +16,19 @@ passes flags to the router.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
-from pd_cluster.launch.cluster import ClusterSpec, LocalCluster
+from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, LocalCluster
+from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.supervise import serve_until_stopped
+from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-serve", description="Run a local pd-cluster (router + workers).")
+    p = argparse.ArgumentParser(allow_abbrev=False,
+                                prog="pd-serve", description="Run a local pd-cluster (router + workers).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--num-prefill", type=int, default=1)
@@ -35,9 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", help="write the processes' URLs and PIDs to this JSON file once ready")
     p.add_argument("--ray-address", default=None,
                    help="run the roles as Ray actors on this cluster ('local' starts one here)")
+    p.add_argument("--api-key", default=None,
+                   help=f"Bearer key clients must send on /v1/* (or env {API_KEY_ENV}); as vllm serve's")
+    p.add_argument("--admin-api-key", default=None,
+                   help=f"Bearer key of the router's /workers admin API (or env {ADMIN_API_KEY_ENV})")
+    d = RestartBackoff()
+    p.add_argument("--max-restarts", type=int, default=d.max_restarts,
+                   help="restarts in a row of a process that keeps dying before pd-serve gives it up; "
+                        "-1: never; 0: no restarts")
+    p.add_argument("--restart-backoff-max-secs", type=float, default=d.max_delay,
+                   help=f"longest wait before a restart (the first waits {d.initial_delay:g} s, then doubling)")
     add_engine_args(p)
-    from pd_cluster.transfer.config import add_cli_args
-
     add_cli_args(p)
     return p
 
@@ -45,10 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """Engine and transfer flags given on our command line, as argv for the workers."""
     out: list[str] = []
-    names = [f.name for f in ENGINE_FLAGS] + [a.option_strings[0] for a in parser._actions
-                                              if a.option_strings and a.option_strings[0].startswith("--kv-transfer")]
-    for name in names:
-        dest = name.lstrip("-").replace("-", "_")
+    for flag in ENGINE_FLAGS + TRANSFER_FLAGS:
+        name, dest = flag.name, flag.dest
         value = getattr(args, dest, None)
         default = parser.get_default(dest)
         if value is None or value == default:
@@ -65,15 +79,24 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for flag in ("--api-key", "--admin-api-key"):
+        if any(a == flag or a.startswith(flag + "=") for a in args.router_arg):
+            parser.error(f"give {flag} to pd-serve itself, not through --router-arg (pd-serve needs the keys too)")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+    try:
+        restart = RestartBackoff(max_delay=args.restart_backoff_max_secs, max_restarts=args.max_restarts)
+    except ValueError as e:
+        parser.error(str(e))
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
                        num_workers=args.num_workers, host=args.host, router_port=args.port,
                        engine_argv=passthrough_argv(args, parser), router_argv=list(args.router_arg),
-                       log_level=args.log_level)
+                       log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key, restart=restart)
     if args.ray_address:
         from pd_cluster.launch.ray_cluster import run_ray_cluster
 
         return run_ray_cluster(args.ray_address, spec, args)
-    return serve_until_stopped(LocalCluster(spec), args.startup_timeout, args.manifest)
+    return serve_until_stopped(LocalCluster(spec), args.startup_timeout, args.manifest, api_key)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,32 @@
-"""Run a started cluster until Ctrl-C or SIGTERM: print where to reach it, report dead members, stop cleanly.
+"""Run a started cluster until Ctrl-C or SIGTERM: print where to reach it, restart what dies, stop cleanly.
 
 Shared by the process launcher (`launch.cluster.LocalCluster`) and the Ray one (`launch.ray_cluster.RayCluster`);
-a cluster offers ``start(timeout)``, ``dead()``, ``stop()``, ``router_url``, ``manifest`` and ``where``.
+a cluster offers ``start(timeout)``, ``tend()``, ``stop()``, ``router_url``, ``manifest`` and ``where``;
+``tend()`` is one supervision step and returns True when the manifest changed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
 
-import httpx
 
-
-def serve_until_stopped(cluster, startup_timeout: float, manifest_path: str | None) -> int:
+def serve_until_stopped(cluster, startup_timeout: float, manifest_path: str | None,
+                        api_key: str | None = None) -> int:
     """0 after a clean stop, 1 when start-up failed."""
     stop = threading.Event()
     try:
         cluster.start(startup_timeout)
         signal.signal(signal.SIGINT, lambda *_: stop.set())  # after start: Ray installs handlers of its own
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        if manifest_path:
-            with open(manifest_path, "w") as f:
-                json.dump(cluster.manifest, f, indent=2)
-        print(banner(cluster), flush=True)
+        _write_manifest(cluster, manifest_path)
+        print(banner(cluster, api_key), flush=True)
         while not stop.wait(0.5):
-            dead = cluster.dead()
-            if dead:
-                print(f"pd-serve: {', '.join(dead)} exited; the cluster keeps serving with the rest "
-                      "(the router routes around dead workers)", file=sys.stderr)
-                stop.wait(5.0)
+            if cluster.tend():
+                _write_manifest(cluster, manifest_path)
     except (RuntimeError, ValueError) as e:
         print(f"pd-serve: {e}", file=sys.stderr)
         return 1
@@ -40,19 +36,43 @@ def serve_until_stopped(cluster, startup_timeout: float, manifest_path: str | No
     return 0
 
 
-def banner(cluster) -> str:
+def _write_manifest(cluster, path: str | None) -> None:
+    if not path:
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump(cluster.manifest, f, indent=2)
+    os.replace(path + ".tmp", path)  # readers never see half a file
+
+
+def served_model_name(worker_urls: list[str]) -> str:
+    """The served model name, from the first worker that answers ``/server_info`` (workers need no key)."""
+    import httpx
+
+    for url in worker_urls:
+        try:
+            info = httpx.get(url + "/server_info", timeout=5).json()
+            return info.get("served_model_name") or info["model"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            continue
+    return "MODEL"
+
+
+def banner(cluster, api_key: str | None = None) -> str:
+    """What ``pd-serve`` prints once the router's ``/readiness`` is 200."""
     m = cluster.manifest
     roles = ", ".join(f"{w['name']} {w['url']}" for w in m["workers"])
     url = cluster.router_url
-    model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    model = served_model_name([w["url"] for w in m["workers"]])
+    auth = " -H 'Authorization: Bearer YOUR_API_KEY'" if api_key else ""
+    bench_key = " --api-key YOUR_API_KEY" if api_key else ""
     return f"""
 pd-cluster is ready {cluster.where} ({roles})
 OpenAI endpoint: {url}/v1
 
-  curl {url}/v1/completions -H 'Content-Type: application/json' \\
+  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}}'
 
-  pd-bench --base-url {url} --dataset-name random --random-input-len 200 --random-output-len 100 \\
+  pd-bench --base-url {url}{bench_key} --dataset-name random --random-input-len 200 --random-output-len 100 \\
     --num-prompts 50 --request-rate 5
 
 Ctrl-C stops everything.

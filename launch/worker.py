@@ -12,17 +12,22 @@ SGLang's ``--disaggregation-mode prefill|decode|null`` is accepted for ``--role`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import uuid
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
+from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
+from pd_cluster.serving.worker_app import WorkerConfig
+from pd_cluster.transfer.config import add_cli_args as add_transfer_args
+from pd_cluster.transfer.config import from_cli_args
 
 ROLE_ALIASES = {"null": "mixed", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pd-worker", description="Run one pd-cluster worker.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="pd-worker", description="Run one pd-cluster worker.")
     p.add_argument("--role", choices=["prefill", "decode", "mixed"], default=None)
     p.add_argument("--disaggregation-mode", choices=["prefill", "decode", "null"], default=None,
                    help="SGLang's name for --role (null = mixed)")
@@ -36,8 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")
     add_engine_args(p)
-    from pd_cluster.transfer.config import add_cli_args as add_transfer_args
-
     add_transfer_args(p)
     return p
 
@@ -48,39 +51,59 @@ def resolve_role(args: argparse.Namespace) -> str:
     return args.role or ROLE_ALIASES.get(args.disaggregation_mode or "null", "mixed")
 
 
-def build_app(args: argparse.Namespace):
-    """Build the engine and the role's app from parsed flags."""
-    import dataclasses
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """The frozen `WorkerConfig` of parsed ``pd-worker`` flags.
 
+    Raises:
+        ValueError: an invalid engine, transfer or worker value (from the config dataclasses).
+        SystemExit: ``--role`` and ``--disaggregation-mode`` disagree.
+    """
+    role = resolve_role(args)
+    return WorkerConfig(role=role, host=args.host, port=args.port, advertise_url=args.advertise_url,
+                        prefill_url=args.prefill_url, log_level=args.log_level,
+                        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                        engine=dataclasses.replace(config_from_args(args), role=role),
+                        transfer=from_cli_args(args))
+
+
+def build_app(config: WorkerConfig):
+    """Build the engine and the role's app."""
     from pd_cluster.engine.llm_engine import LLMEngine
 
-    role = resolve_role(args)
-    config = dataclasses.replace(config_from_args(args), role=role)
-    engine = LLMEngine(config)
-    url = args.advertise_url or f"http://{args.host}:{args.port}"
-    info = {"url": url, "incarnation": uuid.uuid4().hex[:12]}
-    if role == "mixed":
+    engine = LLMEngine(config.engine)
+    info = {"url": config.url, "incarnation": uuid.uuid4().hex[:12]}
+    if config.role == "mixed":
         from pd_cluster.serving.mixed import build_mixed_app
 
         return build_mixed_app(engine, info)
-    if role == "prefill":
+    if config.role == "prefill":
         from pd_cluster.prefill.server import build_prefill_app
 
-        return build_prefill_app(engine, args, info)
+        return build_prefill_app(engine, config, info)
     from pd_cluster.decode.server import build_decode_app
 
-    return build_decode_app(engine, args, info)
+    return build_decode_app(engine, config, info)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = worker_config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.trust_remote_code:
+        logging.getLogger("pd.worker").info("--trust-remote-code has no effect: pd-cluster runs no code "
+                                            "from a checkpoint")
+    if config.engine.device.attention_backend == "triton":
+        use_triton_interpreter_without_cuda()  # before the kernels are imported
     import uvicorn
 
-    app = build_app(args)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    app = build_app(config)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=config.timeout_graceful_shutdown)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
@@ -28,9 +27,8 @@ from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
-from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
+from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
 from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
-from pd_cluster.transfer.config import from_cli_args
 from pd_cluster.transfer.http import PeerDirectory, apply, make_router
 from pd_cluster.transfer.ticket import KVTicket
 from pd_cluster.transfer.tp import make_worker_transfer, parse_ticket
@@ -111,11 +109,11 @@ def _error(err: HTTPError, rid: str) -> Response:
     return JSONResponse(err.body(), status_code=err.status, headers={"X-Request-Id": rid, **err.headers})
 
 
-def build_prefill_app(engine: LLMEngine, args: Any, host_info: dict | None = None):
+def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):
     """A FastAPI app for `engine` in the prefill role, with its transfer agent."""
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "prefill")
-    tconfig = from_cli_args(args)
+    tconfig = config.transfer
     agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
     hooks = PrefillHooks(sender, engine.device)
     loop = EngineLoop(engine, hooks, on_step=lambda e, out, dt: metrics.on_step(e))

@@ -4,6 +4,9 @@
 rendered command lines with it); :func:`config_from_args` turns the parsed
 namespace into a frozen :class:`router.config.RouterConfig`. Flag names
 follow SGLang's ``sglang_router.launch_router`` where the concept is the same.
+Flags that set one config field each are rows of `pd_cluster.engine.flags.Flag`
+tables (as the engine's and the transfer's), with defaults read from the config
+dataclasses; the few that combine or convert values are written out.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from pd_cluster.engine.flags import Flag, add_flags, flag_values
 from pd_cluster.router.config import (
     POLICY_NAMES,
     CacheAwareConfig,
@@ -42,6 +46,70 @@ def _add_workers(p: argparse.ArgumentParser) -> None:
                    help="model name(s) accepted in requests; default: learned from the workers")
 
 
+# Flags that set one field of a config section each: (section of RouterConfig, rows). The defaults are read
+# from the config dataclasses (`add_flags`), so each is written once.
+POLICY_FLAGS: tuple[Flag, ...] = (
+    Flag("--cache-threshold", "policy.cache_aware.cache_threshold", float, None),
+    Flag("--balance-abs-threshold", "policy.cache_aware.balance_abs_threshold", int, None),
+    Flag("--balance-rel-threshold", "policy.cache_aware.balance_rel_threshold", float, None),
+    Flag("--eviction-interval-secs", "policy.cache_aware.eviction_interval_secs", float, None),
+    Flag("--max-tree-size", "policy.cache_aware.max_tree_size", int,
+         "characters held by the cache-aware tree over all workers"),
+    Flag("--cache-block-chars", "policy.cache_aware.block_chars", int,
+         "granularity of the approximate prefix tree, in characters"),
+    Flag("--policy-seed", "policy.seed", int, "seed of random choices"),
+)
+RETRY_FLAGS: tuple[Flag, ...] = (
+    Flag("--retry-max-retries", "retry.max_attempts", int,
+         "attempts per request in total, the first included (SGLang semantics)"),
+    Flag("--retry-initial-backoff-ms", "retry.initial_backoff_ms", float, None),
+    Flag("--retry-max-backoff-ms", "retry.max_backoff_ms", float, None),
+    Flag("--retry-backoff-multiplier", "retry.backoff_multiplier", float, None),
+    Flag("--retry-jitter-factor", "retry.jitter_factor", float, None),
+)
+CIRCUIT_FLAGS: tuple[Flag, ...] = (
+    Flag("--cb-failure-threshold", "circuit.failure_threshold", int, None),
+    Flag("--cb-success-threshold", "circuit.success_threshold", int, None),
+    Flag("--cb-timeout-duration-secs", "circuit.timeout_duration_secs", float, None),
+    Flag("--cb-window-duration-secs", "circuit.window_duration_secs", float, None),
+)
+HEALTH_FLAGS: tuple[Flag, ...] = (
+    Flag("--health-failure-threshold", "health.failure_threshold", int, None),
+    Flag("--health-success-threshold", "health.success_threshold", int, None),
+    Flag("--health-check-timeout-secs", "health.timeout_secs", float, None),
+    Flag("--health-check-interval-secs", "health.interval_secs", float, None),
+    Flag("--health-check-endpoint", "health.endpoint", str, None),
+)
+LIMIT_FLAGS: tuple[Flag, ...] = (
+    Flag("--max-concurrent-requests", "limits.max_concurrent_requests", int,
+         "requests in flight at once; -1: unlimited"),
+    Flag("--queue-size", "limits.queue_size", int, "requests waiting for a slot; past it 429 with Retry-After"),
+    Flag("--queue-timeout-secs", "limits.queue_timeout_secs", float, None),
+    Flag("--max-payload-size", "limits.max_payload_size", int, "largest request body in bytes; past it 413"),
+    Flag("--request-timeout-secs", "limits.request_timeout_secs", float, None),
+    Flag("--connect-timeout-secs", "limits.connect_timeout_secs", float, None),
+    Flag("--upstream-keepalive-secs", "limits.upstream_keepalive_secs", float,
+         "idle pooled connections to workers are closed after this; keep it "
+         "below the workers' keep-alive timeout (uvicorn: 5 s)"),
+    Flag("--shutdown-grace-period-secs", "limits.shutdown_grace_period_secs", float,
+         "on SIGTERM, in-flight requests get this long to finish"),
+)
+KUBERNETES_FLAGS: tuple[Flag, ...] = (
+    Flag("--service-discovery-namespace", "namespace", str, None),
+    Flag("--service-discovery-port", "port", int, "worker port when the pod has no port annotation"),
+    Flag("--service-discovery-port-annotation", "port_annotation", str, None),
+    Flag("--service-discovery-resync-secs", "resync_secs", float, None),
+    Flag("--service-discovery-watch-timeout-secs", "watch_timeout_secs", int, None),
+    Flag("--kubeconfig", "kubeconfig", str, "default: in-cluster config, else ~/.kube/config"),
+)
+RAY_FLAGS: tuple[Flag, ...] = (
+    Flag("--ray-address", "address", str, None),
+    Flag("--ray-namespace", "namespace", str, None),
+    Flag("--ray-actor-prefix", "actor_prefix", str, None),
+    Flag("--ray-poll-secs", "poll_secs", float, None),
+)
+
+
 def _add_policies(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("policies")
     g.add_argument("--policy", choices=POLICY_NAMES, default=None,
@@ -50,60 +118,22 @@ def _add_policies(p: argparse.ArgumentParser) -> None:
                    help="prefill policy (default cache_aware)")
     g.add_argument("--decode-policy", choices=POLICY_NAMES, default=None,
                    help="decode policy (default least_kv_usage: lowest KV usage with admission room)")
-    d = CacheAwareConfig()
-    g.add_argument("--cache-threshold", type=float, default=d.cache_threshold)
-    g.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold)
-    g.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold)
-    g.add_argument("--eviction-interval-secs", type=float, default=d.eviction_interval_secs)
-    g.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
-                   help="characters held by the cache-aware tree over all workers")
-    g.add_argument("--cache-block-chars", type=int, default=d.block_chars,
-                   help="granularity of the approximate prefix tree, in characters")
-    g.add_argument("--policy-seed", type=int, default=None, help="seed of random choices")
+    add_flags(g, POLICY_FLAGS, RouterConfig())
 
 
 def _add_resilience(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("resilience")
-    r, c, h = RetryConfig(), CircuitBreakerConfig(), HealthConfig()
-    g.add_argument("--retry-max-retries", type=int, default=r.max_attempts,
-                   help="attempts per request in total, the first included (SGLang semantics)")
-    g.add_argument("--retry-initial-backoff-ms", type=float, default=r.initial_backoff_ms)
-    g.add_argument("--retry-max-backoff-ms", type=float, default=r.max_backoff_ms)
-    g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
-    g.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
+    add_flags(g, RETRY_FLAGS, RouterConfig())
     g.add_argument("--disable-retries", action="store_true")
-    g.add_argument("--cb-failure-threshold", type=int, default=c.failure_threshold)
-    g.add_argument("--cb-success-threshold", type=int, default=c.success_threshold)
-    g.add_argument("--cb-timeout-duration-secs", type=float, default=c.timeout_duration_secs)
-    g.add_argument("--cb-window-duration-secs", type=float, default=c.window_duration_secs)
+    add_flags(g, CIRCUIT_FLAGS, RouterConfig())
     g.add_argument("--disable-circuit-breaker", action="store_true")
-    g.add_argument("--health-failure-threshold", type=int, default=h.failure_threshold)
-    g.add_argument("--health-success-threshold", type=int, default=h.success_threshold)
-    g.add_argument("--health-check-timeout-secs", type=float, default=h.timeout_secs)
-    g.add_argument("--health-check-interval-secs", type=float, default=h.interval_secs)
-    g.add_argument("--health-check-endpoint", default=h.endpoint)
-    g.add_argument("--load-refresh-interval-ms", type=float, default=h.load_interval_secs * 1e3,
+    add_flags(g, HEALTH_FLAGS, RouterConfig())
+    g.add_argument("--load-refresh-interval-ms", type=float, default=HealthConfig().load_interval_secs * 1e3,
                    help="period of GET /get_load per worker, for load-based policies")
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("limits")
-    lim = LimitsConfig()
-    g.add_argument("--max-concurrent-requests", type=int, default=lim.max_concurrent_requests,
-                   help="requests in flight at once; -1: unlimited")
-    g.add_argument("--queue-size", type=int, default=lim.queue_size,
-                   help="requests waiting for a slot; past it 429 with Retry-After")
-    g.add_argument("--queue-timeout-secs", type=float, default=lim.queue_timeout_secs)
-    g.add_argument("--max-payload-size", type=int, default=lim.max_payload_size,
-                   help="largest request body in bytes; past it 413")
-    g.add_argument("--request-timeout-secs", type=float, default=lim.request_timeout_secs)
-    g.add_argument("--connect-timeout-secs", type=float, default=lim.connect_timeout_secs)
-    g.add_argument("--upstream-keepalive-secs", type=float, default=lim.upstream_keepalive_secs,
-                   help="idle pooled connections to workers are closed after this; keep it "
-                        "below the workers' keep-alive timeout (uvicorn: 5 s)")
-    g.add_argument("--shutdown-grace-period-secs", type=float,
-                   default=lim.shutdown_grace_period_secs,
-                   help="on SIGTERM, in-flight requests get this long to finish")
+    add_flags(p.add_argument_group("limits"), LIMIT_FLAGS, RouterConfig())
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
@@ -116,34 +146,21 @@ def _add_security(p: argparse.ArgumentParser) -> None:
 
 def _add_discovery(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("discovery")
-    k = KubernetesDiscoveryConfig()
     g.add_argument("--service-discovery", action="store_true",
                    help="find worker pods through the Kubernetes API")
-    g.add_argument("--service-discovery-namespace", default=k.namespace)
     g.add_argument("--prefill-selector", nargs="+", default=[], metavar="KEY=VALUE")
     g.add_argument("--decode-selector", nargs="+", default=[], metavar="KEY=VALUE")
     g.add_argument("--selector", nargs="+", default=[], metavar="KEY=VALUE",
                    help="label selector of mixed worker pods")
-    g.add_argument("--service-discovery-port", type=int, default=k.port,
-                   help="worker port when the pod has no port annotation")
-    g.add_argument("--service-discovery-port-annotation", default=k.port_annotation)
-    g.add_argument("--service-discovery-resync-secs", type=float, default=k.resync_secs)
-    g.add_argument("--service-discovery-watch-timeout-secs", type=int,
-                   default=k.watch_timeout_secs)
-    g.add_argument("--kubeconfig", default=None,
-                   help="default: in-cluster config, else ~/.kube/config")
-    r = RayDiscoveryConfig()
+    add_flags(g, KUBERNETES_FLAGS, KubernetesDiscoveryConfig())
     g.add_argument("--ray-discovery", action="store_true",
                    help="find workers that run as named Ray actors")
-    g.add_argument("--ray-address", default=r.address)
-    g.add_argument("--ray-namespace", default=r.namespace)
-    g.add_argument("--ray-actor-prefix", default=r.actor_prefix)
-    g.add_argument("--ray-poll-secs", type=float, default=r.poll_secs)
+    add_flags(g, RAY_FLAGS, RayDiscoveryConfig())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``pd-router`` argument parser (no side effects)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False, 
         prog="pd-router",
         description="OpenAI-compatible router for prefill/decode disaggregated workers.")
     p.add_argument("--host", default=RouterConfig.host)
@@ -171,11 +188,7 @@ def _selector(pairs: Sequence[str]) -> str | None:
 
 
 def _policies(a: argparse.Namespace) -> PolicyConfig:
-    cache = CacheAwareConfig(
-        cache_threshold=a.cache_threshold, balance_abs_threshold=a.balance_abs_threshold,
-        balance_rel_threshold=a.balance_rel_threshold,
-        eviction_interval_secs=a.eviction_interval_secs, max_tree_size=a.max_tree_size,
-        block_chars=a.cache_block_chars)
+    cache = CacheAwareConfig(**flag_values(a, POLICY_FLAGS, skip_none=False, section="policy.cache_aware"))
     d = PolicyConfig()
     return PolicyConfig(
         prefill=a.prefill_policy or a.policy or d.prefill,
@@ -184,19 +197,12 @@ def _policies(a: argparse.Namespace) -> PolicyConfig:
 
 
 def _resilience(a: argparse.Namespace) -> tuple[RetryConfig, CircuitBreakerConfig, HealthConfig]:
-    retry = RetryConfig(
-        max_attempts=1 if a.disable_retries else a.retry_max_retries,
-        initial_backoff_ms=a.retry_initial_backoff_ms, max_backoff_ms=a.retry_max_backoff_ms,
-        backoff_multiplier=a.retry_backoff_multiplier, jitter_factor=a.retry_jitter_factor)
-    circuit = CircuitBreakerConfig(
-        failure_threshold=a.cb_failure_threshold, success_threshold=a.cb_success_threshold,
-        timeout_duration_secs=a.cb_timeout_duration_secs,
-        window_duration_secs=a.cb_window_duration_secs, enabled=not a.disable_circuit_breaker)
-    health = HealthConfig(
-        interval_secs=a.health_check_interval_secs, timeout_secs=a.health_check_timeout_secs,
-        failure_threshold=a.health_failure_threshold,
-        success_threshold=a.health_success_threshold, endpoint=a.health_check_endpoint,
-        load_interval_secs=a.load_refresh_interval_ms / 1e3)
+    retry = RetryConfig(**dict(flag_values(a, RETRY_FLAGS, skip_none=False, section="retry"),
+                               **({"max_attempts": 1} if a.disable_retries else {})))
+    circuit = CircuitBreakerConfig(**flag_values(a, CIRCUIT_FLAGS, skip_none=False, section="circuit"),
+                                   enabled=not a.disable_circuit_breaker)
+    health = HealthConfig(**flag_values(a, HEALTH_FLAGS, skip_none=False, section="health"),
+                          load_interval_secs=a.load_refresh_interval_ms / 1e3)
     return retry, circuit, health
 
 
@@ -204,20 +210,16 @@ def _discovery(a: argparse.Namespace):
     k8s = None
     if a.service_discovery:
         k8s = KubernetesDiscoveryConfig(
-            namespace=a.service_discovery_namespace,
+            **flag_values(a, KUBERNETES_FLAGS, skip_none=False),
             prefill_selector=_selector(a.prefill_selector),
             decode_selector=_selector(a.decode_selector),
-            worker_selector=_selector(a.selector), port=a.service_discovery_port,
-            port_annotation=a.service_discovery_port_annotation,
-            watch_timeout_secs=a.service_discovery_watch_timeout_secs,
-            resync_secs=a.service_discovery_resync_secs, kubeconfig=a.kubeconfig)
+            worker_selector=_selector(a.selector))
         if not (k8s.prefill_selector or k8s.decode_selector or k8s.worker_selector):
             raise ValueError("--service-discovery needs --prefill-selector/--decode-selector "
                              "or --selector")
     ray = None
     if a.ray_discovery:
-        ray = RayDiscoveryConfig(address=a.ray_address, namespace=a.ray_namespace,
-                                 actor_prefix=a.ray_actor_prefix, poll_secs=a.ray_poll_secs)
+        ray = RayDiscoveryConfig(**flag_values(a, RAY_FLAGS, skip_none=False))
     return k8s, ray
 
 
@@ -225,12 +227,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     """Build the frozen config; raises ``ValueError`` on inconsistent flags."""
     retry, circuit, health = _resilience(a)
     k8s, ray = _discovery(a)
-    limits = LimitsConfig(
-        max_concurrent_requests=a.max_concurrent_requests, queue_size=a.queue_size,
-        queue_timeout_secs=a.queue_timeout_secs, max_payload_size=a.max_payload_size,
-        request_timeout_secs=a.request_timeout_secs, connect_timeout_secs=a.connect_timeout_secs,
-        upstream_keepalive_secs=a.upstream_keepalive_secs,
-        shutdown_grace_period_secs=a.shutdown_grace_period_secs)
+    limits = LimitsConfig(**flag_values(a, LIMIT_FLAGS, skip_none=False, section="limits"))
     security = SecurityConfig(
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         admin_api_key=a.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None)

@@ -12,6 +12,7 @@ import importlib.metadata
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -19,11 +20,57 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
+from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger("pd.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker process runs with; built from ``pd-worker`` flags by
+    `pd_cluster.launch.worker.worker_config_from_args`, taken by the role apps.
+
+    Attributes:
+        role: ``prefill``, ``decode`` or ``mixed``.
+        host, port: where the HTTP server listens.
+        advertise_url: the URL peers and the router use to reach this worker (``http://host:port`` by default).
+        prefill_url: decode only: the prefill worker of requests without an ``X-PD-Prefill-Url`` header.
+        log_level: the level of the worker's log (``info``, ``debug``, ...).
+        timeout_graceful_shutdown: seconds requests in flight get to finish on SIGTERM.
+        engine: the engine's config (its `role` equals `role`).
+        transfer: the KV transfer agent's config (prefill and decode roles).
+    """
+
+    role: str = "mixed"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    advertise_url: str | None = None
+    prefill_url: str | None = None
+    log_level: str = "info"
+    timeout_graceful_shutdown: float = 30.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine.role != self.role:
+            raise ValueError(f"the engine's role {self.engine.role!r} is not the worker's {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.timeout_graceful_shutdown < 0:
+            raise ValueError(f"timeout_graceful_shutdown must be >= 0, got {self.timeout_graceful_shutdown}")
+        if self.prefill_url is not None and self.role != "decode":
+            raise ValueError("prefill_url is a decode worker's setting")
+
+    @property
+    def url(self) -> str:
+        """The URL this worker is reached at."""
+        return self.advertise_url or f"http://{self.host}:{self.port}"
 
 
 class WorkerState:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from pd_cluster.engine.flags import Flag, add_flags, flag_values
+
 BACKENDS = ("UCX",)
 
 
@@ -90,37 +92,35 @@ class TransferConfig:
         return self.kv_transfer_timeout if self.abort_quarantine is None else self.abort_quarantine
 
 
+TRANSFER_FLAGS: tuple[Flag, ...] = (
+    Flag("--kv-transfer-timeout", "kv_transfer_timeout", float,
+         "decode: seconds without a KV push before a transfer fails (504); default %(default)s"),
+    Flag("--kv-transfer-heartbeat-interval", "heartbeat_interval", float,
+         "seconds between liveness probes to peers with transfers in flight; default %(default)s"),
+    Flag("--kv-transfer-abort-quarantine", "abort_quarantine", float,
+         "seconds decode keeps unconfirmed aborted pages unused; default: --kv-transfer-timeout"),
+    Flag("--kv-transfer-backend", "backend", str, "the NIXL backend", choices=BACKENDS),
+    Flag("--kv-transfer-ucx-tls", "ucx_tls", str,
+         "exported as UCX_TLS before NIXL starts (e.g. rc,cuda_copy,cuda_ipc on RDMA clusters)"),
+    Flag("--kv-transfer-ucx-net-devices", "ucx_net_devices", str,
+         "exported as UCX_NET_DEVICES (e.g. mlx5_0:1); set it on RDMA clusters"),
+    Flag("--kv-transfer-progress-thread", "enable_progress_thread", None,
+         "run NIXL's UCX progress thread (default off: it spins a CPU core; poll() progresses)",
+         action=argparse.BooleanOptionalAction),
+    Flag("--kv-transfer-num-threads", "num_threads", int, "UCX backend worker threads (0: NIXL's default)"),
+    Flag("--kv-transfer-hugepages", "hugepages", None,
+         "back a host-memory KV pool with transparent huge pages before registering it (default on)",
+         action=argparse.BooleanOptionalAction),
+)
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the transfer flags (``--kv-transfer-*``) to a worker's parser."""
-    g = parser.add_argument_group("KV transfer (NIXL)")
-    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                   help="decode: seconds without a KV push before a transfer fails (504); default 30")
-    g.add_argument("--kv-transfer-heartbeat-interval", type=float, default=1.0,
-                   help="seconds between liveness probes to peers with transfers in flight; default 1")
-    g.add_argument("--kv-transfer-abort-quarantine", type=float, default=None,
-                   help="seconds decode keeps unconfirmed aborted pages unused; default: --kv-transfer-timeout")
-    g.add_argument("--kv-transfer-backend", default="UCX", choices=BACKENDS)
-    g.add_argument("--kv-transfer-ucx-tls", default=None,
-                   help="exported as UCX_TLS before NIXL starts (e.g. rc,cuda_copy,cuda_ipc on RDMA clusters)")
-    g.add_argument("--kv-transfer-ucx-net-devices", default=None,
-                   help="exported as UCX_NET_DEVICES (e.g. mlx5_0:1); set it on RDMA clusters")
-    g.add_argument("--kv-transfer-progress-thread", action=argparse.BooleanOptionalAction, default=False,
-                   help="run NIXL's UCX progress thread (default off: it spins a CPU core; poll() progresses)")
-    g.add_argument("--kv-transfer-num-threads", type=int, default=0)
-    g.add_argument("--kv-transfer-hugepages", action=argparse.BooleanOptionalAction, default=True,
-                   help="back a host-memory KV pool with transparent huge pages before registering it (default on)")
+    """Add the transfer flags (``--kv-transfer-*``) to a worker's parser; defaults are `TransferConfig`'s."""
+    add_flags(parser.add_argument_group("KV transfer (NIXL)"), TRANSFER_FLAGS, TransferConfig())
 
 
 def from_cli_args(args: argparse.Namespace) -> TransferConfig:
-    """Build a `TransferConfig` from the flags of `add_cli_args`."""
-    return TransferConfig(
-        kv_transfer_timeout=args.kv_transfer_timeout,
-        heartbeat_interval=min(args.kv_transfer_heartbeat_interval, args.kv_transfer_timeout),
-        abort_quarantine=args.kv_transfer_abort_quarantine,
-        backend=args.kv_transfer_backend,
-        ucx_tls=args.kv_transfer_ucx_tls,
-        ucx_net_devices=args.kv_transfer_ucx_net_devices,
-        enable_progress_thread=args.kv_transfer_progress_thread,
-        num_threads=args.kv_transfer_num_threads,
-        hugepages=args.kv_transfer_hugepages,
-    )
+    """Build a `TransferConfig` from the flags of `add_cli_args` (the heartbeat is capped by the timeout)."""
+    values = flag_values(args, TRANSFER_FLAGS, skip_none=False)
+    values["heartbeat_interval"] = min(values["heartbeat_interval"], values["kv_transfer_timeout"])
+    return TransferConfig(**values)

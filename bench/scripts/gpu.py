@@ -55,7 +55,8 @@ def device_info(device: torch.device) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m pd_cluster.bench.scripts.gpu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 prog="python -m pd_cluster.bench.scripts.gpu", description=__doc__.split("\n")[0])
     ap.add_argument("--output", default="gpu-bench.md", help="markdown file for the tables (default: gpu-bench.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")

@@ -14,9 +14,10 @@ from chart_util import (CHART, NAMESPACE, ROOT, VALUE_FILES, WORKER_ROLES, all_p
                         expand, flag_value, load_values, objects, render)
 
 from pd_cluster.bench import args as bench_args
+from pd_cluster.engine.args import COMPAT_ONLY
+from pd_cluster.engine.flags import is_refusal
 from pd_cluster.launch import worker as launch_worker
 from pd_cluster.router import args as router_args
-from pd_cluster.transfer.config import from_cli_args
 
 CASES = [None, *VALUE_FILES]
 IDS = ["default", *[p.stem for p in VALUE_FILES]]
@@ -134,15 +135,11 @@ def test_every_container_command_line_parses_with_the_project_cli(path):
 
 
 def _check_worker(ns: argparse.Namespace, argv: list[str], label: str) -> None:
-    from pd_cluster.engine.args import config_from_args
-
-    role = launch_worker.resolve_role(ns)
-    assert role in label.split("/")[0], label
-    config = config_from_args(ns)  # raises on invalid engine values
-    from_cli_args(ns)
-    assert ns.advertise_url == f"http://{FAKE_ENV['POD_IP']}:{ns.port}"
-    assert ns.host == "0.0.0.0"
-    assert config.cache.kv_cache_dtype in ("fp8_e4m3", "bf16", "fp16", "fp32", "auto")
+    config = launch_worker.worker_config_from_args(ns)  # raises on invalid engine, transfer or worker values
+    assert config.role in label.split("/")[0], label
+    assert config.url == f"http://{FAKE_ENV['POD_IP']}:{config.port}"
+    assert config.host == "0.0.0.0"
+    assert config.engine.cache.kv_cache_dtype in ("fp8_e4m3", "bf16", "fp16", "fp32", "auto")
 
 
 @pytest.mark.parametrize("path", CASES, ids=IDS)
@@ -200,7 +197,7 @@ def test_values_schema_lists_every_flag_with_its_type(definition, factory):
     schema = json.loads((CHART / "values.schema.json").read_text())["definitions"][definition]
     assert schema["additionalProperties"] is False
     actions = {next(o for o in a.option_strings if o.startswith("--")): a for a in factory()._actions
-               if a.option_strings}
+               if a.option_strings and not is_refusal(a) and a.option_strings[0] not in COMPAT_ONLY}
     managed = CHART_MANAGED[definition]
     assert managed <= set(actions), managed - set(actions)
     assert {f"--{k}" for k in schema["properties"]} == set(actions) - managed

@@ -21,7 +21,7 @@ def ignored(path: str) -> bool:
 
 def test_build_context_keeps_what_pip_install_needs():
     needed = ["pyproject.toml", PYPROJECT["project"]["readme"]]
-    needed += ["__init__.py"] + [p.split(".")[1] for p in PYPROJECT["tool"]["setuptools"]["packages"] if "." in p]
+    needed += ["__init__.py", *{p.split(".")[1] for p in PYPROJECT["tool"]["setuptools"]["packages"] if "." in p}]
     for path in needed:
         assert not ignored(path), path
     assert ignored(".git") and ignored("tests/deploy/test_dockerfile.py") and ignored("helm/pd-cluster/values.yaml")

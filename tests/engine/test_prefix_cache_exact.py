@@ -182,7 +182,7 @@ def test_flags_turn_the_cache_off_and_decode_role_has_none():
     parser = add_engine_args(argparse.ArgumentParser())
     for argv, on in (([], True), (["--disable-radix-cache"], False), (["--no-enable-prefix-caching"], False)):
         assert config_from_args(parser.parse_args(argv)).cache.enable_prefix_caching is on
-    for kw in ({"disable_radix_cache": True}, {"no_enable_prefix_caching": True}):
+    for kw in ({"disable_radix_cache": True},):
         assert LLM(**kw).engine.prefix_cache is None
     assert LLM().engine.prefix_cache is not None
     assert LLMEngine(config_from_kwargs(role="decode")).prefix_cache is None

@@ -109,6 +109,7 @@ def test_kernels_run_when_triton_was_imported_first():
 
     code = """
 import triton, torch
+from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda; use_triton_interpreter_without_cuda()
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.attention.triton.store import store_kv
 layout = KVLayout(1, 2, 16, 4, "fp16", (1.0,), (1.0,))

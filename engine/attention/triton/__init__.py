@@ -6,20 +6,14 @@
 
 Triton reads ``TRITON_INTERPRET`` when a function is decorated with
 ``@triton.jit``. On a machine without CUDA the kernels can only run in the
-interpreter, so importing this package there sets ``TRITON_INTERPRET=1``
-(unless the variable is set already) before the kernels are defined. The
+interpreter: the entry points set ``TRITON_INTERPRET=1`` there before this
+package is imported (`pd_cluster.launch.interpreter`); importing it changes no
+environment variable. The
 kernels avoid Triton's own jit-defined library functions (see `primitives`),
 so this works even when ``triton`` was imported earlier. An explicit
 ``TRITON_INTERPRET=0`` is respected (ahead-of-time compilation for a GPU
 target, as `bench/scripts/gpu_compile.py` does).
 """
-
-import os
-
-import torch
-
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") is None:
-    os.environ["TRITON_INTERPRET"] = "1"
 
 from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig, DecodeWorkspace, decode_attention, num_kv_splits  # noqa: E402
 from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention  # noqa: E402
