@@ -16,7 +16,7 @@ from pd_cluster.serving.openai_serving import OpenAIServing
 from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
 from pd_cluster.transfer.config import from_cli_args
 from pd_cluster.transfer.http import PeerDirectory, make_router
-from pd_cluster.transfer.tp import make_worker_transfer
+from pd_cluster.transfer.factory import make_worker_transfer
 
 
 def build_decode_app(engine: LLMEngine, args: Any, host_info: dict | None = None):
