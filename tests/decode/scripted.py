@@ -8,6 +8,13 @@ embedded model and copies its pages into the decode pool, as the NIXL WRITEs wou
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
@@ -28,8 +35,9 @@ def decode_engine(**kw) -> LLMEngine:
 class ScriptedReceiver:
     """A `Receiver` whose events the test scripts; it records every call."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, peers: tuple[str, ...] = (PREFILL_AGENT,)) -> None:
         self.page_size = page_size
+        self.peers = peers
         self.tickets: dict[str, KVTicket] = {}
         self.calls: list[tuple] = []
         self.pending = ReceiverEvents()
@@ -49,7 +57,7 @@ class ScriptedReceiver:
         self.calls.append(("expect", request_id))
         if self.refuse_expect is not None:
             raise self.refuse_expect
-        if prefill_agent != PREFILL_AGENT:
+        if prefill_agent not in self.peers:
             raise PeerNotConnectedError(f"no metadata loaded for peer agent {prefill_agent}", peer=prefill_agent)
         self._seq += 1
         t = KVTicket(f"{request_id}@x.{self._seq}", request_id, DECODE_AGENT, prefill_agent,
@@ -125,3 +133,43 @@ class LocalPrefill:
 def run_loop(aloop: asyncio.AbstractEventLoop) -> None:
     """Let the event loop run the callbacks the engine thread scheduled (`call_soon_threadsafe`)."""
     aloop.run_until_complete(asyncio.sleep(0))
+
+
+class FakePrefill:
+    """A prefill worker's HTTP side: ``/prefill`` answers as `mode` says; ``/abort`` is recorded."""
+
+    def __init__(self) -> None:
+        self.mode = "400"
+        self.jobs: list[dict] = []
+        self.aborts: list[str] = []
+        app = FastAPI()
+
+        @app.post("/prefill")
+        async def prefill(request: Request):
+            self.jobs.append(await request.json())
+            if self.mode == "400":
+                return JSONResponse({"error": {"message": "prompt: too long", "type": "BadRequestError",
+                                               "param": "prompt", "code": "invalid_value"}}, status_code=400)
+            if self.mode == "hang":
+                await asyncio.sleep(30)
+            return JSONResponse({"error": {"message": "boom", "code": "internal_error"}}, status_code=500)
+
+        @app.post("/abort")
+        async def abort(request: Request):
+            self.aborts.append((await request.json())["request_id"])
+            return {"aborted": True}
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

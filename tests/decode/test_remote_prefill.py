@@ -11,16 +11,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from scripted import PREFILL_AGENT, ScriptedReceiver, decode_engine
+from scripted import PREFILL_AGENT, FakePrefill, ScriptedReceiver, decode_engine
 
 from pd_cluster.decode.handover import DecodeHooks
 from pd_cluster.decode.remote_prefill import RemotePrefill
@@ -29,46 +24,6 @@ from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.transfer.http import Resolved
 
 PROMPT_IDS = list(range(5, 5 + 40))  # 3 pages of 16
-
-
-class FakePrefill:
-    """A prefill worker's HTTP side: ``/prefill`` answers as `mode` says; ``/abort`` is recorded."""
-
-    def __init__(self) -> None:
-        self.mode = "400"
-        self.jobs: list[dict] = []
-        self.aborts: list[str] = []
-        app = FastAPI()
-
-        @app.post("/prefill")
-        async def prefill(request: Request):
-            self.jobs.append(await request.json())
-            if self.mode == "400":
-                return JSONResponse({"error": {"message": "prompt: too long", "type": "BadRequestError",
-                                               "param": "prompt", "code": "invalid_value"}}, status_code=400)
-            if self.mode == "hang":
-                await asyncio.sleep(30)
-            return JSONResponse({"error": {"message": "boom", "code": "internal_error"}}, status_code=500)
-
-        @app.post("/abort")
-        async def abort(request: Request):
-            self.aborts.append((await request.json())["request_id"])
-            return {"aborted": True}
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 class KnownPeer:
