@@ -87,13 +87,17 @@ class RemotePrefill(PromptSource):
         if not url:
             raise HTTPError(400, "a decode worker needs the prefill worker: set the X-PD-Prefill-Url header "
                                  "(the router does) or --prefill-url", None, "missing_prefill")
-        for attempt in range(2):
-            try:
-                return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"))
-            except _StalePrefill:
-                self.directory.invalidate(url)
-                logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
-                            request_id, url, attempt + 1)
+        try:
+            for attempt in range(2):
+                try:
+                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"))
+                except _StalePrefill:
+                    self.directory.invalidate(url)
+                    logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
+                                request_id, url, attempt + 1)
+        except asyncio.CancelledError:  # the client went away before the first token: one line, no traceback
+            logger.info("request %s: aborted before its first token (the client went away)", request_id)
+            raise
         raise HTTPError(502, f"prefill worker {url} kept refusing our tickets as stale", None, "stale_peer")
 
     async def _connect(self, url: str) -> str:
@@ -209,7 +213,6 @@ class RemotePrefill(PromptSource):
         if rec is None or rec.aborted:  # running (the engine aborts it), unknown, or aborted already
             return
         rec.aborted = True
-        logger.info("request %s: aborted before its first token (the client went away)", request_id)
         if rec.post is not None:  # the prefill worker may have the job
             if not rec.post.done():
                 rec.post.cancel()

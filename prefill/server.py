@@ -31,6 +31,7 @@ from pd_cluster.serving.openai_serving import until_disconnect
 from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
 from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
 from pd_cluster.transfer.config import from_cli_args
+from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
 from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
 from pd_cluster.transfer.interfaces import Agent
@@ -77,6 +78,8 @@ class PrefillServer:
             result = await until_disconnect(request, job.future)
         except asyncio.CancelledError:
             self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(result.error, TransferAbortedError):  # decode gave up on it (already logged once, at INFO)
             return Response(status_code=CLIENT_CLOSED)
         if result.error is not None:
             return _error(transfer_http_error(result.error), rid)
