@@ -1,152 +1,144 @@
-"""Decode side of the handover, in the engine thread: reserve pages, make the ticket, complete or fail.
+"""Decode side of the handover, in the engine thread: the table of `RemoteRequest`s and the receiver's driver.
 
-Each remote request goes through: registered (waiting for pages in the
-engine's prealloc queue) -> ticket made when the scheduler reserved its pages
--> completed when `KVReceiver.poll` reports every push arrived (the request
-joins the running batch with the first token from the last push) or failed
-(the request is aborted; its pages stay held until the receiver says the
-sender has stopped writing into them).
+`DecodeHooks` keeps one `RemoteRequest` per remote request until the record is
+RUNNING or RELEASED, and turns the engine's reservations and the receiver's
+events into the record's transitions; every decision about pages is the
+record's (``decode/request.py``). Handlers reach the table only through
+engine-thread commands (`EngineLoop.call` / `call_soon`) and `get`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.decode.request import RemoteRequest, RemoteState
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import StepOutput
-from pd_cluster.serving.engine_loop import StepHooks, settle_future
-from pd_cluster.transfer.errors import TransferError
-from pd_cluster.transfer.receiver import KVReceiver
+from pd_cluster.engine.request import Request
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.serving.engine_loop import StepHooks
+from pd_cluster.transfer.interfaces import Receiver
 
 logger = logging.getLogger("pd.decode")
 
 
-@dataclass
-class Handover:
-    """The futures a request handler awaits, resolved from the engine thread."""
+def skip_first_token_draw(engine: LLMEngine, req: Request) -> None:
+    """Advance `req`'s generator exactly as sampling its first token did on the prefill worker.
 
-    request_id: str
-    prefill_agent: str
-    ticket_future: asyncio.Future
-    kv_future: asyncio.Future
-    aloop: asyncio.AbstractEventLoop
-    transfer_id: str | None = None
-
-    def resolve(self, fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
-        self.aloop.call_soon_threadsafe(settle_future, fut, result, error)
+    The prefill worker sampled the first token from the same per-request seed, so this worker's generator
+    must be one draw further, as a mixed worker's would be, for seeded sampling to give the same tokens in
+    PD and mixed mode. Today that draw is the sampler's exponential race over the vocabulary (one
+    ``[vocab_size]`` float32 exponential per sampled token); this function is the only place that knows it.
+    It becomes ``engine.runner.sampler.skip(req.params, req.generator)`` (`Sampler.skip`) once the
+    sampler provides it.
+    """
+    if req.generator is None or req.params.greedy:
+        return
+    torch.empty(engine.arch.vocab_size, device=engine.device).exponential_(generator=req.generator)
 
 
 class DecodeHooks(StepHooks):
-    """Drives the `KVReceiver` from the engine thread.
+    """Drives the receiver from the engine thread and owns the decode worker's `RemoteRequest`s.
 
     Args:
-        receiver: the worker's receiver.
+        receiver: the worker's receiver (`KVReceiver`, or `TPReceiver` under tensor parallelism).
     """
 
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: Receiver) -> None:
         self.receiver = receiver
-        self.by_request: dict[str, Handover] = {}
-        self.by_transfer: dict[str, Handover] = {}
+        self._records: dict[str, RemoteRequest] = {}
+        self._by_transfer: dict[str, RemoteRequest] = {}  # an index of `_records` by ticket
+
+    # ---- read from any thread -------------------------------------------------------------------------
+    def get(self, request_id: str) -> RemoteRequest | None:
+        """The request's record while it is neither RUNNING nor RELEASED."""
+        return self._records.get(request_id)
 
     @property
     def num_prealloc(self) -> int:
         """Requests registered but without pages yet (SGLang's decode prealloc queue)."""
-        return sum(1 for h in self.by_request.values() if h.transfer_id is None)
+        return sum(1 for r in list(self._records.values()) if r.state is RemoteState.QUEUED)
 
-    def register(self, engine: LLMEngine, h: Handover, prompt_ids: list[int], params, stream: bool) -> None:
-        """Queue a remote request in the engine (engine thread). Raises as `LLMEngine.add_remote_request`."""
-        engine.add_remote_request(h.request_id, prompt_ids, params, stream=stream)
-        self.by_request[h.request_id] = h
+    def has_pending(self) -> bool:
+        return bool(self._by_transfer) or self.receiver.has_work
 
-    def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
-        for request_id, pages in out.reserved:
-            h = self.by_request.get(request_id)
-            if h is None:
-                continue
-            req = engine.requests[request_id]
-            try:
-                ticket = self.receiver.expect(request_id, pages, req.num_prompt_tokens, h.prefill_agent)
-            except (TransferError, ValueError) as e:
-                self._drop(engine, h)
-                engine.abort_request(request_id)
-                h.resolve(h.ticket_future, error=e)
-                continue
-            h.transfer_id = ticket.transfer_id
-            self.by_transfer[ticket.transfer_id] = h
-            h.resolve(h.ticket_future, ticket)
+    # ---- commands (engine thread) ---------------------------------------------------------------------
+    def register(self, engine: LLMEngine, rec: RemoteRequest, prompt_ids: list[int], params: SamplingParams,
+                 stream: bool) -> None:
+        """Queue a remote request in the engine (QUEUED). Raises as `LLMEngine.add_remote_request`."""
+        if rec.request_id in self._records:
+            raise ValueError(f"request {rec.request_id} is already registered")
+        engine.add_remote_request(rec.request_id, prompt_ids, params, stream=stream)
+        self._records[rec.request_id] = rec
 
-    def poll(self, engine: LLMEngine) -> None:
-        if not self.by_transfer and not self.receiver.has_work:
-            return
-        ev = self.receiver.poll()
-        for done in ev.completed:
-            h = self.by_transfer.get(done.transfer_id)
-            if h is None:
-                continue
-            self._drop(engine, h)
-            req = engine.requests.get(h.request_id)
-            if req is not None:
-                req.times.kv_wait_s = done.wait_s
-            first = done.meta.get("first_token_id")
-            lp = done.meta.get("first_logprob")
-            logprob = (lp[0], [(int(i), float(v)) for i, v in lp[1]]) if lp else None
-            ok = first is not None and engine.complete_remote_prefill(h.request_id, int(first), logprob)
-            if ok and req is not None and req.generator is not None and not req.params.greedy:
-                # prefill drew the first token from the same seed: keep the generator in step with mixed mode
-                torch.empty(engine.arch.vocab_size, device=engine.device).exponential_(generator=req.generator)
-            err = None if ok else RuntimeError(f"request {h.request_id} was no longer waiting for its KV")
-            h.resolve(h.kv_future, done, err)
-        for failed in ev.failed:
-            h = self.by_transfer.get(failed.transfer_id)
-            if h is None:
-                continue
-            self._drop(engine, h)
-            engine.abort_request(h.request_id, release_pages=False)
-            h.resolve(h.kv_future, error=failed.error)
-        for rel in ev.released:
-            engine.release_request(rel.request_id)
+    def send(self, engine: LLMEngine, request_id: str) -> None:
+        """The handler is about to send the ticket to the prefill worker (RESERVED -> ARRIVING)."""
+        rec = self._records.get(request_id)
+        if rec is not None:
+            rec.send()
 
-    def fail(self, engine: LLMEngine, request_id: str, message: str, peer_gone: bool) -> None:
-        """The prefill call failed: fail the transfer (its pages come back once the sender is known stopped)."""
-        h = self.by_request.get(request_id)
-        if h is None or h.transfer_id is None:
-            return
-        if peer_gone:
-            self.receiver.peer_failed(h.prefill_agent, message)
-        else:
-            self.receiver.abort(h.transfer_id, message)
-
-    def withdraw(self, engine: LLMEngine, request_id: str) -> None:
-        """Prefill refused the ticket before writing anything: free the pages at once."""
-        h = self.by_request.get(request_id)
-        if h is None or h.transfer_id is None:
-            return
-        try:
-            self.receiver.withdraw(h.transfer_id)
-        except ValueError:  # a push did arrive: the sender may still write; go through the abort path
-            self.receiver.abort(h.transfer_id, "prefill refused the transfer after pushing")
-            return
-        self._drop(engine, h)
-        engine.abort_request(request_id, release_pages=True)
+    def fail(self, engine: LLMEngine, request_id: str, error: BaseException, *, refused: bool = False,
+             peer_gone: bool = False) -> None:
+        """The request failed on the handler's side (see `RemoteRequest.fail`)."""
+        rec = self._records.get(request_id)
+        if rec is not None:
+            rec.fail(engine, self.receiver, error, refused=refused, peer_gone=peer_gone)
+            self._settle_table(rec)
 
     def abort(self, engine: LLMEngine, request_id: str, reason: str) -> None:
         """The client went away (or the handler gave up): stop the request wherever it is."""
-        h = self.by_request.get(request_id)
-        if h is not None and h.transfer_id is not None:
-            self.receiver.abort(h.transfer_id, reason)  # failure, then pages, come back through poll
+        rec = self._records.get(request_id)
+        if rec is None:  # running (the engine owns it) or never registered
+            engine.abort_request(request_id)
             return
-        if h is not None:
-            self._drop(engine, h)
-        engine.abort_request(request_id)
+        self.fail(engine, request_id, RequestAborted(reason))
 
-    def _drop(self, engine: LLMEngine, h: Handover) -> None:
-        self.by_request.pop(h.request_id, None)
-        if h.transfer_id is not None:
-            self.by_transfer.pop(h.transfer_id, None)
+    # ---- the step loop --------------------------------------------------------------------------------
+    def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
+        for request_id, pages in out.reserved:
+            rec = self._records.get(request_id)
+            if rec is None:
+                continue
+            rec.reserve(engine, self.receiver, pages)
+            if rec.transfer_id is not None:
+                self._by_transfer[rec.transfer_id] = rec
+            self._settle_table(rec)
 
-    def has_pending(self) -> bool:
-        return bool(self.by_transfer) or self.receiver.has_work
+    def poll(self, engine: LLMEngine) -> None:
+        if not self._by_transfer and not self.receiver.has_work:
+            return
+        ev = self.receiver.poll()
+        for done in ev.completed:
+            rec = self._by_transfer.get(done.transfer_id)
+            if rec is None:
+                continue
+            first = done.meta.get("first_token_id")
+            lp = done.meta.get("first_logprob")
+            logprob = (lp[0], [(int(i), float(v)) for i, v in lp[1]]) if lp else None
+            req = engine.requests.get(rec.request_id)
+            if rec.complete(engine, done, None if first is None else int(first), logprob) and req is not None:
+                skip_first_token_draw(engine, req)
+            self._settle_table(rec)
+        for failed in ev.failed:
+            rec = self._by_transfer.get(failed.transfer_id)
+            if rec is not None:
+                rec.on_transfer_failed(engine, failed.error)
+                self._settle_table(rec)
+        for rel in ev.released:
+            rec = self._by_transfer.get(rel.transfer_id)
+            if rec is not None:
+                rec.on_pages_released(engine, rel)
+                self._settle_table(rec)
+
+    def _settle_table(self, rec: RemoteRequest) -> None:
+        """Drop a record that no longer needs the engine thread (RUNNING or RELEASED)."""
+        if rec.state.over:
+            self._records.pop(rec.request_id, None)
+            if rec.transfer_id is not None:
+                self._by_transfer.pop(rec.transfer_id, None)
+
+
+class RequestAborted(Exception):
+    """The request was aborted on decode (the client went away)."""

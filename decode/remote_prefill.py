@@ -1,30 +1,35 @@
 """The decode worker's `PromptSource`: the prompt is prefilled by a prefill worker and its KV pushed here.
 
 Per request: load the prefill agent's metadata (cached per incarnation; the
-handshake checks layouts), queue the request until its prompt pages are
-reserved, send the job with the ticket to ``POST {prefill}/prefill``, and
-wait until every push has arrived (the receiver's poll) or something fails.
-Failures before the first token raise `HTTPError` (502, 504; 409 from a stale
-prefill incarnation is retried once with fresh metadata), so the router can
-retry on another pair. A client that goes away aborts the request here and at
-the prefill worker.
+handshake checks layouts and runs off the engine thread), queue the request
+until its prompt pages are reserved, send the job with the ticket to
+``POST {prefill}/prefill`` (`PrefillRequest`), and wait until every push has
+arrived (the receiver's poll) or something fails. The request's life, and
+when its pages come back, is its `RemoteRequest`'s (``decode/request.py``):
+every failure here, whatever its kind, ends in `DecodeHooks.fail`, which
+applies the page rule. Failures before the first token raise `HTTPError`
+(400, 502, 504; 409 from a stale prefill incarnation is retried once with
+fresh metadata), so the router can retry on another pair. A client that goes
+away aborts the request here and at the prefill worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 
 import httpx
 
-from pd_cluster.decode.handover import DecodeHooks, Handover
+from pd_cluster.decode.handover import DecodeHooks, RequestAborted
+from pd_cluster.decode.request import RemoteRequest
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
 from pd_cluster.serving.openai_serving import PromptSource
 from pd_cluster.transfer.errors import TransferError
-from pd_cluster.transfer.http import PeerDirectory, apply
+from pd_cluster.transfer.http import PeerDirectory, aapply
+from pd_cluster.transfer.interfaces import Agent
+from pd_cluster.transfer.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, first_token_params
 
 logger = logging.getLogger("pd.decode")
 
@@ -35,20 +40,35 @@ class _StalePrefill(Exception):
     """The prefill worker restarted since its metadata was cached."""
 
 
+class _PrefillFailed(Exception):
+    """The ``/prefill`` call ended without the KV: how the request failed, and what the client gets."""
+
+    def __init__(self, http: HTTPError, refused: bool = False, peer_gone: bool = False) -> None:
+        super().__init__(http.message)
+        self.http = http
+        self.refused = refused
+        self.peer_gone = peer_gone
+
+
+def _mark_retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class RemotePrefill(PromptSource):
     """Prefill on a remote worker, KV over NIXL.
 
     Args:
         loop: the engine loop (decode role).
         hooks: the decode hooks in that loop.
-        agent: this worker's transfer agent (a `TransferAgent`, or a `transfer.tp.TPAgent` under TP).
+        agent: this worker's transfer agent (`Agent`: a `TransferAgent`, or a `TPAgent` under TP).
         directory: peers' metadata cache.
         self_url: this worker's URL (prefill fetches our metadata from it).
         default_prefill_url: used when a request names none (``--prefill-url``).
         http_timeout: seconds for the whole ``/prefill`` call (queueing and prefill included).
     """
 
-    def __init__(self, loop: EngineLoop, hooks: DecodeHooks, agent, directory: PeerDirectory,
+    def __init__(self, loop: EngineLoop, hooks: DecodeHooks, agent: Agent, directory: PeerDirectory,
                  self_url: str, default_prefill_url: str | None = None, http_timeout: float = 600.0) -> None:
         self.loop = loop
         self.hooks = hooks
@@ -57,7 +77,6 @@ class RemotePrefill(PromptSource):
         self.self_url = self_url
         self.default_prefill_url = default_prefill_url
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0))
-        self._prefill_of: dict[str, str] = {}
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -68,80 +87,102 @@ class RemotePrefill(PromptSource):
         if not url:
             raise HTTPError(400, "a decode worker needs the prefill worker: set the X-PD-Prefill-Url header "
                                  "(the router does) or --prefill-url", None, "missing_prefill")
-        for attempt in range(2):
-            try:
-                return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"))
-            except _StalePrefill:
-                self.directory.invalidate(url)
-                logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
-                            request_id, url, attempt + 1)
+        try:
+            for attempt in range(2):
+                try:
+                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"))
+                except _StalePrefill:
+                    self.directory.invalidate(url)
+                    logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
+                                request_id, url, attempt + 1)
+        except asyncio.CancelledError:  # the client went away before the first token: one line, no traceback
+            logger.info("request %s: aborted before its first token (the client went away)", request_id)
+            raise
         raise HTTPError(502, f"prefill worker {url} kept refusing our tickets as stale", None, "stale_peer")
 
-    async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, url: str):
+    async def _connect(self, url: str) -> str:
+        """Load the prefill agent (cached per incarnation; the handshake runs off the engine thread).
+
+        Returns:
+            The prefill agent's name.
+        """
         try:
             resolved = await self.directory.aresolve(url, client=self.client)
             if resolved.fetched or not self.agent.is_connected(resolved.info.agent_name):
-                await self.loop.call(lambda e: apply(self.agent, resolved))
+                await aapply(self.agent, resolved, lambda fn: self.loop.call(lambda e: fn()))
         except TransferError as e:  # our own handshake refused the prefill worker: a bad pair, 502 for the router
             err = transfer_http_error(e)
             raise HTTPError(502 if err.status < 500 else err.status, err.message, None, err.code) from e
-        aloop = asyncio.get_running_loop()
-        h = Handover(request_id, resolved.info.agent_name, aloop.create_future(), aloop.create_future(), aloop)
+        return resolved.info.agent_name
+
+    async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, url: str):
+        prefill_agent = await self._connect(url)
+        rec = RemoteRequest(request_id, url, prefill_agent, asyncio.get_running_loop())
         stream = self.loop.open_stream(request_id)
-        self._prefill_of[request_id] = url
-        post: asyncio.Future | None = None
         try:
-            await self.loop.call(lambda e: self.hooks.register(e, h, prompt_ids, params, stream=True))
-            ticket = await h.ticket_future
-            post = asyncio.ensure_future(self._post(url, request_id, prompt_ids, params, ticket))
-            done, _ = await asyncio.wait({h.kv_future, post}, return_when=asyncio.FIRST_COMPLETED)
-            if h.kv_future not in done:
-                await self._check_prefill_answer(request_id, post)
-            await h.kv_future  # raises the transfer's error
-            post.add_done_callback(lambda f: self._on_prefill_answer(request_id, f))
-            return stream
-        except _StalePrefill:
+            await self.loop.call(lambda e: self.hooks.register(e, rec, prompt_ids, params, stream=True))
+        except BaseException:  # refused by the engine, or cancelled while the command was queued
             self.loop.close_stream(request_id)
+            self.loop.call_soon(lambda e: self.hooks.abort(e, request_id, "the client went away"))
+            raise
+        try:
+            ticket = await rec.ticket_future
+            body = PrefillRequest(request_id, tuple(prompt_ids), self.self_url, ticket,
+                                  first_token_params(params)).to_json()
+            self.loop.call_soon(lambda e: self.hooks.send(e, request_id))  # before the post: WRITEs may follow
+            rec.post = asyncio.ensure_future(self._post(url, request_id, body))
+            rec.post.add_done_callback(_mark_retrieved)
+            done, _ = await asyncio.wait({rec.kv_future, rec.post}, return_when=asyncio.FIRST_COMPLETED)
+            if rec.kv_future not in done:
+                self._check_prefill_answer(request_id, rec.post)
+            await rec.kv_future  # raises the transfer's error
+            rec.post.add_done_callback(lambda f: self._on_prefill_answer(request_id, f))
+            return stream
+        except asyncio.CancelledError:
+            self.abort(request_id)
             raise
         except BaseException as e:
             self.loop.close_stream(request_id)
-            if isinstance(e, asyncio.CancelledError):
-                self.abort(request_id)
-            if post is not None and not post.done():
-                post.cancel()
-            if isinstance(e, TransferError):
-                raise transfer_http_error(e) from e
-            raise
-        finally:
-            if post is None or post.done():
-                self._prefill_of.pop(request_id, None)
+            if rec.post is not None and not rec.post.done():
+                rec.post.cancel()
+            raise self._failed(rec, e) from e
 
-    async def _post(self, url: str, request_id: str, prompt_ids: list[int], params: SamplingParams, ticket):
-        body = {"request_id": request_id, "prompt_token_ids": prompt_ids, "decode_url": self.self_url,
-                "ticket": ticket.to_dict(), "sampling": _first_token_params(params)}
-        return await self.client.post(f"{url}/prefill", json=body, headers={"X-Request-Id": request_id})
+    def _failed(self, rec: RemoteRequest, e: BaseException) -> BaseException:
+        """End `rec` after `e` (its pages by the record's rule) and return what the handler raises."""
+        rid = rec.request_id
+        if isinstance(e, _PrefillFailed):
+            failure = e
+        else:
+            failure = _PrefillFailed(transfer_http_error(e) if isinstance(e, TransferError) else to_http_error(e))
+        self.loop.call_soon(lambda eng: self.hooks.fail(eng, rid, failure, refused=failure.refused,
+                                                        peer_gone=failure.peer_gone))
+        if failure.http.code == "stale_peer" and failure.refused:
+            return _StalePrefill()
+        return failure.http
 
-    async def _check_prefill_answer(self, request_id: str, post: asyncio.Future) -> None:
-        """The prefill call ended before the KV was complete: an error unless it said OK."""
+    async def _post(self, url: str, request_id: str, body: bytes) -> httpx.Response:
+        return await self.client.post(f"{url}{PATH}", content=body, headers={
+            "X-Request-Id": request_id, "Content-Type": "application/json"})
+
+    def _check_prefill_answer(self, request_id: str, post: asyncio.Future) -> None:
+        """The prefill call ended before the KV was complete: raise `_PrefillFailed` unless it said OK."""
         try:
             resp = post.result()
         except httpx.HTTPError as e:
             msg = f"prefill worker unreachable or died: {e!r}"
-            self.loop.call_soon(lambda eng: self.hooks.fail(eng, request_id, msg, peer_gone=True))
-            raise HTTPError(502, msg, None, "prefill_unreachable") from e
+            raise _PrefillFailed(HTTPError(502, msg, None, "prefill_unreachable"), peer_gone=True) from e
         if resp.status_code == 200:
             self._record_timings(request_id, resp)
             return
         err = _error_of(resp)
         if err.status in (400, 409):  # refused before any push: the pages are free at once
-            self.loop.call_soon(lambda eng: self.hooks.withdraw(eng, request_id))
-            if err.code == "stale_peer":
-                raise _StalePrefill()
             if err.status == 400:
-                raise err
-        else:
-            self.loop.call_soon(lambda eng: self.hooks.fail(eng, request_id, err.message, peer_gone=False))
-        raise HTTPError(504 if err.status == 504 else 502, f"prefill failed: {err.message}", None, err.code)
+                raise _PrefillFailed(err, refused=True)
+            if err.code == "stale_peer":
+                raise _PrefillFailed(err, refused=True)
+            raise _PrefillFailed(HTTPError(502, f"prefill failed: {err.message}", None, err.code), refused=True)
+        status = 504 if err.status == 504 else 502
+        raise _PrefillFailed(HTTPError(status, f"prefill failed: {err.message}", None, err.code))
 
     def _on_prefill_answer(self, request_id: str, f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:
@@ -151,37 +192,37 @@ class RemotePrefill(PromptSource):
             self._record_timings(request_id, resp)
 
     def _record_timings(self, request_id: str, resp: httpx.Response) -> None:
-        timings = resp.json().get("timings", {})
+        try:
+            timings = PrefillResponse.from_dict(resp.json()).timings
+        except ValueError as e:
+            logger.warning("request %s: %s", request_id, e)
+            return
 
         def record(engine):
             req = engine.requests.get(request_id)
             if req is not None:
-                req.times.remote_queue_s = timings.get("queue_s")
-                req.times.remote_prefill_s = timings.get("prefill_s")
+                req.times.remote_queue_s = timings.queue_s
+                req.times.remote_prefill_s = timings.prefill_s
 
         self.loop.call_soon(record)
 
     def abort(self, request_id: str) -> None:
         self.loop.close_stream(request_id)
+        rec = self.hooks.get(request_id)
         self.loop.call_soon(lambda e: self.hooks.abort(e, request_id, "the client went away"))
-        url = self._prefill_of.pop(request_id, None)
-        if url is not None:
-            asyncio.ensure_future(self._post_abort(url, request_id))
+        if rec is None or rec.aborted:  # running (the engine aborts it), unknown, or aborted already
+            return
+        rec.aborted = True
+        if rec.post is not None:  # the prefill worker may have the job
+            if not rec.post.done():
+                rec.post.cancel()
+            asyncio.ensure_future(self._post_abort(rec.prefill_url, request_id))
 
     async def _post_abort(self, url: str, request_id: str) -> None:
         try:
-            await self.client.post(f"{url}/abort", json={"request_id": request_id}, timeout=2.0)
+            await self.client.post(f"{url}{ABORT_PATH}", json={"request_id": request_id}, timeout=2.0)
         except httpx.HTTPError as e:
             logger.info("request %s: could not tell prefill %s to abort: %r", request_id, url, e)
-
-
-def _first_token_params(params: SamplingParams) -> dict:
-    """What the prefill worker needs to sample the first token exactly as a mixed worker would."""
-    d = dataclasses.asdict(params)
-    d["max_tokens"] = 1
-    d["min_tokens"] = min(params.min_tokens, 1)
-    d["stop"] = None
-    return d
 
 
 def _error_of(resp: httpx.Response) -> HTTPError:

@@ -13,7 +13,7 @@ from pd_cluster.serving.openai_serving import serving_routes
 from pd_cluster.serving.openai_serving import OpenAIServing
 from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
 from pd_cluster.transfer.http import PeerDirectory, make_router
-from pd_cluster.transfer.tp import make_worker_transfer
+from pd_cluster.transfer.factory import make_worker_transfer
 
 
 def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):

@@ -5,7 +5,8 @@ pages reserved for the prompt). After each engine step, the pages that step
 completed are pushed (`KVSender.push`); the push that reaches the end of the
 prompt carries the first token in its notification. The job ends when the
 sender reports every push complete (the prefill pages are freed) or failed
-(freed once no NIXL handle is left).
+(freed once no NIXL handle is left). An aborted job (decode went away, by
+HTTP, ``/abort`` or a NIXL cancel) logs one INFO line, whichever came first.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import StepOutput
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import StepHooks, settle_future
-from pd_cluster.transfer.errors import TransferError
-from pd_cluster.transfer.sender import KVSender
-from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.errors import TransferAbortedError, TransferError
+from pd_cluster.transfer.interfaces import Sender
+from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")
 
 
 @dataclass
 class JobResult:
-    """What the prefill worker answers decode: the first token and where the time went (seconds)."""
+    """What the job produced: the first token (sent in the last push), and where the time went (seconds)."""
 
     first_token_id: int | None = None
     first_logprob: list | None = None
@@ -47,10 +48,11 @@ class PrefillJob:
     """One request being prefilled here for a decode worker."""
 
     request_id: str
-    ticket: KVTicket
+    ticket: Ticket
     future: asyncio.Future
     aloop: asyncio.AbstractEventLoop
     arrival: float = field(default_factory=time.monotonic)
+    abort_logged: bool = False
     first_scheduled: float | None = None
     last_chunk: float | None = None
     result: JobResult = field(default_factory=JobResult)
@@ -67,7 +69,7 @@ class PrefillHooks(StepHooks):
         device: the engine's device (a CUDA event gates each push on GPU).
     """
 
-    def __init__(self, sender: KVSender, device: torch.device) -> None:
+    def __init__(self, sender: Sender, device: torch.device) -> None:
         self.sender = sender
         self.device = device
         self.jobs: dict[str, PrefillJob] = {}
@@ -92,8 +94,15 @@ class PrefillHooks(StepHooks):
         job = self.jobs.get(request_id)
         if job is None:
             return
+        self._log_abort(job, reason)
         engine.abort_request(request_id, release_pages=False)
         self.sender.abort(job.ticket.transfer_id, reason)
+
+    @staticmethod
+    def _log_abort(job: PrefillJob, reason: str) -> None:
+        if not job.abort_logged:
+            job.abort_logged = True
+            logger.info("prefill %s: aborted (%s)", job.request_id, reason)
 
     def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
         if not out.prefill_progress:
@@ -137,6 +146,8 @@ class PrefillHooks(StepHooks):
             job = self.jobs.pop(failed.request_id, None)
             if job is None:
                 continue
+            if isinstance(failed.error, TransferAbortedError):
+                self._log_abort(job, str(failed.error))
             if not engine.abort_request(job.request_id, release_pages=True):
                 engine.release_request(job.request_id)
             job.result.error = failed.error

@@ -1,12 +1,13 @@
 """The prefill worker's HTTP server: ``POST /prefill`` and ``POST /abort`` for decode workers.
 
-``POST /prefill`` (from a decode worker) carries the prompt, the sampling
-parameters of the first token, the decode worker's URL and its `KVTicket`.
-The handler loads the decode agent's metadata (cached per incarnation; the
-layout handshake runs here and refuses mismatches by name), queues the job,
-and answers once every push is complete, with the first token and the
-timings. The connection stays open meanwhile: if decode goes away, the job is
-aborted. Errors are OpenAI-format bodies: 400 (the engine refused the
+``POST /prefill`` (from a decode worker; `PrefillRequest`) carries the
+prompt, the sampling parameters of the first token, the decode worker's URL
+and its ticket. The handler loads the decode agent's metadata (cached per
+incarnation; the layout handshake runs off the engine thread and refuses
+mismatches by name), queues the job, and answers once every push is complete
+(`PrefillResponse`: push count, bytes, timings; the first token rode the last
+push's notification). The connection stays open meanwhile: if decode goes
+away, the job is aborted (one INFO line). Errors are OpenAI-format bodies: 400 (the engine refused the
 prompt), 409 (stale peer incarnation or layout mismatch), 502 (decode's
 metadata unreachable or the transfer failed), 503 (queue full), 504 (push deadline).
 """
@@ -14,33 +15,37 @@ metadata unreachable or the transfer failed), 503 (queue full), 504 (push deadli
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import json
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
+from pd_cluster.serving.errors import HTTPError, transfer_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
 from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
 from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
-from pd_cluster.transfer.http import PeerDirectory, apply, make_router
-from pd_cluster.transfer.ticket import KVTicket
-from pd_cluster.transfer.tp import make_worker_transfer, parse_ticket
+from pd_cluster.transfer.errors import TransferAbortedError
+from pd_cluster.transfer.factory import make_worker_transfer
+from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
+from pd_cluster.transfer.interfaces import Agent
+from pd_cluster.transfer.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
+from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": decode went away; nobody reads this answer
 
 
 class PrefillServer:
     """Handlers of the prefill role."""
 
-    def __init__(self, engine: LLMEngine, loop: EngineLoop, hooks: PrefillHooks, agent,
+    def __init__(self, engine: LLMEngine, loop: EngineLoop, hooks: PrefillHooks, agent: Agent,
                  directory: PeerDirectory, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.loop = loop
@@ -53,43 +58,45 @@ class PrefillServer:
     async def prefill(self, request: Request) -> Response:
         rid = "?"
         try:
-            data = json.loads(await request.body())
-            rid = str(data["request_id"])
-            ticket = parse_ticket(data["ticket"])
-            params = SamplingParams(**data.get("sampling", {}))
-            prompt_ids = [int(t) for t in data["prompt_token_ids"]]
-            await self._connect(str(data["decode_url"]), ticket)
-            job = PrefillJob(rid, ticket, asyncio.get_running_loop().create_future(), asyncio.get_running_loop())
-            await self.loop.call(lambda e: self.hooks.start(e, job, prompt_ids, params))
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
-            return _error(HTTPError(400, f"malformed prefill job: {e!r}", None, "invalid_job"), rid)
-        except BaseException as e:  # noqa: BLE001
+            job_req = PrefillRequest.from_json(await request.body())
+            rid = job_req.request_id
+        except ValueError as e:
+            return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
+        try:
+            await self._connect(job_req.decode_url, job_req.ticket)
+            aloop = asyncio.get_running_loop()
+            job = PrefillJob(rid, job_req.ticket, aloop.create_future(), aloop)
+            await self.loop.call(lambda e: self.hooks.start(e, job, list(job_req.prompt_token_ids),
+                                                            job_req.sampling))
+        except asyncio.CancelledError:  # the server is stopping or decode went away during the handshake
+            self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
+            return Response(status_code=CLIENT_CLOSED)
+        except Exception as e:  # noqa: BLE001 - every refusal is an OpenAI-format error body
             return _error(transfer_http_error(e), rid)
         try:
             result = await until_disconnect(request, job.future)
         except asyncio.CancelledError:
-            logger.info("prefill %s: decode went away; aborting", rid)
             self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
-            raise
+            return Response(status_code=CLIENT_CLOSED)
+        if isinstance(result.error, TransferAbortedError):  # decode gave up on it (already logged once, at INFO)
+            return Response(status_code=CLIENT_CLOSED)
         if result.error is not None:
             return _error(transfer_http_error(result.error), rid)
         self.metrics.queue_time.observe(result.queue_s)
         self.metrics.prefill_time.observe(result.prefill_s)
         self.metrics.request_success.labels(finish_reason="prefilled").inc()
-        return JSONResponse({
-            "request_id": rid, "first_token_id": result.first_token_id, "first_logprob": result.first_logprob,
-            "num_pushes": result.num_pushes, "nbytes": result.nbytes,
-            "timings": {"queue_s": result.queue_s, "prefill_s": result.prefill_s,
-                        "push_tail_s": result.push_tail_s}})
+        body = PrefillResponse(rid, result.num_pushes, result.nbytes,
+                               PrefillTimings(result.queue_s, result.prefill_s, result.push_tail_s))
+        return JSONResponse(body.to_dict())
 
-    async def _connect(self, decode_url: str, ticket: KVTicket) -> None:
-        """Load decode's agent (cached per incarnation) and run the layout handshake."""
+    async def _connect(self, decode_url: str, ticket: Ticket) -> None:
+        """Load decode's agent (cached per incarnation); the handshake runs off the engine thread."""
         self.bootstrapping += 1
         self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrapping)
         try:
             resolved = await self.directory.aresolve(decode_url, expected_agent=ticket.decode_agent)
             if resolved.fetched or not self.agent.is_connected(resolved.info.agent_name):
-                await self.loop.call(lambda e: apply(self.agent, resolved))
+                await aapply(self.agent, resolved, lambda fn: self.loop.call(lambda e: fn()))
         finally:
             self.bootstrapping -= 1
             self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrapping)
@@ -122,7 +129,7 @@ def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict |
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_prefill_bootstrap_queue_reqs": server.bootstrapping,
         "num_prefill_inflight_queue_reqs": sender.num_inflight})
-    app = create_worker_app(state, [("/prefill", server.prefill, ["POST"]), ("/abort", server.abort, ["POST"])],
+    app = create_worker_app(state, [(PATH, server.prefill, ["POST"]), (ABORT_PATH, server.abort, ["POST"])],
                             on_shutdown=agent.close)
     app.include_router(make_router(agent.info))
     return app

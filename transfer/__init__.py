@@ -11,6 +11,10 @@ Pieces (see ``docs/transfer.md``):
 * `KVSender` (prefill) pushes each chunk's pages with a WRITE as soon as they are
   written; the last push carries the completion notification.
 * `TransferMetrics`: the ``pd:kv_transfer_*`` metrics on a caller's registry.
+* `Agent`, `Sender`, `Receiver` (`pd_cluster.transfer.interfaces`): the protocols the workers are typed
+  with, implemented by the classes above and by the TP proxies (`pd_cluster.transfer.tp`);
+  `make_worker_transfer` (`pd_cluster.transfer.factory`) builds a worker's pair.
+* `PrefillRequest`, `PrefillResponse` (`pd_cluster.transfer.prefill_api`): the typed ``/prefill`` call.
 
 Heavy imports (NIXL, torch) happen only in `pd_cluster.transfer.agent`; this package root
 imports nothing heavy.
@@ -25,6 +29,13 @@ _LAZY = {
     "AgentInfo": "pd_cluster.transfer.layout",
     "check_compatible": "pd_cluster.transfer.layout",
     "KVTicket": "pd_cluster.transfer.ticket",
+    "TPTicket": "pd_cluster.transfer.ticket",
+    "Agent": "pd_cluster.transfer.interfaces",
+    "Sender": "pd_cluster.transfer.interfaces",
+    "Receiver": "pd_cluster.transfer.interfaces",
+    "make_worker_transfer": "pd_cluster.transfer.factory",
+    "PrefillRequest": "pd_cluster.transfer.prefill_api",
+    "PrefillResponse": "pd_cluster.transfer.prefill_api",
     "KVSender": "pd_cluster.transfer.sender",
     "KVReceiver": "pd_cluster.transfer.receiver",
     "TransferMetrics": "pd_cluster.transfer.metrics",

@@ -17,8 +17,13 @@ outstanding on the same endpoint, i.e. for the peer's next `poll`; with the
 messages on their own endpoint, a WRITE completes as soon as its bytes are
 in the peer's memory.
 
-All methods are meant for one thread, the worker's step loop; none blocks on
-the network except `connect` (loading a peer's metadata, once per peer).
+All methods are meant for one thread, the worker's step loop, except
+`connect`: it is the one call that blocks on the network (loading a peer's
+metadata and setting up the connection, once per peer), so the workers run it
+on another thread (`connects_off_thread`, `pd_cluster.transfer.http.aapply`).
+For that, both NIXL agents run with NIXL's read-write thread synchronisation
+(transfers share the lock, loading metadata takes it alone), connects are
+serialised by a lock of their own, and the inbox of messages has a lock.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -110,12 +116,26 @@ class TransferAgent:
             nixl_metadata=self._nixl.get_agent_metadata(), control_metadata=self._ctl.get_agent_metadata())
         self._peers: dict[str, AgentInfo] = {}
         self._inbox: list[tuple[str, protocol.Message]] = []
+        self._inbox_lock = threading.Lock()
+        self._connect_lock = threading.Lock()
         self._closed = False
+        self.connect_threads: list[int] = []  # thread ids that ran a handshake (tests and diagnostics)
+
+    @property
+    def connects_off_thread(self) -> bool:
+        """`connect` may run on another thread than the step loop's (see the module doc)."""
+        return True
 
     def _start(self, nixl_agent, nixl_agent_config, name: str):
         c = self.config
+        kwargs = {}
+        try:  # transfers share NIXL's lock and a metadata load takes it alone, so `connect` may run off-thread
+            from nixl._api import nixl_thread_sync_t
+            kwargs["sync_mode"] = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+        except ImportError:  # an older NIXL without the option
+            pass
         conf = nixl_agent_config(enable_prog_thread=c.enable_progress_thread, backends=[c.backend],
-                                 num_threads=c.num_threads)
+                                 num_threads=c.num_threads, **kwargs)
         try:
             agent = nixl_agent(name, conf)
         except Exception as e:  # nixlBackendError etc.
@@ -145,6 +165,8 @@ class TransferAgent:
     def connect(self, info: AgentInfo) -> None:
         """The handshake: check the peer's layout, then load its NIXL metadata (once per incarnation).
 
+        Blocks while NIXL sets up the connection; may run on any thread (one connect at a time).
+
         Raises:
             LayoutMismatchError: the layouts disagree (nothing is loaded).
             ValueError: the info names this agent, or its metadata names another agent.
@@ -152,20 +174,22 @@ class TransferAgent:
         if info.agent_name == self.name:
             raise ValueError(f"agent {self.name} cannot connect to itself")
         check_compatible(self.info, info)
-        if info.agent_name in self._peers:
-            return
-        t0 = time.perf_counter()
-        _load(self._nixl, info.nixl_metadata, info.agent_name)
-        try:
-            _load(self._ctl, info.control_metadata, info.agent_name + CONTROL_SUFFIX)
-        except Exception:
-            self._nixl.remove_remote_agent(info.agent_name)
-            raise
-        self._peers[info.agent_name] = info
-        try:  # start setting up the message connection now; the step loops' polls finish it
-            self.send(info.agent_name, protocol.Ping())
-        except Exception as e:
-            logger.info("KV transfer: first probe to %s failed: %r", info.agent_name, e)
+        with self._connect_lock:
+            if info.agent_name in self._peers:
+                return
+            self.connect_threads.append(threading.get_ident())
+            t0 = time.perf_counter()
+            _load(self._nixl, info.nixl_metadata, info.agent_name)
+            try:
+                _load(self._ctl, info.control_metadata, info.agent_name + CONTROL_SUFFIX)
+            except Exception:
+                self._nixl.remove_remote_agent(info.agent_name)
+                raise
+            try:  # start setting up the message connection now; the step loops' polls finish it
+                self._ctl.send_notif(info.agent_name + CONTROL_SUFFIX, protocol.encode(protocol.Ping()))
+            except Exception as e:
+                logger.info("KV transfer: first probe to %s failed: %r", info.agent_name, e)
+            self._peers[info.agent_name] = info  # last: the step loop may use the peer from here on
         logger.info("KV transfer agent %s connected to peer %s (%s, %d pages) in %.1f ms", self.name,
                     info.agent_name, info.role, info.num_pages, (time.perf_counter() - t0) * 1e3)
 
@@ -252,9 +276,10 @@ class TransferAgent:
         """
         self._pump()
         keep, out = [], []
-        for item in self._inbox:
-            (out if isinstance(item[1], kinds) else keep).append(item)
-        self._inbox = keep
+        with self._inbox_lock:
+            for item in self._inbox:
+                (out if isinstance(item[1], kinds) else keep).append(item)
+            self._inbox = keep
         return out
 
     def _pump(self) -> None:
@@ -269,7 +294,8 @@ class TransferAgent:
                     logger.warning("KV transfer: dropped a notification from %s: %s", peer, e)
                     continue
                 if not isinstance(msg, protocol.Ping):
-                    self._inbox.append((peer, msg))
+                    with self._inbox_lock:
+                        self._inbox.append((peer, msg))
 
     # ---- lifetime ----------------------------------------------------------
     def close(self) -> None:

@@ -6,15 +6,19 @@ fetch it with a `PeerDirectory`, which caches one info per worker URL and
 fetches again only when a ticket names an agent the cache does not hold,
 i.e. when the peer restarted with a new incarnation (vllm #49238).
 
-HTTP runs outside the step loop (in the server's handlers); loading the
-fetched info into NIXL (`apply`) is quick and belongs to the step-loop thread,
-which owns the agent.
+HTTP runs outside the step loop (in the server's handlers). Loading the
+fetched info into NIXL (`aapply`) runs on a worker thread when the agent
+allows it (`Agent.connects_off_thread`): the NIXL connection setup waits for
+the peer, and in the step-loop thread it would stall every running request on
+first contact with a new peer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -166,3 +170,28 @@ def apply(agent, resolved: Resolved) -> None:
 
 def _norm(url: str) -> str:
     return url.rstrip("/")
+
+
+async def aapply(agent, resolved: Resolved, in_engine_thread: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+    """`apply` for async handlers, keeping the handshake off the engine thread.
+
+    Superseded incarnations are dropped in the engine thread (quick; the sender or receiver there may still
+    name them). The handshake (`Agent.connect`) runs on a worker thread when `agent.connects_off_thread`,
+    else in the engine thread (the TP proxies, whose calls must not interleave with a step's).
+
+    Args:
+        agent: the worker's `Agent`.
+        resolved: from `PeerDirectory.aresolve`.
+        in_engine_thread: runs a callable in the engine thread and awaits it
+            (``lambda fn: loop.call(lambda engine: fn())``).
+
+    Raises:
+        LayoutMismatchError: from the handshake; nothing is loaded.
+    """
+    stale = [n for n in resolved.superseded if n != resolved.info.agent_name]
+    if stale:
+        await in_engine_thread(lambda: [agent.disconnect(n) for n in stale])
+    if getattr(agent, "connects_off_thread", False):
+        await asyncio.to_thread(agent.connect, resolved.info)
+    else:
+        await in_engine_thread(lambda: agent.connect(resolved.info))

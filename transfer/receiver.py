@@ -312,7 +312,7 @@ class KVReceiver:
         job.error = error
         job.release_at = now + self.config.quarantine
         self.metrics.observe_failure(error.reason)
-        log = logger.info if isinstance(error, TransferAbortedError) else logger.warning
+        log = logger.debug if isinstance(error, TransferAbortedError) else logger.warning  # the worker logs aborts
         log("KV transfer %s (request %s) from %s failed: %s", job.ticket.transfer_id, job.ticket.request_id, job.peer,
             error)
         self._failures.append(RecvFailed(job.ticket.transfer_id, job.ticket.request_id, error))

@@ -324,7 +324,7 @@ class KVSender:
     def _stop(self, job: _Job, error: TransferError) -> None:
         job.error = error
         self.metrics.observe_failure(error.reason)
-        log = logger.info if isinstance(error, TransferAbortedError) else logger.warning
+        log = logger.debug if isinstance(error, TransferAbortedError) else logger.warning  # the worker logs aborts
         log("KV transfer %s (request %s) to %s stopping: %s", job.ticket.transfer_id, job.ticket.request_id,
             job.peer, error)
 

@@ -64,3 +64,64 @@ class KVTicket:
                        int(d["num_tokens"]), int(d["page_size"]))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed KV ticket: {e!r}") from e
+
+
+@dataclass(frozen=True)
+class TPTicket:
+    """The tickets of one request on a tensor-parallel pair, one per rank (rank r's names rank r's agents).
+
+    Rank 0's ticket names the transfer: its ids are the ones the workers see.
+    """
+
+    tickets: tuple[KVTicket, ...]
+
+    def __post_init__(self) -> None:
+        if not self.tickets:
+            raise ValueError("a TP ticket needs one ticket per rank, got none")
+
+    @property
+    def transfer_id(self) -> str:
+        return self.tickets[0].transfer_id
+
+    @property
+    def request_id(self) -> str:
+        return self.tickets[0].request_id
+
+    @property
+    def decode_agent(self) -> str:
+        """Rank 0's decode agent (the name the decode worker's served info carries)."""
+        return self.tickets[0].decode_agent
+
+    @property
+    def prefill_agent(self) -> str:
+        return self.tickets[0].prefill_agent
+
+    @property
+    def dst_pages(self) -> tuple[int, ...]:
+        """The page ids, the same on every rank (rank 0's allocator)."""
+        return self.tickets[0].dst_pages
+
+    @property
+    def num_pages(self) -> int:
+        return self.tickets[0].num_pages
+
+    def to_dict(self) -> dict:
+        return {"tp": [t.to_dict() for t in self.tickets]}
+
+
+Ticket = KVTicket | TPTicket
+
+
+def parse_ticket(d: dict) -> Ticket:
+    """A ticket from its JSON form (a `TPTicket` when it has ``tp``).
+
+    Raises:
+        ValueError: malformed.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed KV ticket: expected an object, got {type(d).__name__}")
+    if "tp" in d:
+        if not isinstance(d["tp"], list):
+            raise ValueError("malformed KV ticket: 'tp' must be a list of tickets")
+        return TPTicket(tuple(KVTicket.from_dict(t) for t in d["tp"]))
+    return KVTicket.from_dict(d)

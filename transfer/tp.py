@@ -7,7 +7,7 @@ drives every rank through the proxies here, which keep the single-agent API
 of `KVSender` / `KVReceiver`, so the prefill and decode workers use them
 unchanged:
 
-- `TPTicket`: the per-rank tickets of one request, sent as one JSON object.
+- `TPTicket` (in `pd_cluster.transfer.ticket`): the per-rank tickets of one request, sent as one JSON object.
 - `TPAgent`, `TPSender`, `TPReceiver`: rank 0's view. Each call runs on every
   rank (`pd_cluster.engine.executor.tp.TPDriver`); `poll` gathers the ranks' events and
   merges them: a transfer is complete when every rank's part is, failed as soon
@@ -19,7 +19,9 @@ unchanged:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -29,48 +31,10 @@ from pd_cluster.transfer.layout import AgentInfo
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.receiver import KVReceiver, PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.sender import KVSender, SendDone, SenderEvents, SendFailed
-from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.ticket import KVTicket, TPTicket
 
 EXTENSION = "kv_transfer"
 MIN_POLL_INTERVAL_S = 0.001  # a poll is two collectives; the step loop may ask far more often
-
-
-@dataclass(frozen=True)
-class TPTicket:
-    """The tickets of one request, one per rank (rank r's names rank r's agents)."""
-
-    tickets: tuple[KVTicket, ...]
-
-    @property
-    def transfer_id(self) -> str:
-        return self.tickets[0].transfer_id
-
-    @property
-    def request_id(self) -> str:
-        return self.tickets[0].request_id
-
-    @property
-    def decode_agent(self) -> str:
-        """Rank 0's decode agent (the name the decode worker's served info carries)."""
-        return self.tickets[0].decode_agent
-
-    @property
-    def prefill_agent(self) -> str:
-        return self.tickets[0].prefill_agent
-
-    def to_dict(self) -> dict:
-        return {"tp": [t.to_dict() for t in self.tickets]}
-
-
-def parse_ticket(d: dict) -> KVTicket | TPTicket:
-    """A ticket from its JSON form (a TP ticket when it has ``tp``).
-
-    Raises:
-        ValueError: malformed.
-    """
-    if "tp" in d:
-        return TPTicket(tuple(KVTicket.from_dict(t) for t in d["tp"]))
-    return KVTicket.from_dict(d)
 
 
 class RankTransfer:
@@ -113,9 +77,12 @@ class RankTransfer:
     def sender_add(self, tickets: tuple[KVTicket, ...]) -> None:
         self.sender.add_request(tickets[self.rank])
 
-    def sender_push(self, tids: tuple[str, ...], block_table: list[int], end: int, meta: dict | None) -> int:
+    def sender_push(self, tids: tuple[str, ...], block_table: list[int], end: int, meta: dict | None,
+                    gated: bool) -> int:
+        """Push this rank's part; with `gated`, post it once this rank's forward pass has written the pages
+        (a CUDA event recorded now, after the step's kernels were queued on this rank's stream)."""
         ready = None
-        if self.device.type == "cuda":  # posted once this rank's forward pass has written the pages
+        if gated and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
         return self.sender.push(tids[self.rank], block_table, end, meta=meta, ready_event=ready)
@@ -149,10 +116,24 @@ class RankTransfer:
         self.agent.close()
 
 
+def on_ranks(driver, method: Callable, *args: Any, gather: bool = True) -> Any:
+    """Run `RankTransfer` method `method` (the function itself, not its name) on every rank.
+
+    Returns:
+        Every rank's result in rank order with `gather`, else rank 0's.
+
+    Raises:
+        Exception: the first rank's, as raised there.
+    """
+    if getattr(method, "__qualname__", "").rpartition(".")[0] != RankTransfer.__qualname__:
+        raise TypeError(f"{method!r} is not a RankTransfer method")
+    return driver.call("ext", EXTENSION, method.__name__, *args, gather=gather)
+
+
 def install(driver, role: str, config, identity: str) -> list[AgentInfo]:
     """Create a `RankTransfer` on every rank; returns their infos in rank order."""
     driver.call("install", EXTENSION, "pd_cluster.transfer.tp:RankTransfer", role, config, identity, gather=True)
-    return driver.call("ext", EXTENSION, "info", gather=True)
+    return on_ranks(driver, RankTransfer.info)
 
 
 class TPAgent:
@@ -165,20 +146,25 @@ class TPAgent:
         self.info = replace(infos[0], tp_peers=tuple(infos[1:]))
         self._connected: set[str] = set()
 
+    @property
+    def connects_off_thread(self) -> bool:
+        """False: the handshake is a call on every rank, which must not interleave with a step's calls."""
+        return False
+
     def is_connected(self, name: str) -> bool:
         return name in self._connected
 
     def connect(self, info: AgentInfo) -> None:
         """Raises: LayoutMismatchError (from any rank) as `TransferAgent.connect`."""
-        self.driver.call("ext", EXTENSION, "connect", info, gather=True)
+        on_ranks(self.driver, RankTransfer.connect, info)
         self._connected.add(info.agent_name)
 
     def disconnect(self, name: str) -> None:
-        self.driver.call("ext", EXTENSION, "disconnect", name, gather=True)
+        on_ranks(self.driver, RankTransfer.disconnect, name)
         self._connected.discard(name)
 
     def close(self) -> None:
-        self.driver.call("ext", EXTENSION, "close", gather=True)
+        on_ranks(self.driver, RankTransfer.close)
 
 
 @dataclass
@@ -206,19 +192,19 @@ class _TPProxy:
     def has_work(self) -> bool:
         return bool(self.parts) or self._has_work
 
-    def _gather(self, method: str) -> list | None:
+    def _gather(self, method: Callable) -> list | None:
         now = time.monotonic()
         if now - self._last_poll < MIN_POLL_INTERVAL_S:
             return None
         self._last_poll = now
-        results = self.driver.call("ext", EXTENSION, method, gather=True)
+        results = on_ranks(self.driver, method)
         self._has_work = any(r[1] for r in results)
         return [r[0] for r in results]
 
-    def _abort_rest(self, p: _Parts, method: str, message: str) -> None:
+    def _abort_rest(self, p: _Parts, method: Callable, message: str) -> None:
         if not p.aborted:
             p.aborted = True
-            self.driver.call("ext", EXTENSION, method, p.tids, message, gather=True)
+            on_ranks(self.driver, method, p.tids, message)
 
 
 class TPSender(_TPProxy):
@@ -231,24 +217,27 @@ class TPSender(_TPProxy):
     def add_request(self, ticket: TPTicket) -> None:
         if not isinstance(ticket, TPTicket) or len(ticket.tickets) != self.size:
             raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
-        self.driver.call("ext", EXTENSION, "sender_add", ticket.tickets, gather=True)
+        on_ranks(self.driver, RankTransfer.sender_add, ticket.tickets)
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id)
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
              ready_event=None) -> int:
+        """`KVSender.push` on every rank. A `ready_event` cannot cross processes: when one is given, each rank
+        gates its part on an event of its own, recorded after its forward pass; None posts at once everywhere."""
         p = self.parts[transfer_id]
-        return self.driver.call("ext", EXTENSION, "sender_push", p.tids, list(block_table), num_computed_tokens, meta)
+        return on_ranks(self.driver, RankTransfer.sender_push, p.tids, list(block_table), num_computed_tokens, meta,
+                        ready_event is not None, gather=False)
 
     def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
         p = self.parts.get(transfer_id)
         if p is None:
             return False
-        self._abort_rest(p, "sender_abort", message)
+        self._abort_rest(p, RankTransfer.sender_abort, message)
         return True
 
     def poll(self) -> SenderEvents:
         out = SenderEvents()
-        events = self._gather("sender_poll") if (self.parts or self._has_work) else None
+        events = self._gather(RankTransfer.sender_poll) if (self.parts or self._has_work) else None
         if events is None:
             return out
         by_rank_tid = {tid: (tid0, r) for tid0, p in self.parts.items() for r, tid in enumerate(p.tids)}
@@ -259,7 +248,7 @@ class TPSender(_TPProxy):
                     (self.parts[tid0].done if isinstance(item, SendDone) else self.parts[tid0].failed)[r] = item
         for tid0, p in list(self.parts.items()):
             if p.failed and not p.aborted:
-                self._abort_rest(p, "sender_abort", f"rank {min(p.failed)} failed")
+                self._abort_rest(p, RankTransfer.sender_abort, f"rank {min(p.failed)} failed")
             if len(p.done) + len(p.failed) < self.size:
                 continue
             del self.parts[tid0]
@@ -280,8 +269,8 @@ class TPReceiver(_TPProxy):
         return sum(1 for p in self.parts.values() if not p.failed and not p.aborted)
 
     def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> TPTicket:
-        tickets = self.driver.call("ext", EXTENSION, "receiver_expect", request_id, list(pages), num_tokens,
-                                   prefill_agent, gather=True)
+        tickets = on_ranks(self.driver, RankTransfer.receiver_expect, request_id, list(pages), num_tokens,
+                           prefill_agent)
         ticket = TPTicket(tuple(tickets))
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in tickets), request_id)
         return ticket
@@ -290,19 +279,23 @@ class TPReceiver(_TPProxy):
         p = self.parts.get(transfer_id)
         if p is None or p.aborted:
             return False
-        self._abort_rest(p, "receiver_abort", message)
+        self._abort_rest(p, RankTransfer.receiver_abort, message)
         return True
 
     def withdraw(self, transfer_id: str) -> tuple[int, ...]:
-        p = self.parts.pop(transfer_id)
-        return self.driver.call("ext", EXTENSION, "receiver_withdraw", p.tids, gather=True)[0]
+        p = self.parts.get(transfer_id)
+        if p is None:
+            return ()
+        pages = on_ranks(self.driver, RankTransfer.receiver_withdraw, p.tids)[0]
+        del self.parts[transfer_id]
+        return pages
 
     def peer_failed(self, prefill_agent: str, message: str) -> None:
-        self.driver.call("ext", EXTENSION, "receiver_peer_failed", prefill_agent, message, gather=True)
+        on_ranks(self.driver, RankTransfer.receiver_peer_failed, prefill_agent, message)
 
     def poll(self) -> ReceiverEvents:
         out = ReceiverEvents()
-        events = self._gather("receiver_poll") if (self.parts or self._has_work) else None
+        events = self._gather(RankTransfer.receiver_poll) if (self.parts or self._has_work) else None
         if events is None:
             return out
         by_rank_tid = {tid: (tid0, r) for tid0, p in self.parts.items() for r, tid in enumerate(p.tids)}
@@ -328,24 +321,8 @@ class TPReceiver(_TPProxy):
         if p.failed and not p.reported:
             p.reported = True
             out.failed.append(RecvFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
-            self._abort_rest(p, "receiver_abort", f"rank {min(p.failed)} failed")
+            self._abort_rest(p, RankTransfer.receiver_abort, f"rank {min(p.failed)} failed")
         if p.failed and len(p.done) + len(p.released) == self.size:
             del self.parts[tid0]
             pages = next(iter(p.released.values())).pages if p.released else p.done[min(p.done)].pages
             out.released.append(PagesReleased(tid0, p.request_id, pages, "every rank's part ended"))
-
-
-def make_worker_transfer(engine, role: str, config, registry):
-    """The transfer agent and the sender (prefill) or receiver (decode) of a worker running `engine`.
-
-    Without TP: a `TransferAgent` with a `KVSender` / `KVReceiver`. With TP: a `RankTransfer` on every rank and
-    the `TPAgent` / `TPSender` / `TPReceiver` proxies. Metrics go on `registry` (rank 0's agent).
-    """
-    if engine.tp_driver is None:
-        agent = TransferAgent(engine.pool, engine.loaded.identity, role, config)
-        metrics = TransferMetrics(registry)
-        return agent, (KVSender(agent, metrics) if role == "prefill" else KVReceiver(agent, metrics))
-    engine.shard.metrics_registry = registry
-    infos = install(engine.tp_driver, role, config, engine.loaded.identity)
-    proxy = TPSender(engine.tp_driver) if role == "prefill" else TPReceiver(engine.tp_driver)
-    return TPAgent(engine.tp_driver, infos), proxy

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_cluster.transfer.ucx_env import put_protocols
+from pd_cluster.transfer.ucx_log import put_protocols
 
 PAGE_SIZES = (16, 64)
 PAGE_COUNTS = (16, 256, 4096)

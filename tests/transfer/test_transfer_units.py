@@ -227,7 +227,7 @@ def test_hugepages_keep_the_data_and_report_what_moved():
 
 
 def test_ucx_protocol_tables_are_parsed():
-    from pd_cluster.transfer.ucx_env import put_protocols
+    from pd_cluster.transfer.ucx_log import put_protocols
 
     text = """[1.1] [vm:1:0]   +--------+-------------+-------------+
 [1.1] [vm:1:0]   | init self cfg#0                              |

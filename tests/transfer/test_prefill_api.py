@@ -1,0 +1,66 @@
+"""The typed ``/prefill`` request and response both roles share."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.transfer.prefill_api import PrefillRequest, PrefillResponse, PrefillTimings, first_token_params
+from pd_cluster.transfer.ticket import KVTicket, TPTicket
+
+TICKET = KVTicket("r@inc.1", "r", "decode-h-1-tp0-a", "prefill-h-2-tp0-b", (4, 5), 20, 16)
+
+
+def _request(ticket=TICKET, **sampling) -> PrefillRequest:
+    params = first_token_params(SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_tokens=3,
+                                               stop=["The end"], **sampling))
+    return PrefillRequest("r", tuple(range(3, 23)), "http://127.0.0.1:9", ticket, params)
+
+
+def test_first_token_params_sample_one_token_as_a_mixed_worker_would():
+    p = first_token_params(SamplingParams(max_tokens=30, temperature=0.8, seed=7, min_tokens=3, stop=["x"],
+                                          logprobs=2))
+    assert (p.max_tokens, p.min_tokens, p.stop, p.temperature, p.seed, p.logprobs) == (1, 1, [], 0.8, 7, 2)
+
+
+@pytest.mark.parametrize("ticket", [TICKET, TPTicket((TICKET, KVTicket("r@inc.2", "r", "d1", "p1", (4, 5), 20, 16)))])
+def test_request_round_trips(ticket):
+    req = _request(ticket)
+    back = PrefillRequest.from_json(req.to_json())
+    assert back == req and type(back.ticket) is type(ticket)
+
+
+def test_nan_cannot_be_sent():
+    req = _request()
+    req.sampling.temperature = float("nan")
+    with pytest.raises(ValueError, match="JSON"):
+        req.to_json()
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.pop("ticket"), "missing 'ticket'"),
+    (lambda d: d.update(prompt_token_ids=[]), "prompt_token_ids"),
+    (lambda d: d.update(prompt_token_ids=[1, "2"]), "prompt_token_ids"),
+    (lambda d: d.update(request_id=5), "request_id"),
+    (lambda d: d["sampling"].update(temperature=-1.0), "temperature"),
+    (lambda d: d["sampling"].update(best_of=2), "unknown sampling fields"),
+    (lambda d: d["ticket"].update(dst_pages=[4]), "ticket"),
+])
+def test_malformed_requests_name_the_field(mutate, message):
+    d = json.loads(_request().to_json())
+    mutate(d)
+    with pytest.raises(ValueError, match=message):
+        PrefillRequest.from_json(json.dumps(d).encode())
+    with pytest.raises(ValueError, match="malformed"):
+        PrefillRequest.from_json(b"[1, 2]")
+
+
+def test_response_round_trips_and_carries_no_first_token():
+    resp = PrefillResponse("r", 3, 4096, PrefillTimings(0.01, 0.2, 0.003))
+    d = resp.to_dict()
+    assert "first_token_id" not in json.dumps(d)
+    assert PrefillResponse.from_dict(d) == resp
+    with pytest.raises(ValueError):
+        PrefillResponse.from_dict({"request_id": "r"})
