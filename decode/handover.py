@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from pd_cluster.decode.request import RemoteRequest, RemoteState
 from pd_cluster.engine.llm_engine import LLMEngine
@@ -29,14 +28,9 @@ def skip_first_token_draw(engine: LLMEngine, req: Request) -> None:
 
     The prefill worker sampled the first token from the same per-request seed, so this worker's generator
     must be one draw further, as a mixed worker's would be, for seeded sampling to give the same tokens in
-    PD and mixed mode. Today that draw is the sampler's exponential race over the vocabulary (one
-    ``[vocab_size]`` float32 exponential per sampled token); this function is the only place that knows it.
-    It becomes ``engine.runner.sampler.skip(req.params, req.generator)`` (`Sampler.skip`) once the
-    sampler provides it.
+    PD and mixed mode. The sampler owns what one draw is (`Sampler.skip`).
     """
-    if req.generator is None or req.params.greedy:
-        return
-    torch.empty(engine.arch.vocab_size, device=engine.device).exponential_(generator=req.generator)
+    engine.runner.sampler.skip(req.params, req.generator)
 
 
 class DecodeHooks(StepHooks):

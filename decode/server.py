@@ -20,7 +20,7 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | 
     """A FastAPI app for `engine` in the decode role, with its transfer agent."""
     host_info = dict(host_info or {})
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, "decode")
+    metrics = WorkerMetrics(registry, "decode", engine.model_name)
     tconfig = config.transfer
     agent, receiver = make_worker_transfer(engine, "decode", tconfig, registry)
     hooks = DecodeHooks(receiver)

@@ -105,6 +105,11 @@ class PrefillHooks(StepHooks):
             logger.info("prefill %s: aborted (%s)", job.request_id, reason)
 
     def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
+        for d in out.deltas:  # the engine failed this job's request alone: stop its pushes, free via `poll`
+            if d.finish_reason == "error" and d.request_id in self.jobs:
+                job = self.jobs[d.request_id]
+                logger.warning("prefill %s: failed in the engine: %s", job.request_id, d.error)
+                self.sender.abort(job.ticket.transfer_id, f"the prefill engine failed the request: {d.error}")
         if not out.prefill_progress:
             return
         firsts = {d.request_id: d for d in out.deltas if d.request_id in self.jobs and d.new_token_ids}

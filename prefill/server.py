@@ -119,7 +119,7 @@ def _error(err: HTTPError, rid: str) -> Response:
 def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):
     """A FastAPI app for `engine` in the prefill role, with its transfer agent."""
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, "prefill")
+    metrics = WorkerMetrics(registry, "prefill", engine.model_name)
     tconfig = config.transfer
     agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
     hooks = PrefillHooks(sender, engine.device)

@@ -42,7 +42,7 @@ def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool =
     from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
 
     registry = CollectorRegistry()
-    metrics = WorkerMetrics(registry, engine.role)
+    metrics = WorkerMetrics(registry, engine.role, engine.model_name)
     loop = EngineLoop(engine, on_step=lambda e, out, dt: metrics.on_step(e))
     state = WorkerState(loop, registry, server_info(engine, host_info))
     serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics)

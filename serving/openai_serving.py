@@ -109,6 +109,9 @@ class OpenAIServing:
                                       want_logprobs=params.logprobs is not None,
                                       prompt_token_ids=prompt_ids if body.return_token_ids else None)
             stream, first = await self._start(request, engine_id, prompt_ids, params)
+        except asyncio.CancelledError:  # the client went away before the first token (already aborted)
+            logger.debug("request %s: client disconnected before the first token", request_id)
+            return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI error body
             err = to_http_error(e)
             if err.status >= 500:
