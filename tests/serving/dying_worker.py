@@ -10,13 +10,13 @@ import sys
 
 import uvicorn
 
-from pd_cluster.launch.worker import build_app, build_parser
+from pd_cluster.launch.worker import build_app, build_parser, worker_config_from_args
 
 
 def main() -> int:
     steps_before_failure = int(sys.argv[1])
     args = build_parser().parse_args(sys.argv[2:])
-    app = build_app(args)
+    app = build_app(worker_config_from_args(args))
     engine = app.state.worker.loop.engine
     real_step = engine.step
     count = [0]
