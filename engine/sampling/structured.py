@@ -193,3 +193,50 @@ def _first_line(e: Exception) -> str:
         if ".cc:" in msg.split(" ", 1)[0]:
             msg = msg.split(": ", 1)[-1]
     return msg
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_output_from_request(response_format: dict | None = None, guided_json: dict | str | None = None,
+                                   guided_regex: str | None = None, guided_choice: list[str] | None = None,
+                                   guided_grammar: str | None = None,
+                                   guided_whitespace_pattern: str | None = None) -> StructuredOutput | None:
+    """The `StructuredOutput` of an OpenAI / vLLM request body, or None when it asks for none.
+
+    Args:
+        response_format: OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema":
+            {"name": ..., "schema": {...}, "strict": ...}}``.
+        guided_json, guided_regex, guided_choice, guided_grammar: vLLM's extra fields.
+        guided_whitespace_pattern: vLLM's field; refused (xgrammar takes no pattern), never ignored.
+
+    Raises:
+        SamplingParamError: a malformed ``response_format``, two constraints at once (``param`` names the
+            second), or an invalid spec (``param`` names its field).
+    """
+    given: list[tuple[str, dict]] = []
+    if response_format is not None:
+        if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+            raise SamplingParamError("response_format", "must be an object with a string 'type'")
+        kind = response_format["type"]
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            body = response_format.get("json_schema")
+            if not isinstance(body, dict) or "schema" not in body:
+                raise SamplingParamError("response_format", "type json_schema needs json_schema.schema")
+            given.append(("response_format", {"json_schema": body["schema"]}))
+        elif kind != "text":
+            raise SamplingParamError("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    for name, value in zip(GUIDED_FIELDS, (guided_json, guided_regex, guided_choice, guided_grammar)):
+        if value is not None:
+            given.append((name, {name.removeprefix("guided_").replace("json", "json_schema"): value}))
+    if guided_whitespace_pattern is not None:
+        raise SamplingParamError("guided_whitespace_pattern", "is not supported (the JSON layout is fixed: "
+                                                              "', ' and ': ', no newlines)")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise SamplingParamError(given[1][0], f"only one structured output per request; {given[0][0]} is set too")
+    param, kwargs = given[0]
+    return StructuredOutput(param=param, **kwargs)
