@@ -72,7 +72,9 @@ class SamplingParams:
         logits_processors: offline only; callables applied to the request's logits before the rest
             (see `LogitsProcessor`).
         structured_output: a `StructuredOutput` the output must match (JSON schema, JSON object, regex,
-            choice, grammar); its token mask applies to every token, before penalties and temperature.
+            choice, grammar), or its fields as a dict (what ``dataclasses.asdict`` of these params gives, as a
+            decode worker sends them to a prefill worker); its token mask applies to every token, after
+            penalties and before temperature.
     """
 
     n: int = 1
@@ -118,6 +120,11 @@ class SamplingParams:
         self.logits_processors = self._check_processors(self.logits_processors)
         if self.structured_output is not None:
             from pd_cluster.engine.sampling.structured import StructuredOutput
+            if isinstance(self.structured_output, dict):  # `dataclasses.asdict(params)` sent as JSON between workers
+                try:
+                    self.structured_output = StructuredOutput(**self.structured_output)
+                except TypeError as e:
+                    raise SamplingParamError("structured_output", f"unknown field: {e}") from None
             if not isinstance(self.structured_output, StructuredOutput):
                 raise SamplingParamError("structured_output", "must be a StructuredOutput, got "
                                                               f"{type(self.structured_output).__name__}")

@@ -9,6 +9,7 @@ The tiny model rambles inside free strings (it writes stories), so the schema bo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -150,6 +151,17 @@ def test_bad_specs_raise_naming_the_field(make, param):
         make()
     assert e.value.param == param
     assert str(e.value).startswith(param)
+
+
+@pytest.mark.parametrize("spec", [JSON_SPEC, StructuredOutput(choice=["a", "b c"]), StructuredOutput(regex="[0-9]+"),
+                                  StructuredOutput(json_object=True, any_whitespace=True),
+                                  StructuredOutput(grammar='root ::= "x" | "y"')])
+def test_params_cross_a_process_boundary_as_json(spec):
+    """A decode worker sends `dataclasses.asdict(params)` as JSON to the prefill worker, which rebuilds them."""
+    params = SamplingParams(temperature=0.5, seed=3, structured_output=spec)
+    again = SamplingParams(**json.loads(json.dumps(dataclasses.asdict(params))))
+    assert again.structured_output == spec and again.structured_output.param == spec.param
+    assert again == params
 
 
 def test_specs_compare_by_content():
