@@ -13,6 +13,7 @@ from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.sampling.params import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput, structured_output_from_request
 from pd_cluster.engine.sampling.tool_parsers import TOOL_PARSERS, get_tool_parser
+from pd_cluster.engine.sampling.tool_stream import ToolCallStream
 from pd_cluster.engine.sampling.tools import (FunctionTool, forced_tool_calls, parse_tool_choice, parse_tools,
                                               tool_choice_structured_output)
 
@@ -174,3 +175,63 @@ def test_bad_request_fields_name_the_field(kwargs, param):
     with pytest.raises(SamplingParamError) as e:
         structured_output_from_request(**kwargs)
     assert e.value.param == param
+
+
+# ---- streaming -----------------------------------------------------------------------------------------------------
+def _stream(stream: ToolCallStream, text: str, size: int) -> tuple[str | None, list[tuple[str, str]], list[dict]]:
+    """Feed `text` in pieces of `size` characters; returns (content, [(name, arguments)], deltas) as a client
+    that concatenates OpenAI's deltas sees them."""
+    deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])] + stream.finish()
+    content = "".join(d["content"] for d in deltas if "content" in d) or None
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            if "id" in tc:
+                assert tc["type"] == "function" and tc["index"] == len(calls) and tc["id"].startswith("call_")
+                calls[tc["index"]] = [tc["function"]["name"], ""]
+            calls[tc["index"]][1] += tc["function"]["arguments"]
+    return content, [tuple(c) for c in calls.values()], deltas
+
+
+CANNED = {
+    "hermes": ['Let me check the weather.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+               '"unit": "celsius"}}\n</tool_call>\n<tool_call>{"name": "book_table", "arguments": {"guests": 2, '
+               '"names": ["Ann"], "outside": true}}</tool_call>',
+               '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}',
+               "No tools needed: it is < 20 degrees and sunny <tool_ in Paris.",
+               "<tool_call>{broken}</tool_call>"],
+    "llama3_json": ['{"name": "get_weather", "parameters": {"city": "Rome", "unit": "fahrenheit"}}',
+                    '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+                    "Sure, {\"name\": \"a\"} is not a call here.", "<|python", '{"name": "a", "parameters": {'],
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CANNED))
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_streamed_auto_tool_calls_add_up_to_the_non_streamed_result(parser, size):
+    p = get_tool_parser(parser)
+    for text in CANNED[parser]:
+        full = p.extract_tool_calls(text)
+        stream = ToolCallStream("auto", get_tool_parser(parser))
+        content, calls, _ = _stream(stream, text, size)
+        assert calls == [(c.name, c.arguments) for c in full.tool_calls], text
+        assert content == full.content, text
+        assert stream.tools_called == full.tools_called
+
+
+def test_streamed_named_and_required_calls(llm):
+    tools = parse_tools(TOOLS)
+    named = parse_tool_choice({"type": "function", "function": {"name": "get_weather"}}, tools)
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=4, max_tokens=200,
+                                                structured_output=tool_choice_structured_output(tools, named)))
+    text = out[0].outputs[0].text
+    content, calls, deltas = _stream(ToolCallStream(named), text, 2)
+    assert content is None and calls == [("get_weather", text)] and len(deltas) > 3  # arguments stream
+    jsonschema.validate(json.loads(calls[0][1]), SCHEMAS["get_weather"])
+    spec = tool_choice_structured_output(tools, "required", parallel_tool_calls=False)
+    text = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=4, max_tokens=200,
+                                                 structured_output=spec))[0].outputs[0].text
+    content, calls, _ = _stream(ToolCallStream("required"), text, 5)
+    assert content is None
+    assert calls == [(c.name, c.arguments) for c in forced_tool_calls(text, "required")]
+    assert ToolCallStream("none").feed("plain") == [{"content": "plain"}]
