@@ -310,6 +310,8 @@ class LLMEngine:
             for req, tok, lp, err in zip(result.sampled_reqs, so.token_ids, so.logprobs, so.errors):
                 if err is None:
                     self._on_token(req, tok, lp)
+                    if req.status == RequestStatus.FINISHED_ERROR:  # its grammar refused the token
+                        failed.add(req.request_id)
                 elif self.fail_request(req.request_id, err):
                     failed.add(req.request_id)
             if failed:  # no first token to hand over: the prefill hooks see only the error delta

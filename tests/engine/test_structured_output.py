@@ -271,3 +271,38 @@ def test_a_spec_the_engine_cannot_compile_is_rejected_naming_the_field(llm, monk
         llm.engine.add_request("x", PROMPT, SamplingParams(structured_output=spec))
     assert e.value.param == "guided_regex"
     assert "x" not in llm.engine.requests
+
+
+def test_a_broken_matcher_fails_only_its_request():
+    engine = _engine("mixed")
+    greedy = SamplingParams(temperature=0.0, max_tokens=200, structured_output=JSON_SPEC)
+    for rid in ("broken", "ok"):
+        engine.add_request(rid, PROMPT, greedy)
+    engine.add_request("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
+
+    def fill(bitmask, row):
+        raise RuntimeError("matcher state lost")
+    engine.requests["broken"].grammar.fill = fill
+    done = _run(engine)
+    assert done["broken"].finish_reason == "error" and "matcher state lost" in done["broken"].error
+    assert done["ok"].finish_reason == "stop"
+    jsonschema.validate(json.loads(done["ok"].new_text), SCHEMA)
+    assert done["free"].finish_reason == "length"
+    assert engine.num_free_pages() == engine.allocator.num_pages
+
+
+def test_streamed_deltas_add_up_to_the_same_valid_json():
+    engine = _engine("mixed")
+    params = [_sampled(seed) for seed in range(4)]
+    reference = [o.outputs[0].text for o in LLM().generate([PROMPT] * 4, params)]
+    for i, p in enumerate(params):
+        engine.add_request(f"s{i}", PROMPT, _sampled(i), stream=True)
+    text = {f"s{i}": "" for i in range(4)}
+    for _ in range(400):
+        for d in engine.step().deltas:
+            text[d.request_id] += d.new_text
+        if not engine.has_work():
+            break
+    assert [text[f"s{i}"] for i in range(4)] == reference
+    for t in reference:
+        jsonschema.validate(json.loads(t), SCHEMA)
