@@ -126,11 +126,15 @@ def test_json_object_output_parses(llm):
 def test_greedy_constrained_outputs_are_reproducible_and_batch_independent(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=200, structured_output=JSON_SPEC)
     alone = llm.generate([PROMPT], greedy)[0].outputs[0].text
+    compiled = llm.engine.grammars.num_compiled
     mixed = llm.generate([PROMPTS[1], PROMPT, PROMPTS[2]],
                          [SamplingParams(temperature=1.0, seed=5, max_tokens=30), greedy, _sampled(3)])
     assert mixed[1].outputs[0].text == alone == llm.generate([PROMPT], greedy)[0].outputs[0].text
     jsonschema.validate(json.loads(alone), SCHEMA)
-    assert llm.engine.grammars.num_compiled <= 8  # the same schema is compiled once (cache by spec)
+    same = StructuredOutput(json_schema=json.dumps(SCHEMA), param="guided_json")  # equal content, other field
+    assert llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=200,
+                                                 structured_output=same))[0].outputs[0].text == alone
+    assert llm.engine.grammars.num_compiled == compiled  # one compile per schema (cached by content)
 
 
 @pytest.mark.parametrize("make, param", [
