@@ -214,7 +214,9 @@ class LLMEngine:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
-        grammar refuses fails the request. Returns False when the request is unknown or no longer waiting (e.g. aborted).
+        grammar refuses fails the request.
+
+        Returns False when the request is unknown or no longer waiting (e.g. aborted).
         """
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
