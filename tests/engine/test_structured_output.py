@@ -310,3 +310,14 @@ def test_streamed_deltas_add_up_to_the_same_valid_json():
     assert [text[f"s{i}"] for i in range(4)] == reference
     for t in reference:
         jsonschema.validate(json.loads(t), SCHEMA)
+
+
+def test_logit_bias_and_penalties_cannot_lift_a_masked_token(llm):
+    tok = llm.get_tokenizer()
+    spec = StructuredOutput(choice=["yes", "no"])
+    free = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1))[0].outputs[0].token_ids[0]
+    bias = {free: 100.0, tok.eos_token_id: 100.0}
+    outs = llm.generate([PROMPT] * 6, [SamplingParams(temperature=t, seed=s, max_tokens=10, structured_output=spec,
+                                                      logit_bias=bias, repetition_penalty=1.8, presence_penalty=-2.0)
+                                       for t, s in [(0.0, None), (1.0, 1), (1.0, 2), (2.0, 3), (2.0, 4), (2.0, 5)]])
+    assert all(o.outputs[0].text in ("yes", "no") for o in outs), [o.outputs[0].text for o in outs]
