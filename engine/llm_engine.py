@@ -28,6 +28,7 @@ from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, RequestDelta, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.sampling.grammar import GrammarManager
 from pd_cluster.engine.sampling.params import SamplingParamError, SamplingParams
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -103,6 +104,7 @@ class LLMEngine:
                 CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
                                 max_context_len=self.context_length, disable=config.device.disable_cuda_graph))
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
+        self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
         self.requests: dict[str, Request] = {}
@@ -168,6 +170,11 @@ class LLMEngine:
         local = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)) if self.role == "prefill" else params
         req = Request(request_id, prompt_token_ids, local, self.eos_token_ids, remote_kv=remote_kv)
         req.generator = self.runner.sampler.new_request_generator(params.seed)
+        if params.structured_output is not None:
+            try:
+                req.grammar = self.grammars.new_request_grammar(params.structured_output)
+            except SamplingParamError as e:
+                raise RequestRejected(str(e), param=e.param) from e
         return req
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -210,6 +217,9 @@ class LLMEngine:
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
+
+        A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
+        grammar refuses fails the request.
 
         Returns False when the request is unknown or no longer waiting (e.g. aborted).
         """
@@ -303,6 +313,8 @@ class LLMEngine:
             for req, tok, lp, err in zip(result.sampled_reqs, so.token_ids, so.logprobs, so.errors):
                 if err is None:
                     self._on_token(req, tok, lp)
+                    if req.status == RequestStatus.FINISHED_ERROR:  # its grammar refused the token
+                        failed.add(req.request_id)
                 elif self.fail_request(req.request_id, err):
                     failed.add(req.request_id)
             if failed:  # no first token to hand over: the prefill hooks see only the error delta
@@ -312,6 +324,10 @@ class LLMEngine:
         return out
 
     def _on_token(self, req: Request, token: int, logprob) -> None:
+        if req.grammar is not None and not req.grammar.accept(token):
+            self.fail_request(req.request_id, f"structured output: token {token} is not allowed by the request's "
+                                              f"{req.grammar.spec.kind} constraint")
+            return
         now = time.monotonic()
         req.times.first_token = req.times.first_token or now
         req.times.last_token = now
@@ -319,6 +335,8 @@ class LLMEngine:
         if logprob is not None:
             req.logprobs.append(logprob)
         status = req.check_stop()
+        if req.grammar is not None and req.grammar.is_terminated:
+            status = RequestStatus.FINISHED_STOPPED
         detok = self.detokenizers[req.request_id]
         if req.request_id in self.streaming or detok.stop:
             if detok.add_tokens([token]) is not None:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pd_cluster.engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.sampling.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +87,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None
+        self.grammar: RequestGrammar | None = None  # structured output: the matcher, fed every output token
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.num_retractions = 0

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from pd_cluster.engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.sampling.grammar import RequestGrammar
 
 
 class SamplingRequest(Protocol):
@@ -18,6 +21,7 @@ class SamplingRequest(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
     eos_token_ids: tuple[int, ...]
+    grammar: RequestGrammar | None
 
 
 @dataclass
@@ -30,6 +34,7 @@ class SamplingBatch:
         token_ids: per row, the request's prompt then generated tokens (not copied: read only).
         num_prompt_tokens: per row, how many of `token_ids` are the prompt.
         banned: per row, token ids that cannot be sampled this step (``min_tokens`` not reached yet).
+        grammars: per row, the request's structured-output matcher or None (empty list: no row has one).
     """
 
     params: list[SamplingParams]
@@ -37,6 +42,7 @@ class SamplingBatch:
     token_ids: list[Sequence[int]]
     num_prompt_tokens: list[int]
     banned: list[tuple[int, ...]]
+    grammars: list[RequestGrammar | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -51,8 +57,9 @@ class SamplingBatch:
                 banned.append(tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(r.eos_token_ids)))
             else:
                 banned.append(())
+        grammars = [getattr(r, "grammar", None) for r in reqs]
         return cls([r.params for r in reqs], [r.generator for r in reqs], [r.token_ids for r in reqs],
-                   [r.num_prompt_tokens for r in reqs], banned)
+                   [r.num_prompt_tokens for r in reqs], banned, grammars if any(grammars) else [])
 
     @classmethod
     def plain(cls, params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
@@ -66,7 +73,8 @@ class SamplingBatch:
         """The sub-batch of `rows`, in that order."""
         return SamplingBatch([self.params[i] for i in rows], [self.generators[i] for i in rows],
                              [self.token_ids[i] for i in rows], [self.num_prompt_tokens[i] for i in rows],
-                             [self.banned[i] for i in rows])
+                             [self.banned[i] for i in rows],
+                             [self.grammars[i] for i in rows] if self.grammars else [])
 
     def prompt_ids(self, i: int) -> Sequence[int]:
         return self.token_ids[i][:self.num_prompt_tokens[i]]

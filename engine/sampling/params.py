@@ -12,7 +12,10 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.sampling.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -68,6 +71,10 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the text.
         logits_processors: offline only; callables applied to the request's logits before the rest
             (see `LogitsProcessor`).
+        structured_output: a `StructuredOutput` the output must match (JSON schema, JSON object, regex,
+            choice, grammar), or its fields as a dict (what ``dataclasses.asdict`` of these params gives, as a
+            decode worker sends them to a prefill worker); its token mask applies to every token, after
+            penalties and before temperature.
     """
 
     n: int = 1
@@ -90,6 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.stop = self._normalise_stop(self.stop)
@@ -110,6 +118,16 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamError(name, f"must be a boolean, got {getattr(self, name)!r}")
         self.logits_processors = self._check_processors(self.logits_processors)
+        if self.structured_output is not None:
+            from pd_cluster.engine.sampling.structured import StructuredOutput
+            if isinstance(self.structured_output, dict):  # `dataclasses.asdict(params)` sent as JSON between workers
+                try:
+                    self.structured_output = StructuredOutput(**self.structured_output)
+                except TypeError as e:
+                    raise SamplingParamError("structured_output", f"unknown field: {e}") from None
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise SamplingParamError("structured_output", "must be a StructuredOutput, got "
+                                                              f"{type(self.structured_output).__name__}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -1,7 +1,9 @@
 """Batched token sampling: logits processing, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 A step's logits go through, per row: the request's own logits processors,
-``min_tokens`` bans, ``logit_bias`` and penalties (`penalties`); then greedy rows
+``min_tokens`` bans, ``logit_bias`` and penalties (`penalties`); the structured-output
+token bitmask of every constrained row, filled for the step and applied once
+(`grammar.apply_grammar_bitmask`); then greedy rows
 take the argmax, and sampled rows are divided by their temperature, filtered by
 top-k, top-p and min-p in that order (transformers' warper order; top-p and
 min-p act on the distribution renormalised within the top-k), and sampled.
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from pd_cluster.engine.sampling.batch import SamplingBatch
+from pd_cluster.engine.sampling.grammar import apply_grammar_bitmask
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.sampling.penalties import apply_bans, apply_logit_bias, apply_penalties
 
@@ -100,6 +103,8 @@ class Sampler:
         except Exception:  # noqa: BLE001 - isolate the failing row(s)
             logger.exception("sampling: batched logits processing failed; retrying row by row")
             x = self._prepare_row_by_row(x, batch, errors)
+        if batch.grammars:
+            self._apply_grammars(x, batch, errors)
         try:
             tokens = self._pick(x, batch, errors)
         except _BeforeDraws:  # nothing drawn yet: every generator is where it was
@@ -122,7 +127,8 @@ class Sampler:
 
     def _run_processors(self, logits: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> torch.Tensor:
         """float32 logits with each row's own processors applied; a row whose processor raises fails alone."""
-        owned = any(p.logits_processors for p in batch.params) or self._needs_processing(batch)
+        owned = (any(p.logits_processors for p in batch.params) or self._needs_processing(batch)
+                 or bool(batch.grammars))
         x = logits.float()
         if owned and x.data_ptr() == logits.data_ptr():
             x = x.clone()
@@ -163,6 +169,24 @@ class Sampler:
                 errors[i] = f"logits processing failed: {type(e).__name__}: {e}"
                 x[i] = 0.0
         return x
+
+    @staticmethod
+    def _apply_grammars(x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> None:
+        """The structured-output masks, in place on `x` [B, V]: batched, else row by row (a failing row fails)."""
+        try:
+            apply_grammar_bitmask(x, batch.grammars, errors)
+            return
+        except Exception:  # noqa: BLE001
+            logger.exception("sampling: batched grammar bitmask failed; retrying row by row")
+        for i, g in enumerate(batch.grammars):
+            if g is None or errors[i] is not None:
+                continue
+            row_errors: list[str | None] = [None]
+            try:
+                apply_grammar_bitmask(x[i:i + 1], [g], row_errors)
+            except Exception as e:  # noqa: BLE001
+                row_errors[0] = f"structured output failed: {type(e).__name__}: {e}"
+            errors[i] = row_errors[0]
 
     # ---- choosing tokens ------------------------------------------------------
     def _pick(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:

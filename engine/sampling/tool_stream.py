@@ -1,0 +1,146 @@
+"""Streamed tool calls: text deltas in, OpenAI chat-completion ``delta`` objects out.
+
+`ToolCallStream` turns the text deltas of one choice into the ``delta`` objects
+of OpenAI's streaming shape: ``{"content": ...}`` for text, and for each call a
+first ``{"tool_calls": [{"index", "id", "type": "function", "function":
+{"name", "arguments"}}]}`` followed, where the arguments arrive in pieces, by
+``{"tool_calls": [{"index", "function": {"arguments": ...}}]}``. A client that
+concatenates the pieces gets what the non-streamed response holds.
+
+- a named function (`FunctionTool`): the constrained output *is* the arguments; they stream as they come.
+- ``required``: the output is a JSON array of calls; it is parsed when complete, each call sent whole.
+- ``auto`` with a parser: text streams as content until a call may begin (``<tool_call>`` for ``hermes``, a
+  leading ``{`` or ``<|python_tag|>`` for ``llama3_json``); from there the text is held back and sent as calls
+  once parsed (hermes: each closed block at once; llama3_json: at the end), or as content if it is not a call.
+"""
+
+from __future__ import annotations
+
+from pd_cluster.engine.sampling.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+from pd_cluster.engine.sampling.tools import FunctionTool, ToolCall, ToolChoice, forced_tool_calls
+
+
+class ToolCallStream:
+    """One choice's streamed tool calls.
+
+    Args:
+        tool_choice: the parsed ``tool_choice`` (`pd_cluster.engine.sampling.tools.parse_tool_choice`).
+        parser: the ``auto`` parser (`get_tool_parser`); None: no tool parsing (plain content).
+    """
+
+    def __init__(self, tool_choice: ToolChoice, parser: ToolParser | None = None) -> None:
+        self.tool_choice = tool_choice
+        self.parser = parser if tool_choice == "auto" else None
+        self.tool_calls: list[ToolCall] = []
+        self._held = ""       # text not sent yet
+        self._holding = False  # a call may have begun: hold everything from here
+        self._plain = False    # llama3_json: the output is plain text
+        self._named: ToolCall | None = None
+
+    @property
+    def tools_called(self) -> bool:
+        """Whether a call was sent (the choice's ``finish_reason`` is then ``tool_calls``)."""
+        return bool(self.tool_calls)
+
+    def feed(self, text: str) -> list[dict]:
+        """The ``delta`` objects for a new piece of the output's text."""
+        if not text:
+            return []
+        if isinstance(self.tool_choice, FunctionTool):
+            out = []
+            if self._named is None:
+                self._named = ToolCall(self.tool_choice.name, "")
+                self.tool_calls.append(self._named)
+                out.append(self._call_delta(0, self._named))
+            return out + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+        self._held += text
+        if self.tool_choice == "required":
+            return []
+        if isinstance(self.parser, HermesToolParser):
+            return self._feed_hermes()
+        if isinstance(self.parser, Llama3JsonToolParser):
+            return self._feed_llama3()
+        return self._content(self._take(len(self._held)))
+
+    def finish(self) -> list[dict]:
+        """The ``delta`` objects for whatever is held back when the output ends."""
+        if isinstance(self.tool_choice, FunctionTool):
+            return []
+        rest, self._held = self._held, ""
+        if self.tool_choice == "required":
+            try:
+                calls = forced_tool_calls(rest, "required")
+            except (ValueError, KeyError, TypeError):  # cut by max_tokens: the text is all there is
+                return self._content(rest)
+            return [self._add(c) for c in calls]
+        if self.parser is None or not rest:
+            return self._content(rest)
+        found = self.parser.extract_tool_calls(rest)
+        if not found.tools_called:
+            return [] if self.tool_calls else self._content(rest)  # hermes: text after calls is dropped
+        return [self._add(c) for c in found.tool_calls]
+
+    # ---- auto parsers ---------------------------------------------------------------
+    def _feed_hermes(self) -> list[dict]:
+        out: list[dict] = []
+        start, end = HermesToolParser.start, HermesToolParser.end
+        while True:
+            if not self._holding:
+                i = self._held.find(start)
+                if i < 0:  # send all but trailing whitespace and a possible beginning of the tag
+                    sendable = self._held[:len(self._held) - _partial_suffix(self._held, start)].rstrip()
+                    piece = self._take(len(sendable))
+                    return out + ([] if self.tool_calls else self._content(piece))  # text after calls: dropped
+                piece = self._take(i)
+                out += [] if self.tool_calls else self._content(piece.rstrip())
+                self._holding = True
+            j = self._held.find(end)
+            if j < 0:
+                return out
+            block = self._take(j + len(end))
+            found = self.parser.extract_tool_calls(block)
+            if not found.tools_called:  # malformed: it is content after all
+                out += self._content(block)
+            else:
+                out += [self._add(c) for c in found.tool_calls]
+            self._holding = False
+
+    def _feed_llama3(self) -> list[dict]:
+        if self._holding:
+            return []
+        tag = Llama3JsonToolParser.python_tag
+        body = self._held.lstrip()
+        if not self._plain:
+            if not body or (tag.startswith(body) and body != tag):
+                return []  # nothing yet, or maybe the tag: decided when more text comes
+            if body.startswith("{") or body.startswith(tag):
+                self._holding = True  # the output is a call (or not JSON at all): decided at the end
+                return []
+            self._plain = True  # a call is only a whole output that starts with '{'
+        return self._content(self._take(len(self._held)))
+
+    # ---- pieces ----------------------------------------------------------------
+    def _take(self, n: int) -> str:
+        piece, self._held = self._held[:n], self._held[n:]
+        return piece
+
+    @staticmethod
+    def _content(text: str) -> list[dict]:
+        return [{"content": text}] if text else []
+
+    def _add(self, call: ToolCall) -> dict:
+        self.tool_calls.append(call)
+        return self._call_delta(len(self.tool_calls) - 1, call)
+
+    @staticmethod
+    def _call_delta(index: int, call: ToolCall) -> dict:
+        return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": call.arguments}}]}
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
