@@ -9,6 +9,8 @@ allocator (rank 0's) serves them all.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +76,28 @@ def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayou
                     tp_size=tp.size, tp_rank=tp.rank)
 
 
+def check_triton(device: torch.device) -> None:
+    """Compile and run one tiny Triton kernel before the worker goes on (and so before it reports ready).
+
+    Raises:
+        TritonRuntimeError: Triton cannot build or launch kernels here (the message names compiler,
+            ``Python.h`` and cache status).
+    """
+    from pd_cluster.engine.attention.triton.selfcheck import check_triton_runtime
+
+    started = time.perf_counter()
+    check_triton_runtime(device)
+    logger.info("Triton self-check passed on %s in %.2f s (TRITON_CACHE_DIR=%s)", device,
+                time.perf_counter() - started, os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
+
+
 def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shard:
     """Load this rank's weights, size and create its pool (agreeing on the size with the other ranks),
     and pick its attention backend.
 
     Raises:
         ValueError: from loading or sizing (see `load_model`, `plan_pool`).
+        TritonRuntimeError: the triton backend was chosen and its self-check failed (`check_triton`).
     """
     mc = config.model
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp)
@@ -94,4 +112,6 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
                           num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim, scale=arch.head_dim ** -0.5,
                           sliding_window=arch.sliding_window)
+    if name == "triton":
+        check_triton(device)
     return Shard(loaded, layout, plan, pool, backend, name)
