@@ -21,6 +21,7 @@ from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
+from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 from pd_cluster.engine.parallel.group import TPGroup
 
@@ -112,6 +113,7 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
                           num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim, scale=arch.head_dim ** -0.5,
                           sliding_window=arch.sliding_window)
-    if name == "triton":
+    if name == "triton":  # the GPU path: fused norm/RoPE/activation kernels beside the attention kernels
         check_triton(device)
+        loaded.model.set_layer_ops(layer_ops("triton"))
     return Shard(loaded, layout, plan, pool, backend, name)
