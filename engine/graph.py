@@ -21,14 +21,16 @@ eagerly, which is how the padding logic is tested without a GPU.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pd_cluster.engine.attention.base import AttentionBackend
-from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.batch import ForwardBatch, build_forward_batch
 from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -257,6 +259,30 @@ class CudaGraphRunner:
         self.buffers.block_tables[:bs].zero_()
         self.buffers.logits_indices[:bs].copy_(self.buffers.query_start_loc[:bs])
         return self.buffers.batch_view(bs)
+
+
+@torch.inference_mode()
+def warm_up_kernels(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend) -> None:
+    """Run one eager step that launches every kernel the server uses, so each compiles at start-up.
+
+    The step holds one decode request and one two-token prefill chunk, both on
+    the null page with slot ``-1`` (nothing is stored; the outputs are
+    discarded): store, decode, extend, every norm (with and without a
+    residual), RoPE and the activation launch once per layer. The kernels take
+    runtime-varying integers as ``do_not_specialize`` and everything else is
+    fixed by the model and pool, so this step compiles the only variants a
+    serving step can ask for (`pd_cluster.engine.attention.triton.variants`;
+    tests/kernels/test_kernel_variants.py proves it). CUDA-graph capture
+    (`CudaGraphRunner.capture`) then compiles nothing new.
+    """
+    page = pool.page_size
+    null_pages = [0] * -(-2 // page)
+    batch = build_forward_batch([np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64)], [1, 0],
+                                [null_pages, null_pages], [np.array([0]), np.array([1])], 1, page, pool.device)
+    batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
+    model(batch, pool, backend)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
 
 
 def maybe_capture_decode_graphs(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend,

@@ -19,6 +19,7 @@ import torch
 from pd_cluster.engine.attention import get_backend, resolve_backend_name
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.graph import warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
 from pd_cluster.engine.model.layer_ops import layer_ops
@@ -116,4 +117,7 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     if name == "triton":  # the GPU path: fused norm/RoPE/activation kernels beside the attention kernels
         check_triton(device)
         loaded.model.set_layer_ops(layer_ops("triton"))
+        started = time.perf_counter()
+        warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
+        logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
     return Shard(loaded, layout, plan, pool, backend, name)
