@@ -100,7 +100,7 @@ def test_warm_up_covers_every_variant_serving_hits(setup):
         warm_up_kernels(loaded.model, pool, backend)
     assert collections.Counter(v.kernel for v in warm.variants) == WARM_VARIANTS
     serving = _run(setup, STEPS)
-    assert serving.launches >= 6 * 2 * 8  # 6 steps, 2 layers, 8+ launches per layer
+    assert serving.launches >= 6 * 2 * 6  # 6 steps, 2 layers, at least 6 launches per layer
     assert serving.variants <= warm.variants, sorted(serving.variants - warm.variants, key=str)
     # without the do_not_specialize annotations the same steps would compile more variants (1 and 16 values)
     extra = sorted({v.kernel for v in serving.unannotated - warm.unannotated})
