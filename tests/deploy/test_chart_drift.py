@@ -54,7 +54,7 @@ def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 def router_config(objs):
     (dep,) = [o for o in objects(objs, "Deployment") if o["metadata"]["name"].endswith("-router")]
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    return router.args.config_from_args(parse(router.args.build_parser(), c["args"])), dep
+    return router_args.config_from_args(parse(router_args.build_parser(), c["args"])), dep
 
 
 def serving_templates(objs, role: str) -> list[str]:
@@ -127,16 +127,16 @@ def test_every_container_command_line_parses_with_the_project_cli(path):
             if script == "pd-worker":
                 _check_worker(ns, argv, label)
             elif script == "pd-router":
-                router.args.config_from_args(ns)
+                router_args.config_from_args(ns)
             else:
-                bench.args.to_config(ns)
+                bench_args.to_config(ns)
     assert {"pd-worker", "pd-router"} <= seen
 
 
 def _check_worker(ns: argparse.Namespace, argv: list[str], label: str) -> None:
     from pd_cluster.engine.args import config_from_args
 
-    role = launch.worker.resolve_role(ns)
+    role = launch_worker.resolve_role(ns)
     assert role in label.split("/")[0], label
     config = config_from_args(ns)  # raises on invalid engine values
     from_cli_args(ns)
@@ -239,7 +239,7 @@ def test_every_schema_flag_renders_and_parses():
     objs = render({"engine": {"args": args}, "gpu": {"count": 0}})
     for sts in objects(objs, "StatefulSet"):
         argv = [expand(a, FAKE_ENV) for a in sts["spec"]["template"]["spec"]["containers"][0]["args"]]
-        ns = parse(launch.worker.build_parser(), argv)
+        ns = parse(launch_worker.build_parser(), argv)
         for key in schema:
             assert f"--{key}" in argv, key
         assert ns.page_size == 3 and ns.kv_transfer_progress_thread is True
