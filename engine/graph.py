@@ -149,11 +149,15 @@ class CudaGraphConfig:
         max_bs: ``--cuda-graph-max-bs``, the largest captured decode batch.
         max_context_len: the longest context a request can reach (sizes the block tables).
         disable: ``--disable-cuda-graph``.
+        eager_stand_in: off CUDA, still build the runner, uncaptured: its replay runs the padded
+            static batch eagerly. This is how the buckets, padding and (under TP) the
+            every-rank bookkeeping are tested without a GPU; no server sets it.
     """
 
     max_bs: int = 256
     max_context_len: int = 4096
     disable: bool = False
+    eager_stand_in: bool = False
 
     def __post_init__(self) -> None:
         if self.max_bs < 1 or self.max_context_len < 1:
@@ -186,6 +190,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.mempool = None
+        self.replays = 0  # decode steps served by this runner (graph replays, or eager stand-in runs)
 
     @property
     def captured(self) -> bool:
@@ -242,6 +247,7 @@ class CudaGraphRunner:
             raise ValueError("batch cannot use the decode graphs (not decode-only, too large, or too long)")
         bs = select_bucket(batch.num_reqs, self.sizes)
         self.buffers.fill(batch, bs)
+        self.replays += 1
         num_logits = batch.logits_indices.shape[0]
         if bs in self.graphs:
             view = self.buffers.batch_view(bs)
@@ -289,14 +295,18 @@ def maybe_capture_decode_graphs(model: torch.nn.Module, pool: KVPool, backend: A
                                 config: CudaGraphConfig) -> CudaGraphRunner | None:
     """The engine's entry point: a captured `CudaGraphRunner`, or None when graphs do not apply.
 
-    None when ``--disable-cuda-graph`` is set, the pool is not on a CUDA device,
-    or the backend cannot be captured (logged).
+    None when ``--disable-cuda-graph`` is set, the pool is not on a CUDA device
+    (unless `CudaGraphConfig.eager_stand_in`: then an uncaptured runner), or the
+    backend cannot be captured (logged). Under tensor parallelism every rank
+    calls this with the same config (`TPDriver.capture_decode_graphs`), so all
+    capture the same buckets in the same order and their all-reduces line up.
     """
-    if config.disable or pool.device.type != "cuda":
+    if config.disable or (pool.device.type != "cuda" and not config.eager_stand_in):
         return None
     if not getattr(backend, "supports_cuda_graph", False):
         logger.warning("CUDA graphs disabled: attention backend %r cannot be captured", backend.name)
         return None
     runner = CudaGraphRunner(model, pool, backend, config)
-    runner.capture()
+    if pool.device.type == "cuda":
+        runner.capture()
     return runner
