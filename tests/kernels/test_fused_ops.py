@@ -124,3 +124,14 @@ def test_the_row_check_catches_an_error_in_one_row():
     out[5] *= 1 + 5e-3
     batch_wide = float((out - ref).norm() / ref.norm())
     assert batch_wide <= REL_ERR_BOUND[torch.float16] < rel_err(out, ref)
+
+
+def test_strided_inputs_are_handled():
+    """A column-strided input (not what the model passes, but allowed) is made contiguous, not misread."""
+    gen = torch.Generator().manual_seed(5)
+    x = _randn(64, 6, dtype=torch.float32, gen=gen).t()  # [6, 64], stride (1, 6)
+    w = _randn(64, dtype=torch.float32, gen=gen)
+    out, _ = fused.rms_norm(x, w, 1e-5)
+    assert rel_err(out, REF.rms_norm(x.double(), w.double(), 1e-5)[0]) <= REL_ERR_BOUND[torch.float32]
+    g = _randn(128, 3, dtype=torch.float32, gen=gen).t()
+    assert rel_err(fused.silu_and_mul(g), REF.silu_and_mul(g.double())) <= REL_ERR_BOUND[torch.float32]

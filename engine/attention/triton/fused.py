@@ -60,8 +60,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         ``x + residual`` [T, N] (None when `residual` is None)).
     """
     t, n = x.shape
-    y = torch.empty_like(x)
-    r_out = torch.empty_like(x) if residual is not None else None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    r_out = torch.empty((t, n), dtype=x.dtype, device=x.device) if residual is not None else None
     r = residual if residual is not None else x
     ro = r_out if r_out is not None else y
     if t:
@@ -138,6 +142,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         [T, N] in x's dtype.
     """
     t, two_n = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     n = two_n // 2
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t:
