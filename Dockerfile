@@ -1,6 +1,6 @@
 # pd-cluster serving image: the CUDA runtime, Python, a CUDA build of torch, pd-cluster (with Ray),
-# the RDMA user-space libraries UCX needs for InfiniBand/RoCE, and what Triton needs to compile. It runs as a non-root user (UID 1000),
-# which is what the Helm chart's security context expects.
+# the RDMA user-space libraries UCX needs for InfiniBand/RoCE, and what Triton needs to compile kernels.
+# It runs as a non-root user (UID 1000), which is what the Helm chart's security context expects.
 #
 #   docker build -t registry.example.com/pd-cluster:0.1.0 .
 #   docker push registry.example.com/pd-cluster:0.1.0
@@ -30,7 +30,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # base stays the CUDA *runtime* image, not the -devel one: Triton ships its own ptxas and CUDA headers and
 # needs no nvcc, so the multi-GB toolkit would add nothing. Compiled kernels are cached in TRITON_CACHE_DIR,
 # which the Helm chart points at its writable /cache volume (the root filesystem is read-only there);
-# the default below is for plain `docker run`. Every worker compiles and runs one tiny kernel at start-up
+# the ENV default above is for plain `docker run`. Every worker compiles and runs one tiny kernel at start-up
 # (pd_cluster.engine.attention.triton.selfcheck) and exits with a clear error if this toolchain is missing.
 #
 # python3 (3.12 on Ubuntu 24.04); rdma-core, the verbs providers (mlx5, ...) and librdmacm for UCX's
