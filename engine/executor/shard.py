@@ -18,6 +18,7 @@ import torch
 
 from pd_cluster.engine.attention import get_backend, resolve_backend_name
 from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import HostStaging
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.graph import warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
@@ -42,6 +43,7 @@ class Shard:
     backend: AttentionBackend
     backend_name: str
     graph_runner: Any = None
+    staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
@@ -120,4 +122,4 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         started = time.perf_counter()
         warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
         logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
-    return Shard(loaded, layout, plan, pool, backend, name)
+    return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device))

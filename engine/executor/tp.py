@@ -39,7 +39,7 @@ class RankServer:
         self.extensions: dict[str, Any] = {}
 
     def forward(self, inputs: BatchInputs) -> torch.Tensor | None:
-        logits = self.shard.forward(inputs.build(self.device))
+        logits = self.shard.forward(inputs.build(self.device, self.shard.staging))
         return logits if self.tp.is_driver else None
 
     def ping(self) -> int:

@@ -22,7 +22,8 @@ def ignored(path: str) -> bool:
 def test_build_context_keeps_what_pip_install_needs():
     needed = ["pyproject.toml", PYPROJECT["project"]["readme"]]
     root = PYPROJECT["tool"]["setuptools"]["package-dir"]["pd_cluster"]  # "." : the role folders are the package
-    needed += ["__init__.py"] + sorted({p.split(".")[1] for p in PYPROJECT["tool"]["setuptools"]["packages"] if "." in p})
+    packages = PYPROJECT["tool"]["setuptools"]["packages"]
+    needed += ["__init__.py"] + sorted({p.split(".")[1] for p in packages if "." in p})
     needed = [str((ROOT / root / p).relative_to(ROOT)) for p in needed]
     for path in needed:
         assert not ignored(path), path
