@@ -43,8 +43,8 @@ def _time(pool: KVPool, layer: int, shape: Shape, bsz: int, ctx: int, cfg: Decod
     _fill(pool, tables.flatten())
     tables, seq = tables.to(device), torch.full((bsz,), ctx, dtype=torch.int32, device=device)
     s = max_splits_for(bsz, shape.num_kv_heads, num_sms, cfg)
-    ws = DecodeWorkspace(num_kv_splits(seq, s, cfg), torch.empty(bsz, shape.num_heads, s, shape.head_dim, device=device),
-                         torch.empty(bsz, shape.num_heads, s, device=device), s)
+    mid_o = torch.empty(bsz, shape.num_heads, s, shape.head_dim, device=device)
+    ws = DecodeWorkspace(num_kv_splits(seq, s, cfg), mid_o, torch.empty(bsz, shape.num_heads, s, device=device), s)
     q = torch.randn(bsz, shape.num_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     k_cache, v_cache = pool.layer_cache(layer)
