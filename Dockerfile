@@ -1,6 +1,6 @@
 # pd-cluster serving image: the CUDA runtime, Python, a CUDA build of torch, pd-cluster (with Ray),
-# and the RDMA user-space libraries UCX needs for InfiniBand/RoCE. It runs as a non-root user (UID 1000),
-# which is what the Helm chart's security context expects.
+# the RDMA user-space libraries UCX needs for InfiniBand/RoCE, and what Triton needs to compile kernels.
+# It runs as a non-root user (UID 1000), which is what the Helm chart's security context expects.
 #
 #   docker build -t registry.example.com/pd-cluster:0.1.0 .
 #   docker push registry.example.com/pd-cluster:0.1.0
@@ -22,15 +22,28 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:$PATH
+    PATH=/opt/venv/bin:$PATH \
+    TRITON_CACHE_DIR=/home/pd/.cache/triton
 
+# Triton compiles each kernel's host launcher (a small C file including Python.h) the first time the kernel
+# runs, so the image carries a C compiler (gcc, with libc6-dev) and the Python headers (python3-dev). The
+# base stays the CUDA *runtime* image, not the -devel one: Triton ships its own ptxas and CUDA headers and
+# needs no nvcc, so the multi-GB toolkit would add nothing. Compiled kernels are cached in TRITON_CACHE_DIR,
+# which the Helm chart points at its writable /cache volume (the root filesystem is read-only there);
+# the ENV default above is for plain `docker run`. Every worker compiles and runs one tiny kernel at start-up
+# (pd_cluster.engine.attention.triton.selfcheck) and exits with a clear error if this toolchain is missing.
+#
 # python3 (3.12 on Ubuntu 24.04); rdma-core, the verbs providers (mlx5, ...) and librdmacm for UCX's
 # RDMA transports; ibverbs-utils for ibv_devinfo, to check the NICs from inside a pod.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
-      python3 python3-venv ca-certificates \
+      python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
       rdma-core ibverbs-providers libibverbs1 librdmacm1 ibverbs-utils \
  && rm -rf /var/lib/apt/lists/*
+
+# Fail the build, not the first pod, if the toolchain above is incomplete.
+RUN cc --version > /dev/null \
+ && python3 -c "import os, sysconfig; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); assert os.path.exists(h), h"
 
 # torch first, from the CUDA index: an unpinned torch from PyPI would pull a different CUDA stack.
 RUN python3 -m venv "$VIRTUAL_ENV" \

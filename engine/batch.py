@@ -74,6 +74,7 @@ def build_forward_batch(
     num_decodes: int,
     page_size: int,
     device: torch.device,
+    staging: "HostStaging | None" = None,
 ) -> ForwardBatch:
     """Assemble a `ForwardBatch` with vectorised position and slot arithmetic.
 
@@ -87,6 +88,8 @@ def build_forward_batch(
         num_decodes: how many leading requests are decodes.
         page_size: tokens per page.
         device: where the tensors go.
+        staging: persistent host buffers to upload through (two copies instead of seven;
+            pinned and asynchronous on CUDA); None copies each array on its own.
 
     Raises:
         ValueError: a block table does not cover its request's new tokens.
@@ -113,17 +116,21 @@ def build_forward_batch(
         np.zeros(0, dtype=np.int64)
     ids = np.concatenate(token_ids) if token_ids else np.zeros(0, dtype=np.int64)
 
-    def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-
+    arrays = [(ids, torch.long), (positions, torch.long), (slots, torch.long), (qsl, torch.int32),
+              (seq_lens, torch.int32), (table, torch.int32), (logits_idx.astype(np.int64), torch.long)]
+    if staging is not None:
+        tensors = staging.upload(arrays)
+    else:
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt) for a, dt in arrays]
+    input_ids, positions_t, slots_t, qsl_t, seq_lens_t, table_t, logits_t = tensors
     return ForwardBatch(
-        input_ids=t(ids, torch.long),
-        positions=t(positions, torch.long),
-        slot_mapping=t(slots, torch.long),
-        query_start_loc=t(qsl, torch.int32),
-        seq_lens=t(seq_lens, torch.int32),
-        block_tables=t(table, torch.int32),
-        logits_indices=t(logits_idx.astype(np.int64), torch.long),
+        input_ids=input_ids,
+        positions=positions_t,
+        slot_mapping=slots_t,
+        query_start_loc=qsl_t,
+        seq_lens=seq_lens_t,
+        block_tables=table_t,
+        logits_indices=logits_t,
         num_decodes=num_decodes,
         query_lens_cpu=query_lens.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
@@ -146,6 +153,82 @@ class BatchInputs:
     num_decodes: int
     page_size: int
 
-    def build(self, device: torch.device) -> ForwardBatch:
+    def build(self, device: torch.device, staging: HostStaging | None = None) -> ForwardBatch:
         return build_forward_batch(self.token_ids, self.start_positions, self.block_tables, self.logits_rows,
-                                   self.num_decodes, self.page_size, device)
+                                   self.num_decodes, self.page_size, device, staging)
+
+
+class HostStaging:
+    """Persistent host buffers through which a step's index arrays reach the device.
+
+    The seven arrays of a `ForwardBatch` are packed into one int64 and one int32
+    host buffer, which are copied with one copy each into fresh device tensors;
+    the batch's tensors are views of those. On CUDA the host buffers are pinned
+    and the copies ``non_blocking``, so the host goes on building while the copy
+    runs (pageable memory makes every copy synchronous). A buffer is refilled
+    only after the previous step's copy out of it has completed (a CUDA event;
+    in practice long done, since sampling reads results back). Buffers grow to
+    the largest step seen and are never shrunk.
+
+    Each array starts at a multiple of `ALIGN` elements (128 bytes or more) into
+    its allocation, whatever the step's sizes: Triton specialises on 16-byte
+    pointer alignment, and a step-dependent alignment would compile new kernel
+    variants while serving.
+
+    Args:
+        device: where the batches go.
+    """
+
+    ALIGN = 32  # elements: 128 bytes of int32, 256 of int64
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._host: dict[torch.dtype, torch.Tensor] = {}
+        self._copied: torch.cuda.Event | None = None
+        self.uploads = 0
+
+    def _buffer(self, dtype: torch.dtype, n: int) -> torch.Tensor:
+        buf = self._host.get(dtype)
+        if buf is None or buf.numel() < n:
+            size = max(n, 2 * (0 if buf is None else buf.numel()), 4096)
+            buf = torch.empty(size, dtype=dtype, pin_memory=self.pinned)
+            self._host[dtype] = buf
+        return buf
+
+    def upload(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
+        """Device tensors of `arrays` ((numpy array, torch dtype int64 or int32) pairs), in order and shape.
+
+        Raises:
+            ValueError: a dtype other than int64 or int32.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the host buffers
+        out: list[torch.Tensor | None] = [None] * len(arrays)
+        for dtype in (torch.int64, torch.int32):
+            idx = [i for i, (_, dt) in enumerate(arrays) if dt == dtype]
+            if not idx:
+                continue
+            offsets, total = [], 0
+            for i in idx:
+                offsets.append(total)
+                total += -(-arrays[i][0].size // self.ALIGN) * self.ALIGN
+            host = self._buffer(dtype, total)
+            flat = host.numpy()
+            for i, off in zip(idx, offsets):
+                a = arrays[i][0]
+                flat[off:off + a.size] = a.reshape(-1)
+            if self.device.type == "cpu":
+                dev = host[:total].clone()  # never alias the buffer the next step refills
+            else:
+                dev = host[:total].to(self.device, non_blocking=self.pinned)
+            for i, off in zip(idx, offsets):
+                a = arrays[i][0]
+                out[i] = dev[off:off + a.size].view(a.shape)
+        if any(t is None for t in out):
+            raise ValueError(f"HostStaging uploads int64 and int32 arrays, got {[dt for _, dt in arrays]}")
+        if self.pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+        self.uploads += 1
+        return out  # type: ignore[return-value]

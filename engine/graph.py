@@ -21,14 +21,16 @@ eagerly, which is how the padding logic is tested without a GPU.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pd_cluster.engine.attention.base import AttentionBackend
-from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.batch import ForwardBatch, build_forward_batch
 from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -147,11 +149,15 @@ class CudaGraphConfig:
         max_bs: ``--cuda-graph-max-bs``, the largest captured decode batch.
         max_context_len: the longest context a request can reach (sizes the block tables).
         disable: ``--disable-cuda-graph``.
+        eager_stand_in: off CUDA, still build the runner, uncaptured: its replay runs the padded
+            static batch eagerly. This is how the buckets, padding and (under TP) the
+            every-rank bookkeeping are tested without a GPU; no server sets it.
     """
 
     max_bs: int = 256
     max_context_len: int = 4096
     disable: bool = False
+    eager_stand_in: bool = False
 
     def __post_init__(self) -> None:
         if self.max_bs < 1 or self.max_context_len < 1:
@@ -184,6 +190,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.mempool = None
+        self.replays = 0  # decode steps served by this runner (graph replays, or eager stand-in runs)
 
     @property
     def captured(self) -> bool:
@@ -240,6 +247,7 @@ class CudaGraphRunner:
             raise ValueError("batch cannot use the decode graphs (not decode-only, too large, or too long)")
         bs = select_bucket(batch.num_reqs, self.sizes)
         self.buffers.fill(batch, bs)
+        self.replays += 1
         num_logits = batch.logits_indices.shape[0]
         if bs in self.graphs:
             view = self.buffers.batch_view(bs)
@@ -259,18 +267,46 @@ class CudaGraphRunner:
         return self.buffers.batch_view(bs)
 
 
+@torch.inference_mode()
+def warm_up_kernels(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend) -> None:
+    """Run one eager step that launches every kernel the server uses, so each compiles at start-up.
+
+    The step holds one decode request and one two-token prefill chunk, both on
+    the null page with slot ``-1`` (nothing is stored; the outputs are
+    discarded): store, decode, extend, every norm (with and without a
+    residual), RoPE and the activation launch once per layer. The kernels take
+    runtime-varying integers as ``do_not_specialize`` and everything else is
+    fixed by the model and pool, so this step compiles the only variants a
+    serving step can ask for (`pd_cluster.engine.attention.triton.variants`;
+    tests/kernels/test_kernel_variants.py proves it). CUDA-graph capture
+    (`CudaGraphRunner.capture`) then compiles nothing new.
+    """
+    page = pool.page_size
+    null_pages = [0] * -(-2 // page)
+    batch = build_forward_batch([np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64)], [1, 0],
+                                [null_pages, null_pages], [np.array([0]), np.array([1])], 1, page, pool.device)
+    batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
+    model(batch, pool, backend)
+    if pool.device.type == "cuda":
+        torch.cuda.synchronize(pool.device)
+
+
 def maybe_capture_decode_graphs(model: torch.nn.Module, pool: KVPool, backend: AttentionBackend,
                                 config: CudaGraphConfig) -> CudaGraphRunner | None:
     """The engine's entry point: a captured `CudaGraphRunner`, or None when graphs do not apply.
 
-    None when ``--disable-cuda-graph`` is set, the pool is not on a CUDA device,
-    or the backend cannot be captured (logged).
+    None when ``--disable-cuda-graph`` is set, the pool is not on a CUDA device
+    (unless `CudaGraphConfig.eager_stand_in`: then an uncaptured runner), or the
+    backend cannot be captured (logged). Under tensor parallelism every rank
+    calls this with the same config (`TPDriver.capture_decode_graphs`), so all
+    capture the same buckets in the same order and their all-reduces line up.
     """
-    if config.disable or pool.device.type != "cuda":
+    if config.disable or (pool.device.type != "cuda" and not config.eager_stand_in):
         return None
     if not getattr(backend, "supports_cuda_graph", False):
         logger.warning("CUDA graphs disabled: attention backend %r cannot be captured", backend.name)
         return None
     runner = CudaGraphRunner(model, pool, backend, config)
-    runner.capture()
+    if pool.device.type == "cuda":
+        runner.capture()
     return runner

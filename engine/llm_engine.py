@@ -95,14 +95,14 @@ class LLMEngine:
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
+        graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
+                                 max_context_len=self.context_length, disable=config.device.disable_cuda_graph)
         if self.tp_driver is not None:
             self.tp_driver.attach(RankServer(shard, tp, self.device))
-            logger.info("tensor parallelism: %d ranks; CUDA graphs are not captured under TP", tp.size)
-        else:
-            shard.graph_runner = maybe_capture_decode_graphs(  # None off CUDA or with --disable-cuda-graph
-                self.loaded.model, self.pool, self.backend,
-                CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
-                                max_context_len=self.context_length, disable=config.device.disable_cuda_graph))
+            buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets
+            logger.info("tensor parallelism: %d ranks; CUDA graph batch sizes on every rank: %s", tp.size, buckets)
+        else:  # None off CUDA or with --disable-cuda-graph
+            shard.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name

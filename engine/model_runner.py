@@ -63,7 +63,7 @@ class ModelRunner:
     def _forward(self, inputs: BatchInputs) -> torch.Tensor:
         if self.tp_driver is not None:
             return self.tp_driver.call("forward", inputs)
-        return self.shard.forward(inputs.build(self.device))
+        return self.shard.forward(inputs.build(self.device, self.shard.staging))
 
     def _build_batch(self, items: list[ScheduledRequest], num_decodes: int
                      ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]]]:

@@ -10,11 +10,14 @@ It measures, in one run and on the device itself:
 2. FP8 paged decode attention at Llama-3.1-8B shapes, batch 1/32/128 x context
    1k/4k/32k, against the torch reference backend and bf16 SDPA (after a
    small sweep of the kernel's launch settings at batch 32, context 4k);
-3. the 8k-token prefill kernel alone (launch-settings sweep);
-4. a Llama-3.1-8B decode step (dummy weights, FP8 KV, batch 64, context 2k)
-   with and without CUDA graphs, against (weight + KV bytes) / bandwidth;
-5. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix rate;
-6. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU.
+3. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
+   against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
+4. the 8k-token prefill kernel alone (launch-settings sweep);
+5. a Llama-3.1-8B decode step (dummy weights, FP8 KV, batch 64, context 2k)
+   with and without CUDA graphs, against (weight + KV bytes) / bandwidth,
+   with the GPU kernels it launches;
+6. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix rate;
+7. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU.
 
 Prints a markdown table per part and writes them, with the device, date and
 command, to ``--output`` (and the raw numbers to the same name with ``.json``).
@@ -37,7 +40,7 @@ import torch
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
-PARTS = ("decode", "prefill_kernel", "decode_step", "prefill", "nixl")
+PARTS = ("decode", "layout", "prefill_kernel", "decode_step", "prefill", "nixl")
 
 
 def device_info(device: torch.device) -> str:
@@ -85,6 +88,11 @@ def run(args: argparse.Namespace) -> list[Section]:
         decode_cfg, tune = gpu_attention.tune_decode(device, num_sms, args.smoke)
         sections.append(_emit(tune))
         sections.append(_emit(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke)))
+    if "layout" not in skip:
+        from pd_cluster.bench.scripts import gpu_layout
+
+        sections.append(_emit(gpu_layout.layout_table(device, ceil, decode_cfg, num_sms, args.smoke)))
+        _free(device)
     extend_cfg = gpu_attention.ExtendKernelConfig() if not args.smoke else gpu_attention.ExtendKernelConfig(16, 16)
     if "prefill_kernel" not in skip:
         extend_cfg, sec = gpu_attention.prefill_kernel_table(device, ceil, args.smoke)

@@ -19,6 +19,7 @@ from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, T
 from pd_cluster.engine.batch import build_forward_batch
 from pd_cluster.engine.graph import CudaGraphConfig, CudaGraphRunner
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
+from pd_cluster.engine.model.layer_ops import TritonLayerOps
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 
 PAGE = 64
@@ -28,7 +29,23 @@ def load_dummy(device: torch.device, smoke: bool) -> LoadedModel:
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(llama_config(smoke)))
         # bf16 as served; the smoke toy uses fp32 (the interpreter has no bf16 tl.dot)
-        return load_model(d, "float32" if smoke else "bfloat16", load_format="dummy", seed=0, device=device)
+        loaded = load_model(d, "float32" if smoke else "bfloat16", load_format="dummy", seed=0, device=device)
+    loaded.model.set_layer_ops(TritonLayerOps())  # as a worker with the triton backend runs it
+    return loaded
+
+
+def cuda_kernels_per_call(fn, device: torch.device) -> int | None:
+    """GPU kernels (and device copies) one call of `fn` launches, from the profiler; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def fp8_pool(loaded: LoadedModel, num_pages: int, device: torch.device) -> KVPool:
@@ -76,18 +93,22 @@ def decode_step_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAt
     w_bytes = weight_bytes_read(loaded, bsz)
     floor_ms = (w_bytes + kv_bytes) / (ceil.copy_gbps * 1e9) * 1e3
     t_eager = bench_ms(lambda: loaded.model(batch, pool, backend), device, rep_ms=1000)
-    rows = [Row(["eager (no graph)", t_eager, floor_ms, t_eager / floor_ms, bsz / (t_eager * 1e-3)])]
+    kernels = cuda_kernels_per_call(lambda: loaded.model(batch, pool, backend), device)
+    per_layer = "-" if kernels is None else f"{kernels} ({kernels / a.num_hidden_layers:.1f}/layer)"
+    rows = [Row(["eager (no graph)", t_eager, floor_ms, t_eager / floor_ms, bsz / (t_eager * 1e-3), per_layer])]
     if device.type == "cuda":
         runner = CudaGraphRunner(loaded.model, pool, backend, CudaGraphConfig(max_bs=bsz, max_context_len=ctx + PAGE))
         runner.capture()
         t_graph = bench_ms(lambda: runner.replay(batch), device, rep_ms=1000)
-        rows.append(Row(["CUDA graph", t_graph, floor_ms, t_graph / floor_ms, bsz / (t_graph * 1e-3)]))
+        rows.append(Row(["CUDA graph", t_graph, floor_ms, t_graph / floor_ms, bsz / (t_graph * 1e-3), per_layer]))
     sec = Section(f"Decode step, Llama-3.1-8B (dummy bf16 weights), FP8 KV, batch {bsz}, context {ctx}",
-                  ["mode", "time (ms)", "floor (ms)", "x floor", "tokens/s"], rows)
+                  ["mode", "time (ms)", "floor (ms)", "x floor", "tokens/s", "GPU kernels/step"], rows)
     sec.notes += [
         f"floor = (weight bytes read {w_bytes / 1e9:.2f} GB + KV bytes {kv_bytes / 1e9:.2f} GB) / measured copy "
         f"bandwidth {ceil.copy_gbps:.0f} GB/s; the input embedding counts only the {bsz} rows gathered.",
         "Graph time includes copying the batch into the static buffers (device-to-device) and the replay.",
+        "Kernels: every GPU kernel and device copy of one eager step, from torch.profiler (fused layer ops on; "
+        "tests/kernels/test_launch_count.py asserts <= 12 per layer on CPU).",
     ]
     del pool
     return sec

@@ -9,6 +9,8 @@ allocator (rank 0's) serves them all.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +18,12 @@ import torch
 
 from pd_cluster.engine.attention import get_backend, resolve_backend_name
 from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import HostStaging
 from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.graph import warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
+from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 from pd_cluster.engine.parallel.group import TPGroup
 
@@ -38,6 +43,7 @@ class Shard:
     backend: AttentionBackend
     backend_name: str
     graph_runner: Any = None
+    staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
@@ -74,12 +80,28 @@ def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayou
                     tp_size=tp.size, tp_rank=tp.rank)
 
 
+def check_triton(device: torch.device) -> None:
+    """Compile and run one tiny Triton kernel before the worker goes on (and so before it reports ready).
+
+    Raises:
+        TritonRuntimeError: Triton cannot build or launch kernels here (the message names compiler,
+            ``Python.h`` and cache status).
+    """
+    from pd_cluster.engine.attention.triton.selfcheck import check_triton_runtime
+
+    started = time.perf_counter()
+    check_triton_runtime(device)
+    logger.info("Triton self-check passed on %s in %.2f s (TRITON_CACHE_DIR=%s)", device,
+                time.perf_counter() - started, os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
+
+
 def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shard:
     """Load this rank's weights, size and create its pool (agreeing on the size with the other ranks),
     and pick its attention backend.
 
     Raises:
         ValueError: from loading or sizing (see `load_model`, `plan_pool`).
+        TritonRuntimeError: the triton backend was chosen and its self-check failed (`check_triton`).
     """
     mc = config.model
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp)
@@ -94,4 +116,10 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
                           num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim, scale=arch.head_dim ** -0.5,
                           sliding_window=arch.sliding_window)
-    return Shard(loaded, layout, plan, pool, backend, name)
+    if name == "triton":  # the GPU path: fused norm/RoPE/activation kernels beside the attention kernels
+        check_triton(device)
+        loaded.model.set_layer_ops(layer_ops("triton"))
+        started = time.perf_counter()
+        warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
+        logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
+    return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device))

@@ -23,6 +23,7 @@ from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.executor.shard import Shard, build_shard
+from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +39,21 @@ class RankServer:
         self.extensions: dict[str, Any] = {}
 
     def forward(self, inputs: BatchInputs) -> torch.Tensor | None:
-        logits = self.shard.forward(inputs.build(self.device))
+        logits = self.shard.forward(inputs.build(self.device, self.shard.staging))
         return logits if self.tp.is_driver else None
 
     def ping(self) -> int:
         return self.tp.rank
+
+    def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
+        """Capture this rank's decode graphs (the same buckets on every rank); the buckets, [] for none."""
+        shard = self.shard
+        shard.graph_runner = maybe_capture_decode_graphs(shard.loaded.model, shard.pool, shard.backend, config)
+        return [] if shard.graph_runner is None else list(shard.graph_runner.sizes)
+
+    def graph_replays(self) -> int:
+        """Decode steps this rank served from its graph runner."""
+        return 0 if self.shard.graph_runner is None else self.shard.graph_runner.replays
 
     def install(self, name: str, factory: str, *args: Any) -> None:
         """Create ``factory(shard, tp, *args)`` (``"module:callable"``) on this rank, e.g. a transfer agent."""
@@ -131,6 +142,22 @@ class TPDriver:
         if errors:
             raise errors[0]  # the rank's own exception (e.g. a layout mismatch), so callers can tell them apart
         return results
+
+    def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
+        """Every rank captures decode graphs for the same buckets, in lockstep (the all-reduces inside the
+        captured steps must pair up across ranks); a decode step then replays on every rank, since each
+        rank decides `CudaGraphRunner.can_run` from the same broadcast batch.
+
+        Returns:
+            the buckets ([] when graphs do not apply: no CUDA, ``--disable-cuda-graph``).
+
+        Raises:
+            RuntimeError: the ranks disagree on the buckets.
+        """
+        per_rank = self.call("capture_decode_graphs", config, gather=True)
+        if any(b != per_rank[0] for b in per_rank):
+            raise RuntimeError(f"tensor-parallel ranks captured different CUDA-graph buckets: {per_rank}")
+        return per_rank[0]
 
     def shutdown(self, timeout: float = 10.0, graceful: bool = True) -> None:
         """Stop the ranks: a ``stop`` command, or (``graceful=False``, e.g. after a failed start) SIGKILL."""

@@ -16,29 +16,35 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.rope import RotaryEmbedding
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as in HF Llama."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 as in HF Llama.
+
+    `forward(x)` returns the normalised x; `forward(x, residual)` normalises
+    ``x + residual`` and also returns that sum (the new residual), one fused
+    launch under `TritonLayerOps`.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: TorchLayerOps = TORCH_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, residual_out = self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                                              None if residual is None else residual.reshape(-1, x.shape[-1]))
+        out = out.view(x.shape)
+        return out if residual is None else (out, residual_out.view(x.shape))
 
 
 class Attention(nn.Module):
@@ -57,6 +63,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rope = rope
+        self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
@@ -67,7 +74,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        q, k = self.ops.rope_qk(q, k, cos, sin)
         return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v, pool, batch)))
 
 
@@ -80,13 +87,16 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size // tp.size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block. It carries the residual stream separately (vLLM's and SGLang's form): it takes
+    (x, residual) and returns (mlp output, residual), so each residual add fuses into the next norm."""
+
     def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -94,10 +104,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # the first layer: the residual stream starts as the embeddings
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, batch, pool, backend)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,12 +141,24 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def layer_ops(self) -> TorchLayerOps:
+        return self.norm.ops
+
+    def set_layer_ops(self, ops: TorchLayerOps) -> None:
+        """Run the layers' norms, RoPE and activation through `ops` (`pd_cluster.engine.model.layer_ops`)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.rope.cos_sin(batch.positions, self.layer_ops.cos_sin_dtype(x.dtype))
         backend.prepare(batch, pool)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch, pool, backend)
-        x = self.norm(x[batch.logits_indices])
+            x, residual = layer(x, residual, cos, sin, batch, pool, backend)
+        rows = batch.logits_indices
+        x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return self.lm_head(x).float()

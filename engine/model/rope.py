@@ -126,7 +126,6 @@ class RotaryEmbedding(torch.nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] by cos/sin [T, head_dim // 2] (rotate-half form)."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        from pd_cluster.engine.model.layer_ops import rotate_half
+
+        return rotate_half(x, cos, sin)

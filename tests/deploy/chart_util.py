@@ -23,8 +23,37 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pd-cluster"
-KUBE_VERSION = "1.31"  # the version named in the docs; KUBE_VERSIONS adds the newest the validator ships
-KUBE_VERSIONS = (KUBE_VERSION, "1.37")
+NEWEST_KUBE_VERSION = "1.37"  # the newest schema the validator ships
+
+
+def chart_kube_floor() -> str:
+    """The minor version the chart declares as its minimum (`kubeVersion: ">=1.30.0-0"` -> "1.30")."""
+    declared = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    m = re.fullmatch(r">=\s*v?(\d+)\.(\d+)(?:\.\d+)?(?:-0)?", declared.strip())
+    assert m, f"kubeVersion {declared!r} is not a plain >= floor"
+    return f"{m.group(1)}.{m.group(2)}"
+
+
+KUBE_VERSION = chart_kube_floor()  # every values file is validated at the floor it is declared for
+KUBE_VERSIONS = (KUBE_VERSION, NEWEST_KUBE_VERSION)
+_MIN_KUBE = re.compile(r"^# minKubeVersion: (\d+)\.(\d+)\b", re.M)
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def min_kube_version(path: Path | None) -> str:
+    """The oldest Kubernetes a values file is for: the chart's floor, or a higher `# minKubeVersion: X.Y` line."""
+    if path is None:
+        return KUBE_VERSION
+    m = _MIN_KUBE.search(path.read_text())
+    if not m:
+        return KUBE_VERSION
+    declared = f"{m.group(1)}.{m.group(2)}"
+    assert _minor(declared) > _minor(KUBE_VERSION), f"{path.name}: minKubeVersion {declared} is not above the chart's"
+    return declared
 RELEASE = "pd"
 NAMESPACE = "llm"
 VALUE_FILES = sorted(CHART.glob("ci/*.yaml")) + sorted(CHART.glob("examples/*.yaml"))

@@ -8,8 +8,8 @@ import helm_python as helm
 import jsonschema
 import pytest
 import yaml
-from chart_util import (CHART, KUBE_VERSION, KUBE_VERSIONS, NAMESPACE, VALUE_FILES, all_pod_templates, flag_value, load_values,
-                        objects, one, render, render_notes, validate)
+from chart_util import (CHART, KUBE_VERSION, NAMESPACE, NEWEST_KUBE_VERSION, VALUE_FILES, all_pod_templates, flag_value,
+                        load_values, min_kube_version, objects, one, render, render_notes, validate)
 
 CASES = [None, *VALUE_FILES]
 IDS = ["default", *[p.stem for p in VALUE_FILES]]
@@ -20,18 +20,45 @@ def test_the_required_value_files_exist():
     assert {"small-1p1d-values", "h200-4p4d-rdma-values", "mixed-values", "lws-values", "h200-2p2d"} <= names
 
 
+def _lint(path, version: str) -> dict:
+    return helm.lint(CHART, values=load_values(path), strict=True, namespace=NAMESPACE, kube_version=f"v{version}.0")
+
+
 @pytest.mark.parametrize("path", CASES, ids=IDS)
 def test_strict_lint_passes(path):
-    report = helm.lint(CHART, values=load_values(path), strict=True, namespace=NAMESPACE,
-                       kube_version=f"v{KUBE_VERSION}.0")
+    report = _lint(path, min_kube_version(path))
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 warning, 3 error
     assert report["total_charts_linted"] == 1
 
 
-@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def _template_failures(path, version: str, capfd) -> list[str]:
+    """The `fail` messages of the chart's templates for `path` at Kubernetes `version` (Helm's lint logs them)."""
+    capfd.readouterr()
+    _lint(path, version)
+    out, err = capfd.readouterr()
+    return [ln for ln in (out + err).splitlines() if "fail message=" in ln]
+
+
+def test_values_files_above_the_chart_floor_are_refused_below_their_own(capfd):
+    """The chart supports 1.30; a values file that needs more says so, and the chart refuses it on older clusters."""
+    raised = [p for p in VALUE_FILES if min_kube_version(p) != KUBE_VERSION]
+    assert [p.stem for p in raised] == ["lws-values"]  # image volumes: beta in 1.33
+    for path in raised:
+        below = f"{min_kube_version(path).split('.')[0]}.{int(min_kube_version(path).split('.')[1]) - 1}"
+        assert any("needs Kubernetes 1.33+" in m for m in _template_failures(path, below, capfd))
+        assert _template_failures(path, min_kube_version(path), capfd) == []
+        with pytest.raises(jsonschema.ValidationError):  # why: its pods do not validate at the chart's floor
+            for obj in render(load_values(path)):
+                validate(obj, KUBE_VERSION)
+    assert KUBE_VERSION == "1.30" and min_kube_version(CHART / "ci" / "lws-values.yaml") == "1.33"
+
+
+@pytest.mark.parametrize("version", ["floor", NEWEST_KUBE_VERSION])
 @pytest.mark.parametrize("path", CASES, ids=IDS)
 def test_every_object_validates_against_the_kubernetes_schemas(path, version):
+    """At the oldest Kubernetes each values file is for (the chart's kubeVersion or the file's own) and the newest."""
+    version = min_kube_version(path) if version == "floor" else version
     objs = render(load_values(path))
     used = {}
     for obj in objs:

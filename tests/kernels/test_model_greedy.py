@@ -1,4 +1,5 @@
-"""Greedy generation on the embedded stories260K: Triton backend (with the decode-graph runner) == torch reference.
+"""Greedy generation on the embedded stories260K: Triton backend with the fused layer ops (and the decode-graph
+runner) == torch reference.
 
 On CPU the Triton kernels run in the interpreter and the graph runner runs its
 padded static batch eagerly; on a GPU the graphs are captured and replayed.
@@ -6,6 +7,8 @@ The loop mixes chunked prefill and decode in one step (`greedy_driver`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig
 from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig
 from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 from pd_cluster.engine.graph import CudaGraphConfig, CudaGraphRunner
+from pd_cluster.engine.model.layer_ops import TORCH_OPS, TritonLayerOps
 from pd_cluster.engine.model.loader import load_model
 from greedy_driver import greedy, make_pool_for
 from kernel_cases import device
@@ -40,6 +44,15 @@ def _backends(loaded, cfg=None):
     return TorchAttentionBackend(*args), TritonAttentionBackend(*args, config=cfg)
 
 
+@contextlib.contextmanager
+def fused_layer_ops(loaded):
+    loaded.model.set_layer_ops(TritonLayerOps())
+    try:
+        yield
+    finally:
+        loaded.model.set_layer_ops(TORCH_OPS)
+
+
 CASES = [("fp16", 16)] if not ON_GPU else [("fp16", 16), ("fp32", 1), ("bf16", 64)]
 
 
@@ -53,10 +66,11 @@ def test_greedy_triton_equals_reference(model_and_prompts, kv_dtype, page_size):
     ref_pool = make_pool_for(loaded, kv_dtype, page_size, num_pages, device())
     want, _ = greedy(loaded, ref_pool, ref_backend, prompts, max_new, chunk=5)
     tri_pool = make_pool_for(loaded, kv_dtype, page_size, num_pages, device())
-    runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=4, max_context_len=512))
-    if ON_GPU:
-        runner.capture()
-    got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=5, graph_runner=runner)
+    with fused_layer_ops(loaded):  # the server's Triton path: fused norm/RoPE/activation kernels too
+        runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=4, max_context_len=512))
+        if ON_GPU:
+            runner.capture()
+        got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=5, graph_runner=runner)
     assert graph_steps >= max_new - 2  # the last steps are decode-only: 3 requests padded to the bucket of 4
     assert got == want
     assert not tri_pool.kv[0].any(), "a padded slot wrote into the null page"
@@ -77,9 +91,32 @@ def test_greedy_fp8_kv_with_graphs_on_gpu(model_and_prompts, page_size):
     ref_pool = make_pool_for(loaded, "fp8_e4m3", page_size, num_pages, device())
     want, _ = greedy(loaded, ref_pool, ref_backend, prompts, max_new, chunk=7)
     tri_pool = make_pool_for(loaded, "fp8_e4m3", page_size, num_pages, device())
-    runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=8, max_context_len=512))
-    runner.capture()
-    assert sorted(runner.graphs) == [1, 2, 4, 8]
-    got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=7, graph_runner=runner)
+    with fused_layer_ops(loaded):
+        runner = CudaGraphRunner(loaded.model, tri_pool, tri_backend, CudaGraphConfig(max_bs=8, max_context_len=512))
+        runner.capture()
+        assert sorted(runner.graphs) == [1, 2, 4, 8]
+        got, graph_steps = greedy(loaded, tri_pool, tri_backend, prompts, max_new, chunk=7, graph_runner=runner)
     assert graph_steps > 0 and got == want
     assert not tri_pool.kv[0].any(), "a padded slot wrote into the null page"
+
+
+@pytest.mark.timeout(900)
+def test_engine_with_triton_backend_keeps_the_greedy_output():
+    """The whole engine with --attention-backend triton (fused layer ops on, chunked prefill mixed with decode)
+    generates the torch engine's greedy tokens, which tests/engine/test_exact_greedy.py pins to transformers'."""
+    from engine_reference import PROMPTS  # tests/support is on the path (tests/conftest.py)
+    from pd_cluster.engine import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = ["Once upon a time", PROMPTS[0]]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(attention_backend=backend, page_size=16, kv_cache_memory="4MiB", chunked_prefill_size=7,
+                  disable_cuda_graph=not ON_GPU)
+        try:
+            assert llm.engine.loaded.model.layer_ops.name == backend
+            outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        finally:
+            llm.engine.close()
+    assert outs["triton"] == outs["torch"]
+    assert outs["torch"][0][:8] == [432, 383, 286, 261, 376, 298, 315, 421]  # README of stories260K

@@ -93,7 +93,12 @@ def num_kv_splits(seq_lens: torch.Tensor, max_splits: int, cfg: DecodeKernelConf
     return out
 
 
-@triton.jit
+# The block-table width and the split count (which sets the partial buffers' strides) vary per step:
+# not specialised, so one compiled variant serves every step (see `variants`).
+MID_STRIDES = ["stride_mo_b", "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h"]
+
+
+@triton.jit(do_not_specialize=["stride_bt", *MID_STRIDES])
 def _decode_stage1_kernel(
     Q, K_cache, V_cache, block_tables, seq_lens, num_splits, Mid_O, Mid_LSE,
     qk_scale,
@@ -159,7 +164,7 @@ def _decode_stage1_kernel(
         tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MID_STRIDES)
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, num_splits, O, v_scale,
     stride_mo_b, stride_mo_h, stride_mo_s,

@@ -78,7 +78,7 @@ def _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_req", "stride_bt"])  # both vary per step (see `variants`)
 def _extend_kernel(
     Q, K_cache, V_cache, O, block_tables, seq_lens, query_start_loc, first_req,
     qk_scale, v_scale,

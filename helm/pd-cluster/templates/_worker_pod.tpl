@@ -228,6 +228,9 @@ spec:
     path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
     type: {{ $m.hostPath.type }}
 {{- else if eq $m.source "imageVolume" }}
+{{- if not (semverCompare ">=1.33.0-0" .Capabilities.KubeVersion.Version) }}
+{{- fail (printf "model.source=imageVolume needs Kubernetes 1.33+ (image volumes; the ImageVolume feature gate must be on before 1.35), this cluster is %s: use model.source=pvc or hostPath" .Capabilities.KubeVersion.Version) }}
+{{- end }}
 - name: model
   image:
     reference: {{ required "model.imageVolume.reference is required with model.source=imageVolume" $m.imageVolume.reference }}
