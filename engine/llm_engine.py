@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from pd_cluster.engine.config import EngineConfig, format_size
 from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
-from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
+from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
@@ -102,7 +102,7 @@ class LLMEngine:
             buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets
             logger.info("tensor parallelism: %d ranks; CUDA graph batch sizes on every rank: %s", tp.size, buckets)
         else:  # None off CUDA or with --disable-cuda-graph
-            shard.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, graphs)
+            shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name

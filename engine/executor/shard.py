@@ -20,7 +20,7 @@ from pd_cluster.engine.attention import get_backend, resolve_backend_name
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import HostStaging
 from pd_cluster.engine.config import EngineConfig
-from pd_cluster.engine.graph import warm_up_kernels
+from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs, warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
 from pd_cluster.engine.model.layer_ops import layer_ops
@@ -44,6 +44,12 @@ class Shard:
     backend_name: str
     graph_runner: Any = None
     staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
+
+    def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
+        """Capture this rank's decode CUDA graphs once the pool exists (none off CUDA or with
+        ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner."""
+        self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
+        return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""

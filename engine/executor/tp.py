@@ -23,7 +23,7 @@ from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.executor.shard import Shard, build_shard
-from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs
+from pd_cluster.engine.graph import CudaGraphConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,7 @@ class RankServer:
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Capture this rank's decode graphs (the same buckets on every rank); the buckets, [] for none."""
-        shard = self.shard
-        shard.graph_runner = maybe_capture_decode_graphs(shard.loaded.model, shard.pool, shard.backend, config)
-        return [] if shard.graph_runner is None else list(shard.graph_runner.sizes)
+        return self.shard.capture_decode_graphs(config)
 
     def graph_replays(self) -> int:
         """Decode steps this rank served from its graph runner."""
