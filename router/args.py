@@ -72,6 +72,9 @@ def _add_resilience(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retry-backoff-multiplier", type=float, default=r.backoff_multiplier)
     g.add_argument("--retry-jitter-factor", type=float, default=r.jitter_factor)
     g.add_argument("--disable-retries", action="store_true")
+    g.add_argument("--migration-limit", type=int, default=r.migration_limit,
+                   help="times a stream may move to another pair after its decode worker died or "
+                        "went silent (0: never)")
     g.add_argument("--cb-failure-threshold", type=int, default=c.failure_threshold)
     g.add_argument("--cb-success-threshold", type=int, default=c.success_threshold)
     g.add_argument("--cb-timeout-duration-secs", type=float, default=c.timeout_duration_secs)
@@ -98,6 +101,12 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
                    help="largest request body in bytes; past it 413")
     g.add_argument("--request-timeout-secs", type=float, default=lim.request_timeout_secs)
     g.add_argument("--connect-timeout-secs", type=float, default=lim.connect_timeout_secs)
+    g.add_argument("--upstream-first-byte-timeout-secs", type=float,
+                   default=lim.upstream_first_byte_timeout_secs,
+                   help="longest wait for a worker's first byte (queueing + prefill)")
+    g.add_argument("--upstream-idle-timeout-secs", type=float,
+                   default=lim.upstream_idle_timeout_secs,
+                   help="longest silence between two chunks of a worker's stream")
     g.add_argument("--upstream-keepalive-secs", type=float, default=lim.upstream_keepalive_secs,
                    help="idle pooled connections to workers are closed after this; keep it "
                         "below the workers' keep-alive timeout (uvicorn: 5 s)")
@@ -187,7 +196,8 @@ def _resilience(a: argparse.Namespace) -> tuple[RetryConfig, CircuitBreakerConfi
     retry = RetryConfig(
         max_attempts=1 if a.disable_retries else a.retry_max_retries,
         initial_backoff_ms=a.retry_initial_backoff_ms, max_backoff_ms=a.retry_max_backoff_ms,
-        backoff_multiplier=a.retry_backoff_multiplier, jitter_factor=a.retry_jitter_factor)
+        backoff_multiplier=a.retry_backoff_multiplier, jitter_factor=a.retry_jitter_factor,
+        migration_limit=a.migration_limit)
     circuit = CircuitBreakerConfig(
         failure_threshold=a.cb_failure_threshold, success_threshold=a.cb_success_threshold,
         timeout_duration_secs=a.cb_timeout_duration_secs,
@@ -229,6 +239,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
         max_concurrent_requests=a.max_concurrent_requests, queue_size=a.queue_size,
         queue_timeout_secs=a.queue_timeout_secs, max_payload_size=a.max_payload_size,
         request_timeout_secs=a.request_timeout_secs, connect_timeout_secs=a.connect_timeout_secs,
+        upstream_first_byte_timeout_secs=a.upstream_first_byte_timeout_secs,
+        upstream_idle_timeout_secs=a.upstream_idle_timeout_secs,
         upstream_keepalive_secs=a.upstream_keepalive_secs,
         shutdown_grace_period_secs=a.shutdown_grace_period_secs)
     security = SecurityConfig(

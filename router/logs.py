@@ -52,7 +52,7 @@ def setup_logging(level: str, fmt: str) -> None:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    for name in ("router", "uvicorn", "uvicorn.error"):
+    for name in ("pd_cluster.router", "uvicorn", "uvicorn.error"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(level.upper())

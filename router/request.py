@@ -9,7 +9,7 @@ and turns the prompt into text for the ``cache_aware`` policy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -28,6 +28,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     text: str
+    data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _content_text(content: Any) -> str:
@@ -94,4 +95,4 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         if "prompt" not in data:
             raise InvalidRequest("'prompt' is required", "prompt")
         text = prompt_text(data["prompt"])
-    return ParsedRequest(model=model, stream=stream, text=text)
+    return ParsedRequest(model=model, stream=stream, text=text, data=data)
