@@ -37,6 +37,10 @@ from pd_cluster.router.workers import Worker
 
 log = logging.getLogger("pd_cluster.router.proxy")
 
+# OpenAI's codes where it has one; else the rejection reason (queue_full, draining...).
+_REJECT_CODES = {"unauthorized": "invalid_api_key", "payload_too_large": "request_too_large",
+                 "no_workers": "no_healthy_worker"}
+
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
@@ -85,7 +89,8 @@ class GenerateHandler:
     async def _reject(self, send: Send, status: int, reason: str, message: str, rid: str,
                       extra: tuple = ()) -> int:
         self.metrics.rejected.labels(reason).inc()
-        await send_error(send, status, message, rid, extra=extra)
+        await send_error(send, status, message, rid, extra=extra,
+                         code=_REJECT_CODES.get(reason, reason))
         return status
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, rid: str,
@@ -106,11 +111,11 @@ class GenerateHandler:
         try:
             parsed = parse_request(body, chat=scope["path"] == "/v1/chat/completions")
         except InvalidRequest as exc:
-            await send_error(send, 400, str(exc), rid, param=exc.param)
+            await send_error(send, 400, str(exc), rid, param=exc.param, code=exc.code)
             return 400
         if parsed.model is not None and not self.models.accepts(parsed.model):
             await send_error(send, 404, f"The model `{parsed.model}` does not exist.", rid,
-                             param="model")
+                             param="model", code="model_not_found")
             return 404
         state = RequestState(rid, scope["path"], body, parsed, arrived)
         if self.config.retry.migration_limit > 0 and parsed.stream:
@@ -151,10 +156,11 @@ class GenerateHandler:
         secs = self.config.limits.request_timeout_secs
         log.warning("request timed out", extra={"request_id": state.request_id, "timeout_s": secs})
         if not state.response_started:
-            await send_error(send, 504, f"request timed out after {secs} s", state.request_id)
+            await send_error(send, 504, f"request timed out after {secs} s", state.request_id,
+                             code="request_timeout")
             return 504
         if not state.finished:
-            event = sse_error_event(504, f"request timed out after {secs} s")
+            event = sse_error_event(504, f"request timed out after {secs} s", "request_timeout")
             await send({"type": "http.response.body", "body": b"\n\n" + event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 200
@@ -224,7 +230,7 @@ class GenerateHandler:
         message = f"the worker failed mid-stream ({failure.reason})"
         if tracker is not None and tracker.migrations:
             message += f" after {tracker.migrations} migration(s)"
-        event = sse_error_event(502, message)
+        event = sse_error_event(502, message, "worker_failed_mid_stream")
         await send({"type": "http.response.body", "more_body": True,
                     "body": event if state.clean else b"\n\n" + event})
         state.mark_finished()
@@ -288,5 +294,6 @@ class GenerateHandler:
                              ((b"x-request-id", rid.encode()),))
             return last.status
         status = last.status or 502
-        await send_error(send, status, f"all attempts failed; last: {last.reason}", rid)
+        await send_error(send, status, f"all attempts failed; last: {last.reason}", rid,
+                         code=last.reason)
         return status
