@@ -75,11 +75,35 @@ class StreamTracker:
     finished: bool = False  # a finish_reason was relayed
     done: bool = False      # [DONE] was relayed
     continuing: bool = False  # events now come from a /v1/completions continuation
+    errored: bool = False     # the worker sent an error event: the stream ends with it
+
+    @property
+    def ended(self) -> bool:
+        """The stream reached its end ([DONE], or an error event the worker sent)."""
+        return self.done or self.errored
 
     @property
     def can_migrate(self) -> bool:
         """True once the worker gave token ids and the stream still has tokens to come."""
-        return self.prompt_ids is not None and not self.finished and not self.done
+        return self.prompt_ids is not None and not self.finished and not self.ended
+
+    def synthetic_end(self) -> bytes:
+        """The events that end a stream whose ``max_tokens`` were all relayed before its worker
+        failed: a ``length`` finish, the usage if asked, ``[DONE]``."""
+        head = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat
+                else "text_completion", "created": self.created, "model": self.model}
+        choice: dict[str, Any] = {"index": 0}
+        choice.update({"delta": {}} if self.chat else {"text": ""})
+        choice.update({"logprobs": None, "finish_reason": "length"})
+        out = [dict(head, choices=[choice])]
+        if self.client_wants_usage:
+            prompt, completion = len(self.prompt_ids or []), len(self.generated)
+            out.append(dict(head, choices=[], usage={
+                "prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}))
+        self.finished = self.done = True
+        return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+                        for e in out) + b"data: [DONE]\n\n"
 
     def remaining_max_tokens(self) -> int | None:
         limit = self.data.get("max_completion_tokens") if self.chat else None
@@ -117,6 +141,7 @@ class StreamTracker:
         except ValueError:
             return b"data: " + payload + b"\n\n"
         if not isinstance(event, dict) or "error" in event:
+            self.errored = self.errored or isinstance(event, dict)
             return b"data: " + payload + b"\n\n"
         if self.continuing:
             event = self._as_original(event)

@@ -208,6 +208,12 @@ class GenerateHandler:
         tracker = state.tracker
         limit = self.config.retry.migration_limit
         while tracker is not None and tracker.can_migrate and tracker.migrations < limit:
+            if tracker.remaining_max_tokens() == 0:  # every token was relayed: only the end was lost
+                await send({"type": "http.response.body", "body": tracker.synthetic_end(),
+                            "more_body": True})
+                state.mark_finished()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return 200
             pair = self.selector.choose(RouteRequest(state.parsed.text, state.attempts + 1), tried)
             if pair is None:
                 break

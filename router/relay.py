@@ -209,7 +209,7 @@ class Relay:
         except _ERRORS as exc:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail=f"{type(exc).__name__}: {exc}")
-        if tracker is not None and not tracker.done:
+        if tracker is not None and not tracker.ended:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail="the stream ended without [DONE]")
         state.mark_finished()
