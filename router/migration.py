@@ -76,6 +76,7 @@ class StreamTracker:
     done: bool = False      # [DONE] was relayed
     continuing: bool = False  # events now come from a /v1/completions continuation
     errored: bool = False     # the worker sent an error event: the stream ends with it
+    no_ids: bool = False      # tokens came without ids: the worker cannot give them
 
     @property
     def ended(self) -> bool:
@@ -161,6 +162,9 @@ class StreamTracker:
             self.prompt_ids = top
         for choice in event.get("choices") or ():
             self._take_choice(choice)
+            if self.prompt_ids is None and (choice.get("text") or choice.get("token_ids") or (
+                    choice.get("delta") or {}).get("content")):
+                self.no_ids = True
 
     def _take_choice(self, choice: dict[str, Any]) -> None:
         pids = choice.get("prompt_token_ids") if self.client_wants_ids else \

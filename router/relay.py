@@ -201,6 +201,10 @@ class Relay:
                 else:
                     pending += chunk
                     out, pending = _events(tracker, pending)
+                    if tracker.no_ids:  # a worker without token ids: relay raw from here on
+                        state.tracker = tracker = None
+                        out += pending
+                        state.clean = not pending or pending.endswith(b"\n\n")
                     if out:
                         await send({"type": "http.response.body", "body": out,
                                     "more_body": True})

@@ -156,3 +156,12 @@ def test_supervisor_cancels_a_silent_attempt_and_a_dead_worker_attempt():
 
 async def _never_receive():
     await asyncio.sleep(3600)
+
+
+def test_a_worker_without_token_ids_turns_tracking_off():
+    _, t = plan_body({"messages": [{"role": "user", "content": "q"}], "stream": True}, chat=True)
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    t.feed(ev(role))
+    assert not t.no_ids  # the role chunk carries no token
+    t.feed(ev({"id": "c", "choices": [{"index": 0, "delta": {"content": "A"}}]}))
+    assert t.no_ids and not t.can_migrate
