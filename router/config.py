@@ -141,6 +141,8 @@ class LimitsConfig:
     bounds queueing plus prefill: keep it above the longest prefill).
     ``upstream_idle_timeout_secs``: between two chunks of a streamed answer.
     Past either, the attempt fails and the request is retried or migrated.
+    Both apply to streamed requests only (a non-streamed answer is silent
+    until complete; the health check and the request timeout bound it).
     """
 
     max_concurrent_requests: int = 1024

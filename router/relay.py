@@ -4,7 +4,7 @@ The body goes to the same path on the worker, with ``X-PD-Prefill-Url`` (PD
 only) and ``X-Request-Id``. Workers send the status only once the first token
 exists (``docs/worker-api.md``), so every failure seen before the response
 starts, a retriable status (502/503/504), a connection error or a worker that
-stays silent past ``--upstream-first-byte-timeout-secs``, is returned as an
+stays silent past ``--upstream-first-byte-timeout-secs`` (streams), is returned as an
 :class:`AttemptFailure` for the caller to retry on a fresh pair. A
 non-streamed body that breaks while being read is also retriable: nothing has
 reached the client yet. A stream that breaks, or stays silent past
@@ -106,7 +106,10 @@ class Relay:
         sup = state.supervised
         if sup is not None:
             sup.upstream, sup.stall = pair.decode.url, None
-            sup.idle_limit, sup.last_byte = self._first_byte, time.monotonic()
+            # A non-streamed answer is silent until it is complete: only the health check
+            # and the request timeout bound it.
+            sup.idle_limit = self._first_byte if state.parsed.stream else float("inf")
+            sup.last_byte = time.monotonic()
         data = body if body is not None else (state.upstream_body or state.body)
         try:
             return await self._attempt(session, state, pair, send, path or state.path, data,

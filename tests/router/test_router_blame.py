@@ -9,6 +9,7 @@ out). Breaker transitions are logged.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -79,3 +80,22 @@ def test_prefill_failure_code_blames_the_prefill():
         assert metric_value(m, "pd_router_upstream_failures_total", role="prefill") == 4
         assert metric_value(m, "pd_router_circuit_state", worker=d.url) == 0
         assert metric_value(m, "pd_router_circuit_state", role="prefill") == 2  # both open
+
+
+def test_stream_from_a_worker_silent_past_the_first_byte_timeout_is_retried_elsewhere():
+    with FakeWorker("prefill") as p, \
+            FakeWorker("decode", ["--ttft-ms", "20000", "--itl-ms", "1"]) as slow, \
+            FakeWorker("decode", FAST) as fast, \
+            RouterProc(["--prefill", p.url, "--decode", slow.url, fast.url, *ROUTER,
+                        "--upstream-first-byte-timeout-secs", "0.5"]) as router:
+        for i in range(2):  # round robin: one of them goes to the silent worker first
+            started = time.monotonic()
+            body = {"model": "stories260K", "prompt": "a", "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", router.url + "/v1/completions", json=body,
+                              timeout=30) as r:
+                assert r.status_code == 200
+                assert "data: [DONE]" in list(r.iter_lines())
+            assert time.monotonic() - started < 5
+        m = router.metrics()
+        assert metric_value(m, "pd_router_retries_total", reason="idle_timeout") == 1
+        assert len(slow.recent()) == 1 and len(fast.recent()) == 2
