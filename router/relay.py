@@ -100,7 +100,10 @@ class Relay:
         ``path``/``body``: what to send (default: the request's own; a
         migration sends a ``/v1/completions`` continuation).
         """
-        headers = {"content-type": "application/json", "x-request-id": state.request_id}
+        rid = state.request_id
+        if state.tracker is not None and state.tracker.migrations:
+            rid = f"{rid}:m{state.tracker.migrations}"  # a fresh id at the workers
+        headers = {"content-type": "application/json", "x-request-id": rid}
         if pair.prefill is not None:
             headers["x-pd-prefill-url"] = pair.prefill.url
         sup = state.supervised

@@ -119,6 +119,7 @@ def test_killed_decode_streams_continue_token_exact(pd):
     assert metric_value(m, "pd_router_migrations_total") == 3
     continued = [e for e in d1.recent() if isinstance(e.get("prompt"), list)]
     assert len(continued) == 3 and all(e["return_token_ids"] for e in continued)
+    assert sorted(e["request_id"].rsplit(":", 1)[1] for e in continued) == ["m1"] * 3
     assert busy(d1) == 0
 
 
