@@ -110,19 +110,21 @@ class ControlPlane:
 
         document_generate_routes(app)
 
-        @app.get("/health")
+        @app.get("/health", responses=error_responses(503))
         async def health() -> Response:
             if self.is_draining():
                 return _error(503, "draining")
             return JSONResponse({"status": "ok"})
 
-        @app.get("/readiness")
+        @app.get("/readiness", responses=error_responses(503))
         async def readiness() -> Response:
             if self.is_draining() or not self.can_route():
                 return _error(503, "no usable worker pair")
             return JSONResponse({"status": "ready"})
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=Response, responses={200: {
+            "description": "Prometheus text format",
+            "content": {"text/plain; version=0.0.4; charset=utf-8": {"schema": {"type": "string"}}}}})
         async def metrics() -> Response:
             return Response(self.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
