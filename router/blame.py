@@ -49,17 +49,26 @@ class Blame:
         self.code = code
 
 
-def error_code(body: bytes | None) -> str | None:
-    """The ``error.code`` of an OpenAI error body, as a string (``None`` when absent)."""
+def _error_field(body: bytes | None, name: str) -> str | None:
     if not body:
         return None
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     err = data.get("error") if isinstance(data, dict) else None
-    code = err.get("code") if isinstance(err, dict) else None
-    return None if code is None else str(code)
+    value = err.get(name) if isinstance(err, dict) else None
+    return None if value is None else str(value)
+
+
+def error_code(body: bytes | None) -> str | None:
+    """The ``error.code`` of an OpenAI error body, as a string (``None`` when absent)."""
+    return _error_field(body, "code")
+
+
+def error_param(body: bytes | None) -> str | None:
+    """The ``error.param`` of an OpenAI error body (``None`` when absent)."""
+    return _error_field(body, "param")
 
 
 def blame_status(status: int, body: bytes | None, failed_peer: str | None, pd: bool) -> Blame:

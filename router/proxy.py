@@ -174,6 +174,14 @@ class GenerateHandler:
             if pair is None:
                 break
             result = await self._run_on(pair, state, send)
+            if isinstance(result, AttemptFailure) and result.reason == "token_ids_refused":
+                # a worker without return_token_ids: send the client's body as it came, and
+                # give up migration for this request
+                state.tracker = state.upstream_body = None
+                pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
+                if pair is None:
+                    break
+                result = await self._run_on(pair, state, send)
             if not isinstance(result, AttemptFailure):
                 return result
             tried.update(pair.urls())

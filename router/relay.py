@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pd_cluster.router.asgi import Send
-from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status
+from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status, error_param
 from pd_cluster.router.config import LimitsConfig, Role
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.migration import StreamTracker
@@ -166,6 +166,12 @@ class Relay:
         except _ERRORS as exc:
             return AttemptFailure("decode_disconnected", Role.DECODE,
                                   detail=f"{type(exc).__name__}: {exc}")
+        if (resp.status == 400 and state.tracker is not None
+                and not state.tracker.client_wants_ids and b"return_token_ids" in data
+                and error_param(data) == "return_token_ids"):
+            # the router asked for token ids and this worker refuses the field: not the client's
+            # error; the caller resends the client's own body
+            return AttemptFailure("token_ids_refused", None, 400, data)
         ctype = resp.headers.get("content-type", "application/json").encode()
         state.mark_finished()
         state.response_started = True

@@ -9,6 +9,8 @@ Without the header it answers 400. Run as
 
 - ``--token-model``: generate with ``tests.router.token_fake`` (deterministic
   token ids, vLLM's ``return_token_ids``), for migration tests;
+- ``--refuse-token-ids``: answer 400 naming ``return_token_ids`` to a request
+  that carries it (a worker without the field, strict about unknown fields);
 - ``--answer-status S --answer-code C [--answer-failed-peer P]``: answer every
   generate request with status ``S``, error code ``C`` and, if given, the
   ``X-PD-Failed-Peer: P`` header, as a decode worker does when its pair failed.
@@ -64,6 +66,8 @@ def _own_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--answer-status", type=int, default=None)
     p.add_argument("--answer-code", default=None)
     p.add_argument("--answer-failed-peer", default=None)
+    p.add_argument("--refuse-token-ids", action="store_true",
+                   help="answer 400 naming return_token_ids when a request carries it")
     return p.parse_known_args(argv)
 
 
@@ -89,6 +93,15 @@ class PdFakeServer(FakeServer):
                        "prefill_unreachable")
                 return
             own = self.own
+            if own.refuse_token_ids and b'"return_token_ids"' in req.body:
+                self.recent.append({"request_id": rid, "path": req.path, "status": 400,
+                                    "headers": req.headers})
+                body = json.dumps({"error": {"message": "unknown field: return_token_ids",
+                                             "type": "invalid_request_error",
+                                             "param": "return_token_ids",
+                                             "code": "invalid_value"}}).encode()
+                resp.send(400, body, [("content-type", "application/json"), ("x-request-id", rid)])
+                return
             if own.answer_status is not None:
                 self.recent.append({"request_id": rid, "path": req.path,
                                     "status": own.answer_status, "headers": req.headers})

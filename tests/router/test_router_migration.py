@@ -198,3 +198,20 @@ def test_migration_limit_zero_ends_the_stream_with_an_error():
                     (d0 if busy(d0) else d1).kill()
         assert "mid-stream" in str(info.value) and 3 <= len(got) < TOKENS
         assert metric_value(router.metrics(), "pd_router_migrations_total") == 0
+
+
+def test_a_worker_that_refuses_return_token_ids_still_serves_the_stream():
+    with FakeWorker("prefill") as p, \
+            FakeWorker("decode", ["--ttft-ms", "5", "--itl-ms", "1", "--num-tokens", "8",
+                                  "--refuse-token-ids"]) as d, \
+            RouterProc(["--prefill", p.url, "--decode", d.url, "--disable-retries"]) as router:
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        text = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="stories260K", prompt="x", max_tokens=8, stream=True) if ch.choices)
+        assert text == " Once upon a time there was little girl"
+        assert [e["status"] for e in d.recent()] == [400, 200]
+        # a client that asked for the field itself gets the worker's 400
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="stories260K", prompt="x", max_tokens=8, stream=True,
+                                 extra_body={"return_token_ids": True})
+        assert info.value.body["param"] == "return_token_ids"
