@@ -41,6 +41,15 @@ log = logging.getLogger("pd_cluster.router.proxy")
 _REJECT_CODES = {"unauthorized": "invalid_api_key", "payload_too_large": "request_too_large",
                  "no_workers": "no_healthy_worker"}
 
+def _blamed_urls(pair: Pair, failure: AttemptFailure) -> tuple[str, ...]:
+    """The workers of ``pair`` a failure points at (both when it is not known which)."""
+    if failure.blame is Role.DECODE or pair.prefill is None:
+        return (pair.decode.url,)
+    if failure.blame is Role.PREFILL:
+        return (pair.prefill.url,)
+    return pair.urls()
+
+
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
@@ -184,9 +193,9 @@ class GenerateHandler:
                 result = await self._run_on(pair, state, send)
             if not isinstance(result, AttemptFailure):
                 return result
-            tried.update(pair.urls())
             if result.after_start:
-                return await self._migrate(state, send, result, tried)
+                return await self._migrate(state, send, result, set(_blamed_urls(pair, result)))
+            tried.update(pair.urls())
             last = result
             if attempt < attempts:
                 self.metrics.retries.labels(result.reason).inc()
@@ -212,7 +221,12 @@ class GenerateHandler:
 
     async def _migrate(self, state: RequestState, send: Send, failure: AttemptFailure,
                        tried: set[str]) -> int:
-        """The stream broke after it started: continue it on fresh pairs, or end it with an error."""
+        """The stream broke after it started: continue it on fresh pairs, or end it with an error.
+
+        ``tried``: the workers blamed so far, avoided while others are usable (a healthy prefill
+        of the failed pair stays a candidate); the n-th migration after the first waits the
+        n-th retry backoff, which gives the health checks time to see dead workers.
+        """
         tracker = state.tracker
         limit = self.config.retry.migration_limit
         while tracker is not None and tracker.can_migrate and tracker.migrations < limit:
@@ -222,6 +236,9 @@ class GenerateHandler:
                 state.mark_finished()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return 200
+            if tracker.migrations:
+                await asyncio.sleep(backoff_seconds(self.config.retry, tracker.migrations,
+                                                    self._rng))
             pair = self.selector.choose(RouteRequest(state.parsed.text, state.attempts + 1), tried)
             if pair is None:
                 break
@@ -237,7 +254,7 @@ class GenerateHandler:
                                         tracker.continuation_body())
             if not isinstance(result, AttemptFailure):
                 return result
-            tried.update(pair.urls())
+            tried.update(_blamed_urls(pair, result))
             failure = result
             if result.status is not None and not is_retriable_status(result.status):
                 break

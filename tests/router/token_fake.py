@@ -47,6 +47,7 @@ class TokenModel:
 
     def __init__(self, server) -> None:
         self.server = server  # the PdFakeServer: config (ttft, itl), counters, recent
+        self._held: dict[str, int] = {}  # request id -> pages held
 
     async def handle(self, req, resp, rid: str) -> None:
         c = self.server.config
@@ -67,13 +68,23 @@ class TokenModel:
         hdrs = [("x-request-id", rid), ("content-type", "text/event-stream" if stream
                                          else "application/json")]
         self.server._running += 1
+        self._held[rid] = 0
+        self._hold(rid, len(ids))
         try:
-            await self._run(req, resp, chat, ids, n, want_ids, stream, usage_wanted, head, hdrs)
+            await self._run(req, resp, chat, ids, n, want_ids, stream, usage_wanted, head, hdrs,
+                            rid)
         finally:
             self.server._running -= 1
+            self.server._used_pages -= self._held.pop(rid)
+
+    def _hold(self, rid: str, tokens: int) -> None:
+        """Pages for ``tokens`` tokens of request ``rid`` (counted in the fake's ``/get_load``)."""
+        need = -(-tokens // self.server.config.page_size)
+        self.server._used_pages += need - self._held[rid]
+        self._held[rid] = need
 
     async def _run(self, req, resp, chat, ids, n, want_ids, stream, usage_wanted, head,
-                   hdrs) -> None:
+                   hdrs, rid) -> None:
         c = self.server.config
         context = list(ids)
         out: list[int] = []
@@ -87,6 +98,7 @@ class TokenModel:
             tok = next_id(context)
             context.append(tok)
             out.append(tok)
+            self._hold(rid, len(context))
             if not stream:
                 continue
             data = _sse(self._chunk(head, chat, piece(tok), [tok], None, want_ids,
