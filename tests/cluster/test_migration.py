@@ -124,7 +124,8 @@ def test_frozen_decode_fails_fast_and_corrupts_nothing():
                 assert want["text"].startswith(rec["text"]), rec["i"]
         assert all(r["error"] is None for r in got[N_STREAMS:])
         if "return_token_ids" not in CompletionRequest.model_fields:  # no migration possible
-            assert 1 <= sum(r["error"] is not None for r in got[:N_STREAMS]) <= N_STREAMS // 2
+            errors = [(r["i"], len(r["text"].split())) for r in got[:N_STREAMS] if r["error"]]
+            assert 1 <= len(errors) <= N_STREAMS // 2, errors
         metrics = httpx.get(cluster.router_url + "/metrics", timeout=10).text
         print("\n" + "\n".join(line for line in metrics.splitlines() if line.startswith(
             ("pd_router_retries_total", "pd_router_migrations_total",
