@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 needs_token_ids = pytest.mark.skipif("return_token_ids" not in CompletionRequest.model_fields,
                                      reason="the workers do not return token ids (return_token_ids)")
 
-TOKENS = 48
+TOKENS = 200
 N_STREAMS = 8
 
 
@@ -99,9 +99,11 @@ def test_frozen_decode_fails_fast_and_corrupts_nothing():
                          for i in range(N_STREAMS)]
                 if freeze:
                     deadline = time.monotonic() + 60
-                    while min(progress[:N_STREAMS]) < 3 and time.monotonic() < deadline:
+                    d0 = cluster.by_name("decode-0")
+                    while time.monotonic() < deadline and (min(progress[:N_STREAMS]) < 3 or (
+                            await client.get(d0.url + "/get_load")).json()["num_running_reqs"] == 0):
                         await asyncio.sleep(0.01)
-                    os.kill(cluster.by_name("decode-0").pid, signal.SIGSTOP)
+                    os.kill(d0.pid, signal.SIGSTOP)  # with streams running on it
                     frozen_at = time.monotonic()
                 tasks += [asyncio.ensure_future(_stream(client, cluster.router_url, i, progress))
                           for i in range(N_STREAMS, n)]  # sent while it is frozen
