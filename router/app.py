@@ -53,6 +53,7 @@ class RouterApp:
                                         self.models, self.upstreams)
         self.generate.on_failure = self._on_attempt_failure
         self.registry.subscribe(on_removed=self.generate.forget_worker)
+        self.monitor.on_unhealthy.append(self._fail_inflight)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, lambda: self.generate.draining,
                                     self.can_route).build()
@@ -71,9 +72,17 @@ class RouterApp:
         self.generate.draining = True
 
     def _on_attempt_failure(self, worker: Worker, failure: AttemptFailure) -> None:
-        if failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken"):
+        if failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken",
+                              "idle_timeout", "worker_dead"):
             self.monitor.apply(worker, False)
         self.monitor.poke(worker)
+
+    def _fail_inflight(self, worker: Worker) -> None:
+        """A worker turned unhealthy: its in-flight attempts fail now and are retried or migrated."""
+        count = self.generate.supervisor.fail_upstream(worker.url)
+        if count:
+            log.warning("failing in-flight requests of an unhealthy worker", extra={
+                "worker": worker.url, "role": worker.role.value, "requests": count})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]

@@ -66,6 +66,8 @@ RETRY_FLAGS: tuple[Flag, ...] = (
     Flag("--retry-max-backoff-ms", "retry.max_backoff_ms", float, None),
     Flag("--retry-backoff-multiplier", "retry.backoff_multiplier", float, None),
     Flag("--retry-jitter-factor", "retry.jitter_factor", float, None),
+    Flag("--migration-limit", "retry.migration_limit", int,
+         "times a stream may move to another pair after its decode worker died or went silent (0: never)"),
 )
 CIRCUIT_FLAGS: tuple[Flag, ...] = (
     Flag("--cb-failure-threshold", "circuit.failure_threshold", int, None),
@@ -88,6 +90,10 @@ LIMIT_FLAGS: tuple[Flag, ...] = (
     Flag("--max-payload-size", "limits.max_payload_size", int, "largest request body in bytes; past it 413"),
     Flag("--request-timeout-secs", "limits.request_timeout_secs", float, None),
     Flag("--connect-timeout-secs", "limits.connect_timeout_secs", float, None),
+    Flag("--upstream-first-byte-timeout-secs", "limits.upstream_first_byte_timeout_secs", float,
+         "longest wait for a worker's first byte of a stream (queueing + prefill)"),
+    Flag("--upstream-idle-timeout-secs", "limits.upstream_idle_timeout_secs", float,
+         "longest silence between two chunks of a worker's stream"),
     Flag("--upstream-keepalive-secs", "limits.upstream_keepalive_secs", float,
          "idle pooled connections to workers are closed after this; keep it "
          "below the workers' keep-alive timeout (uvicorn: 5 s)"),

@@ -80,10 +80,10 @@ async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
 
 async def send_error(send: Send, status: int, message: str, request_id: str | None = None,
                      param: str | None = None,
-                     extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """An OpenAI-format JSON error response."""
+                     extra: Iterable[tuple[bytes, bytes]] = (), code: str | None = None) -> None:
+    """An OpenAI-format JSON error response (``router.errors``)."""
     headers = list(extra)
     if request_id:
         headers.append((b"x-request-id", request_id.encode()))
-    await send_bytes(send, status, error_body(status, message, param), b"application/json",
+    await send_bytes(send, status, error_body(status, message, param, code), b"application/json",
                      headers)

@@ -1,11 +1,13 @@
 """Per-worker circuit breaker (closed -> open -> half-open -> closed).
 
 The state machine of SGLang router's ``--cb-*`` flags and of the classic
-pattern (Nygard, "Release It!"). Pure: time is passed in, no I/O.
+pattern (Nygard, "Release It!"). Time is passed in; the only I/O is one log
+line per transition (WARNING on opening, INFO otherwise).
 """
 
 from __future__ import annotations
 
+import logging
 from enum import Enum
 
 from pd_cluster.router.config import CircuitBreakerConfig
@@ -16,6 +18,8 @@ class CircuitState(str, Enum):
     OPEN = "open"
     HALF_OPEN = "half_open"
 
+
+log = logging.getLogger("pd_cluster.router.circuit")
 
 STATE_CODES = {CircuitState.CLOSED: 0, CircuitState.OPEN: 1, CircuitState.HALF_OPEN: 2}
 
@@ -30,8 +34,10 @@ class CircuitBreaker:
     opens it again. Disabled (``enabled=False``): always closed.
     """
 
-    def __init__(self, config: CircuitBreakerConfig) -> None:
+    def __init__(self, config: CircuitBreakerConfig, worker: str = "", role: str = "") -> None:
         self.config = config
+        self.worker = worker
+        self.role = role
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
@@ -45,6 +51,7 @@ class CircuitBreaker:
                 and now - self._opened_at >= self.config.timeout_duration_secs):
             self._state = CircuitState.HALF_OPEN
             self._successes = 0
+            self._log(CircuitState.OPEN, CircuitState.HALF_OPEN)
         return self._state
 
     def allows(self, now: float) -> bool:
@@ -58,6 +65,7 @@ class CircuitBreaker:
             self._successes += 1
             if self._successes >= self.config.success_threshold:
                 self._state = CircuitState.CLOSED
+                self._log(CircuitState.HALF_OPEN, CircuitState.CLOSED)
 
     def record_failure(self, now: float) -> None:
         if not self.config.enabled:
@@ -75,13 +83,23 @@ class CircuitBreaker:
 
     def reset(self) -> None:
         """Close the breaker (the worker was seen healthy again after being down)."""
+        if self._state is not CircuitState.CLOSED:
+            self._log(self._state, CircuitState.CLOSED, "health check passed")
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
 
     def _open(self, now: float) -> None:
+        self._log(self._state, CircuitState.OPEN)
         self._state = CircuitState.OPEN
         self._opened_at = now
         self._failures = 0
         self._successes = 0
         self.opened_count += 1
+
+    def _log(self, old: CircuitState, new: CircuitState, why: str = "") -> None:
+        level = logging.WARNING if new is CircuitState.OPEN else logging.INFO
+        log.log(level, "circuit breaker %s -> %s", old.value, new.value, extra={
+            "worker": self.worker, "role": self.role, "from_state": old.value,
+            "to_state": new.value, "reason": why or None,
+            "open_secs": self.config.timeout_duration_secs if new is CircuitState.OPEN else None})

@@ -74,7 +74,8 @@ class RetryConfig:
     """Retries of failures before the first token (SGLang's ``--retry-*``).
 
     ``max_attempts`` counts the first try (SGLang's ``retry_max_retries``);
-    1 disables retries. The n-th retry waits
+    1 disables retries. ``migration_limit``: how many times one stream may move
+    to another pair after it started (Dynamo's ``--migration-limit``; 0: never). The n-th retry waits
     ``min(max_backoff, initial * multiplier**(n-1))`` scaled by a uniform
     factor in ``[1 - jitter, 1 + jitter]``.
     """
@@ -84,8 +85,11 @@ class RetryConfig:
     max_backoff_ms: float = 2000.0
     backoff_multiplier: float = 1.5
     jitter_factor: float = 0.2
+    migration_limit: int = 3
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError("migration limit must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("retry max attempts must be >= 1")
         if not 0.0 <= self.jitter_factor <= 1.0:
@@ -129,7 +133,17 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Admission and size limits."""
+    """Admission and size limits, and timeouts of router->worker calls.
+
+    ``connect_timeout_secs``: TCP connect to a worker.
+    ``upstream_first_byte_timeout_secs``: from sending a request to the first
+    byte of the worker's answer (a worker answers with its first token, so this
+    bounds queueing plus prefill: keep it above the longest prefill).
+    ``upstream_idle_timeout_secs``: between two chunks of a streamed answer.
+    Past either, the attempt fails and the request is retried or migrated.
+    Both apply to streamed requests only (a non-streamed answer is silent
+    until complete; the health check and the request timeout bound it).
+    """
 
     max_concurrent_requests: int = 1024
     queue_size: int = 256
@@ -137,6 +151,8 @@ class LimitsConfig:
     max_payload_size: int = 32 * 1024 * 1024
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0
+    upstream_first_byte_timeout_secs: float = 600.0
+    upstream_idle_timeout_secs: float = 30.0
     upstream_keepalive_secs: float = 4.0
     shutdown_grace_period_secs: float = 180.0
 

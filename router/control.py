@@ -15,14 +15,17 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body
 from pd_cluster.router.health import HealthMonitor
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
+from pd_cluster.router.openapi import document_generate_routes, error_responses
 from pd_cluster.router.workers import WorkerRegistry, normalize_url
 
 
@@ -35,9 +38,16 @@ class RemoveWorker(BaseModel):
     url: str
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(error_body(status, message), status_code=status,
-                    media_type="application/json")
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> Response:
+    return Response(error_body(status, message, param, code), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def _param(loc: tuple | list) -> str | None:
+    """``("body", "url")`` -> ``"url"``; ``("query", "url")`` -> ``"url"``."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or None
 
 
 def _bearer(request: Request) -> bytes:
@@ -65,7 +75,8 @@ class ControlPlane:
 
     def _check_api_key(self, request: Request) -> None:
         if self._api_key is not None and not hmac.compare_digest(_bearer(request), self._api_key):
-            raise HTTPException(401, "invalid or missing API key")
+            raise HTTPException(401, "invalid or missing API key",
+                                headers={"www-authenticate": "Bearer"})
 
     def _check_admin(self, request: Request) -> None:
         if self._admin_key is not None:
@@ -75,30 +86,50 @@ class ControlPlane:
             raise HTTPException(403, "the admin API is disabled: set --admin-api-key")
 
     def build(self) -> FastAPI:
-        app = FastAPI(title="pd-router", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="pd-router", version="1", docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json",
+                      description="OpenAI-compatible router of a pd-cluster deployment.")
 
-        @app.exception_handler(HTTPException)
-        async def _http_error(request: Request, exc: HTTPException) -> Response:
-            return _error(exc.status_code, str(exc.detail))
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+            status, message = exc.status_code, str(exc.detail)
+            if status == 404 and message == "Not Found":
+                message = f"no route {request.method} {request.url.path}"
+            elif status == 405:
+                message = f"method {request.method} not allowed on {request.url.path}"
+            return _error(status, message, headers=getattr(exc, "headers", None))
 
-        @app.get("/health")
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+            errors = exc.errors()
+            first = errors[0] if errors else {}
+            param = _param(first.get("loc", ()))
+            message = "; ".join(f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg')}"
+                                for e in errors[:5]) or "invalid request"
+            return _error(400, message, param)
+
+        document_generate_routes(app)
+
+        @app.get("/health", responses=error_responses(503))
         async def health() -> Response:
             if self.is_draining():
                 return _error(503, "draining")
             return JSONResponse({"status": "ok"})
 
-        @app.get("/readiness")
+        @app.get("/readiness", responses=error_responses(503))
         async def readiness() -> Response:
             if self.is_draining() or not self.can_route():
                 return _error(503, "no usable worker pair")
             return JSONResponse({"status": "ready"})
 
-        @app.get("/metrics")
+        @app.get("/metrics", response_class=Response, responses={200: {
+            "description": "Prometheus text format",
+            "content": {"text/plain; version=0.0.4; charset=utf-8": {"schema": {"type": "string"}}}}})
         async def metrics() -> Response:
             return Response(self.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", responses=error_responses(401))
         async def models(request: Request) -> Response:
             self._check_api_key(request)
             return JSONResponse(self._models_body())

@@ -44,6 +44,7 @@ class HealthMonitor:
         self._polling: set[str] = set()
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_secs)
         self._tasks: set[asyncio.Task] = set()
+        self.on_unhealthy: list[Callable[[Worker], None]] = []
 
     async def _get_json(self, worker: Worker, path: str) -> tuple[int, object]:
         async with self.upstreams.control.get(worker.url + path, timeout=self._timeout) as resp:
@@ -71,6 +72,8 @@ class HealthMonitor:
                 worker.load = None
                 log.warning("worker unhealthy", extra={"worker": worker.url,
                                                        "role": worker.role.value})
+                for fn in self.on_unhealthy:
+                    fn(worker)
 
     async def check(self, worker: Worker) -> bool:
         """One health check (skipped if one is already running for this worker)."""

@@ -48,6 +48,9 @@ class RouterMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         self.retries = Counter("pd_router_retries", "Retries on a fresh pair, by reason.",
                                ["reason"], registry=r)
+        self.migrations = Counter(
+            "pd_router_migrations", "Streams moved to another pair after they started, by reason.",
+            ["reason"], registry=r)
         self.upstream_failures = Counter(
             "pd_router_upstream_failures", "Failed attempts, by blamed role and reason.",
             ["role", "reason"], registry=r)

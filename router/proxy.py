@@ -26,15 +26,29 @@ from pd_cluster.router.limiter import ConcurrencyLimiter, Overloaded
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.policies import RouteRequest
+from pd_cluster.router.migration import plan_body
 from pd_cluster.router.relay import AttemptFailure, Relay, RequestState
 from pd_cluster.router.request import InvalidRequest, parse_request
-from pd_cluster.router.retry import backoff_seconds
+from pd_cluster.router.retry import backoff_seconds, is_retriable_status
 from pd_cluster.router.selection import Pair, PairSelector
 from pd_cluster.router.supervisor import Supervisor
 from pd_cluster.router.upstream import Upstreams
 from pd_cluster.router.workers import Worker
 
 log = logging.getLogger("pd_cluster.router.proxy")
+
+# OpenAI's codes where it has one; else the rejection reason (queue_full, draining...).
+_REJECT_CODES = {"unauthorized": "invalid_api_key", "payload_too_large": "request_too_large",
+                 "no_workers": "no_healthy_worker"}
+
+def _blamed_urls(pair: Pair, failure: AttemptFailure) -> tuple[str, ...]:
+    """The workers of ``pair`` a failure points at (both when it is not known which)."""
+    if failure.blame is Role.DECODE or pair.prefill is None:
+        return (pair.decode.url,)
+    if failure.blame is Role.PREFILL:
+        return (pair.prefill.url,)
+    return pair.urls()
+
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
@@ -50,7 +64,7 @@ class GenerateHandler:
         self.metrics = metrics
         self.models = models
         self.upstreams = upstreams
-        self.relay = Relay(metrics)
+        self.relay = Relay(metrics, config.limits)
         self.draining = False
         self.on_failure: Callable[[Worker, AttemptFailure], None] | None = None
         self._rng = random.Random(config.policy.seed)
@@ -84,7 +98,8 @@ class GenerateHandler:
     async def _reject(self, send: Send, status: int, reason: str, message: str, rid: str,
                       extra: tuple = ()) -> int:
         self.metrics.rejected.labels(reason).inc()
-        await send_error(send, status, message, rid, extra=extra)
+        await send_error(send, status, message, rid, extra=extra,
+                         code=_REJECT_CODES.get(reason, reason))
         return status
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, rid: str,
@@ -105,13 +120,17 @@ class GenerateHandler:
         try:
             parsed = parse_request(body, chat=scope["path"] == "/v1/chat/completions")
         except InvalidRequest as exc:
-            await send_error(send, 400, str(exc), rid, param=exc.param)
+            await send_error(send, 400, str(exc), rid, param=exc.param, code=exc.code)
             return 400
         if parsed.model is not None and not self.models.accepts(parsed.model):
             await send_error(send, 404, f"The model `{parsed.model}` does not exist.", rid,
-                             param="model")
+                             param="model", code="model_not_found")
             return 404
         state = RequestState(rid, scope["path"], body, parsed, arrived)
+        if self.config.retry.migration_limit > 0 and parsed.stream:
+            plan = plan_body(parsed.data, chat=scope["path"] == "/v1/chat/completions")
+            if plan is not None:
+                state.upstream_body, state.tracker = plan
         out_state.append(state)
         return await self._admit_and_run(state, receive, send)
 
@@ -146,10 +165,11 @@ class GenerateHandler:
         secs = self.config.limits.request_timeout_secs
         log.warning("request timed out", extra={"request_id": state.request_id, "timeout_s": secs})
         if not state.response_started:
-            await send_error(send, 504, f"request timed out after {secs} s", state.request_id)
+            await send_error(send, 504, f"request timed out after {secs} s", state.request_id,
+                             code="request_timeout")
             return 504
         if not state.finished:
-            event = sse_error_event(504, f"request timed out after {secs} s")
+            event = sse_error_event(504, f"request timed out after {secs} s", "request_timeout")
             await send({"type": "http.response.body", "body": b"\n\n" + event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return 200
@@ -162,28 +182,91 @@ class GenerateHandler:
             pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
             if pair is None:
                 break
-            self._count_choice(pair)
-            state.attempts = attempt
-            state.decode_url = pair.decode.url
-            state.prefill_url = pair.prefill.url if pair.prefill else None
-            try:
-                result = await self.relay.attempt(self.upstreams.data, state, pair, send)
-            finally:
-                pair.release()
+            result = await self._run_on(pair, state, send)
+            if isinstance(result, AttemptFailure) and result.reason == "token_ids_refused":
+                # a worker without return_token_ids: send the client's body as it came, and
+                # give up migration for this request
+                state.tracker = state.upstream_body = None
+                pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
+                if pair is None:
+                    break
+                result = await self._run_on(pair, state, send)
             if not isinstance(result, AttemptFailure):
-                if state.stream_broken is None:
-                    self._record_success(pair)
-                else:  # after the first byte: too late to retry
-                    self._record_failure(pair, AttemptFailure(
-                        "stream_broken", Role.DECODE, detail=state.stream_broken), state, attempt)
                 return result
-            last = result
+            if result.after_start:
+                return await self._migrate(state, send, result, set(_blamed_urls(pair, result)))
             tried.update(pair.urls())
-            self._record_failure(pair, result, state, attempt)
+            last = result
             if attempt < attempts:
                 self.metrics.retries.labels(result.reason).inc()
                 await asyncio.sleep(backoff_seconds(self.config.retry, attempt, self._rng))
         return await self._give_up(state, send, last)
+
+    async def _run_on(self, pair: Pair, state: RequestState, send: Send, path: str | None = None,
+                      body: bytes | None = None) -> int | AttemptFailure:
+        """One attempt on ``pair``, with the bookkeeping of choices, breakers and logs."""
+        self._count_choice(pair)
+        state.attempts += 1
+        state.decode_url = pair.decode.url
+        state.prefill_url = pair.prefill.url if pair.prefill else None
+        try:
+            result = await self.relay.attempt(self.upstreams.data, state, pair, send, path, body)
+        finally:
+            pair.release()
+        if isinstance(result, AttemptFailure):
+            self._record_failure(pair, result, state, state.attempts)
+        else:
+            self._record_success(pair)
+        return result
+
+    async def _migrate(self, state: RequestState, send: Send, failure: AttemptFailure,
+                       tried: set[str]) -> int:
+        """The stream broke after it started: continue it on fresh pairs, or end it with an error.
+
+        ``tried``: the workers blamed so far, avoided while others are usable (a healthy prefill
+        of the failed pair stays a candidate); the n-th migration after the first waits the
+        n-th retry backoff, which gives the health checks time to see dead workers.
+        """
+        tracker = state.tracker
+        limit = self.config.retry.migration_limit
+        while tracker is not None and tracker.can_migrate and tracker.migrations < limit:
+            if tracker.remaining_max_tokens() == 0:  # every token was relayed: only the end was lost
+                await send({"type": "http.response.body", "body": tracker.synthetic_end(),
+                            "more_body": True})
+                state.mark_finished()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return 200
+            if tracker.migrations:
+                await asyncio.sleep(backoff_seconds(self.config.retry, tracker.migrations,
+                                                    self._rng))
+            pair = self.selector.choose(RouteRequest(state.parsed.text, state.attempts + 1), tried)
+            if pair is None:
+                break
+            tracker.migrations += 1
+            tracker.continuing = True
+            self.metrics.migrations.labels(failure.reason).inc()
+            log.warning("migrating request", extra={
+                "request_id": state.request_id, "reason": failure.reason,
+                "migration": tracker.migrations, "tokens_relayed": len(tracker.generated),
+                "from_decode": state.decode_url, "decode": pair.decode.url,
+                "prefill": pair.prefill.url if pair.prefill else None})
+            result = await self._run_on(pair, state, send, "/v1/completions",
+                                        tracker.continuation_body())
+            if not isinstance(result, AttemptFailure):
+                return result
+            tried.update(_blamed_urls(pair, result))
+            failure = result
+            if result.status is not None and not is_retriable_status(result.status):
+                break
+        message = f"the worker failed mid-stream ({failure.reason})"
+        if tracker is not None and tracker.migrations:
+            message += f" after {tracker.migrations} migration(s)"
+        event = sse_error_event(502, message, "worker_failed_mid_stream")
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": event if state.clean else b"\n\n" + event})
+        state.mark_finished()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return 200
 
     def forget_worker(self, worker: Worker) -> None:
         """Drop the per-worker metric series of a worker that left the registry."""
@@ -218,13 +301,17 @@ class GenerateHandler:
             blamed = pair.prefill or pair.decode  # a mixed worker fails on its own
         if blamed is not None:
             blamed.breaker.record_failure(now)
-            if self.on_failure is not None:
-                self.on_failure(blamed, failure)
+        if self.on_failure is not None:
+            suspects = [blamed] if blamed is not None else \
+                [w for w in (pair.decode, pair.prefill) if w is not None and failure.ambiguous]
+            for worker in suspects:
+                self.on_failure(worker, failure)
         role = failure.blame.value if failure.blame is not None else "none"
         self.metrics.upstream_failures.labels(role, failure.reason).inc()
-        log.warning("attempt failed" if failure.reason != "stream_broken"
-                    else "stream broke after the first token", extra={
+        log.warning("stream broke after the first token" if failure.after_start
+                    else "attempt failed", extra={
             "request_id": state.request_id, "attempt": attempt, "reason": failure.reason,
+            "blamed": role, "code": failure.detail if failure.status else None,
             "decode": pair.decode.url, "prefill": pair.prefill.url if pair.prefill else None,
             "detail": failure.detail})
 
@@ -238,5 +325,6 @@ class GenerateHandler:
                              ((b"x-request-id", rid.encode()),))
             return last.status
         status = last.status or 502
-        await send_error(send, status, f"all attempts failed; last: {last.reason}", rid)
+        await send_error(send, status, f"all attempts failed; last: {last.reason}", rid,
+                         code=last.reason)
         return status

@@ -9,16 +9,18 @@ and turns the prompt into text for the ``cache_aware`` policy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 class InvalidRequest(ValueError):
     """The body is not a valid request; ``param`` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None,
+                 code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     text: str
+    data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def _content_text(content: Any) -> str:
@@ -75,7 +78,9 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     model = data.get("model")
@@ -88,10 +93,10 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
         raise InvalidRequest("'stream' must be a boolean", "stream")
     if chat:
         if "messages" not in data:
-            raise InvalidRequest("'messages' is required", "messages")
+            raise InvalidRequest("'messages' is required", "messages", "missing_required_parameter")
         text = chat_text(data["messages"])
     else:
         if "prompt" not in data:
-            raise InvalidRequest("'prompt' is required", "prompt")
+            raise InvalidRequest("'prompt' is required", "prompt", "missing_required_parameter")
         text = prompt_text(data["prompt"])
-    return ParsedRequest(model=model, stream=stream, text=text)
+    return ParsedRequest(model=model, stream=stream, text=text, data=data)

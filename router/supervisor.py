@@ -8,6 +8,14 @@ a disconnect watcher only to requests that have run longer than
 ``watch_after_secs``. Short requests never pay for either; a request's
 timeout fires at most one tick late, and a client that leaves is noticed at
 most ``watch_after_secs + tick_secs`` after the request began.
+
+The same tick enforces the upstream timeouts of the attempt in progress: no
+byte from the worker for ``idle_limit`` seconds (``--upstream-first-byte-timeout-secs``
+until the response starts, ``--upstream-idle-timeout-secs`` between stream
+chunks) cancels the attempt with ``stall = "idle_timeout"``, and
+:meth:`Supervisor.fail_upstream` cancels every attempt on a worker the health
+check found dead (``stall = "worker_dead"``). The request's handler catches
+that cancellation and retries or migrates the request.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ class Supervised:
     finished: bool = False
     timed_out: bool = False
     client_gone: bool = False
+    upstream: str | None = None      # the decode (or mixed) worker of the attempt in progress
+    idle_limit: float = float("inf")  # seconds without a byte from ``upstream``
+    last_byte: float = 0.0           # time.monotonic() of the last byte (or of the attempt's start)
+    stall: str | None = None         # why the attempt was cancelled: idle_timeout, worker_dead
     watcher: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -73,8 +85,22 @@ class Supervisor:
             if now >= entry.deadline:
                 entry.timed_out = True
                 entry.task.cancel()
+            elif entry.stall is None and now - entry.last_byte > entry.idle_limit:
+                entry.stall = "idle_timeout"
+                entry.task.cancel()
             elif entry.watcher is None and entry.started <= watch_before:
                 entry.watcher = asyncio.ensure_future(_watch(entry))
+
+    def fail_upstream(self, url: str) -> int:
+        """Cancel every attempt in progress on worker ``url`` (found dead); returns how many."""
+        count = 0
+        for entry in list(self._live.values()):
+            if (entry.upstream == url and entry.stall is None and not entry.finished
+                    and not entry.timed_out and not entry.client_gone):
+                entry.stall = "worker_dead"
+                entry.task.cancel()
+                count += 1
+        return count
 
     async def run(self) -> None:
         """Tick forever."""

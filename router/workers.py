@@ -135,7 +135,7 @@ class WorkerRegistry:
                 raise ValueError(f"{url} is registered as {existing.role.value}, not {role.value}")
             return existing
         worker = Worker(url=url, role=role, source=source,
-                        breaker=CircuitBreaker(self._circuit), healthy=healthy, checked=healthy)
+                        breaker=CircuitBreaker(self._circuit, url, role.value), healthy=healthy, checked=healthy)
         self._workers[url] = worker
         self._by_role[role].append(worker)
         for fn in self._on_added:

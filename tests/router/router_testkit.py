@@ -47,7 +47,9 @@ class Proc:
         self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
 
     def start(self) -> "Proc":
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+        # Keep the caller's PYTHONPATH after the repo: it may point ``pd_cluster`` at this tree.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT)

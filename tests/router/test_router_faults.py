@@ -2,10 +2,10 @@
 
 200 streamed requests at a steady 20 req/s. One prefill and one decode worker
 are killed (SIGKILL) during the run and restarted on the same ports later.
-Every request ends, with success or an error, within its timeout; only
-requests already streaming from the killed decode worker may fail; the
-restarted workers rejoin and take traffic; every pool ends all-free and the
-router's in-flight accounting returns to zero.
+The decode workers are token-level fakes that return token ids, so streams
+running on the killed decode worker migrate: every request ends within its
+timeout with its full answer; the restarted workers rejoin and take traffic;
+every pool ends all-free and the router's in-flight accounting returns to zero.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ KILL_AT = 2.0
 RESTART_AT = 5.0
 REQUEST_TIMEOUT = 15.0
 TOKENS = 20
-DECODE = ["--ttft-ms", "30", "--itl-ms", "10", "--num-tokens", str(TOKENS)]
+DECODE = ["--token-model", "--ttft-ms", "30", "--itl-ms", "10"]
 
 
 @dataclass
@@ -125,14 +125,11 @@ def test_kill_and_restart_one_prefill_and_one_decode_under_load():
             assert not [o.index for o in outcomes if o.timed_out], "a request hung"
             assert all(o.end - o.start < REQUEST_TIMEOUT for o in outcomes)
             failed = [o for o in outcomes if not o.ok]
-            # Only streams already running when the decode worker died may fail.
-            assert all(o.first is not None and o.first < kill for o in failed), \
-                [(o.index, o.error, o.first and o.first - kill) for o in failed]
-            assert len(failed) <= 8
-            not_started = [o for o in outcomes if o.first is None or o.first >= kill]
-            assert all(o.ok for o in not_started)
+            # Streams running on the killed decode worker migrated; nothing failed.
+            assert failed == [], [(o.index, o.error, o.first and o.first - kill) for o in failed]
             m = router.metrics()
-            assert metric_value(m, "pd_router_retries_total") >= 1
+            # streams were running on the killed decode worker (about 5 at any time)
+            assert metric_value(m, "pd_router_migrations_total") >= 1
 
             # The restarted workers rejoin and take traffic again.
             wait_http(router.url + "/workers", 15, ok=lambda r: all(
@@ -157,8 +154,9 @@ def test_kill_and_restart_one_prefill_and_one_decode_under_load():
             m = router.metrics()
             assert metric_value(m, "pd_router_worker_inflight_requests") == 0
             assert metric_value(m, "pd_router_running_requests") == 0
-            print(f"\nok={N_REQUESTS - len(failed)} failed_mid_stream={len(failed)} "
-                  f"retries={metric_value(m, 'pd_router_retries_total'):.0f}")
+            print(f"\nok={N_REQUESTS - len(failed)} failed={len(failed)} "
+                  f"retries={metric_value(m, 'pd_router_retries_total'):.0f} "
+                  f"migrations={metric_value(m, 'pd_router_migrations_total'):.0f}")
     finally:
         for w in workers:
             w.stop()

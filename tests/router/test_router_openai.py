@@ -121,12 +121,15 @@ def test_openai_errors_have_the_right_status(cluster):
     c = client(router)
     with pytest.raises(openai.NotFoundError) as nf:
         c.completions.create(model="gpt-9", prompt="x", max_tokens=1)
-    assert nf.value.body["code"] == 404
+    assert nf.value.body["code"] == "model_not_found"
+    assert nf.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError):  # relayed from the worker, not retried
         c.completions.create(model="stories260K", prompt="x", max_tokens=0)
     r = httpx.post(router.url + "/v1/completions", content=b'{"prompt": ', timeout=10,
                    headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": r.json()["error"]["message"], "type": "invalid_request_error", "param": None,
+        "code": "invalid_json"}
     r = httpx.post(router.url + "/v1/chat/completions", json={"model": "stories260K"}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 

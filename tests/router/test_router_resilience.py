@@ -103,7 +103,7 @@ def test_request_timeout_answers_504_in_time():
         started = time.monotonic()
         r = complete(router, "req-slow")
         took = time.monotonic() - started
-        assert r.status_code == 504 and r.json()["error"]["code"] == 504
+        assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
         assert 0.4 < took < 2.0
         # The router closed its upstream connection: the worker dropped the request.
         wait_http(d.url + "/get_load", 5, ok=lambda r: r.json()["num_running_reqs"] == 0)

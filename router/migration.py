@@ -1,0 +1,216 @@
+"""Request migration: a stream whose decode worker died or went silent continues on another pair.
+
+The idea is NVIDIA Dynamo's request migration (``--migration-limit``): the
+router remembers every token id already relayed, and when the decode worker
+fails mid-stream it sends the prompt's token ids plus those ids as a new
+``/v1/completions`` prompt to a fresh pair, with ``max_tokens`` reduced by the
+tokens already sent. The client's stream goes on with no token lost or
+repeated; with greedy sampling the text equals an undisturbed run's, token
+for token (the continuation recomputes the same KV from the same ids).
+
+Token ids come from the worker in vLLM's ``return_token_ids`` shape: the router
+asks for them (``"return_token_ids": true``), the first chunk carries
+``prompt_token_ids`` (top level for chat, on the choice for completions) and
+each chunk's choice carries the ``token_ids`` it adds. They are removed from
+what the client sees unless the client asked for them itself.
+
+Migrated are streams with one choice and none of: ``logprobs``/``top_logprobs``,
+``echo``, ``tools``, ``response_format``/guided decoding, ``best_of``. Sampled
+(temperature > 0) streams continue validly but not with the draw an undisturbed
+run would have made. Non-streamed requests send nothing before they finish, so
+a failed one is re-dispatched whole (see ``router.proxy``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "echo", "tools", "functions", "response_format",
+                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "best_of",
+                   "suffix")
+_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "functions",
+              "function_call", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+              "continue_final_message", "max_completion_tokens", "response_format", "logprobs",
+              "top_logprobs", "documents")
+
+
+def plan_body(data: dict[str, Any], chat: bool) -> tuple[bytes, "StreamTracker"] | None:
+    """The body to send a worker for a migratable streamed request, and its tracker.
+
+    ``None`` when the request cannot be migrated (it is then forwarded unchanged).
+    """
+    if not data.get("stream") or data.get("n", 1) not in (1, None):
+        return None
+    if any(data.get(k) not in (None, False, 0) for k in _NOT_MIGRATABLE):
+        return None
+    client_ids = data.get("return_token_ids") is True
+    opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
+    tracker = StreamTracker(data=data, chat=chat, client_wants_ids=client_ids,
+                            client_wants_usage=bool(opts.get("include_usage")))
+    if client_ids:
+        return json.dumps(data, separators=(",", ":")).encode(), tracker
+    return json.dumps(dict(data, return_token_ids=True), separators=(",", ":")).encode(), tracker
+
+
+@dataclass
+class StreamTracker:
+    """What one migratable stream has relayed so far: ids, identity of the stream, usage.
+
+    Not thread-safe; one per request. ``feed`` takes the payload of one SSE
+    ``data:`` event and returns the bytes to relay to the client.
+    """
+
+    data: dict[str, Any]
+    chat: bool
+    client_wants_ids: bool
+    client_wants_usage: bool
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    stream_id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    migrations: int = 0
+    finished: bool = False  # a finish_reason was relayed
+    done: bool = False      # [DONE] was relayed
+    continuing: bool = False  # events now come from a /v1/completions continuation
+    errored: bool = False     # the worker sent an error event: the stream ends with it
+    no_ids: bool = False      # tokens came without ids: the worker cannot give them
+
+    @property
+    def ended(self) -> bool:
+        """The stream reached its end ([DONE], or an error event the worker sent)."""
+        return self.done or self.errored
+
+    @property
+    def can_migrate(self) -> bool:
+        """True once the worker gave token ids and the stream still has tokens to come."""
+        return self.prompt_ids is not None and not self.finished and not self.ended
+
+    def synthetic_end(self) -> bytes:
+        """The events that end a stream whose ``max_tokens`` were all relayed before its worker
+        failed: a ``length`` finish, the usage if asked, ``[DONE]``."""
+        head = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat
+                else "text_completion", "created": self.created, "model": self.model}
+        choice: dict[str, Any] = {"index": 0}
+        choice.update({"delta": {}} if self.chat else {"text": ""})
+        choice.update({"logprobs": None, "finish_reason": "length"})
+        out = [dict(head, choices=[choice])]
+        if self.client_wants_usage:
+            prompt, completion = len(self.prompt_ids or []), len(self.generated)
+            out.append(dict(head, choices=[], usage={
+                "prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}))
+        self.finished = self.done = True
+        return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+                        for e in out) + b"data: [DONE]\n\n"
+
+    def remaining_max_tokens(self) -> int | None:
+        limit = self.data.get("max_completion_tokens") if self.chat else None
+        if limit is None:
+            limit = self.data.get("max_tokens")
+        if limit is None and not self.chat:
+            limit = 16  # OpenAI's (and the workers') completions default
+        if limit is None:
+            return None
+        return int(limit) - len(self.generated)
+
+    def continuation_body(self) -> bytes:
+        """A ``/v1/completions`` body that continues the stream after the ids relayed so far."""
+        body = {k: v for k, v in self.data.items() if k not in _CHAT_ONLY}
+        body["prompt"] = list(self.prompt_ids or []) + self.generated
+        body["stream"] = True
+        body["return_token_ids"] = True
+        remaining = self.remaining_max_tokens()
+        if remaining is not None:
+            body["max_tokens"] = max(1, remaining)
+        if isinstance(body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, body["min_tokens"] - len(self.generated))
+        body["stream_options"] = {"include_usage": True} if self.client_wants_usage else None
+        if body["stream_options"] is None:
+            del body["stream_options"]
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def feed(self, payload: bytes) -> bytes | None:
+        """One event's payload (after ``data: ``) -> the event to relay, or ``None`` to drop it."""
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return b"data: [DONE]\n\n"
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return b"data: " + payload + b"\n\n"
+        if not isinstance(event, dict) or "error" in event:
+            self.errored = self.errored or isinstance(event, dict)
+            return b"data: " + payload + b"\n\n"
+        if self.continuing:
+            event = self._as_original(event)
+            if event is None:
+                return None
+        else:
+            self._learn(event)
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+    def _learn(self, event: dict[str, Any]) -> None:
+        if self.stream_id is None:
+            self.stream_id, self.created, self.model = (
+                event.get("id"), event.get("created"), event.get("model"))
+        top = event.pop("prompt_token_ids", None) if not self.client_wants_ids else \
+            event.get("prompt_token_ids")
+        if isinstance(top, list) and self.prompt_ids is None:
+            self.prompt_ids = top
+        for choice in event.get("choices") or ():
+            self._take_choice(choice)
+            if self.prompt_ids is None and (choice.get("text") or choice.get("token_ids") or (
+                    choice.get("delta") or {}).get("content")):
+                self.no_ids = True
+
+    def _take_choice(self, choice: dict[str, Any]) -> None:
+        pids = choice.get("prompt_token_ids") if self.client_wants_ids else \
+            choice.pop("prompt_token_ids", None)
+        if isinstance(pids, list) and self.prompt_ids is None:
+            self.prompt_ids = pids
+        ids = choice.get("token_ids") if self.client_wants_ids else choice.pop("token_ids", None)
+        if isinstance(ids, list):
+            self.generated.extend(ids)
+        if choice.get("finish_reason"):
+            self.finished = True
+
+    def _as_original(self, event: dict[str, Any]) -> dict[str, Any] | None:
+        """A continuation (completions) event rewritten as the original stream's."""
+        event.pop("prompt_token_ids", None)
+        out: dict[str, Any] = {"id": self.stream_id, "object":
+                               "chat.completion.chunk" if self.chat else "text_completion",
+                               "created": self.created, "model": self.model}
+        choices = []
+        for choice in event.get("choices") or ():
+            choice.pop("prompt_token_ids", None)
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                self.generated.extend(ids)
+            if choice.get("finish_reason"):
+                self.finished = True
+            text = choice.get("text", "")
+            new = {"index": 0}
+            if self.chat:
+                new["delta"] = {"content": text} if text else {}
+            else:
+                new["text"] = text
+            new["logprobs"] = None
+            new["finish_reason"] = choice.get("finish_reason")
+            if self.client_wants_ids and isinstance(ids, list):
+                new["token_ids"] = ids
+            choices.append(new)
+        out["choices"] = choices
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            if not self.client_wants_usage:
+                return None if not choices else out
+            prompt = len(self.prompt_ids or [])
+            completion = len(self.generated)
+            out["usage"] = dict(usage, prompt_tokens=prompt, completion_tokens=completion,
+                                total_tokens=prompt + completion)
+        elif not choices:
+            return None
+        return out

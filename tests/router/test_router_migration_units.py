@@ -1,0 +1,167 @@
+"""Units of migration and blame: the stream tracker, the continuation body, the blame table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+
+from pd_cluster.router.blame import blame_status
+from pd_cluster.router.circuit import CircuitBreaker
+from pd_cluster.router.config import CircuitBreakerConfig, Role
+from pd_cluster.router.migration import plan_body
+from pd_cluster.router.supervisor import Supervisor
+
+
+def ev(obj) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def chunk(text, ids, finish=None, prompt=None, chat=False):
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish, "token_ids": ids}
+    if chat:
+        choice["delta"] = {"content": text} if text else {}
+    else:
+        choice["text"] = text
+    out = {"id": "c1", "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": 7, "model": "m", "choices": [choice]}
+    if prompt is not None:
+        if chat:
+            out["prompt_token_ids"] = prompt
+        else:
+            choice["prompt_token_ids"] = prompt
+    return out
+
+
+def test_plan_asks_for_ids_and_skips_what_cannot_migrate():
+    body, tracker = plan_body({"prompt": "x", "stream": True, "max_tokens": 5}, chat=False)
+    assert json.loads(body)["return_token_ids"] is True and not tracker.client_wants_ids
+    for extra in ({"n": 2}, {"logprobs": 1}, {"echo": True}, {"response_format": {"type": "x"}},
+                  {"stream": False}, {"best_of": 3}):
+        assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is None
+
+
+def test_completion_stream_is_tracked_stripped_and_continued():
+    _, t = plan_body({"prompt": "hi", "stream": True, "max_tokens": 5, "min_tokens": 3,
+                      "temperature": 0}, chat=False)
+    out = t.feed(ev(chunk(" a", [11], prompt=[1, 2])))
+    assert b"token_ids" not in out and json.loads(out[6:])["choices"][0]["text"] == " a"
+    t.feed(ev(chunk(" b", [12])))
+    assert t.can_migrate and t.prompt_ids == [1, 2] and t.generated == [11, 12]
+    cont = json.loads(t.continuation_body())
+    assert cont["prompt"] == [1, 2, 11, 12] and cont["max_tokens"] == 3
+    assert cont["min_tokens"] == 1 and cont["return_token_ids"] and cont["stream"]
+    t.continuing = True
+    moved = json.loads(t.feed(ev({"id": "other", "object": "text_completion", "created": 9,
+                                  "model": "m", "choices": [{"index": 0, "text": " c",
+                                                             "token_ids": [13],
+                                                             "finish_reason": None}]}))[6:])
+    assert moved["id"] == "c1" and moved["created"] == 7 and moved["choices"][0]["text"] == " c"
+    assert "token_ids" not in moved["choices"][0]
+    assert t.feed(b"[DONE]") == b"data: [DONE]\n\n" and t.ended and not t.can_migrate
+
+
+def test_chat_continuation_becomes_chat_chunks_with_fixed_usage():
+    _, t = plan_body({"messages": [{"role": "user", "content": "q"}], "stream": True,
+                      "max_completion_tokens": 4, "stream_options": {"include_usage": True},
+                      "return_token_ids": True}, chat=True)
+    first = json.loads(t.feed(ev(chunk("A", [5], prompt=[1, 2, 3], chat=True)))[6:])
+    assert first["prompt_token_ids"] == [1, 2, 3]  # the client asked for them
+    cont = json.loads(t.continuation_body())
+    assert "messages" not in cont and "max_completion_tokens" not in cont
+    assert cont["prompt"] == [1, 2, 3, 5] and cont["max_tokens"] == 3
+    t.continuing = True
+    got = json.loads(t.feed(ev({"id": "x", "choices": [{"index": 0, "text": "B",
+                                                        "token_ids": [6],
+                                                        "prompt_token_ids": [1, 2, 3, 5],
+                                                        "finish_reason": None}]}))[6:])
+    assert got["object"] == "chat.completion.chunk" and got["choices"][0]["delta"] == {"content": "B"}
+    assert got["choices"][0]["token_ids"] == [6] and "prompt_token_ids" not in got
+    usage = json.loads(t.feed(ev({"id": "x", "choices": [], "usage": {
+        "prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}))[6:])["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_all_tokens_relayed_ends_without_another_token():
+    _, t = plan_body({"prompt": "hi", "stream": True, "max_tokens": 2}, chat=False)
+    t.feed(ev(chunk(" a", [11], prompt=[1])))
+    t.feed(ev(chunk(" b", [12])))
+    assert t.remaining_max_tokens() == 0
+    tail = t.synthetic_end().decode().split("\n\n")
+    assert json.loads(tail[0][6:])["choices"][0]["finish_reason"] == "length"
+    assert tail[1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("status,code,peer,pd,role,ambiguous", [
+    (502, "prefill_unreachable", None, True, Role.PREFILL, False),
+    (502, "kv_transfer_peer_died", None, True, Role.PREFILL, False),
+    (504, "kv_transfer_timeout", None, True, None, True),
+    (502, "kv_transfer_nixl_error", "decode", True, Role.DECODE, False),
+    (502, "kv_transfer_timeout", "prefill", True, Role.PREFILL, False),
+    (502, "kv_transfer_protocol", None, True, Role.DECODE, False),
+    (502, "overloaded", None, True, None, False),
+    (503, "overloaded", "decode", True, None, False),
+    (502, "whatever", None, False, Role.DECODE, False),  # a mixed worker's own fault
+    (502, None, None, True, None, True),
+])
+def test_blame_table(status, code, peer, pd, role, ambiguous):
+    body = json.dumps({"error": {"message": "m", "type": "server_error", "param": None,
+                                 "code": code}}).encode()
+    blame = blame_status(status, body, peer, pd)
+    assert (blame.role, blame.ambiguous) == (role, ambiguous)
+
+
+def test_breaker_transitions_are_logged(caplog):
+    b = CircuitBreaker(CircuitBreakerConfig(failure_threshold=2, success_threshold=1,
+                                            timeout_duration_secs=5), "http://w:1", "prefill")
+    with caplog.at_level(logging.INFO, logger="pd_cluster.router.circuit"):
+        b.record_failure(0.0)
+        b.record_failure(1.0)
+        assert not b.allows(2.0)
+        assert b.allows(6.5)
+        b.record_success(7.0)
+    got = [(r.levelname, r.from_state, r.to_state, r.worker) for r in caplog.records]
+    assert got == [("WARNING", "closed", "open", "http://w:1"),
+                   ("INFO", "open", "half_open", "http://w:1"),
+                   ("INFO", "half_open", "closed", "http://w:1")]
+
+
+def test_supervisor_cancels_a_silent_attempt_and_a_dead_worker_attempt():
+    async def main():
+        sup = Supervisor()
+        out = {}
+
+        async def request(name, url, idle):
+            _, entry = sup.enter(_never_receive, 60)
+            entry.upstream, entry.idle_limit, entry.last_byte = url, idle, 0.0
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                out[name] = entry.stall
+
+        a = asyncio.ensure_future(request("silent", "http://a:1", 1.0))
+        b = asyncio.ensure_future(request("dead", "http://b:1", float("inf")))
+        await asyncio.sleep(0)
+        sup.tick(0.5)
+        assert not out
+        sup.tick(1.5)
+        assert sup.fail_upstream("http://b:1") == 1
+        await asyncio.gather(a, b)
+        return out
+
+    assert asyncio.run(main()) == {"silent": "idle_timeout", "dead": "worker_dead"}
+
+
+async def _never_receive():
+    await asyncio.sleep(3600)
+
+
+def test_a_worker_without_token_ids_turns_tracking_off():
+    _, t = plan_body({"messages": [{"role": "user", "content": "q"}], "stream": True}, chat=True)
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    t.feed(ev(role))
+    assert not t.no_ids  # the role chunk carries no token
+    t.feed(ev({"id": "c", "choices": [{"index": 0, "delta": {"content": "A"}}]}))
+    assert t.no_ids and not t.can_migrate
