@@ -89,10 +89,14 @@ def interfaces_of(host: str) -> list[str]:
     import psutil
 
     ips = _ips(host)
+    loopback = any(ipaddress.ip_address(ip).is_loopback for ip in ips)  # 127.0.1.1 is on lo's 127.0.0.0/8
     out = []
     for name, addrs in psutil.net_if_addrs().items():
         for a in addrs:
-            if a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] in ips:
+            if a.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            address = a.address.split("%")[0]
+            if address in ips or (loopback and ipaddress.ip_address(address).is_loopback):
                 out.append(name)
                 break
     return sorted(out)

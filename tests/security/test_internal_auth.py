@@ -111,6 +111,7 @@ def test_ucx_devices_follow_the_worker_host(tmp_path, caplog):
     assert ucx_env.bind_to_host("127.0.0.1", TransferConfig(), env, sys_ib=tmp_path / "none") == "lo"
     assert env == {"UCX_NET_DEVICES": "lo"}
     assert ucx_env.bind_to_host("localhost", TransferConfig(), {}, sys_ib=tmp_path / "none") == "lo"
+    assert ucx_env.bind_to_host("127.0.1.1", TransferConfig(), {}, sys_ib=tmp_path / "none") == "lo"
     ib = tmp_path / "ib"
     (ib / "mlx5_0" / "ports" / "1").mkdir(parents=True)
     (ib / "mlx5_1" / "ports" / "1").mkdir(parents=True)
