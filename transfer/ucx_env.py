@@ -136,7 +136,12 @@ def bind_to_host(host: str, config: TransferConfig, environ: dict | None = None,
         logger.warning("KV transfer: no network interface holds %s; UCX listens on every interface (set "
                        "--kv-transfer-ucx-net-devices to restrict it)", host)
         return None
-    value = ",".join(names + rdma_ports(sys_ib))
+    ports = rdma_ports(sys_ib)
+    value = ",".join(names + ports)
     env["UCX_NET_DEVICES"] = value
+    if ports:
+        logger.warning("KV transfer: UCX may use every RDMA port %s and probes each on the first connection (seen "
+                       "to cost ~38 s); set --kv-transfer-ucx-net-devices to %s plus the NIC(s) next to this "
+                       "worker's GPU", ports, ",".join(names))
     logger.info("KV transfer: UCX_NET_DEVICES=%s: the transfer listeners bind %s's interface only", value, host)
     return value
