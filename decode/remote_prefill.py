@@ -26,6 +26,7 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
 from pd_cluster.serving.openai_serving import PromptSource
+from pd_cluster.serving.worker_app import INTERNAL_KEY_HEADER, key_matches, presented_key
 from pd_cluster.transfer.errors import TransferError
 from pd_cluster.transfer.http import PeerDirectory, aapply
 from pd_cluster.transfer.interfaces import Agent
@@ -66,17 +67,38 @@ class RemotePrefill(PromptSource):
         self_url: this worker's URL (prefill fetches our metadata from it).
         default_prefill_url: used when a request names none (``--prefill-url``).
         http_timeout: seconds for the whole ``/prefill`` call (queueing and prefill included).
+        internal_api_key: the cluster's internal key: sent to prefill workers, and a request carrying it
+            (the router's) may name any prefill worker.
+        prefill_urls: the prefill workers a request without the key may name (``--prefill-urls``). With
+            neither these, `default_prefill_url` nor a key, any URL is accepted (a trusted network only).
     """
 
     def __init__(self, loop: EngineLoop, hooks: DecodeHooks, agent: Agent, directory: PeerDirectory,
-                 self_url: str, default_prefill_url: str | None = None, http_timeout: float = 600.0) -> None:
+                 self_url: str, default_prefill_url: str | None = None, http_timeout: float = 600.0,
+                 internal_api_key: str | None = None, prefill_urls: tuple[str, ...] = ()) -> None:
         self.loop = loop
         self.hooks = hooks
         self.agent = agent
         self.directory = directory
         self.self_url = self_url
         self.default_prefill_url = default_prefill_url
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0))
+        self.internal_api_key = internal_api_key
+        self.allowed = {u.rstrip("/") for u in (*prefill_urls, default_prefill_url) if u}
+        if not self.allowed and not internal_api_key:
+            logger.warning("decode accepts any X-PD-Prefill-Url: set --prefill-urls or an internal key "
+                           "(PD_INTERNAL_API_KEY) so that it contacts only the cluster's prefill workers")
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0), headers=(
+            {INTERNAL_KEY_HEADER: internal_api_key} if internal_api_key else None))
+
+    def _check_allowed(self, url: str, headers: dict[str, str]) -> None:
+        """Refuse (403) a named prefill worker this decode worker was not told about, unless the request
+        carries the internal key (the router names only the prefill workers it discovered)."""
+        if url.rstrip("/") in self.allowed or key_matches(presented_key(headers), self.internal_api_key):
+            return
+        if not self.allowed and not self.internal_api_key:
+            return
+        raise HTTPError(403, f"X-PD-Prefill-Url {url!r} is not a prefill worker of this cluster",
+                        None, "prefill_url_not_allowed")
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -87,6 +109,8 @@ class RemotePrefill(PromptSource):
         if not url:
             raise HTTPError(400, "a decode worker needs the prefill worker: set the X-PD-Prefill-Url header "
                                  "(the router does) or --prefill-url", None, "missing_prefill")
+        if headers.get(PREFILL_HEADER):
+            self._check_allowed(url, headers)
         try:
             for attempt in range(2):
                 try:

@@ -30,8 +30,9 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | 
         metrics.num_decode_prealloc_queue_reqs.set(hooks.num_prealloc)
 
     loop = EngineLoop(engine, hooks, on_step=on_step)
-    source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout), host_info.get("url", ""),
-                           config.prefill_url)
+    source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),
+                           host_info.get("url", ""), config.prefill_url, internal_api_key=config.internal_api_key,
+                           prefill_urls=config.prefill_urls)
     info = server_info(engine, dict(host_info, kv_agent=agent.name, kv_incarnation=agent.incarnation))
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_decode_prealloc_queue_reqs": hooks.num_prealloc,

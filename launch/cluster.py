@@ -32,6 +32,7 @@ from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_boun
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-spawner")
 API_KEY_ENV = "PD_ROUTER_API_KEY"  # as pd_cluster.router.args reads them: keys never appear in a command line
 ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
+INTERNAL_API_KEY_ENV = "PD_INTERNAL_API_KEY"  # the cluster's internal key, read by pd-worker and pd-router
 
 
 @dataclass
@@ -65,6 +66,8 @@ class ClusterSpec:
         router_argv: extra router flags.
         api_key, admin_api_key: the router's keys (given to it through its environment); the launcher
             uses the admin key to register restarted workers.
+        internal_api_key: the cluster's shared internal key, given to the router and every worker through
+            their environment (`internal_key_env`); pd-serve generates one per cluster.
         restart: when to restart a process that exited (`tend`).
     """
 
@@ -81,6 +84,7 @@ class ClusterSpec:
     echo: bool = True
     api_key: str | None = None
     admin_api_key: str | None = None
+    internal_api_key: str | None = field(default=None, repr=False)
     restart: RestartBackoff = field(default_factory=RestartBackoff)
 
 
@@ -114,6 +118,9 @@ class LocalCluster:
         argv = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
                 "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
                 *self.spec.role_argv.get(role, [])]
+        prefill_urls = [q.url for q in self.procs if q.role == "prefill"]
+        if role == "decode" and prefill_urls:  # the X-PD-Prefill-Url allow-list (prefill workers start first)
+            argv += ["--prefill-urls", *prefill_urls]
         self.procs.append(Proc(name, role, url, argv))
 
     where = "on this machine"
@@ -143,6 +150,7 @@ class LocalCluster:
             for var, key in ((API_KEY_ENV, self.spec.api_key), (ADMIN_API_KEY_ENV, self.spec.admin_api_key)):
                 if key:
                     env[var] = key
+        env.update(internal_key_env(self.spec))
         p.popen = _SPAWNER.submit(subprocess.Popen, parent_bound_argv(p.argv), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
                                   errors="replace").result()
@@ -317,6 +325,11 @@ class LocalCluster:
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.manifest, f, indent=2)
+
+
+def internal_key_env(spec: ClusterSpec) -> dict[str, str]:
+    """The environment that gives a child the cluster's internal key (never its command line)."""
+    return {INTERNAL_API_KEY_ENV: spec.internal_api_key} if spec.internal_api_key else {}
 
 
 def _healthy(client: httpx.Client, p: Proc) -> bool:

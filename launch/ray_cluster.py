@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import httpx
 
 from pd_cluster.engine.net import free_port
-from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, router_ready
+from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready
 from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 
@@ -211,7 +211,8 @@ class RayCluster:
             self.workers.append(actor_cls.options(
                 name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host))
+            ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host,
+                      None, internal_key_env(self.spec)))
         gcs = ray.get_runtime_context().gcs_address
         self.router = actor_cls.options(
             name="pd-router", num_cpus=1 if self.local else 0,
@@ -294,9 +295,9 @@ class RayCluster:
 
 
 def _key_env(spec: ClusterSpec) -> dict[str, str]:
-    """The router's keys, for its environment (never its command line)."""
+    """The router's keys and the cluster's internal key, for its environment (never its command line)."""
     keys = {API_KEY_ENV: spec.api_key, ADMIN_API_KEY_ENV: spec.admin_api_key}
-    return {var: key for var, key in keys.items() if key}
+    return dict({var: key for var, key in keys.items() if key}, **internal_key_env(spec))
 
 
 def _wait_ref(ray, ref, deadline: float) -> bool:

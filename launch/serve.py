@@ -7,7 +7,9 @@ request, restarts a process that dies (with backoff, ``--max-restarts``), and st
 everything on Ctrl-C. No child outlives ``pd-serve``, however it dies (Linux
 ``PR_SET_PDEATHSIG``). ``--colocated`` starts mixed workers instead.
 ``--api-key`` and ``--admin-api-key`` are the router's keys, as ``vllm serve`` and
-SGLang take them. Engine flags
+SGLang take them. Every cluster gets a fresh internal key (``secrets.token_urlsafe``, or
+``PD_INTERNAL_API_KEY`` when set), passed to the router and the workers through their
+environment: worker-internal endpoints refuse calls without it. Engine flags
 (``--page-size``, ``--kv-cache-dtype``, ...) and ``--kv-transfer-*`` flags
 pass through to every worker; ``--router-arg=--prefill-policy=cache_aware``
 passes flags to the router.
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
-from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, LocalCluster
+from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
+                                      LocalCluster)
 from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.supervise import serve_until_stopped
 from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
@@ -79,11 +83,12 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for flag in ("--api-key", "--admin-api-key"):
+    for flag in ("--api-key", "--admin-api-key", "--internal-api-key"):
         if any(a == flag or a.startswith(flag + "=") for a in args.router_arg):
             parser.error(f"give {flag} to pd-serve itself, not through --router-arg (pd-serve needs the keys too)")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+    internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
     try:
         restart = RestartBackoff(max_delay=args.restart_backoff_max_secs, max_restarts=args.max_restarts)
     except ValueError as e:
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
                        num_workers=args.num_workers, host=args.host, router_port=args.port,
                        engine_argv=passthrough_argv(args, parser), router_argv=list(args.router_arg),
-                       log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key, restart=restart)
+                       log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
+                       internal_api_key=internal_api_key, restart=restart)
     if args.ray_address:
         from pd_cluster.launch.ray_cluster import run_ray_cluster
 

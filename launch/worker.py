@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import uuid
 
@@ -22,6 +23,8 @@ from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.worker_app import WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
+
+INTERNAL_API_KEY_ENV = "PD_INTERNAL_API_KEY"
 
 ROLE_ALIASES = {"null": "mixed", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 
@@ -37,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="URL peers use to reach this worker (default http://HOST:PORT)")
     p.add_argument("--prefill-url", default=None,
                    help="decode: the prefill worker for requests without an X-PD-Prefill-Url header")
+    p.add_argument("--prefill-urls", nargs="+", default=[], metavar="URL",
+                   help="decode: the prefill workers an X-PD-Prefill-Url header may name (requests that carry "
+                        "the internal key, i.e. from the router, may name any)")
+    p.add_argument("--internal-api-key", default=None,
+                   help=f"the cluster's shared internal key, required on /prefill, /abort and /kv_transfer/* and "
+                        f"sent to peers (prefer env {INTERNAL_API_KEY_ENV}: it stays off the command line)")
+    p.add_argument("--internal-api-key-protects-v1", action="store_true",
+                   help="also require the internal key on /v1/*, /tokenize and /detokenize (only the router, "
+                        "or a client holding the key as its Bearer key, may call this worker's API)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")
@@ -61,13 +73,29 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
     role = resolve_role(args)
     return WorkerConfig(role=role, host=args.host, port=args.port, advertise_url=args.advertise_url,
                         prefill_url=args.prefill_url, log_level=args.log_level,
+                        prefill_urls=tuple(u.rstrip("/") for u in args.prefill_urls),
+                        internal_api_key=args.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None,
+                        internal_api_key_protects_v1=args.internal_api_key_protects_v1,
                         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                         engine=dataclasses.replace(config_from_args(args), role=role),
                         transfer=from_cli_args(args))
 
 
 def build_app(config: WorkerConfig):
-    """Build the engine and the role's app."""
+    """Build the engine and the role's app (with `InternalAuth` when there is an internal key).
+
+    The UCX network devices are pinned to `config.host`'s interface first (`ucx_env.bind_to_host`), so the
+    KV transfer listeners bind the worker's own address.
+    """
+    from pd_cluster.serving.worker_app import install_internal_auth
+    from pd_cluster.transfer import ucx_env
+
+    if config.role != "mixed":
+        ucx_env.bind_to_host(config.host, config.transfer)
+    return install_internal_auth(_build_role_app(config), config)
+
+
+def _build_role_app(config: WorkerConfig):
     from pd_cluster.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(config.engine)

@@ -125,7 +125,8 @@ def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict |
     hooks = PrefillHooks(sender, engine.device)
     loop = EngineLoop(engine, hooks, on_step=lambda e, out, dt: metrics.on_step(e))
     info = server_info(engine, dict(host_info or {}, kv_agent=agent.name, kv_incarnation=agent.incarnation))
-    server = PrefillServer(engine, loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout), metrics)
+    server = PrefillServer(engine, loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),
+                          metrics)
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_prefill_bootstrap_queue_reqs": server.bootstrapping,
         "num_prefill_inflight_queue_reqs": sender.num_inflight})

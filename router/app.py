@@ -46,7 +46,7 @@ class RouterApp:
             self.registry, lambda: self.limiter.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}))
         self.models = ModelNames(config.served_model_names, self.registry)
-        self.upstreams = Upstreams(lim)
+        self.upstreams = Upstreams(lim, config.security.internal_api_key)
         self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
                                      self.selector.needs_load)
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,

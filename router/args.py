@@ -32,6 +32,7 @@ from pd_cluster.router.config import (
 
 API_KEY_ENV = "PD_ROUTER_API_KEY"
 ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
+INTERNAL_API_KEY_ENV = "PD_INTERNAL_API_KEY"
 
 
 def _add_workers(p: argparse.ArgumentParser) -> None:
@@ -148,6 +149,9 @@ def _add_security(p: argparse.ArgumentParser) -> None:
                    help=f"Bearer key required on /v1/* (or env {API_KEY_ENV})")
     g.add_argument("--admin-api-key", default=None,
                    help=f"Bearer key for /workers (or env {ADMIN_API_KEY_ENV})")
+    g.add_argument("--internal-api-key", default=None,
+                   help="the cluster's internal key, sent to the workers as X-PD-Internal-Key "
+                        f"(prefer env {INTERNAL_API_KEY_ENV})")
 
 
 def _add_discovery(p: argparse.ArgumentParser) -> None:
@@ -236,7 +240,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     limits = LimitsConfig(**flag_values(a, LIMIT_FLAGS, skip_none=False, section="limits"))
     security = SecurityConfig(
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
-        admin_api_key=a.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None)
+        admin_api_key=a.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
+        internal_api_key=a.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None)
     return RouterConfig(
         host=a.host, port=a.port, prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode),
         worker_urls=tuple(a.worker), served_model_names=tuple(a.served_model_name),

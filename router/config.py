@@ -163,6 +163,7 @@ class SecurityConfig:
 
     api_key: str | None = None
     admin_api_key: str | None = None
+    internal_api_key: str | None = field(default=None, repr=False)  # sent to workers (X-PD-Internal-Key)
 
 
 @dataclass(frozen=True)

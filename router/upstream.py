@@ -19,7 +19,8 @@ import aiohttp
 from pd_cluster.router.config import LimitsConfig
 
 
-def _session(keepalive_secs: float, connect_timeout_secs: float) -> aiohttp.ClientSession:
+def _session(keepalive_secs: float, connect_timeout_secs: float,
+             headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=0, limit_per_host=0, keepalive_timeout=keepalive_secs,
         ttl_dns_cache=10, enable_cleanup_closed=True)
@@ -28,22 +29,26 @@ def _session(keepalive_secs: float, connect_timeout_secs: float) -> aiohttp.Clie
     # per-request work).
     return aiohttp.ClientSession(
         connector=connector, timeout=timeout, auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
+        cookie_jar=aiohttp.DummyCookieJar(), headers=headers,
         skip_auto_headers=("User-Agent", "Accept-Encoding"), raise_for_status=False)
 
 
 class Upstreams:
-    """Owns the two sessions; open them inside the running event loop."""
+    """Owns the two sessions; open them inside the running event loop.
 
-    def __init__(self, limits: LimitsConfig) -> None:
+    `internal_api_key`: the cluster's internal key, sent on every worker call (``X-PD-Internal-Key``).
+    """
+
+    def __init__(self, limits: LimitsConfig, internal_api_key: str | None = None) -> None:
         self._limits = limits
+        self._headers = {"X-PD-Internal-Key": internal_api_key} if internal_api_key else None
         self._data: aiohttp.ClientSession | None = None
         self._control: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         lim = self._limits
-        self._data = _session(lim.upstream_keepalive_secs, lim.connect_timeout_secs)
-        self._control = _session(lim.upstream_keepalive_secs, lim.connect_timeout_secs)
+        self._data = _session(lim.upstream_keepalive_secs, lim.connect_timeout_secs, self._headers)
+        self._control = _session(lim.upstream_keepalive_secs, lim.connect_timeout_secs, self._headers)
 
     @property
     def data(self) -> aiohttp.ClientSession:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import importlib.metadata
 import logging
 import os
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import install_error_handlers
+from pd_cluster.serving.errors import error_body, install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
 from pd_cluster.transfer.config import TransferConfig
 
@@ -43,6 +44,13 @@ class WorkerConfig:
         timeout_graceful_shutdown: seconds requests in flight get to finish on SIGTERM.
         engine: the engine's config (its `role` equals `role`).
         transfer: the KV transfer agent's config (prefill and decode roles).
+        internal_api_key: the cluster's shared internal key (``--internal-api-key`` / ``PD_INTERNAL_API_KEY``):
+            required on ``/prefill``, ``/abort`` and ``/kv_transfer/*`` (`InternalAuth`), and sent on the
+            worker's own calls to its peers. None: no check (a trusted network only).
+        internal_api_key_protects_v1: also require the key on ``/v1/*`` (the router sends it; a direct
+            client sends it as ``Authorization: Bearer``).
+        prefill_urls: decode only: the prefill workers a request's ``X-PD-Prefill-Url`` may name without the
+            internal key (``--prefill-urls``; `prefill_url` is always allowed).
     """
 
     role: str = "mixed"
@@ -54,6 +62,9 @@ class WorkerConfig:
     timeout_graceful_shutdown: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    internal_api_key: str | None = field(default=None, repr=False)
+    internal_api_key_protects_v1: bool = False
+    prefill_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -66,11 +77,87 @@ class WorkerConfig:
             raise ValueError(f"timeout_graceful_shutdown must be >= 0, got {self.timeout_graceful_shutdown}")
         if self.prefill_url is not None and self.role != "decode":
             raise ValueError("prefill_url is a decode worker's setting")
+        if self.prefill_urls and self.role != "decode":
+            raise ValueError("prefill_urls is a decode worker's setting")
+        if self.internal_api_key is not None and not self.internal_api_key.strip():
+            raise ValueError("internal_api_key must be unset or non-empty")
+        if self.internal_api_key_protects_v1 and not self.internal_api_key:
+            raise ValueError("internal_api_key_protects_v1 needs an internal_api_key")
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """Headers of this worker's calls to its peers (``/prefill``, ``/abort``, ``/kv_transfer/info``)."""
+        return {INTERNAL_KEY_HEADER: self.internal_api_key} if self.internal_api_key else {}
 
     @property
     def url(self) -> str:
         """The URL this worker is reached at."""
         return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+INTERNAL_KEY_HEADER = "X-PD-Internal-Key"
+"""The header carrying the cluster's internal key on worker-internal calls."""
+
+INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/")
+"""Worker-internal endpoints: only the cluster's own processes call them."""
+
+
+def key_matches(presented: str | None, key: str | None) -> bool:
+    """True when `presented` equals `key` (compared in constant time); False when either is missing."""
+    if not presented or not key:
+        return False
+    return hmac.compare_digest(presented.encode(), key.encode())
+
+
+def presented_key(headers) -> str | None:
+    """The internal key a request carries: ``X-PD-Internal-Key``, else ``Authorization: Bearer``."""
+    value = headers.get(INTERNAL_KEY_HEADER.lower())
+    if value:
+        return value
+    auth = headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
+class InternalAuth:
+    """ASGI middleware: worker-internal endpoints (and, with `protect_v1`, the client API: ``/v1/*``,
+    ``/tokenize``, ``/detokenize``) need the internal key.
+
+    A call without a key is answered 401, one with a wrong key 403, both in OpenAI's error format; the
+    check is constant-time (`hmac.compare_digest`). ``/health``, ``/metrics`` and the other read-only
+    endpoints stay open for probes and scrapers.
+    """
+
+    def __init__(self, app, key: str, protect_v1: bool = False) -> None:
+        self.app = app
+        self.key = key
+        self.prefixes = INTERNAL_PATHS + (("/v1/", "/tokenize", "/detokenize") if protect_v1 else ())
+
+    def protects(self, path: str) -> bool:
+        return path.startswith(self.prefixes) or path.rstrip("/") in ("/prefill", "/abort")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.protects(scope.get("path", "")):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        presented = presented_key(headers)
+        if key_matches(presented, self.key):
+            return await self.app(scope, receive, send)
+        status = 401 if not presented else 403
+        message = ("this endpoint needs the cluster's internal key (X-PD-Internal-Key)" if status == 401 else
+                   "the internal key is not valid")
+        logger.warning("refused %s %s from %s: %s", scope.get("method"), scope.get("path"),
+                       (scope.get("client") or ("?",))[0], message)
+        response = JSONResponse(error_body(status, message, None, "invalid_internal_key"), status_code=status,
+                                headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+        await response(scope, receive, send)
+
+
+def install_internal_auth(app: FastAPI, config: WorkerConfig) -> FastAPI:
+    """Add `InternalAuth` to `app` when `config` has an internal key (before the app starts); returns `app`."""
+    if config.internal_api_key:
+        app.add_middleware(InternalAuth, key=config.internal_api_key,
+                           protect_v1=config.internal_api_key_protects_v1)
+    return app
 
 
 class WorkerState:

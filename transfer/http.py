@@ -65,10 +65,13 @@ class PeerDirectory:
 
     Args:
         timeout: seconds for one fetch.
+        headers: sent on every fetch (the cluster's internal key: ``/kv_transfer/*`` requires it when the
+            peer has one, see `pd_cluster.serving.worker_app.InternalAuth`).
     """
 
-    def __init__(self, timeout: float = 5.0) -> None:
+    def __init__(self, timeout: float = 5.0, headers: dict[str, str] | None = None) -> None:
         self.timeout = timeout
+        self.headers = dict(headers or {})
         self._by_url: dict[str, AgentInfo] = {}
         self._lock = threading.Lock()
         self._dropped: list[str] = []
@@ -99,7 +102,7 @@ class PeerDirectory:
         if hit is not None:
             return hit
         try:
-            with httpx.Client(timeout=self.timeout) as client:
+            with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
                 resp = client.get(_norm(url) + INFO_PATH)
         except httpx.HTTPError as e:
             raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
@@ -113,10 +116,10 @@ class PeerDirectory:
             return hit
         try:
             if client is None:
-                async with httpx.AsyncClient(timeout=self.timeout) as own:
+                async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as own:
                     resp = await own.get(_norm(url) + INFO_PATH)
             else:
-                resp = await client.get(_norm(url) + INFO_PATH, timeout=self.timeout)
+                resp = await client.get(_norm(url) + INFO_PATH, timeout=self.timeout, headers=self.headers)
         except httpx.HTTPError as e:
             raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
         return self._store(url, resp, expected_agent)

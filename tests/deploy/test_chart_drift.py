@@ -182,12 +182,14 @@ def test_ports_agree(path):
 # ---- values.schema.json against the parsers -------------------------------------------------------
 CHART_MANAGED = {
     "engineArgs": {"--role", "--disaggregation-mode", "--host", "--port", "--advertise-url", "--log-level",
-                   "--timeout-graceful-shutdown", "--model", "--prefill-url", "--help"},
+                   "--timeout-graceful-shutdown", "--model", "--prefill-url", "--help",
+                   "--internal-api-key", "--prefill-urls"},
     "routerArgs": {"--host", "--port", "--log-level", "--prefill", "--decode", "--worker", "--service-discovery",
                    "--service-discovery-namespace", "--prefill-selector", "--decode-selector", "--selector",
                    "--service-discovery-port", "--service-discovery-port-annotation", "--api-key",
                    "--admin-api-key", "--shutdown-grace-period-secs", "--kubeconfig", "--ray-discovery",
-                   "--ray-address", "--ray-namespace", "--ray-actor-prefix", "--ray-poll-secs", "--help"},
+                   "--ray-address", "--ray-namespace", "--ray-actor-prefix", "--ray-poll-secs", "--help",
+                   "--internal-api-key"},
 }
 
 

@@ -195,7 +195,7 @@ def test_4p4d_h200_rdma_cluster():
     assert one(objs, "Service", "-router")["spec"]["type"] == "LoadBalancer"
     assert one(objs, "Ingress", "-router")["spec"]["rules"][0]["host"] == "llm.example.com"
     assert objects(objs, "ServiceMonitor") and objects(objs, "ConfigMap")
-    assert not objects(objs, "Secret")  # existingSecret: the chart creates none
+    assert [s["metadata"]["name"] for s in objects(objs, "Secret")] == ["pd-pd-cluster-internal-key"]  # no auth one
     env = {e["name"]: e for e in one(objs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PD_ROUTER_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "pd-cluster-api-keys"
 
@@ -285,7 +285,7 @@ def test_auth_secret_and_disabled_auth():
     assert base64.b64decode(secret["data"]["api-key"]).decode() == "k-123"
     assert len(base64.b64decode(secret["data"]["admin-api-key"])) == 48  # generated
     off = render({"router": {"auth": {"enabled": False}}})
-    assert not objects(off, "Secret")
+    assert [s["metadata"]["name"] for s in objects(off, "Secret")] == ["pd-pd-cluster-internal-key"]
     env = one(off, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert "PD_ROUTER_API_KEY" not in {e["name"] for e in env}
 

@@ -191,6 +191,11 @@ spec:
 - name: {{ $k }}
   value: {{ $v | quote }}
 {{- end }}
+- name: PD_INTERNAL_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pd-cluster.fullname" $root }}-internal-key
+      key: internal-api-key
 {{- with .values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
