@@ -81,7 +81,7 @@ async def _run(decode: str, prefills: list[str], streams: int, max_tokens: int, 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=300)
     p.add_argument("--delay", type=float, default=1.0, help="seconds of streaming before the first contact")
