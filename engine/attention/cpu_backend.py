@@ -30,8 +30,11 @@ from pd_cluster.engine.kv.pool import KVPool
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.c"
-# -ffast-math lets gcc vectorise expf (glibc's libmvec); the kernel has no inf/NaN logic to lose.
-_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# -ffast-math lets gcc vectorise expf (glibc's libmvec); the kernel has no inf/NaN logic to lose. It is given to
+# the compile step only: linking with it adds crtfastmath.o (gcc < 13), which sets flush-to-zero and
+# denormals-are-zero for the whole process the moment the library loads, changing torch's numerics everywhere.
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+_LDFLAGS = ("-shared", "-fopenmp")
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.uint8: 3}
 _I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -47,20 +50,24 @@ def _library() -> ctypes.CDLL:
     Raises:
         OSError, subprocess.CalledProcessError: no compiler, or the build failed.
     """
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"libpd_paged_decode-{digest}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         cc = os.environ.get("CC", "cc")
         with tempfile.NamedTemporaryFile(dir=lib.parent, suffix=".so", delete=False) as tmp:
             tmp_path = tmp.name
+        obj_path = tmp_path[:-3] + ".o"
         try:
-            subprocess.run([cc, *_CFLAGS, "-o", tmp_path, str(_SOURCE), "-lm"],
+            subprocess.run([cc, *_CFLAGS, "-c", "-o", obj_path, str(_SOURCE)],
+                           check=True, capture_output=True, timeout=120)
+            subprocess.run([cc, *_LDFLAGS, "-o", tmp_path, obj_path, "-lm"],
                            check=True, capture_output=True, timeout=120)
             os.replace(tmp_path, lib)  # atomic: concurrent builders (several workers) never see a partial file
         finally:
-            if os.path.exists(tmp_path):
-                os.unlink(tmp_path)
+            for path in (tmp_path, obj_path):
+                if os.path.exists(path):
+                    os.unlink(path)
     so = ctypes.CDLL(str(lib))
     so.pd_paged_decode.restype = ctypes.c_int
     so.pd_paged_decode.argtypes = [_P, _P, ctypes.c_int, _P, _P, _P] + [_I64] * 8 + [_F32] * 3 + [_P, ctypes.c_int]
