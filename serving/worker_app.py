@@ -24,6 +24,7 @@ from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
+from pd_cluster.serving.tool_calls import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger("pd.worker")
@@ -43,6 +44,8 @@ class WorkerConfig:
         timeout_graceful_shutdown: seconds requests in flight get to finish on SIGTERM.
         engine: the engine's config (its `role` equals `role`).
         transfer: the KV transfer agent's config (prefill and decode roles).
+        tools: ``--tool-call-parser`` and ``--enable-auto-tool-choice`` (the OpenAI API of decode and mixed
+            workers).
     """
 
     role: str = "mixed"
@@ -54,6 +57,7 @@ class WorkerConfig:
     timeout_graceful_shutdown: float = 30.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
