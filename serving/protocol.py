@@ -152,7 +152,7 @@ class CompletionRequest(_Common):
         self._check_extras()
         if self.best_of is not None and self.best_of < self.num_choices:
             raise RequestRejected(f"best_of: must be >= n ({self.num_choices}), got {self.best_of}",
-                                  param="best_of")
+                                  param="best_of", code="invalid_value")
         if self.stream and self.num_generated > self.num_choices:
             raise RequestRejected("best_of: streaming is not supported when best_of > n", param="best_of",
                                   code="unsupported_parameter")
