@@ -113,5 +113,5 @@ def chat_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, s
     forced = tool_choice_structured_output(parsed, choice, parallel_tool_calls is not False)
     if forced is not None and structured is not None:
         raise SamplingParamError("tool_choice", f"a forced tool choice cannot be combined with {structured.param}")
-    parser = settings.tool_call_parser if choice == "auto" and structured is None else None
+    parser = settings.tool_call_parser if choice == "auto" else None  # also under guided_* (as vLLM parses)
     return ChatTools(choice, tools if parsed else None, forced, parser)

@@ -90,6 +90,26 @@ def test_required_and_named_tools(client):
         assert json.loads(args) == json.loads(call.function.arguments)
 
 
+def test_auto_parses_hermes_calls(client):
+    # a regex forces a hermes block out of stories260K: the hermes parser turns it into a call
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}</tool_call>'
+    regex = "Hi " + call.replace("{", "\\{").replace("}", "\\}")
+    kw = dict(model=None, messages=MSG, tools=[WEATHER, TIME], max_tokens=200, extra_body={"guided_regex": regex})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Hi"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    content, calls, reasons = "", [], []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        d = ch.choices[0].delta
+        content += d.content or ""
+        calls += [(t.function.name, json.loads(t.function.arguments)) for t in d.tool_calls or []]
+        reasons.append(ch.choices[0].finish_reason)
+    assert content == "Hi" and calls == [("get_weather", {"city": "Paris", "unit": "c"})]
+    assert reasons[-1] == "tool_calls"
+
+
 def test_auto_refused_without_flag_and_none_is_plain():
     w = ToolWorker(ToolSettings()).start()
     try:
