@@ -19,7 +19,7 @@ import uuid
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
-from pd_cluster.serving.tool_calls import TOOL_CALL_PARSERS, ToolSettings
+from pd_cluster.serving.tool_calls import add_tool_args, tool_settings_from_args
 from pd_cluster.serving.worker_app import WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
@@ -41,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")
-    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
-                   help="how tool_choice=auto finds tool calls in the output (vLLM's flag)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="allow tool_choice=auto (needs --tool-call-parser; vLLM's flag)")
+    add_tool_args(p)
     add_engine_args(p)
     add_transfer_args(p)
     return p
@@ -69,7 +66,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
                         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                         engine=dataclasses.replace(config_from_args(args), role=role),
                         transfer=from_cli_args(args),
-                        tools=ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice))
+                        tools=tool_settings_from_args(args))
 
 
 def build_app(config: WorkerConfig):

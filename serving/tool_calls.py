@@ -50,6 +50,25 @@ class ToolSettings:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
+def add_tool_args(p: Any) -> None:
+    """``--tool-call-parser`` and ``--enable-auto-tool-choice`` (vLLM's names) on an argparse parser."""
+    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                   help="how tool_choice=auto finds tool calls in the output (vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice=auto (needs --tool-call-parser; vLLM's flag)")
+
+
+def tool_settings_from_args(args: Any) -> ToolSettings:
+    """The `ToolSettings` of parsed `add_tool_args` flags (ValueError: auto without a parser)."""
+    return ToolSettings(args.tool_call_parser, args.enable_auto_tool_choice)
+
+
+def tool_argv(args: Any) -> list[str]:
+    """The `add_tool_args` flags of parsed args, as argv for the workers (``pd-serve``)."""
+    out = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
+    return out + (["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else [])
+
+
 @dataclass(frozen=True)
 class ChatTools:
     """One chat request's tools.

@@ -150,3 +150,15 @@ def test_n_and_best_of(client):
     chat = client.chat.completions.create(model=None, messages=MSG, n=2, max_tokens=8, seed=1,
                                           response_format={"type": "json_object"})
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_tool_flags_reach_the_workers():
+    from pd_cluster.launch import serve, worker
+    from pd_cluster.serving.tool_calls import tool_argv
+
+    argv = ["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
+    assert tool_argv(serve.build_parser().parse_args(argv)) == argv
+    config = worker.worker_config_from_args(worker.build_parser().parse_args(["--role", "decode", *argv]))
+    assert config.tools == ToolSettings("llama3_json", True)
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        ToolSettings(None, True)
