@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+
+import httpx
 
 import jsonschema
 import openai
@@ -46,12 +49,17 @@ class ToolWorker(InProcessWorker):
 
 
 @pytest.fixture(scope="module")
-def client():
+def worker():
     w = ToolWorker(ToolSettings("hermes", True)).start()
     try:
-        yield openai.OpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        yield w
     finally:
         w.stop()
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def test_json_schema_and_choice(client):
@@ -162,3 +170,24 @@ def test_tool_flags_reach_the_workers():
     assert config.tools == ToolSettings("llama3_json", True)
     with pytest.raises(ValueError, match="requires --tool-call-parser"):
         ToolSettings(None, True)
+
+
+def test_a_client_leaving_an_n3_stream_aborts_every_choice(worker):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "n": 3, "seed": 1, "stream": True}
+    with httpx.Client(base_url=worker.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.add(json.loads(line[6:])["choices"][0]["index"])
+                if len(seen) == 3:
+                    break
+            assert worker.engine.load()["num_running_reqs"] == 3
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = worker.engine.load()
+        if load["num_running_reqs"] == 0 and load["num_free_pages"] == load["num_total_pages"]:
+            break
+        time.sleep(0.05)
+    assert load["num_running_reqs"] == 0 and load["num_free_pages"] == load["num_total_pages"]
