@@ -27,6 +27,7 @@ from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_
                                       LocalCluster)
 from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.supervise import serve_until_stopped
+from pd_cluster.serving.tool_calls import add_tool_args, tool_argv, tool_settings_from_args
 from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
 
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"longest wait before a restart (the first waits {d.initial_delay:g} s, then doubling)")
     add_engine_args(p)
     add_cli_args(p)
+    add_tool_args(p)
     return p
 
 
@@ -91,11 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
     try:
         restart = RestartBackoff(max_delay=args.restart_backoff_max_secs, max_restarts=args.max_restarts)
+        tool_settings_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
                        num_workers=args.num_workers, host=args.host, router_port=args.port,
-                       engine_argv=passthrough_argv(args, parser), router_argv=list(args.router_arg),
+                       engine_argv=passthrough_argv(args, parser) + tool_argv(args),
+                       router_argv=list(args.router_arg),
                        log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
                        internal_api_key=internal_api_key, restart=restart)
     if args.ray_address:

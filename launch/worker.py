@@ -20,6 +20,7 @@ import uuid
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
+from pd_cluster.serving.tool_calls import add_tool_args, tool_settings_from_args
 from pd_cluster.serving.worker_app import WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=30.0,
                    help="seconds to drain requests in flight on SIGTERM")
+    add_tool_args(p)
     add_engine_args(p)
     add_transfer_args(p)
     return p
@@ -78,7 +80,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
                         internal_api_key_protects_v1=args.internal_api_key_protects_v1,
                         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                         engine=dataclasses.replace(config_from_args(args), role=role),
-                        transfer=from_cli_args(args))
+                        transfer=from_cli_args(args),
+                        tools=tool_settings_from_args(args))
 
 
 def build_app(config: WorkerConfig):
@@ -103,7 +106,7 @@ def _build_role_app(config: WorkerConfig):
     if config.role == "mixed":
         from pd_cluster.serving.mixed import build_mixed_app
 
-        return build_mixed_app(engine, info)
+        return build_mixed_app(engine, info, tool_settings=config.tools)
     if config.role == "prefill":
         from pd_cluster.prefill.server import build_prefill_app
 

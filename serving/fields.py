@@ -2,8 +2,10 @@
 
 OpenAI's rule for unknown arguments is followed: a field is honoured, accepted as
 metadata that cannot change the output, or refused with a 400 naming it. A
-refused field is accepted when it carries its no-op value (``tools: []``,
-``response_format: {"type": "text"}``), since clients often send defaults.
+refused field is accepted when it carries its no-op value (``functions: []``,
+``echo: false``), since clients often send defaults. Fields modelled in
+`protocol.py` (for chat: ``tools``, ``tool_choice``, ``parallel_tool_calls``; for
+both: ``n``, ``response_format``, ``guided_*``) never reach these lists.
 The lists are documented in docs/worker-api.md.
 """
 
@@ -31,19 +33,13 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
 
 
-_TEXT_FORMAT = _is({"type": "text"})
-
 REFUSED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    # structured outputs and tool calls (not implemented yet)
-    "response_format": _TEXT_FORMAT,
+    # tools on /v1/completions (honoured on chat, where they are modelled), the legacy function-calling
+    # fields, and the other spellings of structured outputs (``response_format`` and ``guided_*`` are honoured)
     "tools": _none_or_empty,
-    "tool_choice": _is("none", "auto"),
+    "tool_choice": _is("none"),
     "functions": _none_or_empty,
-    "function_call": _is("none", "auto"),
-    "guided_json": _none,
-    "guided_regex": _none,
-    "guided_choice": _none_or_empty,
-    "guided_grammar": _none,
+    "function_call": _is("none"),
     "guided_decoding_backend": _none,
     "structured_outputs": _none,
     # other sampling and decoding controls

@@ -30,10 +30,11 @@ class LocalPrefill(PromptSource):
         self.loop.call_soon(lambda e: e.abort_request(request_id))
 
 
-def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool = True):
+def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool = True, tool_settings=None):
     """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints.
 
     `exit_on_fatal`: exit the process when the engine loop dies (see `worker_app.create_worker_app`).
+    `tool_settings`: the worker's `pd_cluster.serving.tool_calls.ToolSettings` (default: no auto tool choice).
     """
     from prometheus_client import CollectorRegistry
 
@@ -45,6 +46,7 @@ def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool =
     metrics = WorkerMetrics(registry, engine.role, engine.model_name)
     loop = EngineLoop(engine, on_step=lambda e, out, dt: metrics.on_step(e))
     state = WorkerState(loop, registry, server_info(engine, host_info))
-    serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics)
+    serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics,
+                            tool_settings)
     return create_worker_app(state, serving_routes(serving), on_shutdown=serving.tok.close,
                              exit_on_fatal=exit_on_fatal)

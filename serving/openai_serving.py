@@ -25,12 +25,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
+from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
-from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, sse
+from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tokenization import Tokenization
+from pd_cluster.serving.tool_calls import ChatTools, ToolSettings, chat_tools
 from pd_cluster.serving.validation import validate_body
 
 logger = logging.getLogger("pd.serving")
@@ -56,11 +58,12 @@ class PromptSource(ABC):
 
 
 class Prepared(NamedTuple):
-    """A validated, tokenized request."""
+    """A validated, tokenized request (`tools`: chat only)."""
 
     body: Any
     prompt_ids: list[int]
     params: SamplingParams
+    tools: ChatTools | None = None
 
 
 class OpenAIServing:
@@ -72,16 +75,18 @@ class OpenAIServing:
         model_name: the served model name.
         context_length: the engine's context length (tokens): ``/v1/models`` and the length checks.
         metrics: the worker's metrics.
+        tool_settings: the worker's ``--tool-call-parser`` and ``--enable-auto-tool-choice``.
     """
 
     def __init__(self, source: PromptSource, tokenizer: Any, model_name: str, context_length: int,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, tool_settings: ToolSettings | None = None) -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = context_length
         self.metrics = metrics
         self.tok = Tokenization(tokenizer, context_length)
+        self.tool_settings = tool_settings or ToolSettings()
 
     # ---- routes ------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -98,17 +103,22 @@ class OpenAIServing:
     # ---- the request path ------------------------------------------------------------
     async def _serve(self, request: Request, kind: str) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        # The engine's id is unique per attempt: a router retry of the same request may reach this worker while
-        # the failed attempt still holds its pages (waiting for the sender to stop writing into them).
-        engine_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         arrival = time.monotonic()
         try:
-            body, prompt_ids, params = await self._parse(request, kind)
-            texts = TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            builder = ResponseBuilder(kind, request_id, self.model_name, texts,
-                                      want_logprobs=params.logprobs is not None,
-                                      prompt_token_ids=prompt_ids if body.return_token_ids else None)
-            stream, first = await self._start(request, engine_id, prompt_ids, params)
+            prep = await self._parse(request, kind)
+            body, prompt_ids = prep.body, prep.prompt_ids
+            n, count = body.num_choices, body.num_generated
+            runs = []
+            for i, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
+                texts = TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                          want_logprobs=prep.params.logprobs is not None,
+                                          prompt_token_ids=prompt_ids if body.return_token_ids else None,
+                                          index=i, tools=prep.tools)
+                # The engine's id is unique per attempt: a router retry of the same request may reach this worker
+                # while the failed attempt still holds its pages (waiting for the sender to stop writing into them).
+                runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder), params))
+            await self._start_all(request, prompt_ids, runs)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -118,11 +128,12 @@ class OpenAIServing:
                 logger.warning("request %s failed before the first token: %s %s", request_id, err.status, err.message)
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
-        timing = _Timing(self.metrics, arrival)
+        choices = [r for r, _ in runs]
+        timings = [_Timing(self.metrics, arrival) for _ in choices]
         if body.stream:
-            gen = self._stream(engine_id, builder, stream, first, body.include_usage, timing)
+            gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        return await self._collect(request, engine_id, builder, stream, first, timing, headers)
+        return await self._collect(request, choices, n, timings, headers)
 
     async def _parse(self, request: Request, kind: str) -> "Prepared":
         """Read, validate and tokenize the body; everything but reading runs in the tokenizer thread."""
@@ -136,6 +147,7 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise HTTPError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
         kwargs = body.sampling_kwargs()
+        tools = None
         if kind == "completion":
             prompt, param = body.single_prompt(), "prompt"
             if isinstance(prompt, str):
@@ -145,12 +157,16 @@ class OpenAIServing:
                 prompt_ids = prompt
         else:
             conversation, param = body.conversation(), "messages"
+            tools = chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_settings,
+                               kwargs["structured_output"])
+            if tools.structured_output is not None:
+                kwargs["structured_output"] = tools.structured_output
             self.tok.check_fits([m["content"] for m in conversation], param)
-            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt)
+            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools)
             if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
                 prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
-        return Prepared(body, prompt_ids, SamplingParams(**kwargs))
+        return Prepared(body, prompt_ids, SamplingParams(**kwargs), tools)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
         """Blame the prompt when it leaves no room for one token, else the output budget."""
@@ -164,6 +180,21 @@ class OpenAIServing:
                                  f"{n + max_tokens} tokens ({n} in the {param}, {max_tokens} in the completion). "
                                  f"Please reduce the length of the {param} or the completion.",
                             max_tokens_param, "context_length_exceeded")
+
+    async def _start_all(self, request: Request, prompt_ids: list[int],
+                         runs: list[tuple[ChoiceRun, SamplingParams]]) -> None:
+        """Start every choice and wait for each one's first delta; on any failure abort them all."""
+        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, prompt_ids, p)) for r, p in runs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for r, _ in runs:
+                self.source.abort(r.engine_id)
+            raise
+        for (r, _), (stream, first) in zip(runs, results):
+            r.stream, r.first = stream, first
 
     async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams):
         """Start the request and wait for its first delta, aborting if the client goes away."""
@@ -180,65 +211,93 @@ class OpenAIServing:
             raise err
         return stream, first
 
-    async def _stream(self, request_id: str, builder: ResponseBuilder, stream: asyncio.Queue,
-                      first: RequestDelta, include_usage: bool, timing: "_Timing") -> AsyncIterator[bytes]:
-        finished = False
-        try:
-            d, is_first = first, True
+    def _abort_unfinished(self, runs: list[ChoiceRun]) -> None:
+        for r in runs:
+            if not r.finished:
+                self.source.abort(r.engine_id)
+
+    async def _stream(self, runs: list[ChoiceRun], include_usage: bool,
+                      timings: list["_Timing"]) -> AsyncIterator[bytes]:
+        """The SSE stream of every choice, interleaved as their deltas come (each chunk names its choice)."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
             while True:
-                timing.on_delta(d)
-                builder.add(d)
+                item = await runs[i].stream.get()
+                merged.put_nowait((i, item))
+                if isinstance(item, BaseException) or item.finished:
+                    return
+
+        for i, r in enumerate(runs):
+            merged.put_nowait((i, r.first))
+        pumps = [asyncio.ensure_future(pump(i)) for i, r in enumerate(runs) if not r.first.finished]
+        seen: set[int] = set()
+        try:
+            while not all(r.finished for r in runs):
+                i, d = await merged.get()
+                run = runs[i]
+                if isinstance(d, BaseException):  # the engine died mid-stream: end with an error event
+                    err = to_http_error(d)
+                    logger.warning("request %s failed mid-stream: %s", run.engine_id, err.message)
+                    yield sse(err.body())
+                    yield SSE_DONE
+                    return
+                is_first = i not in seen
+                seen.add(i)
+                timings[i].on_delta(d)
+                run.builder.add(d)
                 failed = _request_error(d)
                 if d.new_text or d.new_token_ids or (d.finished and failed is None) or is_first:
-                    yield builder.chunk(d, is_first)
-                is_first = False
+                    yield run.builder.chunk(d, is_first)
                 if failed is not None:  # this request failed in the engine (the batch goes on)
-                    finished = True
-                    logger.warning("request %s failed mid-stream: %s", request_id, failed.message)
+                    run.finished = True
+                    logger.warning("request %s failed mid-stream: %s", run.engine_id, failed.message)
                     yield sse(failed.body())
                     yield SSE_DONE
                     return
                 if d.finished:
-                    finished = True
-                    break
-                d = await stream.get()
-                if isinstance(d, BaseException):  # the engine died mid-stream: end with an error event
-                    err = to_http_error(d)
-                    logger.warning("request %s failed mid-stream: %s", request_id, err.message)
-                    yield sse(err.body())
-                    yield SSE_DONE
-                    return
+                    run.finished = True
+                    timings[i].on_finish(run.builder.finish_reason, d)
             if include_usage:
-                yield builder.usage_chunk()
+                builders = [r.builder for r in runs]
+                yield builders[0].usage_chunk() if len(builders) == 1 else merged_usage_chunk(builders)
             yield SSE_DONE
         finally:
-            if not finished:  # client went away (cancelled) or the server is stopping
-                self.source.abort(request_id)
-            else:
-                timing.on_finish(builder.finish_reason, d)
+            for t in pumps:
+                t.cancel()
+            self._abort_unfinished(runs)  # client went away (cancelled), a choice failed, or the server stops
 
-    async def _collect(self, request: Request, request_id: str, builder: ResponseBuilder, stream: asyncio.Queue,
-                       first: RequestDelta, timing: "_Timing", headers: dict[str, str]) -> Response:
-        d = first
+    async def _collect(self, request: Request, runs: list[ChoiceRun], n: int, timings: list["_Timing"],
+                       headers: dict[str, str]) -> Response:
         try:
-            while True:
-                timing.on_delta(d)
-                builder.add(d)
-                if (failed := _request_error(d)) is not None:
-                    logger.warning("request %s failed: %s", request_id, failed.message)
-                    return JSONResponse(failed.body(), status_code=failed.status, headers=headers)
-                if d.finished:
-                    break
-                d = await until_disconnect(request, asyncio.ensure_future(stream.get()))
-                if isinstance(d, BaseException):
-                    err = to_http_error(d)
-                    logger.warning("request %s failed: %s", request_id, err.message)
-                    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+            for run, timing in zip(runs, timings):
+                d = run.first
+                while True:
+                    timing.on_delta(d)
+                    run.builder.add(d)
+                    if (failed := _request_error(d)) is not None:
+                        run.finished = True
+                        logger.warning("request %s failed: %s", run.engine_id, failed.message)
+                        self._abort_unfinished(runs)
+                        return JSONResponse(failed.body(), status_code=failed.status, headers=headers)
+                    if d.finished:
+                        run.finished = True
+                        break
+                    d = await until_disconnect(request, asyncio.ensure_future(run.stream.get()))
+                    if isinstance(d, BaseException):
+                        err = to_http_error(d)
+                        logger.warning("request %s failed: %s", run.engine_id, err.message)
+                        self._abort_unfinished(runs)
+                        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+                timing.on_finish(run.builder.finish_reason, d)
         except BaseException:
-            self.source.abort(request_id)
+            self._abort_unfinished(runs)
             raise
-        timing.on_finish(builder.finish_reason, d)
-        return JSONResponse(builder.full(), headers=headers)
+        if len(runs) == 1:
+            return JSONResponse(runs[0].builder.full(), headers=headers)
+        chosen = best_of(runs, n) if len(runs) > n else runs
+        unreturned = [r.builder for r in runs if r not in chosen]
+        return JSONResponse(merge_choices([r.builder for r in chosen], unreturned), headers=headers)
 
 
 def _request_error(d: RequestDelta) -> HTTPError | None:

@@ -3,8 +3,11 @@
 Field names, defaults and ranges follow OpenAI's API reference; the extras that
 vLLM and SGLang accept (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
-``include_stop_str_in_output``, ``add_special_tokens``, ``return_token_ids``)
-are accepted too. Nothing that changes the output is ignored: a field is
+``include_stop_str_in_output``, ``add_special_tokens``, ``return_token_ids``,
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``)
+are accepted too. ``response_format`` and the ``guided_*`` fields become a
+`StructuredOutput`; chat ``tools`` / ``tool_choice`` are validated here and
+enforced or parsed by `tool_calls.py`. Nothing that changes the output is ignored: a field is
 honoured, or refused with a 400 naming it (`fields.py` lists which).
 Types are strict (``"5"`` is not an int). Torch-free.
 """
@@ -12,12 +15,14 @@ Types are strict (``"5"`` is not an int). Torch-free.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_cluster.engine.errors import RequestRejected
-from pd_cluster.engine.sampling.params import MAX_LOGPROBS, SamplingParams
+from pd_cluster.engine.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
+from pd_cluster.engine.sampling.structured import structured_output_from_request
 from pd_cluster.serving.fields import check_extra_fields
 
 MAX_STOP = 16
@@ -47,7 +52,7 @@ class _Common(BaseModel):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int | None = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
@@ -66,6 +71,13 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # structured outputs (OpenAI, and vLLM's extras); validated by `structured_output_from_request`
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_whitespace_pattern: Any = None
 
     # ---- what the engine does with them ----------------------------------------------------
     def _check_extras(self) -> None:
@@ -78,7 +90,10 @@ class _Common(BaseModel):
             top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=structured_output_from_request(
+                self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
+                self.guided_grammar, self.guided_whitespace_pattern))
         kw.update(self._penalties())
         return kw
 
@@ -105,6 +120,16 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        """``n``: the choices returned."""
+        return self.n or 1
+
+    @property
+    def num_generated(self) -> int:
+        """The sequences generated: ``best_of`` (completions) or ``n``."""
+        return self.num_choices
+
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
@@ -115,7 +140,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
     def single_prompt(self) -> str | list[int]:
@@ -125,10 +150,11 @@ class CompletionRequest(_Common):
             RequestRejected: several prompts, an empty prompt, or a field that is not supported.
         """
         self._check_extras()
-        if self.n not in (None, 1):
-            raise RequestRejected("n: only n=1 is supported", param="n", code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise RequestRejected("best_of: only best_of=1 is supported", param="best_of",
+        if self.best_of is not None and self.best_of < self.num_choices:
+            raise RequestRejected(f"best_of: must be >= n ({self.num_choices}), got {self.best_of}",
+                                  param="best_of", code="invalid_value")
+        if self.stream and self.num_generated > self.num_choices:
+            raise RequestRejected("best_of: streaming is not supported when best_of > n", param="best_of",
                                   code="unsupported_parameter")
         if self.echo:
             raise RequestRejected("echo: not supported", param="echo", code="unsupported_parameter")
@@ -154,6 +180,10 @@ class CompletionRequest(_Common):
         return dict(self._sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
 
     @property
+    def num_generated(self) -> int:
+        return max(self.best_of or 1, self.num_choices)
+
+    @property
     def max_tokens_param(self) -> str:
         return "max_tokens"
 
@@ -164,6 +194,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as the chat template takes it (tool calls' arguments as objects, as transformers
+        documents for ``apply_chat_template``)."""
+        msg: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return msg
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -190,17 +234,18 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template.
 
         Raises:
             RequestRejected: a field or message part that is not supported.
         """
         self._check_extras()
-        if self.n not in (None, 1):
-            raise RequestRejected("n: only n=1 is supported", param="n", code="unsupported_parameter")
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return [m.for_template(i) for i, m in enumerate(self.messages)]
 
     def sampling_kwargs(self) -> dict[str, Any]:
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -212,6 +257,19 @@ class ChatCompletionRequest(_Common):
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        return call
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return dict(call, function=dict(fn, arguments=args))
 
 
 class TokenizeRequest(BaseModel):

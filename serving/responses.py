@@ -4,7 +4,10 @@ Formats follow OpenAI's API reference: ``text_completion`` / ``chat.completion``
 objects, ``chat.completion.chunk`` stream chunks (the first carries the
 assistant role), a final chunk with ``finish_reason``, and, with
 ``stream_options.include_usage``, a last chunk with empty ``choices`` and the
-``usage``.
+``usage``. One builder renders one choice (its ``index``); `merge_choices`
+puts several together (``n`` > 1, ``best_of``). A chat choice with tools
+(`tool_calls.ChatTools`) renders ``message.tool_calls`` and streams OpenAI's
+tool-call deltas.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 from pd_cluster.engine.outputs import Logprob, RequestDelta
 from pd_cluster.serving.token_text import TokenTexts
+from pd_cluster.serving.tool_calls import ChatTools
 
 
 @dataclass
@@ -30,6 +34,8 @@ class ResponseBuilder:
         want_logprobs: the request asked for logprobs.
         prompt_token_ids: set when the request asked for ``return_token_ids`` (vLLM): responses then carry
             ``prompt_token_ids`` and ``token_ids``.
+        index: the choice's index.
+        tools: chat: the request's tools, when the output may hold tool calls.
     """
 
     kind: str
@@ -38,6 +44,8 @@ class ResponseBuilder:
     texts: TokenTexts
     want_logprobs: bool = False
     prompt_token_ids: list[int] | None = None
+    index: int = 0
+    tools: ChatTools | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     entries: list[dict[str, Any]] = field(default_factory=list)
@@ -46,6 +54,10 @@ class ResponseBuilder:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._tool_stream = self.tools.stream() if self.tools is not None and self.kind == "chat" else None
 
     @property
     def response_id(self) -> str:
@@ -55,6 +67,8 @@ class ResponseBuilder:
         """Take one delta (call once per delta, before `chunk`)."""
         self.text.append(d.new_text)
         self.token_ids.extend(d.new_token_ids)
+        if d.new_logprobs:
+            self.cumulative_logprob += sum(float(lp[0]) for lp in d.new_logprobs)
         if self.want_logprobs and d.new_logprobs:
             self.entries.extend(self._entry(t, lp) for t, lp in zip(d.new_token_ids, d.new_logprobs))
         self.prompt_tokens, self.completion_tokens = d.num_prompt_tokens, d.num_output_tokens
@@ -109,16 +123,26 @@ class ResponseBuilder:
         text = "".join(self.text)
         lps = self._logprobs_for(self.entries)
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
             obj = "text_completion"
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                      "finish_reason": self.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish_reason = self.finish_reason
+            if self.tools is not None and self.tools.active:
+                content, calls = self.tools.extract(text)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    finish_reason = self._tool_finish_reason(True)
+            choice = {"index": self.index, "message": message, "logprobs": lps, "finish_reason": finish_reason}
             obj = "chat.completion"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
         self._token_ids(body, choice, self.token_ids, True)
         return body
+
+    def _tool_finish_reason(self, called: bool) -> str | None:
+        """``tool_calls`` for an output that ended on its own with calls; ``length`` etc. stay."""
+        return "tool_calls" if called and self.finish_reason == "stop" else self.finish_reason
 
     def _token_ids(self, body: dict[str, Any], choice: dict[str, Any], token_ids: list[int], first: bool) -> None:
         """vLLM's ``return_token_ids``: prompt ids (completions: in the choice; chat: top level) and output ids."""
@@ -134,23 +158,76 @@ class ResponseBuilder:
         n = len(d.new_token_ids) if self.want_logprobs and d.new_logprobs else 0
         lps = self._logprobs_for(self.entries[len(self.entries) - n:] if n else [])
         if self.kind == "completion":
-            choice = {"index": 0, "text": d.new_text, "logprobs": lps, "finish_reason": d.finish_reason}
+            choice = {"index": self.index, "text": d.new_text, "logprobs": lps, "finish_reason": d.finish_reason}
             obj = "text_completion"
         else:
+            if self._tool_stream is not None:
+                return self._tool_chunks(d, first, lps)
             delta: dict[str, Any] = {"content": d.new_text}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish_reason}
             obj = "chat.completion.chunk"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
         self._token_ids(body, choice, d.new_token_ids, first)
         return sse(body)
 
+    def _tool_chunks(self, d: RequestDelta, first: bool, lps: dict[str, Any] | None) -> bytes:
+        """A chat delta through the choice's `ToolCallStream`: one event per content or tool-call delta (text
+        that may be a call is held back), the finish reason on the last; logprobs ride on the first."""
+        ts = self._tool_stream
+        deltas = ts.feed(d.new_text)
+        if d.finished:
+            deltas += ts.finish()
+        if not deltas and (first or d.finished or lps is not None or self.prompt_token_ids is not None):
+            deltas = [{}]
+        out = []
+        for k, delta in enumerate(deltas):
+            delta = dict(delta)
+            if first and k == 0:
+                delta["role"] = "assistant"
+            last = k == len(deltas) - 1
+            reason = None
+            if last and d.finished:
+                reason = "tool_calls" if ts.tools_called and d.finish_reason == "stop" else d.finish_reason
+            choice = {"index": self.index, "delta": delta, "logprobs": lps if k == 0 else None,
+                      "finish_reason": reason}
+            body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.model, "choices": [choice]}
+            if k == 0:
+                self._token_ids(body, choice, d.new_token_ids, first)
+            out.append(sse(body))
+        return b"".join(out)
+
     def usage_chunk(self) -> bytes:
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return sse({"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                     "choices": [], "usage": self.usage()})
+
+
+def merge_choices(builders: list[ResponseBuilder], extra: list[ResponseBuilder] = ()) -> dict[str, Any]:
+    """One response with every builder's choice, in order (each builder's ``index`` set already); ``usage``
+    counts the prompt once and the completion tokens of `builders` and `extra` (``best_of``'s unreturned
+    sequences were generated too)."""
+    body = builders[0].full()
+    body["choices"] = [b.full()["choices"][0] for b in builders]
+    completion = sum(b.completion_tokens for b in [*builders, *extra])
+    usage = builders[0].usage()
+    usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+    body["usage"] = usage
+    return body
+
+
+def merged_usage_chunk(builders: list[ResponseBuilder]) -> bytes:
+    """The stream's usage chunk for several choices (the prompt counted once)."""
+    b = builders[0]
+    usage = b.usage()
+    completion = sum(x.completion_tokens for x in builders)
+    usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
+    obj = "text_completion" if b.kind == "completion" else "chat.completion.chunk"
+    return sse({"id": b.response_id, "object": obj, "created": b.created, "model": b.model, "choices": [],
+                "usage": usage})
 
 
 def _finite(logprob: float) -> float:

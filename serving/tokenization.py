@@ -131,8 +131,11 @@ class Tokenization:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
-    def chat_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+    def chat_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The chat template's token ids; `tools` (OpenAI's ``tools``) reach the template as transformers'
+        ``apply_chat_template(tools=...)``."""
+        text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 

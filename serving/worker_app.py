@@ -25,6 +25,7 @@ from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import error_body, install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
+from pd_cluster.serving.tool_calls import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger("pd.worker")
@@ -51,6 +52,8 @@ class WorkerConfig:
             client sends it as ``Authorization: Bearer``).
         prefill_urls: decode only: the prefill workers a request's ``X-PD-Prefill-Url`` may name without the
             internal key (``--prefill-urls``; `prefill_url` is always allowed).
+        tools: ``--tool-call-parser`` and ``--enable-auto-tool-choice`` (the OpenAI API of decode and mixed
+            workers).
     """
 
     role: str = "mixed"
@@ -65,6 +68,7 @@ class WorkerConfig:
     internal_api_key: str | None = field(default=None, repr=False)
     internal_api_key_protects_v1: bool = False
     prefill_urls: tuple[str, ...] = ()
+    tools: ToolSettings = field(default_factory=ToolSettings)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
