@@ -20,6 +20,7 @@ from pd_cluster.engine.config import EngineConfig, format_size
 from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
+from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
@@ -53,6 +54,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        check_model_folder(config.model.path)  # before the tokenizer: a Hub id must not reach transformers
         self.config = config
         self.role = config.role
         self.tp_driver = None

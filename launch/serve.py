@@ -23,6 +23,7 @@ import secrets
 import sys
 
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
+from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
                                       LocalCluster)
 from pd_cluster.launch.restarts import RestartBackoff
@@ -91,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
     internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
+    if args.model and not args.ray_address:  # on Ray the folder is on the worker nodes
+        try:
+            check_model_folder(args.model)
+        except FileNotFoundError as e:
+            parser.error(str(e))
     try:
         restart = RestartBackoff(max_delay=args.restart_backoff_max_secs, max_restarts=args.max_restarts)
         tool_settings_from_args(args)

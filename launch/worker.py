@@ -132,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         use_triton_interpreter_without_cuda()  # before the kernels are imported
     import uvicorn
 
-    app = build_app(config)
+    try:
+        app = build_app(config)
+    except FileNotFoundError as e:  # e.g. a Hub id instead of a model folder: one line, not a traceback
+        print(f"pd-worker: error: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
                 timeout_graceful_shutdown=config.timeout_graceful_shutdown)
     return 0

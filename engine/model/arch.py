@@ -134,10 +134,29 @@ class ArchConfig:
         """Read ``<path>/config.json``.
 
         Raises:
-            FileNotFoundError: no config.json in the folder.
+            FileNotFoundError: `path` is not a folder (a Hugging Face Hub id, say: the message says how to
+                download it), or it has no config.json.
         """
-        with open(Path(path) / "config.json") as f:
+        folder = check_model_folder(path)
+        with open(folder / "config.json") as f:
             return cls.from_dict(json.load(f))
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """`path` as a folder, before anything tries to load from it (transformers would go to the Hub for a
+    Hub id).
+
+    Raises:
+        FileNotFoundError: not a folder, in one line that says what to do (a Hub id: how to download it).
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        text = str(path)
+        hint = (f"download it first (huggingface-cli download {text} --local-dir DIR) and pass --model DIR"
+                if text.count("/") == 1 and not text.startswith((".", "/", "~")) else
+                "pass a Hugging Face model folder (config.json, tokenizer files, *.safetensors)")
+        raise FileNotFoundError(f"--model {text}: no such folder; pd-cluster loads local folders only: {hint}")
+    return folder
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:
