@@ -93,3 +93,41 @@ def test_multi_turn_1p1d_prefill_computes_only_new_tokens():
             prompt = prompt + out.choices[0].text + QUESTIONS[k % len(QUESTIONS)]
         assert want > 0
         assert _counters(decode)[1] == 0  # decode's own cache is off; prefill's hits are not counted twice
+
+
+def _conversations_hits(policy: str, answers: list[list[str]], turns: int) -> tuple[float, float]:
+    """Run the conversations interleaved (turn 1 of each, then turn 2, ...) on 2P2D under `policy`.
+
+    Returns the prefill workers' summed (queries, hits) over the run, in tokens.
+    """
+    argv = ["--prefill-policy", policy, "--decode-policy", "round_robin"]
+    with running_cluster(2, 2, engine_argv=ENGINE, router_argv=argv) as cluster:
+        prefills = [p.url for p in cluster.procs if p.role == "prefill"]
+        before = [_counters(u) for u in prefills]
+        client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", timeout=60, max_retries=0)
+        prompts = list(OPENINGS)
+        for k in range(turns):
+            for c, prompt in enumerate(prompts):
+                out = client.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                temperature=0)
+                assert out.choices[0].text == answers[c][k], (policy, c, k)
+                prompts[c] = prompt + out.choices[0].text + QUESTIONS[k % len(QUESTIONS)]
+        after = [_counters(u) for u in prefills]
+    return (sum(a[0] - b[0] for a, b in zip(after, before)), sum(a[1] - b[1] for a, b in zip(after, before)))
+
+
+@pytest.mark.timeout(600)
+def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
+    """Three conversations (an odd count, so that round robin does not happen to send a conversation back
+    to the same worker), three turns each; hits are the prefill workers' own counters."""
+    turns = 3
+    answers, lengths = _reference(OPENINGS, turns)
+    ideal = sum(_expected_hits(lens[k - 1], lens[k]) for lens in lengths for k in range(1, turns))
+    queries = sum(sum(lens) for lens in lengths)
+    aware = _conversations_hits("cache_aware", answers, turns)
+    robin = _conversations_hits("round_robin", answers, turns)
+    print(f"prefill hit tokens: cache_aware {aware[1]:.0f}, round_robin {robin[1]:.0f}, ideal {ideal}, "
+          f"of {queries} prompt tokens")
+    assert aware[0] == robin[0] == queries
+    assert aware[1] == ideal > 0  # every continuation found its prefix where it was prefilled
+    assert robin[1] <= 0.5 * aware[1], (robin, aware)
