@@ -16,8 +16,9 @@ Hit ratio. Next to the block hit ratio the prefill workers achieved (their
 ``vllm:prefix_cache_hits``, divided by the prompts' full pages), the script
 simulates offline, with the engine's rules (full pages only, the last prompt
 token never matched, a prompt's tail evicted before its head), an unbounded
-cache (the ideal) and an LRU cache of the prefill worker's capacity
-(``num_total_pages`` of its ``/get_load``).
+cache (the ideal) and an LRU cache of the prefill workers' capacity
+(``num_total_pages`` of their ``/get_load``, summed: on 2P2D one LRU of both
+pools, the best that perfect routing could approach).
 
 Cache on against off (``--disable-radix-cache``) on 1P1D, and with
 ``--with-2p2d`` the router's ``cache_aware`` against ``round_robin`` prefill
@@ -187,7 +188,7 @@ def run_one(run: Run, reqs: list[TraceRequest], args: argparse.Namespace) -> dic
         cluster.start()
         cluster.wait_ready(timeout=300)
         prefills = [p.url for p in cluster.procs if p.role == "prefill"]
-        capacity = httpx.get(prefills[0] + "/get_load", timeout=10).json()["num_total_pages"]
+        capacity = sum(httpx.get(u + "/get_load", timeout=10).json()["num_total_pages"] for u in prefills)
         before = scrape(prefills, COUNTERS)
         t0 = time.perf_counter()
         ttfts = asyncio.run(replay(cluster.router_url, reqs, args.concurrency, args.request_timeout))
@@ -231,31 +232,32 @@ def main(argv: list[str] | None = None) -> None:
     if args.with_2p2d:
         runs += [Run("2P2D cache_aware", 2, 2, [], "cache_aware"), Run("2P2D round_robin", 2, 2, [], "round_robin")]
     results = [run_one(r, reqs, args) for r in runs]
-    capacity = results[0]["capacity_pages"]
     ideal_hits, full_pages = simulate(reqs, args.block_tokens, None)
-    lru_hits, _ = simulate(reqs, args.block_tokens, capacity)
+    lru = {c: simulate(reqs, args.block_tokens, c)[0] for c in sorted({r["capacity_pages"] for r in results})}
     prompt_tokens = sum(len(r.prompt) for r in reqs)
 
     print(f"Mooncake conversation trace: {len(reqs)} requests, {prompt_tokens} prompt tokens, {full_pages} full "
           f"pages of {args.block_tokens} tokens; the trace's own 512-token block reuse over these rows: "
-          f"{trace_block_reuse(args.trace, args.num_requests):.1%}")
-    print(f"simulated block hit ratio: unbounded {ideal_hits / full_pages:.1%}, LRU of {capacity} pages "
-          f"{lru_hits / full_pages:.1%}")
-    head = (f"{'run':<18} {'done':>5} {'fail':>4} {'block hits':>10} {'/ LRU':>6} {'prefill tok':>11} "
+          f"{trace_block_reuse(args.trace, args.num_requests):.1%}; concurrency {args.concurrency}")
+    print(f"simulated block hit ratio: unbounded {ideal_hits / full_pages:.1%}; "
+          + ", ".join(f"LRU of {c} pages {h / full_pages:.1%}" for c, h in lru.items()))
+    head = (f"{'run':<18} {'done':>5} {'fail':>4} {'block hits':>10} {'LRU':>6} {'/ LRU':>6} {'prefill tok':>11} "
             f"{'TTFT p50':>9} {'TTFT p99':>9} {'goodput':>8} {'KV MiB':>7}")
     print(head)
     print("-" * len(head))
     for r in results:
-        of_lru = r["block_hit_ratio"] / (lru_hits / full_pages) if lru_hits else float("nan")
-        print(f"{r['name']:<18} {r['completed']:>5} {r['failed']:>4} {r['block_hit_ratio']:>10.1%} {of_lru:>6.1%} "
-              f"{r['prefill_tokens']:>11.0f} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>7.1f}ms "
+        lru_ratio = lru[r["capacity_pages"]] / full_pages
+        of_lru = r["block_hit_ratio"] / lru_ratio if lru_ratio else float("nan")
+        print(f"{r['name']:<18} {r['completed']:>5} {r['failed']:>4} {r['block_hit_ratio']:>10.1%} {lru_ratio:>6.1%} "
+              f"{of_lru:>6.1%} {r['prefill_tokens']:>11.0f} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>7.1f}ms "
               f"{r['goodput_rps']:>6.1f}/s {r['kv_bytes'] / 2**20:>7.2f}")
-    print(f"goodput: requests/s with TTFT <= {args.ttft_slo_ms:.0f} ms; KV MiB: pushed prefill -> decode "
+    print(f"LRU: simulated with the run's prefill capacity (2P2D: one LRU of both pools); goodput: requests/s "
+          f"with TTFT <= {args.ttft_slo_ms:.0f} ms; KV MiB: pushed prefill -> decode "
           f"(every prompt page: decode-side reuse is not built)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results,
                                          "sim": {"full_pages": full_pages, "ideal_hits": ideal_hits,
-                                                 "lru_hits": lru_hits, "capacity_pages": capacity}}, indent=1))
+                                                 "lru_hits": {str(c): h for c, h in lru.items()}}}, indent=1))
 
 
 if __name__ == "__main__":
