@@ -131,3 +131,18 @@ def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     assert aware[0] == robin[0] == queries
     assert aware[1] == ideal > 0  # every continuation found its prefix where it was prefilled
     assert robin[1] <= 0.5 * aware[1], (robin, aware)
+
+
+def test_benchmark_lru_simulation_matches_the_engine():
+    """The benchmark's offline LRU reference equals what the engine's own cache does on the same replay."""
+    from pd_cluster.bench.scripts.prefix_cache import TRACE, load_trace, simulate
+
+    reqs = load_trace(TRACE, 200, PAGE, 28, 1, seed=0)
+    llm = LLM(page_size=PAGE, kv_cache_memory="32MiB")
+    capacity = llm.engine.load()["num_total_pages"]
+    for r in reqs:  # one at a time, as the simulation assumes; one output token, so nothing but the prompt is cached
+        llm.generate([r.prompt], SamplingParams(max_tokens=1, temperature=0))
+    hits, full_pages = simulate(reqs, PAGE, capacity)
+    unbounded, _ = simulate(reqs, PAGE, None)
+    assert llm.engine.stats.prefix_cache_hits == hits * PAGE
+    assert 0 < hits < unbounded  # the pool is small enough that eviction changes the answer
