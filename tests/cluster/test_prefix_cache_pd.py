@@ -90,8 +90,13 @@ def test_multi_turn_1p1d_prefill_computes_only_new_tokens():
             assert out.usage.prompt_tokens == lengths[0][k]
             assert (q1 - q0, h1 - h0) == (lengths[0][k], want), k
             assert out.usage.prompt_tokens_details.cached_tokens == want, k
-            prompt = prompt + out.choices[0].text + QUESTIONS[k % len(QUESTIONS)]
+            last, prompt = prompt, prompt + out.choices[0].text + QUESTIONS[k % len(QUESTIONS)]
         assert want > 0
+        # the last turn again, streamed: its whole prompt is cached but for the last token (the engine's cap)
+        chunks = list(client.completions.create(model="stories260K", prompt=last, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == answers[0][-1]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (lengths[0][-1] - 1) // PAGE * PAGE
         assert _counters(decode)[1] == 0  # decode's own cache is off; prefill's hits are not counted twice
 
 
