@@ -111,8 +111,10 @@ class DecodeHooks(StepHooks):
             first = done.meta.get("first_token_id")
             lp = done.meta.get("first_logprob")
             logprob = (lp[0], [(int(i), float(v)) for i, v in lp[1]]) if lp else None
+            cached = _cached_tokens(done.meta.get("num_cached_tokens"))
             req = engine.requests.get(rec.request_id)
-            if rec.complete(engine, done, None if first is None else int(first), logprob) and req is not None:
+            if rec.complete(engine, done, None if first is None else int(first), logprob,
+                            num_cached_tokens=cached) and req is not None:
                 skip_first_token_draw(engine, req)
             self._settle_table(rec)
         for failed in ev.failed:
@@ -136,3 +138,10 @@ class DecodeHooks(StepHooks):
 
 class RequestAborted(Exception):
     """The request was aborted on decode (the client went away)."""
+
+
+def _cached_tokens(value) -> int:
+    """The prefill worker's cached prompt tokens from a push notification (0 when absent or malformed)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return 0

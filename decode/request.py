@@ -171,8 +171,12 @@ class RemoteRequest:
             return
         self._to(S.ARRIVING)
 
-    def complete(self, engine: LLMEngine, done: RecvDone, first_token: int | None, first_logprob) -> bool:
+    def complete(self, engine: LLMEngine, done: RecvDone, first_token: int | None, first_logprob,
+                 num_cached_tokens: int = 0) -> bool:
         """ARRIVING -> RUNNING: every push arrived; the request joins the running batch with its first token.
+
+        `num_cached_tokens` (prompt tokens the prefill worker's prefix cache served) is reported in the
+        request's usage.
 
         A completion seen while RESERVED (a push can only exist if the ticket left) passes through ARRIVING.
         Returns False, and fails the request, when the last push carried no first token or the engine no
@@ -185,7 +189,8 @@ class RemoteRequest:
         req = engine.requests.get(self.request_id)
         if req is not None:
             req.times.kv_wait_s = done.wait_s
-        ok = first_token is not None and engine.complete_remote_prefill(self.request_id, first_token, first_logprob)
+        ok = first_token is not None and engine.complete_remote_prefill(
+            self.request_id, first_token, first_logprob, num_cached_tokens=num_cached_tokens)
         if not ok:  # the receiver is done with the pages: nothing writes into them any more
             why = "carried no first token" if first_token is None else "arrived for a request no longer waiting"
             self._to(S.FAILED)

@@ -217,8 +217,12 @@ class LLMEngine:
             self.streaming.add(req.request_id)
         self.scheduler.add(req)
 
-    def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None) -> bool:
+    def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None,
+                                num_cached_tokens: int = 0) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
+
+        `num_cached_tokens`: prompt tokens the prefill worker's prefix cache served; reported in the
+        request's deltas (``RequestDelta.num_cached_tokens``), not in this engine's prefix-cache counters.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
         grammar refuses fails the request.
@@ -229,6 +233,7 @@ class LLMEngine:
         if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
             return False
         self.scheduler.complete_remote(req)
+        req.num_cached_tokens = min(max(int(num_cached_tokens), 0), req.num_prompt_tokens)
         req.times.prefill_done = req.times.prefill_done or time.monotonic()
         self._on_token(req, first_token_id, first_logprob)
         return True

@@ -3,7 +3,8 @@
 A job is one request sent by a decode worker with its `KVTicket` (the decode
 pages reserved for the prompt). After each engine step, the pages that step
 completed are pushed (`KVSender.push`); the push that reaches the end of the
-prompt carries the first token in its notification. The job ends when the
+prompt carries the first token, and the prompt tokens this worker's prefix
+cache served (``num_cached_tokens``), in its notification. The job ends when the
 sender reports every push complete (the prefill pages are freed) or failed
 (freed once no NIXL handle is left). An aborted job (decode went away, by
 HTTP, ``/abort`` or a NIXL cancel) logs one INFO line, whichever came first.
@@ -40,6 +41,7 @@ class JobResult:
     push_tail_s: float = 0.0
     num_pushes: int = 0
     nbytes: int = 0
+    num_cached_tokens: int = 0
     error: TransferError | None = None
 
 
@@ -130,7 +132,9 @@ class PrefillHooks(StepHooks):
                 d = firsts[prog.request_id]
                 job.result.first_token_id = d.new_token_ids[0]
                 job.result.first_logprob = _jsonable(d.new_logprobs[0]) if d.new_logprobs else None
-                meta = {"first_token_id": job.result.first_token_id, "first_logprob": job.result.first_logprob}
+                job.result.num_cached_tokens = int(req.num_cached_tokens or 0) if req is not None else 0
+                meta = {"first_token_id": job.result.first_token_id, "first_logprob": job.result.first_logprob,
+                        "num_cached_tokens": job.result.num_cached_tokens}
             self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready)
 
     def poll(self, engine: LLMEngine) -> None:

@@ -5,7 +5,7 @@ prompt, the sampling parameters of the first token, the decode worker's URL
 and its ticket. The handler loads the decode agent's metadata (cached per
 incarnation; the layout handshake runs off the engine thread and refuses
 mismatches by name), queues the job, and answers once every push is complete
-(`PrefillResponse`: push count, bytes, timings; the first token rode the last
+(`PrefillResponse`: push count, bytes, timings, cached prompt tokens; the first token rode the last
 push's notification). The connection stays open meanwhile: if decode goes
 away, the job is aborted (one INFO line). Errors are OpenAI-format bodies: 400 (the engine refused the
 prompt), 409 (stale peer incarnation or layout mismatch), 502 (decode's
@@ -86,7 +86,8 @@ class PrefillServer:
         self.metrics.prefill_time.observe(result.prefill_s)
         self.metrics.request_success.labels(finish_reason="prefilled").inc()
         body = PrefillResponse(rid, result.num_pushes, result.nbytes,
-                               PrefillTimings(result.queue_s, result.prefill_s, result.push_tail_s))
+                               PrefillTimings(result.queue_s, result.prefill_s, result.push_tail_s),
+                               result.num_cached_tokens)
         return JSONResponse(body.to_dict())
 
     async def _connect(self, decode_url: str, ticket: Ticket) -> None:

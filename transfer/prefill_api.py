@@ -11,7 +11,10 @@ decode learns "the KV is here" and "this is the first token" in the same
 `KVReceiver.poll`, and starts decoding without waiting for the HTTP answer,
 which comes later (the sender reports completion only after the notification
 left). The response carries what only the HTTP side needs: the push count,
-the bytes and where prefill spent its time.
+the bytes and where prefill spent its time. The prompt tokens that prefill's
+prefix cache served (``num_cached_tokens``) ride both: in the last push's
+notification, so that decode knows them before its first delta, and in this
+response for the HTTP side.
 """
 
 from __future__ import annotations
@@ -121,12 +124,16 @@ class PrefillResponse:
         num_pushes: WRITEs the transfer took.
         nbytes: bytes written into decode's pages.
         timings: `PrefillTimings`.
+        num_cached_tokens: prompt tokens whose KV came from the prefill worker's prefix cache (not
+            computed there; OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Decode still
+            receives every prompt page.
     """
 
     request_id: str
     num_pushes: int
     nbytes: int
     timings: PrefillTimings
+    num_cached_tokens: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -135,12 +142,18 @@ class PrefillResponse:
     def from_dict(cls, d: dict) -> PrefillResponse:
         """Parse a 200 body.
 
+        ``num_cached_tokens`` may be absent (a prefill worker without a prefix cache): 0.
+
         Raises:
-            ValueError: missing or mistyped fields.
+            ValueError: missing or mistyped fields, or a negative ``num_cached_tokens``.
         """
         try:
             t = d["timings"]
+            cached = int(d.get("num_cached_tokens", 0))
+            if cached < 0:
+                raise ValueError(f"num_cached_tokens={cached} is negative")
             return cls(str(d["request_id"]), int(d["num_pushes"]), int(d["nbytes"]),
-                       PrefillTimings(float(t["queue_s"]), float(t["prefill_s"]), float(t["push_tail_s"])))
+                       PrefillTimings(float(t["queue_s"]), float(t["prefill_s"]), float(t["push_tail_s"])),
+                       cached)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed prefill response: {e!r}") from e
