@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pd_cluster.engine.net import free_port
+from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
 
 # One thread, alive as long as the process, forks every child (see `LocalCluster._spawn`).
@@ -69,6 +70,9 @@ class ClusterSpec:
         internal_api_key: the cluster's shared internal key, given to the router and every worker through
             their environment (`internal_key_env`); pd-serve generates one per cluster.
         restart: when to restart a process that exited (`tend`).
+        role_gpus, num_gpus, tp_size, mem_fraction_given: GPU placement (`pd_cluster.launch.placement`):
+            each role's devices (``--prefill-gpus`` ...), the host's device count (0: none, no placement),
+            each worker's TP size, and whether ``--mem-fraction-static`` was given.
     """
 
     num_prefill: int = 1
@@ -86,6 +90,10 @@ class ClusterSpec:
     admin_api_key: str | None = None
     internal_api_key: str | None = field(default=None, repr=False)
     restart: RestartBackoff = field(default_factory=RestartBackoff)
+    role_gpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    num_gpus: int = 0
+    tp_size: int = 1
+    mem_fraction_given: bool = False
 
 
 class LocalCluster:
@@ -97,13 +105,13 @@ class LocalCluster:
         self.logs: dict[str, deque[str]] = {}  # the last lines each process printed
         host = spec.host
         if spec.colocated:
-            for i in range(spec.num_workers or spec.num_prefill + spec.num_decode):
-                self._add_worker(f"mixed-{i}", "mixed", free_port(host))
+            workers = [(f"mixed-{i}", "mixed") for i in range(spec.num_workers or spec.num_prefill + spec.num_decode)]
         else:
-            for i in range(spec.num_prefill):
-                self._add_worker(f"prefill-{i}", "prefill", free_port(host))
-            for i in range(spec.num_decode):
-                self._add_worker(f"decode-{i}", "decode", free_port(host))
+            workers = [(f"prefill-{i}", "prefill") for i in range(spec.num_prefill)]
+            workers += [(f"decode-{i}", "decode") for i in range(spec.num_decode)]
+        self.placement = plan_gpus(workers, spec.tp_size, spec.num_gpus, spec.role_gpus, spec.mem_fraction_given)
+        for name, role in workers:
+            self._add_worker(name, role, free_port(host))
         self.router_url = f"http://{host}:{spec.router_port}"
         router_argv = [sys.executable, "-m", "pd_cluster.router.main", "--host", host, "--port", str(spec.router_port),
                        "--log-level", spec.log_level]
@@ -117,7 +125,7 @@ class LocalCluster:
         url = f"http://{self.spec.host}:{port}"
         argv = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
                 "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
-                *self.spec.role_argv.get(role, [])]
+                *self.spec.role_argv.get(role, []), *self.placement.argv(name)]
         prefill_urls = [q.url for q in self.procs if q.role == "prefill"]
         if role == "decode" and prefill_urls:  # the X-PD-Prefill-Url allow-list (prefill workers start first)
             argv += ["--prefill-urls", *prefill_urls]
@@ -151,6 +159,7 @@ class LocalCluster:
                 if key:
                     env[var] = key
         env.update(internal_key_env(self.spec))
+        env.update(self.placement.env(p.name))
         p.popen = _SPAWNER.submit(subprocess.Popen, parent_bound_argv(p.argv), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
                                   errors="replace").result()

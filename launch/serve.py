@@ -24,6 +24,7 @@ import sys
 
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
 from pd_cluster.engine.model.arch import check_model_folder
+from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
                                       LocalCluster)
 from pd_cluster.launch.restarts import RestartBackoff
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Bearer key clients must send on /v1/* (or env {API_KEY_ENV}); as vllm serve's")
     p.add_argument("--admin-api-key", default=None,
                    help=f"Bearer key of the router's /workers admin API (or env {ADMIN_API_KEY_ENV})")
+    for role in ("prefill", "decode", "mixed"):
+        p.add_argument(f"--{role}-gpus", default=None, metavar="LIST",
+                       help=f"GPUs of the {role} workers, e.g. 0-3 or 0,2 (each worker takes the next --tp-size; "
+                            "default: consecutive blocks of all GPUs, prefill first)")
     d = RestartBackoff()
     p.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="restarts in a row of a process that keeps dying before pd-serve gives it up; "
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         restart = RestartBackoff(max_delay=args.restart_backoff_max_secs, max_restarts=args.max_restarts)
         tool_settings_from_args(args)
+        role_gpus = {role: parse_gpu_list(text) for role in ("prefill", "decode", "mixed")
+                     if (text := getattr(args, f"{role}_gpus")) is not None}
     except ValueError as e:
         parser.error(str(e))
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
@@ -107,12 +114,20 @@ def main(argv: list[str] | None = None) -> int:
                        engine_argv=passthrough_argv(args, parser) + tool_argv(args),
                        router_argv=list(args.router_arg),
                        log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
-                       internal_api_key=internal_api_key, restart=restart)
+                       internal_api_key=internal_api_key, restart=restart, role_gpus=role_gpus,
+                       num_gpus=0 if args.ray_address else cuda_device_count(), tp_size=args.tp_size or 1,
+                       mem_fraction_given=args.mem_fraction_static is not None)
     if args.ray_address:
+        if role_gpus:
+            parser.error("--prefill-gpus/--decode-gpus/--mixed-gpus are for one host: Ray places GPUs itself")
         from pd_cluster.launch.ray_cluster import run_ray_cluster
 
         return run_ray_cluster(args.ray_address, spec, args)
-    return serve_until_stopped(LocalCluster(spec), args.startup_timeout, args.manifest, api_key)
+    try:
+        cluster = LocalCluster(spec)
+    except ValueError as e:  # a GPU list this host cannot satisfy
+        parser.error(str(e))
+    return serve_until_stopped(cluster, args.startup_timeout, args.manifest, api_key)
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def run_one(run: Run, reqs: list[TraceRequest], args: argparse.Namespace) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block = KV page size")
