@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -134,8 +135,32 @@ class ControlPlane:
             self._check_api_key(request)
             return JSONResponse(self._models_body())
 
+        for path in ("/tokenize", "/detokenize"):
+            app.add_api_route(path, self._forward_tokenizer_call, methods=["POST"],
+                              responses=error_responses(400, 401, 502, 503))
+
         self._admin_routes(app)
         return app
+
+    async def _forward_tokenizer_call(self, request: Request) -> Response:
+        """``/tokenize`` and ``/detokenize`` (vLLM's shape): answered by any usable decode or mixed worker, whose
+        status and body are passed through (they hold the tokenizer; the router does not)."""
+        self._check_api_key(request)
+        workers = self.registry.usable(Role.DECODE) + self.registry.usable(Role.MIXED)
+        if not workers:
+            return _error(503, "no healthy worker to tokenize with", code="no_healthy_worker")
+        key = self.config.security.internal_api_key
+        headers = {"Content-Type": "application/json", **({"X-PD-Internal-Key": key} if key else {})}
+        timeout = httpx.Timeout(30.0, connect=self.config.limits.connect_timeout_secs)
+        try:
+            async with httpx.AsyncClient(timeout=timeout) as client:
+                r = await client.post(workers[0].url + request.url.path, content=await request.body(),
+                                      headers=headers)
+        except httpx.HTTPError as exc:
+            return _error(502, f"worker {workers[0].url} did not answer: {type(exc).__name__}",
+                          code="worker_unreachable")
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type", "application/json"))
 
     def _models_body(self) -> dict[str, Any]:
         data = [{"id": name, "object": "model", "created": self.started, "owned_by": "pd-cluster",

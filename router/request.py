@@ -82,7 +82,7 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     except RecursionError:
         raise InvalidRequest("request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise InvalidRequest("request body must be a JSON object")
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("'model' must be a string", "model")

@@ -23,7 +23,7 @@ CASES = [
     ("POST", "/v1/completions", {"content": DEEP}, 400, "invalid_request_error", None,
      "invalid_json"),
     ("POST", "/v1/completions", {"content": b"[1, 2]"}, 400, "invalid_request_error", None,
-     "invalid_value"),
+     "invalid_json"),
     ("POST", "/v1/completions", {"json": {"model": "stories260K"}}, 400, "invalid_request_error",
      "prompt", "missing_required_parameter"),
     ("POST", "/v1/completions", {"json": {**BODY, "stream": "yes"}}, 400,
