@@ -15,7 +15,8 @@ each chunk's choice carries the ``token_ids`` it adds. They are removed from
 what the client sees unless the client asked for them itself.
 
 Migrated are streams with one choice and none of: ``logprobs``/``top_logprobs``,
-``echo``, ``tools``, ``response_format``/guided decoding, ``best_of``. Sampled
+``echo``, ``tools``, ``response_format``/guided decoding, ``best_of``, ``suffix``, a non-zero
+``presence_penalty`` or ``frequency_penalty`` (they count generated tokens, which a continuation sees as prompt). Sampled
 (temperature > 0) streams continue validly but not with the draw an undisturbed
 run would have made. Non-streamed requests send nothing before they finish, so
 a failed one is re-dispatched whole (see ``router.proxy``).
@@ -27,9 +28,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "echo", "tools", "functions", "response_format",
+# Presence and frequency penalties count the generated tokens only: a continuation would see them as prompt.
+# Structured outputs and tools would need the new worker's grammar matcher to replay the relayed tokens.
+_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "echo", "tools", "tool_choice", "functions", "response_format",
                    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "best_of",
-                   "suffix")
+                   "suffix", "presence_penalty", "frequency_penalty")
 _CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "functions",
               "function_call", "chat_template", "chat_template_kwargs", "add_generation_prompt",
               "continue_final_message", "max_completion_tokens", "response_format", "logprobs",

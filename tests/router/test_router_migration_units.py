@@ -36,10 +36,12 @@ def chunk(text, ids, finish=None, prompt=None, chat=False):
 
 
 def test_plan_asks_for_ids_and_skips_what_cannot_migrate():
-    body, tracker = plan_body({"prompt": "x", "stream": True, "max_tokens": 5}, chat=False)
+    body, tracker = plan_body({"prompt": "x", "stream": True, "max_tokens": 5, "presence_penalty": 0,
+                               "repetition_penalty": 1.2}, chat=False)
     assert json.loads(body)["return_token_ids"] is True and not tracker.client_wants_ids
     for extra in ({"n": 2}, {"logprobs": 1}, {"echo": True}, {"response_format": {"type": "x"}},
-                  {"stream": False}, {"best_of": 3}):
+                  {"stream": False}, {"best_of": 3}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
+                  {"guided_choice": ["a"]}, {"tool_choice": "required"}):
         assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is None
 
 
