@@ -89,6 +89,7 @@ class RemotePrefill(PromptSource):
                            "(PD_INTERNAL_API_KEY) so that it contacts only the cluster's prefill workers")
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0), headers=(
             {INTERNAL_KEY_HEADER: internal_api_key} if internal_api_key else None))
+        self._notices: set[asyncio.Task] = set()  # `/abort` notices in flight
 
     def _check_allowed(self, url: str, headers: dict[str, str]) -> None:
         """Refuse (403) a named prefill worker this decode worker was not told about, unless the request
@@ -240,12 +241,15 @@ class RemotePrefill(PromptSource):
         if rec.post is not None:  # the prefill worker may have the job
             if not rec.post.done():
                 rec.post.cancel()
-            asyncio.ensure_future(self._post_abort(rec.prefill_url, request_id))
+            task = asyncio.ensure_future(self._post_abort(rec.prefill_url, request_id))
+            self._notices.add(task)  # a reference until done (the loop keeps only weak ones)
+            task.add_done_callback(self._notices.discard)
 
     async def _post_abort(self, url: str, request_id: str) -> None:
+        """Tell the prefill worker to stop a job: a notice nobody awaits, so it never ends in an exception."""
         try:
             await self.client.post(f"{url}{ABORT_PATH}", json={"request_id": request_id}, timeout=2.0)
-        except httpx.HTTPError as e:
+        except Exception as e:  # noqa: BLE001 - httpx errors, or a client closed while the notice was in flight
             logger.info("request %s: could not tell prefill %s to abort: %r", request_id, url, e)
 
 
