@@ -9,7 +9,6 @@ inside the remote-prefill path kept its reservation).
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 import gc
 import logging
 import time
@@ -24,7 +23,6 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.transfer.http import Resolved
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT_IDS = list(range(5, 5 + 40))  # 3 pages of 16
 
 
@@ -162,7 +160,9 @@ def test_client_going_away_aborts_quietly_once(prefill, caplog):
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None, \
         [r.getMessage() for r in lines]
     assert prefill.aborts.count("rgone") == 1
-    # no future or task of ours ends unretrieved (a task's repr names the file that defines its coroutine).
-    # A complaint of unknown origin, after the abort notice had been answered, was seen once in a full run.
-    ours = [c for c in complaints if str(REPO) in c or "pd_cluster" in c]
+    # No future or task of ours ends unretrieved (a task's repr names the file that defines its coroutine;
+    # a plain future's names nothing, so every future complaint counts).
+    # In a full run, `gc.collect()` here also finalises HTTP clients that earlier tests left open in their own,
+    # closed event loops ("Event loop is closed" from the library's own code): those are not this request's.
+    ours = [c for c in complaints if not (c.startswith("Task exception") and "site-packages" in c)]
     assert ours == [], complaints
