@@ -60,11 +60,11 @@ class DecodeHooks(StepHooks):
 
     # ---- commands (engine thread) ---------------------------------------------------------------------
     def register(self, engine: LLMEngine, rec: RemoteRequest, prompt_ids: list[int], params: SamplingParams,
-                 stream: bool) -> None:
+                 stream: bool, resumed: list[int] | None = None) -> None:
         """Queue a remote request in the engine (QUEUED). Raises as `LLMEngine.add_remote_request`."""
         if rec.request_id in self._records:
             raise ValueError(f"request {rec.request_id} is already registered")
-        engine.add_remote_request(rec.request_id, prompt_ids, params, stream=stream)
+        engine.add_remote_request(rec.request_id, prompt_ids, params, stream=stream, resumed_output_ids=resumed or ())
         self._records[rec.request_id] = rec
 
     def send(self, engine: LLMEngine, request_id: str) -> None:

@@ -105,7 +105,7 @@ class RemotePrefill(PromptSource):
         await self.client.aclose()
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    headers: dict[str, str]) -> asyncio.Queue:
+                    headers: dict[str, str], resumed: list[int] | None = None) -> asyncio.Queue:
         url = headers.get(PREFILL_HEADER) or self.default_prefill_url
         if not url:
             raise HTTPError(400, "a decode worker needs the prefill worker: set the X-PD-Prefill-Url header "
@@ -115,7 +115,7 @@ class RemotePrefill(PromptSource):
         try:
             for attempt in range(2):
                 try:
-                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"))
+                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"), resumed or [])
                 except _StalePrefill:
                     self.directory.invalidate(url)
                     logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
@@ -140,12 +140,14 @@ class RemotePrefill(PromptSource):
             raise HTTPError(502 if err.status < 500 else err.status, err.message, None, err.code) from e
         return resolved.info.agent_name
 
-    async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, url: str):
+    async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, url: str,
+                       resumed: list[int]):
         prefill_agent = await self._connect(url)
         rec = RemoteRequest(request_id, url, prefill_agent, asyncio.get_running_loop())
         stream = self.loop.open_stream(request_id)
         try:
-            await self.loop.call(lambda e: self.hooks.register(e, rec, prompt_ids, params, stream=True))
+            await self.loop.call(lambda e: self.hooks.register(e, rec, prompt_ids, params, stream=True,
+                                                               resumed=resumed))
         except BaseException:  # refused by the engine, or cancelled while the command was queued
             self.loop.close_stream(request_id)
             self.loop.call_soon(lambda e: self.hooks.abort(e, request_id, "the client went away"))
@@ -153,7 +155,7 @@ class RemotePrefill(PromptSource):
         try:
             ticket = await rec.ticket_future
             body = PrefillRequest(request_id, tuple(prompt_ids), self.self_url, ticket,
-                                  first_token_params(params)).to_json()
+                                  first_token_params(params, len(resumed)), tuple(resumed)).to_json()
             self.loop.call_soon(lambda e: self.hooks.send(e, request_id))  # before the post: WRITEs may follow
             rec.post = asyncio.ensure_future(self._post(url, request_id, body))
             rec.post.add_done_callback(_mark_retrieved)

@@ -154,7 +154,7 @@ class RemoteRequest:
             raise IllegalTransition(f"request {self.request_id}: pages reserved while {self.state.value}")
         req = engine.requests[self.request_id]
         try:
-            ticket = receiver.expect(self.request_id, pages, req.num_prompt_tokens, self.prefill_agent)
+            ticket = receiver.expect(self.request_id, pages, req.num_tokens, self.prefill_agent)
         except Exception as e:  # noqa: BLE001 - PeerNotConnectedError, ValueError: the request's own failure
             self._fail_now(engine, e)
             return

@@ -83,6 +83,18 @@ class IncrementalDetokenizer:
             self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
             self.stop_matched = s
 
+    def replay(self, token_ids: list[int]) -> str:
+        """Take output tokens whose text was delivered already (a resumed request) and mark that text sent.
+
+        The text marked sent is what streaming them one by one would have sent (`take_delta` with
+        ``finished=False``, which holds back a tail that may begin a stop string); the held-back tail is
+        sent later as usual. Returns the text marked sent.
+        """
+        if not token_ids:
+            return ""
+        self.add_tokens(token_ids)
+        return self.take_delta(False)
+
     def add_all(self, token_ids: list[int]) -> None:
         """Decode a whole output at once (no stop strings): the same text as token-by-token, two decodes."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

@@ -10,15 +10,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import uuid
-from dataclasses import replace
 
 import torch
 from transformers import AutoTokenizer
 
 from pd_cluster.engine.config import EngineConfig, format_size
 from pd_cluster.engine.detokenizer import IncrementalDetokenizer
-from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
@@ -29,8 +26,9 @@ from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, RequestDelta, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.request_builder import make_request
 from pd_cluster.engine.sampling.grammar import GrammarManager
-from pd_cluster.engine.sampling.params import SamplingParamError, SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from pd_cluster.engine.stats import EngineStats
@@ -136,83 +134,44 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
 
-    def _make_request(self, request_id: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                      remote_kv: bool) -> Request:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise RequestRejected("prompt: must contain at least one token", param="prompt")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.arch.vocab_size:
-            raise RequestRejected(f"prompt: token ids must be in [0, {self.arch.vocab_size})", param="prompt")
-        if params.n != 1:
-            raise RequestRejected("n: the engine generates one sequence per request; the server fans n out",
-                                  param="n")
-        try:
-            params.check_vocab(self.arch.vocab_size)
-        except SamplingParamError as e:
-            raise RequestRejected(str(e), param=e.param) from e
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=max(self.context_length - n, 1))
-        total = n + params.max_tokens
-        if total > self.context_length:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
-                f"{total} tokens ({n} in the prompt, {params.max_tokens} in the completion). Please reduce the "
-                f"length of the prompt or the completion.")
-        capacity = self.pool.max_total_num_tokens
-        if total > capacity:
-            raise PoolCapacityExceeded(
-                f"The request needs up to {total} tokens of KV cache ({n} prompt + {params.max_tokens} completion) "
-                f"but the whole KV pool holds {capacity} tokens ({self.pool.num_pages} pages of "
-                f"{self.layout.page_size}); raise --kv-cache-memory / --mem-fraction-static or shorten it.")
-        if len(self.scheduler.waiting) >= self.config.scheduler.max_queued_requests:
-            raise EngineOverloaded(f"the admission queue is full ({len(self.scheduler.waiting)} requests waiting)")
-        local = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)) if self.role == "prefill" else params
-        req = Request(request_id, prompt_token_ids, local, self.eos_token_ids, remote_kv=remote_kv)
-        req.generator = self.runner.sampler.new_request_generator(params.seed)
-        if params.structured_output is not None:
-            try:
-                req.grammar = self.grammars.new_request_grammar(params.structured_output)
-            except SamplingParamError as e:
-                raise RequestRejected(str(e), param=e.param) from e
-        return req
-
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    stream: bool = False) -> str:
+                    stream: bool = False, resumed_output_ids: list[int] | tuple[int, ...] = ()) -> str:
         """Queue a request; returns its id.
 
         Args:
             prompt: text (tokenized with the model's tokenizer) or token ids.
             stream: compute text deltas every step (else the text is made once, at the end).
+            resumed_output_ids: output already generated and delivered (a migrated stream): it counts as
+                output and its text is not delivered again (see `Request`).
 
         Raises:
             RequestRejected: invalid prompt or parameters, too long for the context or the pool.
             EngineOverloaded: the queue is full.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        req = self._make_request(request_id, ids, params, remote_kv=False)
+        req = make_request(self, request_id, ids, params, remote_kv=False, resumed=list(resumed_output_ids))
         self._register(req, stream)
         return req.request_id
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           stream: bool = False) -> str:
-        """Decode role: queue a request whose prompt KV will come from a prefill worker.
+                           stream: bool = False, resumed_output_ids: list[int] | tuple[int, ...] = ()) -> str:
+        """Decode role: queue a request whose prompt KV (and resumed output's) will come from a prefill worker.
 
         Its pages are reserved by a coming `step` (see `StepOutput.reserved`).
         Raises as `add_request`.
         """
-        req = self._make_request(request_id, list(prompt_token_ids), params, remote_kv=True)
+        req = make_request(self, request_id, list(prompt_token_ids), params, remote_kv=True,
+                                 resumed=list(resumed_output_ids))
         self._register(req, stream)
         return req.request_id
 
     def _register(self, req: Request, stream: bool) -> None:
         self.requests[req.request_id] = req
         p = req.params
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens,
-            p.min_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                                       p.skip_special_tokens, p.min_tokens)
+        detok.replay(req.output_token_ids)  # resumed output: its text was delivered already
+        self.detokenizers[req.request_id] = detok
         if stream:
             self.streaming.add(req.request_id)
         self.scheduler.add(req)
@@ -368,10 +327,11 @@ class LLMEngine:
         status = status or req.status
         detok = self.detokenizers[req.request_id]
         streaming = req.request_id in self.streaming
+        fresh = req.output_token_ids[req.num_resumed_tokens:]  # resumed output was delivered already
         if not streaming and not detok.stop:
-            detok.add_all(req.output_token_ids)
+            detok.add_all(fresh)
         detok.flush_pending()
-        new_tokens = req.output_token_ids[-1:] if streaming else req.output_token_ids
+        new_tokens = fresh[-1:] if streaming else fresh
         if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) and streaming:
             new_tokens = []
         lps = req.logprobs[-len(new_tokens):] if req.logprobs and new_tokens else None

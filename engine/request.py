@@ -70,17 +70,22 @@ class Request:
         params: sampling parameters.
         eos_token_ids: the model's EOS ids (ignored with ``ignore_eos``).
         remote_kv: decode role: the prompt's KV comes from a prefill worker.
+        resumed_output_ids: output tokens generated (and delivered) before this request started, e.g. by a
+            worker that died mid-stream: they count as output (``max_tokens``, ``min_tokens``, penalties) and
+            their KV is computed with the prompt's; generation continues after them.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = (), remote_kv: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...] = (), remote_kv: bool = False,
+                 resumed_output_ids: list[int] | tuple[int, ...] = ()) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.remote_kv = remote_kv
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = list(prompt_token_ids) + list(resumed_output_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_resumed_tokens = len(resumed_output_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []

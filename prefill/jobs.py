@@ -76,14 +76,17 @@ class PrefillHooks(StepHooks):
         self.device = device
         self.jobs: dict[str, PrefillJob] = {}
 
-    def start(self, engine: LLMEngine, job: PrefillJob, prompt_ids: list[int], params: SamplingParams) -> None:
+    def start(self, engine: LLMEngine, job: PrefillJob, prompt_ids: list[int], params: SamplingParams,
+              resumed_output_ids: list[int] | None = None) -> None:
         """Queue the job's prefill and register its transfer (engine thread).
+
+        `resumed_output_ids`: a migrated stream's output so far; its KV is computed and pushed with the prompt's.
 
         Raises:
             RequestRejected, EngineOverloaded: from the engine.
             TransferError, ValueError: from the sender (stale ticket, bad pages); the request is withdrawn.
         """
-        engine.add_request(job.request_id, prompt_ids, params)
+        engine.add_request(job.request_id, prompt_ids, params, resumed_output_ids=resumed_output_ids or ())
         try:
             self.sender.add_request(job.ticket)
         except BaseException:

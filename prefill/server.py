@@ -67,7 +67,7 @@ class PrefillServer:
             aloop = asyncio.get_running_loop()
             job = PrefillJob(rid, job_req.ticket, aloop.create_future(), aloop)
             await self.loop.call(lambda e: self.hooks.start(e, job, list(job_req.prompt_token_ids),
-                                                            job_req.sampling))
+                                                            job_req.sampling, list(job_req.resumed_output_ids)))
         except asyncio.CancelledError:  # the server is stopping or decode went away during the handshake
             self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
             return Response(status_code=CLIENT_CLOSED)

@@ -2,11 +2,14 @@
 
 The idea is NVIDIA Dynamo's request migration (``--migration-limit``): the
 router remembers every token id already relayed, and when the decode worker
-fails mid-stream it sends the prompt's token ids plus those ids as a new
-``/v1/completions`` prompt to a fresh pair, with ``max_tokens`` reduced by the
-tokens already sent. The client's stream goes on with no token lost or
-repeated; with greedy sampling the text equals an undisturbed run's, token
-for token (the continuation recomputes the same KV from the same ids).
+fails mid-stream it sends the same request to a fresh pair with those ids as
+``resume_token_ids`` (docs/worker-api.md). The new worker computes the KV of
+the prompt and those tokens, replays them into everything that depends on the
+output so far (``max_tokens`` and ``min_tokens``, presence and frequency
+penalties, a structured-output grammar, a seeded generator's draws, a tool-call
+parser, logprob offsets) and streams on from the next token without sending
+their text again. The client's stream goes on with no token lost or repeated;
+greedy and seeded streams equal an undisturbed run token for token.
 
 Token ids come from the worker in vLLM's ``return_token_ids`` shape: the router
 asks for them (``"return_token_ids": true``), the first chunk carries
@@ -14,12 +17,10 @@ asks for them (``"return_token_ids": true``), the first chunk carries
 each chunk's choice carries the ``token_ids`` it adds. They are removed from
 what the client sees unless the client asked for them itself.
 
-Migrated are streams with one choice and none of: ``logprobs``/``top_logprobs``,
-``echo``, ``tools``, ``response_format``/guided decoding, ``best_of``, ``suffix``, a non-zero
-``presence_penalty`` or ``frequency_penalty`` (they count generated tokens, which a continuation sees as prompt). Sampled
-(temperature > 0) streams continue validly but not with the draw an undisturbed
-run would have made. Non-streamed requests send nothing before they finish, so
-a failed one is re-dispatched whole (see ``router.proxy``).
+Migrated are streams with one choice and none of ``echo``, ``best_of``,
+``suffix`` or ``prompt_logprobs`` (they are about the prompt, which a
+continuation would answer again). Non-streamed requests send nothing before
+they finish, so a failed one is re-dispatched whole (see ``router.proxy``).
 """
 
 from __future__ import annotations
@@ -28,17 +29,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-# Presence and frequency penalties count the generated tokens only: a continuation would see them as prompt.
-# Structured outputs and tools would need the new worker's grammar matcher to replay the relayed tokens.
-_NOT_MIGRATABLE = ("logprobs", "top_logprobs", "echo", "tools", "tool_choice", "functions", "response_format",
-                   "guided_json", "guided_regex", "guided_choice", "guided_grammar", "best_of",
-                   "suffix", "presence_penalty", "frequency_penalty")
-_CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "functions",
-              "function_call", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-              "continue_final_message", "max_completion_tokens", "response_format", "logprobs",
-              "top_logprobs", "documents")
-
-
 def plan_body(data: dict[str, Any], chat: bool) -> tuple[bytes, "StreamTracker"] | None:
     """The body to send a worker for a migratable streamed request, and its tracker.
 
@@ -46,7 +36,8 @@ def plan_body(data: dict[str, Any], chat: bool) -> tuple[bytes, "StreamTracker"]
     """
     if not data.get("stream") or data.get("n", 1) not in (1, None):
         return None
-    if any(data.get(k) not in (None, False, 0) for k in _NOT_MIGRATABLE):
+    if data.get("echo") or data.get("suffix") or data.get("best_of") not in (None, 1) \
+            or data.get("prompt_logprobs") is not None:
         return None
     client_ids = data.get("return_token_ids") is True
     opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
@@ -120,19 +111,9 @@ class StreamTracker:
         return int(limit) - len(self.generated)
 
     def continuation_body(self) -> bytes:
-        """A ``/v1/completions`` body that continues the stream after the ids relayed so far."""
-        body = {k: v for k, v in self.data.items() if k not in _CHAT_ONLY}
-        body["prompt"] = list(self.prompt_ids or []) + self.generated
-        body["stream"] = True
-        body["return_token_ids"] = True
-        remaining = self.remaining_max_tokens()
-        if remaining is not None:
-            body["max_tokens"] = max(1, remaining)
-        if isinstance(body.get("min_tokens"), int):
-            body["min_tokens"] = max(0, body["min_tokens"] - len(self.generated))
-        body["stream_options"] = {"include_usage": True} if self.client_wants_usage else None
-        if body["stream_options"] is None:
-            del body["stream_options"]
+        """The request again, continuing after the ids relayed so far (``resume_token_ids``)."""
+        body = dict(self.data, stream=True, return_token_ids=True)
+        body["resume_token_ids"] = list(self.data.get("resume_token_ids") or []) + self.generated
         return json.dumps(body, separators=(",", ":")).encode()
 
     def feed(self, payload: bytes) -> bytes | None:
@@ -181,39 +162,22 @@ class StreamTracker:
             self.finished = True
 
     def _as_original(self, event: dict[str, Any]) -> dict[str, Any] | None:
-        """A continuation (completions) event rewritten as the original stream's."""
+        """A continuation's event as the original stream's: its id, creation time and model; no second
+        ``prompt_token_ids`` or assistant ``role``; the ids learnt. ``None`` for an event left empty."""
         event.pop("prompt_token_ids", None)
-        out: dict[str, Any] = {"id": self.stream_id, "object":
-                               "chat.completion.chunk" if self.chat else "text_completion",
-                               "created": self.created, "model": self.model}
+        event.update(id=self.stream_id, created=self.created, model=self.model)
         choices = []
         for choice in event.get("choices") or ():
             choice.pop("prompt_token_ids", None)
-            ids = choice.get("token_ids")
-            if isinstance(ids, list):
-                self.generated.extend(ids)
-            if choice.get("finish_reason"):
-                self.finished = True
-            text = choice.get("text", "")
-            new = {"index": 0}
-            if self.chat:
-                new["delta"] = {"content": text} if text else {}
-            else:
-                new["text"] = text
-            new["logprobs"] = None
-            new["finish_reason"] = choice.get("finish_reason")
-            if self.client_wants_ids and isinstance(ids, list):
-                new["token_ids"] = ids
-            choices.append(new)
-        out["choices"] = choices
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            if not self.client_wants_usage:
-                return None if not choices else out
-            prompt = len(self.prompt_ids or [])
-            completion = len(self.generated)
-            out["usage"] = dict(usage, prompt_tokens=prompt, completion_tokens=completion,
-                                total_tokens=prompt + completion)
-        elif not choices:
+            self._take_choice(choice)
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)
+                if not any(v not in ("", None) for v in delta.values()) and choice.get("finish_reason") is None \
+                        and choice.get("logprobs") is None and not choice.get("token_ids"):
+                    continue  # a first chunk that carried only the role
+            choices.append(choice)
+        event["choices"] = choices
+        if not choices and not isinstance(event.get("usage"), dict):
             return None
-        return out
+        return event

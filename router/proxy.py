@@ -250,7 +250,7 @@ class GenerateHandler:
                 "migration": tracker.migrations, "tokens_relayed": len(tracker.generated),
                 "from_decode": state.decode_url, "decode": pair.decode.url,
                 "prefill": pair.prefill.url if pair.prefill else None})
-            result = await self._run_on(pair, state, send, "/v1/completions",
+            result = await self._run_on(pair, state, send, state.path,
                                         tracker.continuation_body())
             if not isinstance(result, AttemptFailure):
                 return result

@@ -98,7 +98,7 @@ class Relay:
         """Try ``pair``; the relayed HTTP status, or the failure to retry or migrate.
 
         ``path``/``body``: what to send (default: the request's own; a
-        migration sends a ``/v1/completions`` continuation).
+        migration sends the request again with ``resume_token_ids``).
         """
         rid = state.request_id
         if state.tracker is not None and state.tracker.migrations:

@@ -16,10 +16,11 @@ class LocalPrefill(PromptSource):
         self.loop = loop
 
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    headers: dict[str, str]) -> asyncio.Queue:
+                    headers: dict[str, str], resumed: list[int] | None = None) -> asyncio.Queue:
         stream = self.loop.open_stream(request_id)
         try:
-            await self.loop.call(lambda e: e.add_request(request_id, prompt_ids, params, stream=True))
+            await self.loop.call(lambda e: e.add_request(request_id, prompt_ids, params, stream=True,
+                                                         resumed_output_ids=resumed or ()))
         except BaseException:
             self.loop.close_stream(request_id)
             raise

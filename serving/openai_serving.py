@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
@@ -45,8 +46,11 @@ class PromptSource(ABC):
 
     @abstractmethod
     async def start(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    headers: dict[str, str]) -> asyncio.Queue:
+                    headers: dict[str, str], resumed: list[int] | None = None) -> asyncio.Queue:
         """Start the request; return the queue of its deltas.
+
+        `resumed`: output tokens already generated and delivered (``resume_token_ids``): generation continues
+        after them (`LLMEngine.add_request`).
 
         Raises:
             HTTPError: the request cannot start (400, 502, 503, 504).
@@ -64,6 +68,8 @@ class Prepared(NamedTuple):
     prompt_ids: list[int]
     params: SamplingParams
     tools: ChatTools | None = None
+    resumed: list[int] = []       # ``resume_token_ids``
+    resumed_text: str = ""        # the text those tokens delivered (as the engine's detokenizer sent it)
 
 
 class OpenAIServing:
@@ -115,10 +121,11 @@ class OpenAIServing:
                                           want_logprobs=prep.params.logprobs is not None,
                                           prompt_token_ids=prompt_ids if body.return_token_ids else None,
                                           index=i, tools=prep.tools)
+                builder.resume(prep.resumed, prep.resumed_text)
                 # The engine's id is unique per attempt: a router retry of the same request may reach this worker
                 # while the failed attempt still holds its pages (waiting for the sender to stop writing into them).
                 runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder), params))
-            await self._start_all(request, prompt_ids, runs)
+            await self._start_all(request, prompt_ids, runs, prep.resumed)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -166,7 +173,11 @@ class OpenAIServing:
             if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
                 prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
-        return Prepared(body, prompt_ids, SamplingParams(**kwargs), tools)
+        params = SamplingParams(**kwargs)
+        resumed = body.resumed_output()
+        text = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
+                                      params.skip_special_tokens, params.min_tokens).replay(resumed)
+        return Prepared(body, prompt_ids, params, tools, resumed, text)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
         """Blame the prompt when it leaves no room for one token, else the output budget."""
@@ -182,9 +193,9 @@ class OpenAIServing:
                             max_tokens_param, "context_length_exceeded")
 
     async def _start_all(self, request: Request, prompt_ids: list[int],
-                         runs: list[tuple[ChoiceRun, SamplingParams]]) -> None:
+                         runs: list[tuple[ChoiceRun, SamplingParams]], resumed: list[int]) -> None:
         """Start every choice and wait for each one's first delta; on any failure abort them all."""
-        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, prompt_ids, p)) for r, p in runs]
+        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, prompt_ids, p, resumed)) for r, p in runs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
@@ -196,9 +207,11 @@ class OpenAIServing:
         for (r, _), (stream, first) in zip(runs, results):
             r.stream, r.first = stream, first
 
-    async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     resumed: list[int]):
         """Start the request and wait for its first delta, aborting if the client goes away."""
-        started = asyncio.ensure_future(self.source.start(request_id, prompt_ids, params, dict(request.headers)))
+        started = asyncio.ensure_future(self.source.start(request_id, prompt_ids, params, dict(request.headers),
+                                                          resumed))
         try:
             stream = await until_disconnect(request, started)
             first = _raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))

@@ -78,6 +78,8 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
+    # pd-cluster: continue a stream after output already delivered (the router's request migration)
+    resume_token_ids: list[TokenId] | None = None
 
     # ---- what the engine does with them ----------------------------------------------------
     def _check_extras(self) -> None:
@@ -115,6 +117,26 @@ class _Common(BaseModel):
                 raise RequestRejected(f"{name}: not supported by this server yet", param=name,
                                       code="unsupported_parameter")
         return wanted
+
+    def resumed_output(self) -> list[int]:
+        """``resume_token_ids``: output tokens generated and delivered by an earlier attempt of this stream.
+
+        Generation continues after them as if this server had generated them: they count toward ``max_tokens``,
+        ``min_tokens``, penalties and ``usage.completion_tokens``; a grammar and a seeded generator replay them;
+        their text is not sent again. Only for one streamed choice.
+
+        Raises:
+            RequestRejected: with ``stream`` false or several sequences.
+        """
+        if not self.resume_token_ids:
+            return []
+        if not self.stream:
+            raise RequestRejected("resume_token_ids: only with stream=true", param="resume_token_ids",
+                                  code="unsupported_parameter")
+        if self.num_generated > 1:
+            raise RequestRejected("resume_token_ids: only with one sequence (n=1, no best_of)",
+                                  param="resume_token_ids", code="unsupported_parameter")
+        return list(self.resume_token_ids)
 
     @property
     def include_usage(self) -> bool:

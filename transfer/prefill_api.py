@@ -30,9 +30,13 @@ PATH = "/prefill"
 ABORT_PATH = "/abort"
 
 
-def first_token_params(params: SamplingParams) -> SamplingParams:
-    """What the prefill worker needs to sample the first token exactly as a mixed worker would."""
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None)
+def first_token_params(params: SamplingParams, num_resumed: int = 0) -> SamplingParams:
+    """What the prefill worker needs to sample its one token exactly as a mixed worker would.
+
+    That token comes after `num_resumed` output tokens (`PrefillRequest.resumed_output_ids`; 0 for a new
+    request): the output ends with it (``max_tokens``), and EOS is banned while ``min_tokens`` is not reached."""
+    n = num_resumed + 1
+    return dataclasses.replace(params, max_tokens=n, min_tokens=min(params.min_tokens, n), stop=None)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class PrefillRequest:
         decode_url: the decode worker's base URL (prefill fetches its agent info there).
         ticket: decode's reserved pages (`KVTicket`, or a `TPTicket` under tensor parallelism).
         sampling: the first token's parameters (`first_token_params` of the request's).
+        resumed_output_ids: output generated before this attempt (a migrated stream): prefill computes their
+            KV after the prompt's and pushes both (the ticket's ``num_tokens`` counts them), then samples the
+            token after them with their penalties, grammar state and seeded draws replayed.
     """
 
     request_id: str
@@ -52,11 +59,15 @@ class PrefillRequest:
     decode_url: str
     ticket: Ticket
     sampling: SamplingParams
+    resumed_output_ids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
-                "decode_url": self.decode_url, "ticket": self.ticket.to_dict(),
-                "sampling": dataclasses.asdict(self.sampling)}
+        d = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
+             "decode_url": self.decode_url, "ticket": self.ticket.to_dict(),
+             "sampling": dataclasses.asdict(self.sampling)}
+        if self.resumed_output_ids:
+            d["resumed_output_ids"] = list(self.resumed_output_ids)
+        return d
 
     def to_json(self) -> bytes:
         """The request body.
@@ -89,6 +100,10 @@ class PrefillRequest:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool)
                                                            for t in ids):
             raise ValueError("malformed prefill job: 'prompt_token_ids' must be a non-empty list of ints")
+        resumed = d.get("resumed_output_ids", [])
+        if not isinstance(resumed, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in resumed):
+            raise ValueError("malformed prefill job: 'resumed_output_ids' must be a list of ints")
         sampling = d.get("sampling", {})
         if not isinstance(sampling, dict):
             raise ValueError("malformed prefill job: 'sampling' must be an object")
@@ -97,7 +112,7 @@ class PrefillRequest:
         if unknown:
             raise ValueError(f"malformed prefill job: unknown sampling fields {unknown}")
         return cls(d["request_id"], tuple(ids), d["decode_url"], parse_ticket(d["ticket"]),
-                   SamplingParams(**sampling))
+                   SamplingParams(**sampling), tuple(resumed))
 
 
 @dataclass(frozen=True)

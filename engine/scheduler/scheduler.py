@@ -254,9 +254,10 @@ class Scheduler:
                 out.prefix_cache_hits += cached
 
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
-        if not self.pages.can_grow(req, req.num_prompt_tokens):
+        # every known token's KV comes from the prefill worker: the prompt and any resumed output
+        if not self.pages.can_grow(req, req.num_tokens):
             return False
-        self.pages.grow(req, req.num_prompt_tokens)
+        self.pages.grow(req, req.num_tokens)
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
@@ -291,9 +292,9 @@ class Scheduler:
         self.pages.release(req)
 
     def complete_remote(self, req: Request) -> None:
-        """Decode role: `req`'s prompt KV arrived; it joins the running batch."""
+        """Decode role: `req`'s prompt KV (and its resumed output's) arrived; it joins the running batch."""
         self.remote.pop(req.request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

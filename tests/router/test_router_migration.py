@@ -117,8 +117,14 @@ def test_killed_decode_streams_continue_token_exact(pd):
         assert all("token_ids" not in json.dumps(e) for e in got[1])
     m = router.metrics()
     assert metric_value(m, "pd_router_migrations_total") == 3
-    continued = [e for e in d1.recent() if isinstance(e.get("prompt"), list)]
+    continued = [e for e in d1.recent() if e.get("resume_token_ids")]
     assert len(continued) == 3 and all(e["return_token_ids"] for e in continued)
+    # the same request again (same path, same prompt), continuing after what was relayed
+    assert all(5 <= len(e["resume_token_ids"]) < TOKENS for e in continued)
+    for e in continued:
+        i = int(e["request_id"].split(":")[0].rsplit("-", 1)[1])
+        assert e["path"] == ("/v1/chat/completions" if chat[i] else "/v1/completions")
+        assert e["prompt"] == (None if chat[i] else prompts[i])
     assert sorted(e["request_id"].rsplit(":", 1)[1] for e in continued) == ["m1"] * 3
     assert busy(d1) == 0
 

@@ -39,51 +39,63 @@ def test_plan_asks_for_ids_and_skips_what_cannot_migrate():
     body, tracker = plan_body({"prompt": "x", "stream": True, "max_tokens": 5, "presence_penalty": 0,
                                "repetition_penalty": 1.2}, chat=False)
     assert json.loads(body)["return_token_ids"] is True and not tracker.client_wants_ids
-    for extra in ({"n": 2}, {"logprobs": 1}, {"echo": True}, {"response_format": {"type": "x"}},
-                  {"stream": False}, {"best_of": 3}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
-                  {"guided_choice": ["a"]}, {"tool_choice": "required"}):
+    for extra in ({"n": 2}, {"echo": True}, {"stream": False}, {"best_of": 3}, {"suffix": "x"},
+                  {"prompt_logprobs": 1}):
         assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is None
+    # what the new worker replays from resume_token_ids migrates
+    for extra in ({"logprobs": 1}, {"response_format": {"type": "json_object"}}, {"presence_penalty": 0.5},
+                  {"frequency_penalty": -1}, {"guided_choice": ["a"]}, {"tool_choice": "required"},
+                  {"best_of": 1}, {"echo": False}, {"seed": 3, "temperature": 1.0}):
+        assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is not None, extra
 
 
 def test_completion_stream_is_tracked_stripped_and_continued():
-    _, t = plan_body({"prompt": "hi", "stream": True, "max_tokens": 5, "min_tokens": 3,
-                      "temperature": 0}, chat=False)
+    data = {"prompt": "hi", "stream": True, "max_tokens": 5, "min_tokens": 3, "temperature": 0,
+            "presence_penalty": 0.5}
+    _, t = plan_body(data, chat=False)
     out = t.feed(ev(chunk(" a", [11], prompt=[1, 2])))
     assert b"token_ids" not in out and json.loads(out[6:])["choices"][0]["text"] == " a"
     t.feed(ev(chunk(" b", [12])))
     assert t.can_migrate and t.prompt_ids == [1, 2] and t.generated == [11, 12]
     cont = json.loads(t.continuation_body())
-    assert cont["prompt"] == [1, 2, 11, 12] and cont["max_tokens"] == 3
-    assert cont["min_tokens"] == 1 and cont["return_token_ids"] and cont["stream"]
+    # the same request, continuing after the relayed ids: the worker counts them against the limits
+    assert cont == dict(data, resume_token_ids=[11, 12], return_token_ids=True)
     t.continuing = True
     moved = json.loads(t.feed(ev({"id": "other", "object": "text_completion", "created": 9,
                                   "model": "m", "choices": [{"index": 0, "text": " c",
-                                                             "token_ids": [13],
+                                                             "token_ids": [13], "logprobs": None,
+                                                             "prompt_token_ids": [1, 2],
                                                              "finish_reason": None}]}))[6:])
     assert moved["id"] == "c1" and moved["created"] == 7 and moved["choices"][0]["text"] == " c"
-    assert "token_ids" not in moved["choices"][0]
+    assert "token_ids" not in moved["choices"][0] and "prompt_token_ids" not in moved["choices"][0]
+    assert t.generated == [11, 12, 13]
+    # a second migration continues after everything relayed, the client's own resumed ids first
+    assert json.loads(t.continuation_body())["resume_token_ids"] == [11, 12, 13]
     assert t.feed(b"[DONE]") == b"data: [DONE]\n\n" and t.ended and not t.can_migrate
 
 
-def test_chat_continuation_becomes_chat_chunks_with_fixed_usage():
-    _, t = plan_body({"messages": [{"role": "user", "content": "q"}], "stream": True,
-                      "max_completion_tokens": 4, "stream_options": {"include_usage": True},
-                      "return_token_ids": True}, chat=True)
+def test_chat_continuation_keeps_chat_chunks_without_a_second_role_or_prompt():
+    data = {"messages": [{"role": "user", "content": "q"}], "stream": True, "max_completion_tokens": 4,
+            "stream_options": {"include_usage": True}, "return_token_ids": True, "resume_token_ids": [4],
+            "response_format": {"type": "json_object"}, "logprobs": True}
+    _, t = plan_body(data, chat=True)
     first = json.loads(t.feed(ev(chunk("A", [5], prompt=[1, 2, 3], chat=True)))[6:])
     assert first["prompt_token_ids"] == [1, 2, 3]  # the client asked for them
     cont = json.loads(t.continuation_body())
-    assert "messages" not in cont and "max_completion_tokens" not in cont
-    assert cont["prompt"] == [1, 2, 3, 5] and cont["max_tokens"] == 3
+    assert cont == dict(data, resume_token_ids=[4, 5])  # messages, limits, format: all as sent
     t.continuing = True
-    got = json.loads(t.feed(ev({"id": "x", "choices": [{"index": 0, "text": "B",
-                                                        "token_ids": [6],
-                                                        "prompt_token_ids": [1, 2, 3, 5],
-                                                        "finish_reason": None}]}))[6:])
+    role = {"id": "x", "prompt_token_ids": [1, 2, 3], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+    assert t.feed(ev(role)) is None  # the continuation's role-only first chunk is not relayed
+    got = json.loads(t.feed(ev({"id": "x", "object": "chat.completion.chunk", "created": 9, "model": "m",
+                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": "B"},
+                                             "token_ids": [6], "logprobs": {"content": [{"token": "B"}]},
+                                             "finish_reason": None}]}))[6:])
     assert got["object"] == "chat.completion.chunk" and got["choices"][0]["delta"] == {"content": "B"}
     assert got["choices"][0]["token_ids"] == [6] and "prompt_token_ids" not in got
-    usage = json.loads(t.feed(ev({"id": "x", "choices": [], "usage": {
-        "prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}))[6:])["usage"]
-    assert usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert got["choices"][0]["logprobs"] == {"content": [{"token": "B"}]} and got["id"] == "c1"
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert json.loads(t.feed(ev({"id": "x", "choices": [], "usage": usage}))[6:])["usage"] == usage
 
 
 def test_all_tokens_relayed_ends_without_another_token():

@@ -81,7 +81,8 @@ def test_streamed_chat_with_usage(cluster):
 def test_raw_sse_ends_with_done_and_body_is_forwarded_unchanged(cluster):
     router, _, decode = cluster
     body = {"model": "stories260K", "prompt": "a b", "max_tokens": 3, "stream": True,
-            "temperature": 0.7, "top_p": 0.9, "seed": 11, "stop": ["zzz"], "logprobs": 2}
+            "temperature": 0.7, "top_p": 0.9, "seed": 11, "stop": ["zzz"], "logprobs": 2,
+            "return_token_ids": True}  # the ids the router's migration needs are asked for by the client
     raw = json.dumps(body, separators=(",", ":")).encode()
     with httpx.stream("POST", router.url + "/v1/completions", content=raw, timeout=30,
                       headers={"content-type": "application/json",

@@ -1,9 +1,10 @@
 """A deterministic token-level fake decode for migration tests (``pd_fake --token-model``).
 
 Each next token id is a fixed function of the context (all ids so far), so a
-request continued from ``prompt ids + generated ids`` on another worker
-produces exactly what an undisturbed run would: the property greedy decoding
-has on real workers. It speaks vLLM's ``return_token_ids``: the first chunk
+request continued after its generated ids (``resume_token_ids``, as the real
+workers take it) on another worker produces exactly what an undisturbed run
+would: the property greedy decoding has on real workers. Resumed ids count as
+output (``max_tokens``, usage) and are not sent again. It speaks vLLM's ``return_token_ids``: the first chunk
 carries ``prompt_token_ids`` (on the choice for completions, at the top level
 for chat) and every choice carries the ``token_ids`` it adds. Token ``t``
 reads ``" t<id>"``.
@@ -57,12 +58,14 @@ class TokenModel:
         limit = body.get("max_completion_tokens") if chat else None
         limit = limit if limit is not None else body.get("max_tokens")
         n = limit if isinstance(limit, int) else (16 if not chat else 32)
+        resumed = [t for t in body.get("resume_token_ids") or [] if isinstance(t, int)]
         want_ids = body.get("return_token_ids") is True
         stream = bool(body.get("stream"))
         usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
         self.server.recent.append({"request_id": rid, "path": req.path, "status": 200,
                                    "headers": req.headers, "prompt": body.get("prompt"),
-                                   "max_tokens": limit, "return_token_ids": want_ids})
+                                   "max_tokens": limit, "return_token_ids": want_ids,
+                                   "resume_token_ids": resumed})
         head = {"id": f"cmpl-{rid}", "object": "chat.completion.chunk" if chat else
                 "text_completion", "created": int(time.time()), "model": c.model}
         hdrs = [("x-request-id", rid), ("content-type", "text/event-stream" if stream
@@ -71,8 +74,8 @@ class TokenModel:
         self._held[rid] = 0
         self._hold(rid, len(ids))
         try:
-            await self._run(req, resp, chat, ids, n, want_ids, stream, usage_wanted, head, hdrs,
-                            rid)
+            await self._run(req, resp, chat, ids, resumed, n, want_ids, stream, usage_wanted, head,
+                            hdrs, rid)
         finally:
             self.server._running -= 1
             self.server._used_pages -= self._held.pop(rid)
@@ -83,13 +86,13 @@ class TokenModel:
         self.server._used_pages += need - self._held[rid]
         self._held[rid] = need
 
-    async def _run(self, req, resp, chat, ids, n, want_ids, stream, usage_wanted, head,
+    async def _run(self, req, resp, chat, ids, resumed, n, want_ids, stream, usage_wanted, head,
                    hdrs, rid) -> None:
         c = self.server.config
-        context = list(ids)
-        out: list[int] = []
+        context = list(ids) + resumed
+        out: list[int] = list(resumed)
         t0 = req.arrival
-        for i in range(n):
+        for i in range(n - len(resumed)):
             delay = t0 + (c.ttft_ms + i * c.itl_ms) / 1000.0 - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)

@@ -1,0 +1,133 @@
+"""Migration of streams whose continuation depends on the output so far, on a real 1P2D cluster.
+
+Each stream below is one the router could not continue from a bare ``prompt + generated ids`` prompt: a
+regex or JSON-schema grammar (the matcher must replay what was generated), a named tool call, presence and
+frequency penalties (they count output tokens only), logprobs (offsets continue), seeded sampling (the
+generator's draws). Two copies of each start one after the other (30 ms apart), so with ``round_robin`` one of each runs
+on decode-0; decode-0 is killed (SIGKILL) mid-stream. Every stream, migrated or not, must equal the undisturbed
+run exactly, seen through the real ``openai`` client, and every page must return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from cluster_util import running_cluster, wait_all_free
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+STORY = "Once upon a time, there was a little dog named Max who"
+REGEX = "[a-z ]{300}"
+SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 20},
+    "story": {"type": "string", "minLength": 240, "maxLength": 260},
+    "mood": {"enum": ["happy", "sad", "brave"]}},
+    "required": ["title", "story", "mood"], "additionalProperties": False}
+TOOL = {"type": "function", "function": {"name": "tell", "description": "Tell a story.", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "minLength": 240, "maxLength": 250}},
+    "required": ["text"], "additionalProperties": False}}}
+USER = [{"role": "user", "content": STORY}]
+
+CASES = {
+    "regex": ("completion", dict(prompt=STORY, max_tokens=400, temperature=0.0,
+                                 extra_body={"guided_regex": REGEX})),
+    "json_schema": ("chat", dict(messages=USER, max_tokens=400, temperature=1.0, seed=9, response_format={
+        "type": "json_schema", "json_schema": {"name": "tale", "schema": SCHEMA}})),
+    "tool_named": ("chat", dict(messages=USER, max_tokens=400, temperature=0.0, tools=[TOOL],
+                                tool_choice={"type": "function", "function": {"name": "tell"}})),
+    "penalties": ("completion", dict(prompt=STORY, max_tokens=200, temperature=0.0, presence_penalty=1.0,
+                                     frequency_penalty=0.5, extra_body={"ignore_eos": True})),
+    "logprobs": ("completion", dict(prompt=STORY, max_tokens=200, temperature=0.0, logprobs=2,
+                                    extra_body={"ignore_eos": True})),
+    "seeded_chat": ("chat", dict(messages=USER, max_tokens=200, temperature=1.0, seed=123, logprobs=True,
+                                 top_logprobs=1, extra_body={"ignore_eos": True})),
+}
+
+
+async def _run(client: openai.AsyncOpenAI, name: str, progress: dict) -> dict:
+    kind, kw = CASES[name]
+    make = client.completions.create if kind == "completion" else client.chat.completions.create
+    stream = await make(model="stories260K", stream=True, **kw)
+    out = {"text": "", "args": "", "tokens": [], "offsets": [], "finish": None, "ids": set()}
+    started = time.monotonic()
+    progress[id(out)] = 0
+    async for chunk in stream:
+        out["ids"].add(chunk.id)
+        for c in chunk.choices:
+            out["finish"] = c.finish_reason or out["finish"]
+            if kind == "completion":
+                out["text"] += c.text
+                if c.logprobs is not None:
+                    out["tokens"] += c.logprobs.tokens
+                    out["offsets"] += c.logprobs.text_offset
+            else:
+                out["text"] += c.delta.content or ""
+                for call in c.delta.tool_calls or ():
+                    out["args"] += call.function.arguments or ""
+                if c.logprobs is not None and c.logprobs.content:
+                    out["tokens"] += [t.token for t in c.logprobs.content]
+            progress[id(out)] += 1
+    out["seconds"] = time.monotonic() - started
+    return out
+
+
+async def _all(url: str, names: list[str], fault=None) -> list[dict]:
+    """Start one stream per name, 30 ms apart (so that round_robin alternates decode workers in this order);
+    once every stream has 2 chunks, call `fault`. Returns each stream's result and its duration (s)."""
+    progress: dict = {}
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", timeout=180, max_retries=0) as client:
+        tasks = []
+        for name in names:
+            tasks.append(asyncio.ensure_future(_run(client, name, progress)))
+            await asyncio.sleep(0.03)
+        if fault is not None:
+            deadline = time.monotonic() + 60
+            while (len(progress) < len(names) or min(progress.values()) < 2) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(fault)
+        return await asyncio.gather(*tasks)
+
+
+def _check_valid(name: str, out: dict) -> None:
+    if name == "regex":
+        assert re.fullmatch(REGEX, out["text"]), out["text"]
+    elif name == "json_schema":
+        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+    elif name == "tool_named":
+        assert out["finish"] == "tool_calls" and out["text"] == ""
+        jsonschema.validate(json.loads(out["args"]), TOOL["function"]["parameters"])
+    elif name == "logprobs":
+        assert "".join(out["tokens"]) == out["text"]
+        assert all(out["text"][o:].startswith(t) for o, t in zip(out["offsets"], out["tokens"]))
+
+
+def test_streams_that_replay_their_output_migrate_exactly():
+    names = list(CASES)
+    with running_cluster(1, 2, router_argv=["--decode-policy", "round_robin",
+                                            "--upstream-idle-timeout-secs", "5",
+                                            "--request-timeout-secs", "240"]) as cluster:
+        reference = asyncio.run(_all(cluster.router_url, names))
+        for name, ref in zip(names, reference):
+            _check_valid(name, ref)
+        print({name: round(ref["seconds"], 2) for name, ref in zip(names, reference)})
+        twice = [n for n in names for _ in range(2)]
+        got = asyncio.run(_all(cluster.router_url, twice, fault=lambda: cluster.kill("decode-0")))
+        for name, out in zip(twice, got):
+            ref = reference[names.index(name)]
+            _check_valid(name, out)
+            for key in ("text", "args", "tokens", "offsets", "finish"):
+                assert out[key] == ref[key], (name, key)
+            assert len(out["ids"]) == 1  # one stream id, migrated or not
+        metrics = httpx.get(cluster.router_url + "/metrics", timeout=10).text
+        migrated = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("pd_router_migrations_total"))
+        assert migrated == len(names)  # one copy of each case was on decode-0
+        loads = wait_all_free(cluster, timeout=30)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
