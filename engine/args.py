@@ -32,7 +32,7 @@ def _kv_dtype(text: str) -> str:
     return value
 
 
-def _hicache_size(text: str) -> int | None:
+def parse_hicache_size(text: str) -> int | None:
     """SGLang's ``--hicache-size``: a bare number is GB (10**9 bytes), 0 is unset (the ratio applies); a size
     with a unit (``512MiB``) is that size. ``LLM(hicache_size=...)`` takes an int as bytes."""
     if str(text).strip().replace(".", "", 1).isdigit():
@@ -71,7 +71,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Keep evicted prefix-cache pages in a host-memory tier and load them back on a hit (off by default).",
          action="store_true"),
     Flag("--hicache-ratio", "cache.hicache_ratio", float, "Host tier size over device pool size (default 2.0)."),
-    Flag("--hicache-size", "cache.hicache_size", _hicache_size,
+    Flag("--hicache-size", "cache.hicache_size", parse_hicache_size,
          "Host tier size: a bare number is GB (SGLang's), or a size such as 512MiB; overrides --hicache-ratio."),
     Flag("--context-length", "scheduler.context_length", int,
          "Longest prompt + output accepted (default: the model's). Never sizes the pool.",
@@ -138,7 +138,7 @@ def config_from_kwargs(**kwargs: Any) -> EngineConfig:
         if f.attr == "kv_cache_memory":
             value = parse_size(value)
         elif f.attr == "hicache_size" and not isinstance(value, int):
-            value = _hicache_size(value)
+            value = parse_hicache_size(value)
         elif f.attr == "kv_cache_dtype":
             value = _kv_dtype(value)
         sections[f.section][f.attr] = value
