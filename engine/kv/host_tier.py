@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -36,8 +35,6 @@ import torch
 
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.pool import KVPool
-
-logger = logging.getLogger("engine")
 
 Pairs = Sequence[tuple[int, int]]  # (source page, destination page)
 
@@ -52,7 +49,7 @@ class PageCopier(Protocol):
         """Copy host pages to device pages: pairs of (host page, device page)."""
 
 
-def _runs(pairs: Pairs) -> list[tuple[int, int, int]]:
+def page_runs(pairs: Pairs) -> list[tuple[int, int, int]]:
     """Group (src, dst) pairs into runs of consecutive pages on both sides: (src, dst, length)."""
     runs: list[list[int]] = []
     for src, dst in pairs:
@@ -99,7 +96,7 @@ class HostKVPool:
         self._copy(pairs, self.kv, self.device_pool.kv)
 
     def _copy(self, pairs: Pairs, src: torch.Tensor, dst: torch.Tensor) -> None:
-        runs = _runs(pairs)
+        runs = page_runs(pairs)
         if not runs:
             return
         if self._stream is None:

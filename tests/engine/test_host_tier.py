@@ -20,7 +20,7 @@ from test_prefix_cache_exact import GREEDY, cache_off, shared_prefix_prompts
 from pd_cluster.engine import LLM
 from pd_cluster.engine.args import add_engine_args, config_from_args, config_from_kwargs
 from pd_cluster.engine.kv.hiradix_cache import HiRadixCache
-from pd_cluster.engine.kv.host_tier import HostKVPool, _runs
+from pd_cluster.engine.kv.host_tier import HostKVPool, page_runs
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.llm_engine import LLMEngine
@@ -102,9 +102,9 @@ def test_host_pages_round_trip_bit_for_bit(kv):
 
 
 def test_runs_merge_consecutive_pages_on_both_sides():
-    assert _runs([(3, 2), (4, 3), (5, 4), (9, 6), (1, 1), (2, 2), (7, 9)]) == [(3, 2, 3), (9, 6, 1), (1, 1, 2),
+    assert page_runs([(3, 2), (4, 3), (5, 4), (9, 6), (1, 1), (2, 2), (7, 9)]) == [(3, 2, 3), (9, 6, 1), (1, 1, 2),
                                                                              (7, 9, 1)]
-    assert _runs([]) == []
+    assert page_runs([]) == []
 
 
 def test_flags_follow_sglang():
