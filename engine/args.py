@@ -32,6 +32,14 @@ def _kv_dtype(text: str) -> str:
     return value
 
 
+def parse_hicache_size(text: str) -> int | None:
+    """SGLang's ``--hicache-size``: a bare number is GB (10**9 bytes), 0 is unset (the ratio applies); a size
+    with a unit (``512MiB``) is that size. ``LLM(hicache_size=...)`` takes an int as bytes."""
+    if str(text).strip().replace(".", "", 1).isdigit():
+        return int(float(text) * 10**9) or None
+    return parse_size(text)
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -59,6 +67,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--num-pages", "cache.num_pages", int, "Exact number of KV pages (overrides the budgets)."),
     Flag("--disable-radix-cache", "cache.disable_radix_cache", None, "Turn the prefix cache off.",
          action="store_true", aliases=("--no-enable-prefix-caching",)),
+    Flag("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", None,
+         "Keep evicted prefix-cache pages in a host-memory tier and load them back on a hit (off by default).",
+         action="store_true"),
+    Flag("--hicache-ratio", "cache.hicache_ratio", float, "Host tier size over device pool size (default 2.0)."),
+    Flag("--hicache-size", "cache.hicache_size", parse_hicache_size,
+         "Host tier size: a bare number is GB (SGLang's), or a size such as 512MiB; overrides --hicache-ratio."),
     Flag("--context-length", "scheduler.context_length", int,
          "Longest prompt + output accepted (default: the model's). Never sizes the pool.",
          aliases=("--max-model-len",)),
@@ -123,6 +137,8 @@ def config_from_kwargs(**kwargs: Any) -> EngineConfig:
             continue
         if f.attr == "kv_cache_memory":
             value = parse_size(value)
+        elif f.attr == "hicache_size" and not isinstance(value, int):
+            value = parse_hicache_size(value)
         elif f.attr == "kv_cache_dtype":
             value = _kv_dtype(value)
         sections[f.section][f.attr] = value

@@ -116,6 +116,12 @@ class CacheConfig:
         disable_radix_cache: turn the prefix cache off (SGLang's flag; vLLM's
             ``--no-enable-prefix-caching`` is an alias). The cache is on by
             default in the mixed and prefill roles; the decode role never uses it.
+        enable_hierarchical_cache: keep pages the prefix cache evicts in a host-memory
+            tier and load them back on a hit (SGLang's HiCache L2 flag; default off).
+        hicache_ratio: host pool size over device pool size, in tokens (SGLang's
+            ``--hicache-ratio``, default 2.0).
+        hicache_size: bytes of the host pool; overrides `hicache_ratio` when set
+            (SGLang's ``--hicache-size``, whose bare numbers are GB).
     """
 
     page_size: int = 64
@@ -124,6 +130,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_pages: int | None = None
     disable_radix_cache: bool = False
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int | None = None
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -140,6 +149,13 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        if not self.hicache_ratio > 0:
+            raise ValueError(f"hicache_ratio must be > 0, got {self.hicache_ratio}")
+        if self.hicache_size is not None and self.hicache_size <= 0:
+            raise ValueError(f"hicache_size must be positive, got {self.hicache_size}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache and disable_radix_cache are mutually exclusive "
+                             "(the host tier holds pages the prefix cache evicts)")
 
 
 @dataclass(frozen=True)
@@ -245,3 +261,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.cache.enable_hierarchical_cache and self.parallel.tp_size > 1:
+            raise ValueError("enable_hierarchical_cache is not built for tp_size > 1 yet (each rank would need "
+                             "its own host pool and copies in lockstep)")

@@ -19,7 +19,7 @@ from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
-from pd_cluster.engine.kv.prefix_cache import PrefixCache
+from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
@@ -89,8 +89,8 @@ class LLMEngine:
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         # The decode role keeps no prefix cache yet: its prompt pages are filled by a prefill worker.
-        self.prefix_cache = PrefixCache(self.allocator, self.layout.page_size) \
-            if config.cache.enable_prefix_caching and self.role != "decode" else None
+        self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool)
+        self.host_tier = getattr(self.prefix_cache, "host", None)  # HiCache L2 (--enable-hierarchical-cache)
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
@@ -128,7 +128,7 @@ class LLMEngine:
             self.pool.max_total_num_tokens, self.layout.page_size, self.layout.kv_cache_dtype, self.context_length,
             self.config.scheduler.chunked_prefill_size, self.max_running_requests,
             format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
-            backend_name, self.role, "on" if self.prefix_cache is not None else "off")
+            backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on")
 
     # ---- requests --------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -26,7 +26,10 @@ class EngineStats:
         generation_tokens_total: tokens sampled.
         prefix_cache_queries: prompt tokens looked up in the prefix cache, at each request's
             first admission (vLLM's ``prefix_cache_queries``; 0 while the cache is off).
-        prefix_cache_hits: of those, tokens found cached (vLLM's ``prefix_cache_hits``).
+        prefix_cache_hits: of those, tokens found cached on the device (vLLM's ``prefix_cache_hits``).
+        external_prefix_cache_queries: the same lookups while the host tier is on (vLLM's
+            ``external_prefix_cache_queries``, which counts its CPU-offload tier there).
+        external_prefix_cache_hits: of those, tokens loaded back from the host tier.
         cached_tokens_total: tokens served from the cache, retracted requests' re-admissions included.
     """
 
@@ -36,6 +39,8 @@ class EngineStats:
         self.generation_tokens_total = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.cached_tokens_total = 0
         self.finished: Counter[str] = Counter()
         self.gen_throughput = 0.0
@@ -51,6 +56,8 @@ class EngineStats:
         self.generation_tokens_total += num_sampled
         self.prefix_cache_queries += out.prefix_cache_queries
         self.prefix_cache_hits += out.prefix_cache_hits
+        self.external_prefix_cache_queries += out.host_cache_queries
+        self.external_prefix_cache_hits += out.host_cache_hits
         self.cached_tokens_total += out.num_cached_tokens
         self._interval_tokens += num_sampled
         if out.retracted:

@@ -42,6 +42,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pd:generation_tokens": ("vllm:generation_tokens",),
     "pd:prefix_cache_queries": ("vllm:prefix_cache_queries",),
     "pd:prefix_cache_hits": ("vllm:prefix_cache_hits",),
+    # vLLM counts its CPU-offload (connector) tier under external_*; ours is the host tier.
+    "pd:external_prefix_cache_queries": ("vllm:external_prefix_cache_queries",),
+    "pd:external_prefix_cache_hits": ("vllm:external_prefix_cache_hits",),
     "pd:num_retracted_reqs": ("vllm:num_preemptions",),
     "pd:request_success": ("vllm:request_success",),
     "pd:time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
@@ -56,6 +59,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
 # Attributes of `engine.stats` read for the prefix-cache counters (totals since start, in prompt
 # tokens: looked up in the prefix cache, and found there). Absent: the counters stay at 0.
 PREFIX_CACHE_STATS = ("prefix_cache_queries", "prefix_cache_hits")
+HOST_TIER_STATS = ("external_prefix_cache_queries", "external_prefix_cache_hits")
 
 
 class WorkerMetrics:
@@ -93,6 +97,16 @@ class WorkerMetrics:
                                       "(0 while the engine does not count them).")
         self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache "
                                    "(0 while the engine does not count them).")
+        # The host tier (--enable-hierarchical-cache), SGLang's HiCache names; 0 while it is off.
+        self.external_prefix_cache_queries = c("external_prefix_cache_queries", "Prompt tokens looked up while "
+                                               "the host tier is on.")
+        self.external_prefix_cache_hits = c("external_prefix_cache_hits", "Prompt tokens loaded back from the "
+                                            "host tier at admission (host-tier hits).")
+        self.load_back_tokens = c("load_back_tokens", "Tokens of KV copied host tier -> device pool.")
+        self.hicache_backup_tokens = c("hicache_backup_tokens", "Tokens of KV spilled device pool -> host tier.")
+        self.evicted_tokens = c("evicted_tokens", "Tokens of cached KV evicted from the device pool.")
+        self.hicache_host_used_tokens = g("hicache_host_used_tokens", "Tokens held by the host tier.")
+        self.hicache_host_total_tokens = g("hicache_host_total_tokens", "Host tier capacity in tokens (0: off).")
         h = lambda name, doc, buckets=LATENCY_BUCKETS: Histogram(  # noqa: E731
             f"pd:{name}", doc, buckets=buckets, registry=own)
         self.ttft = h("time_to_first_token_seconds", "Arrival to first token, at this worker.")
@@ -102,7 +116,8 @@ class WorkerMetrics:
         self.prefill_time = h("request_prefill_time_seconds", "Per request: prefill compute, first to last chunk.")
         self.transfer_time = h("request_transfer_time_seconds", "Per request: KV handover: waiting for the KV minus prefill queueing and compute.")
         self.decode_time = h("request_decode_time_seconds", "Per request: first decode step to finish.")
-        self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0}
+        self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0, "ext_queries": 0,
+                      "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
         registry.register(_Exposition(own, self))
 
@@ -125,6 +140,21 @@ class WorkerMetrics:
         if self.prefix_cache_counted:
             self._inc(self.prefix_cache_queries, "pc_queries", int(queries))
             self._inc(self.prefix_cache_hits, "pc_hits", int(hits))
+        self._on_host_tier(engine)
+
+    def _on_host_tier(self, engine: LLMEngine) -> None:
+        st, cache, host = engine.stats, getattr(engine, "prefix_cache", None), getattr(engine, "host_tier", None)
+        if cache is not None:
+            self._inc(self.evicted_tokens, "evicted", cache.num_evicted_total * cache.page_size)
+        if host is None:
+            return
+        queries, hits = (int(getattr(st, name, 0)) for name in HOST_TIER_STATS)
+        self._inc(self.external_prefix_cache_queries, "ext_queries", queries)
+        self._inc(self.external_prefix_cache_hits, "ext_hits", hits)
+        self._inc(self.load_back_tokens, "load_back", host.load_back_pages_total * host.page_size)
+        self._inc(self.hicache_backup_tokens, "backup", host.backup_pages_total * host.page_size)
+        self.hicache_host_used_tokens.set(host.num_used * host.page_size)
+        self.hicache_host_total_tokens.set(host.max_total_num_tokens)
 
     def _inc(self, counter: Counter, key: str, total: int) -> None:
         if total > self._seen[key]:

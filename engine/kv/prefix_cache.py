@@ -44,9 +44,14 @@ from pd_cluster.engine.kv.allocator import NULL_PAGE, PageAllocator
 
 
 class _Node:
-    """One cached page: `tokens` (its ``page_size`` token ids) and `page` (its page id)."""
+    """One cached page: `tokens` (its ``page_size`` token ids) and `page` (its device page id).
 
-    __slots__ = ("tokens", "page", "parent", "children", "stamp", "evicted")
+    With a host tier (`pd_cluster.engine.kv.hiradix_cache`) a node may also hold a copy in
+    host memory (`host_page`, 0 for none) or only there (`page` == NULL_PAGE);
+    `num_host_children` counts children that are on the host only. Without one both stay 0.
+    """
+
+    __slots__ = ("tokens", "page", "parent", "children", "stamp", "evicted", "host_page", "num_host_children")
 
     def __init__(self, tokens: tuple[int, ...], page: int, parent: "_Node | None") -> None:
         self.tokens = tokens
@@ -55,6 +60,8 @@ class _Node:
         self.children: dict[tuple[int, ...], _Node] = {}
         self.stamp = 0  # logical time of the last use (LRU order)
         self.evicted = False
+        self.host_page = 0
+        self.num_host_children = 0
 
 
 @dataclass
@@ -66,11 +73,13 @@ class CacheChain:
         num_pages: how many leading pages of the request's block table are in the tree
             (matched or inserted); `PrefixCache.insert` continues from here.
         anchors: cached pages the request references without using (see the module docstring).
+        num_loaded: how many of the matched pages were loaded back from the host tier.
     """
 
     node: _Node
     num_pages: int = 0
     anchors: list[int] = field(default_factory=list)
+    num_loaded: int = 0
 
 
 class PrefixCache:
@@ -123,7 +132,7 @@ class PrefixCache:
         node, pages = self.root, []
         for key in self._keys(token_ids, 0, max(max_tokens, 0) // self.page_size):
             child = node.children.get(key)
-            if child is None:
+            if child is None or child.page == NULL_PAGE:  # absent, or on the host only
                 break
             node = child
             pages.append(child.page)
@@ -154,6 +163,8 @@ class PrefixCache:
                 node.children[key] = child
                 self._by_page[page] = child
                 self.allocator.incref([page])  # the cache's reference
+            elif child.page == NULL_PAGE:  # on the host only: the request's page becomes its device copy
+                self._adopt(child, page)
             elif child.page != page:  # someone cached this page first: hold theirs as an anchor
                 self._acquire(child.page)
                 chain.anchors.append(child.page)
@@ -179,8 +190,19 @@ class PrefixCache:
                     self._num_evictable += 1
                     self._push_if_leaf(node)
 
+    def _adopt(self, node: _Node, page: int) -> None:
+        """Make `page` (computed KV of `node`'s tokens) the device copy of a node that has none."""
+        node.page = page
+        self._by_page[page] = node
+        self.allocator.incref([page])  # the cache's reference
+
+    @staticmethod
+    def _is_device_leaf(node: _Node) -> bool:
+        """No child has a device page (children on the host only do not count)."""
+        return len(node.children) == node.num_host_children
+
     def _push_if_leaf(self, node: _Node) -> None:
-        if not node.children and node is not self.root:
+        if self._is_device_leaf(node) and node is not self.root:
             heapq.heappush(self._lru, (node.stamp, next(self._seq), node))
             if len(self._lru) > 2 * len(self._by_page) + 64:
                 self._compact()
@@ -197,7 +219,7 @@ class PrefixCache:
             stamp, _, node = heapq.heappop(self._lru)
             if not self._is_evictable_leaf(node, stamp):
                 continue  # stale entry: touched, referenced or grown since it was pushed
-            self._remove(node)
+            self._evict_node(node)
             freed += 1
             parent = node.parent
             if parent is not self.root and self.allocator.refcount(parent.page) == 1:
@@ -205,8 +227,12 @@ class PrefixCache:
         return freed
 
     def _is_evictable_leaf(self, node: _Node, stamp: int) -> bool:
-        return (not node.evicted and not node.children and node.stamp == stamp
-                and self.allocator.refcount(node.page) == 1)
+        return (not node.evicted and node.page != NULL_PAGE and self._is_device_leaf(node)
+                and node.stamp == stamp and self.allocator.refcount(node.page) == 1)
+
+    def _evict_node(self, node: _Node) -> None:
+        """Free an evictable device leaf's page (the host tier overrides this to spill it)."""
+        self._remove(node)
 
     def _remove(self, node: _Node) -> None:
         del node.parent.children[node.tokens]

@@ -69,3 +69,41 @@ def plan_pool(layout: KVLayout, cache: CacheConfig, device: torch.device) -> Poo
         raise ValueError(f"KV cache budget {format_size(max(budget, 0))} holds no page of {format_size(page)} "
                          f"(page_size={layout.page_size}); raise --kv-cache-memory or --mem-fraction-static")
     return PoolPlan(int(num_pages), int(budget), int(available), source)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The host tier's size and where it came from.
+
+    Attributes:
+        num_pages: host pages (the unused page 0 comes on top, as on the device).
+        budget_bytes: bytes of those pages.
+        source: ``hicache_size`` or ``hicache_ratio``.
+    """
+
+    num_pages: int
+    budget_bytes: int
+    source: str
+
+
+def plan_host_pool(layout: KVLayout, cache: CacheConfig, device_pages: int) -> HostPlan:
+    """Size the host tier: ``--hicache-size`` bytes, else ``--hicache-ratio`` x the device pool's pages
+    (SGLang's HostKVCache rule); never from the context length.
+
+    Raises:
+        ValueError: the size holds no page, or exceeds the host memory available.
+    """
+    page = layout.page_nbytes
+    if cache.hicache_size is not None:
+        num_pages, source = cache.hicache_size // page, "hicache_size"
+    else:
+        num_pages, source = int(device_pages * cache.hicache_ratio), "hicache_ratio"
+    if num_pages < 1:
+        raise ValueError(f"the host tier ({source}) holds no page of {format_size(page)}; raise --hicache-size "
+                         "or --hicache-ratio")
+    budget = (num_pages + 1) * page
+    available = psutil.virtual_memory().available
+    if budget > available:
+        raise ValueError(f"host tier budget {format_size(budget)} exceeds the {format_size(available)} of host "
+                         "memory available; lower --hicache-size or --hicache-ratio")
+    return HostPlan(int(num_pages), int(budget), source)

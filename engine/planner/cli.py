@@ -4,6 +4,7 @@ Example::
 
     pd-plan --model llama-3.1-8b --tp-size 1 --kv-cache-dtype fp8_e4m3 --context-length 131072
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000
+    pd-plan --model llama-3.1-8b --enable-hierarchical-cache --hicache-ratio 2
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pd_cluster.engine.args import parse_hicache_size
 from pd_cluster.engine.config import parse_size
 from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
@@ -34,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--context-length", type=int, default=131072)
     p.add_argument("--host-memory", default="2TiB", help="DRAM per node, for the host-tier suggestion")
+    p.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="show the host tier (SGLang's HiCache L2) each GPU keeps in DRAM")
+    p.add_argument("--hicache-ratio", type=float, default=2.0, help="host tier tokens over pool tokens (default 2)")
+    p.add_argument("--hicache-size", type=parse_hicache_size, default=None,
+                   help="host tier per GPU: a bare number is GB (SGLang's), or e.g. 64GiB; overrides the ratio")
     p.add_argument("--prefill-tflops", type=float, default=DEFAULT_PREFILL_TFLOPS,
                    help="sustained prefill rate per GPU (TFLOP/s) for the prefill-time estimate "
                         f"(default {DEFAULT_PREFILL_TFLOPS:g}: about 40%% of an H200's dense BF16 peak)")
@@ -92,6 +99,16 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                                            f"{plan.requests_at_once(n) * plan.instances_per_node:,} per node "
                                            f"(KV pool only)"),
     ]
+    if inp.enable_hierarchical_cache:
+        per_node = plan.host_bytes_per_gpu * inp.gpus_per_node
+        source = (f"--hicache-size {_gib(inp.hicache_size)} per GPU" if inp.hicache_size is not None
+                  else f"--hicache-ratio {inp.hicache_ratio:g} x the pool")
+        rows.insert(10, ("host tier tokens per instance", f"{plan.host_tokens_per_instance:,} ({source}; "
+                                                          f"{_gib(plan.host_bytes_per_gpu)} of DRAM per GPU"
+                                                          f"{'; the engine builds it at TP 1 only so far' if inp.tp_size > 1 else ''})"))
+        rows.insert(11, ("host tier DRAM per node", f"{_gib(per_node)}: "
+                                                    f"{'within' if per_node <= inp.host_memory_per_node else 'BEYOND'}"
+                                                    f" the node's {_gib(inp.host_memory_per_node)}"))
     if s.local_layers:
         rows.insert(6, ("chunked-attention KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
                                                          f"(capped at {s.attention_chunk_size:,} tokens)"))
@@ -116,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         inp = PlanInput(tp_size=args.tp_size, gpus_per_node=args.gpus_per_node, gpu_memory=parse_size(args.gpu_memory),
                         mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
                         weight_dtype=args.dtype, page_size=args.page_size, context_length=args.context_length,
-                        host_memory_per_node=parse_size(args.host_memory))
+                        host_memory_per_node=parse_size(args.host_memory),
+                        enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
+                        hicache_size=args.hicache_size)
         if args.prefill_tflops <= 0:
             raise ValueError(f"--prefill-tflops must be > 0, got {args.prefill_tflops}")
     except (ValueError, FileNotFoundError) as e:

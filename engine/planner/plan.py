@@ -28,8 +28,13 @@ class PlanInput:
     page_size: int = 64
     context_length: int = 131072
     host_memory_per_node: int = 2 * 2**40  # a typical 8xH200 node has 2 TiB of DRAM
+    enable_hierarchical_cache: bool = False  # a host tier per GPU (SGLang's HiCache L2)
+    hicache_ratio: float = 2.0               # host tier tokens over device pool tokens
+    hicache_size: int | None = None          # host tier bytes per GPU; overrides the ratio
 
     def __post_init__(self) -> None:
+        if not self.hicache_ratio > 0 or (self.hicache_size is not None and self.hicache_size <= 0):
+            raise ValueError("hicache_ratio and hicache_size must be > 0")
         if self.tp_size < 1 or self.gpus_per_node % self.tp_size:
             raise ValueError(f"tp_size {self.tp_size} must divide gpus_per_node {self.gpus_per_node}")
         if self.kv_cache_dtype not in KV_BYTES:
@@ -56,6 +61,24 @@ class Plan:
     @property
     def tokens_per_node(self) -> int:
         return self.tokens_per_instance * self.instances_per_node
+
+    @property
+    def host_tokens_per_instance(self) -> int:
+        """Tokens the host tier holds per instance (0 without one): ``--hicache-size`` bytes per GPU over the
+        KV bytes per token per GPU, else ``--hicache-ratio`` x the pool's tokens; whole pages (SGLang's rule)."""
+        inp = self.inp
+        if not inp.enable_hierarchical_cache:
+            return 0
+        if inp.hicache_size is not None:
+            tokens = inp.hicache_size // max(self.kv_bytes_per_token_per_gpu, 1)
+        else:
+            tokens = int(self.tokens_per_instance * inp.hicache_ratio)
+        return tokens // inp.page_size * inp.page_size
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        """Host DRAM one GPU's host tier takes (every TP rank keeps its own heads' pages)."""
+        return self.host_tokens_per_instance * self.kv_bytes_per_token_per_gpu
 
     @property
     def fits(self) -> bool:

@@ -88,6 +88,15 @@ class PageManager:
         self._chains[req.request_id] = chain
         return len(pages) * self.page_size
 
+    def host_hit_tokens(self, req: Request) -> int:
+        """Tokens of `req`'s last `match` that were loaded back from the host tier (0 without one)."""
+        chain = self._chains.get(req.request_id)
+        return chain.num_loaded * self.page_size if chain is not None else 0
+
+    @property
+    def has_host_tier(self) -> bool:
+        return getattr(self.cache, "host", None) is not None
+
     def cache_computed(self, req: Request) -> None:
         """Add the pages of `req` that are full and computed to the prefix cache."""
         if self.cache is None:

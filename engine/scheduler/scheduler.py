@@ -70,7 +70,9 @@ class SchedulerOutput:
     reserved: list[Request] = field(default_factory=list)  # decode role: pages just reserved
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache by the requests admitted this step
     prefix_cache_queries: int = 0    # tokens looked up in the prefix cache (first admissions only, as vLLM)
-    prefix_cache_hits: int = 0       # of which found
+    prefix_cache_hits: int = 0       # of which found on the device
+    host_cache_queries: int = 0      # the same lookups, counted when a host tier is on (vLLM's external_*)
+    host_cache_hits: int = 0         # of which loaded back from the host tier
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -250,8 +252,12 @@ class Scheduler:
         if req.num_cached_tokens is None:  # first admission (a retracted request is not counted again)
             req.num_cached_tokens = min(cached, req.num_prompt_tokens)
             if self.pages.cache is not None and req.params.prompt_logprobs is None:
+                loaded = self.pages.host_hit_tokens(req)
                 out.prefix_cache_queries += req.num_tokens
-                out.prefix_cache_hits += cached
+                out.prefix_cache_hits += cached - loaded
+                if self.pages.has_host_tier:
+                    out.host_cache_queries += req.num_tokens
+                    out.host_cache_hits += loaded
 
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
         # every known token's KV comes from the prefill worker: the prompt and any resumed output

@@ -195,3 +195,24 @@ def test_no_abbreviations(capsys):
     with pytest.raises(SystemExit):
         main(["--context", "1000"])
     assert "unrecognized arguments: --context" in capsys.readouterr().err
+
+
+def test_host_tier_capacity_by_hand(capsys):
+    spec = load_spec("llama-3.1-8b")
+    plan = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_ratio=2.0))
+    assert plan.host_tokens_per_instance == 2 * plan.tokens_per_instance  # the pool's tokens are whole pages
+    assert plan.host_bytes_per_gpu == plan.host_tokens_per_instance * 65_536
+    sized = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_size=100 * 10**9, page_size=64))
+    assert sized.host_tokens_per_instance == 100 * 10**9 // 65_536 // 64 * 64 == 1_525_824
+    assert make_plan(spec, PlanInput()).host_tokens_per_instance == 0  # no flag, no host tier
+    assert main(["--model", "llama-3.1-8b", "--enable-hierarchical-cache", "--hicache-size", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "host tier tokens per instance         1,525,824 (--hicache-size 93.13 GiB per GPU" in out
+    assert "host tier DRAM per node               745.03 GiB: within the node's 2,048.00 GiB" in out
+    assert main(["--model", "llama-3.1-8b", "--enable-hierarchical-cache", "--hicache-ratio", "3",
+                 "--host-memory", "1TiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"host tier tokens per instance         {3 * plan.tokens_per_instance:,} (--hicache-ratio 3 x" in out
+    assert "BEYOND the node's 1,024.00 GiB" in out
+    main(["--model", "llama-3.1-8b"])
+    assert "host tier tokens" not in capsys.readouterr().out

@@ -38,9 +38,20 @@ TWINS = {  # pd: sample -> vllm: sample (same labels but the model_name they bot
 
 @pytest.fixture(scope="module")
 def worker():
+    yield from _mixed_worker(["--kv-cache-memory", "64MiB"])
+
+
+@pytest.fixture(scope="module")
+def hicache_worker():
+    """A device pool of 24 pages of 16 tokens (two requests of `_host_tier_prompts`), a host tier of 4x that."""
+    yield from _mixed_worker(["--page-size", "16", "--num-pages", "24", "--enable-hierarchical-cache",
+                              "--hicache-ratio", "4"])
+
+
+def _mixed_worker(extra: list[str]):
     port = free_port()
     cmd = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", "mixed", "--port", str(port),
-           "--kv-cache-memory", "64MiB", "--cpu-threads", "1", "--log-level", "warning"]
+           "--cpu-threads", "1", "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
@@ -127,3 +138,42 @@ def test_busy_engine_gauges_and_prefix_cache_counters_in_both_names(monkeypatch)
     h = scrape[("vllm:prefix_cache_hits_total", label)]
     assert (q, h) == (scrape[("pd:prefix_cache_queries_total", label)], scrape[("pd:prefix_cache_hits_total", label)])
     assert (q, h) == (30 + 40 + 32, 16) == (getattr(engine.stats, queries_attr), getattr(engine.stats, hits_attr))
+
+
+def _host_tier_prompts() -> list[list[int]]:
+    """Four 170-token prompts with distinct 160-token prefixes, then the first prefix with a new tail."""
+    prefix = [[1] + [(i * 37 + 101 * k) % 500 + 3 for i in range(159)] for k in range(4)]
+    tails = [[(i * 13 + 7 * k) % 500 + 3 for i in range(10)] for k in range(5)]
+    return [prefix[k] + tails[k] for k in range(4)] + [prefix[0] + tails[4]]
+
+
+@pytest.mark.timeout(240)
+def test_host_tier_hits_loads_and_spills_on_a_mixed_worker(worker, hicache_worker):
+    """Over HTTP: later prompts push the first prefix out of the tiny device pool into the host tier; the
+    last prompt loads it back. Outputs equal those of a worker whose pool holds everything; /metrics shows
+    the host tier's loads, spills and hits under SGLang's HiCache names and vLLM's external_prefix_cache."""
+    ref = openai.OpenAI(base_url=worker + "/v1", api_key="none", max_retries=0, timeout=60)
+    hic = openai.OpenAI(base_url=hicache_worker + "/v1", api_key="none", max_retries=0, timeout=60)
+    cached = []
+    for prompt in _host_tier_prompts():
+        want = ref.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        got = hic.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        cached.append(got.usage.prompt_tokens_details.cached_tokens if got.usage.prompt_tokens_details else 0)
+    assert cached[-1] == 160  # the whole first prefix, loaded back from the host
+    scrape = prom.parse(httpx.get(hicache_worker + "/metrics", timeout=10).text)
+    label = (("model_name", MODEL),)
+    hits = scrape[("pd:external_prefix_cache_hits_total", label)]
+    assert hits == scrape[("vllm:external_prefix_cache_hits_total", label)] == 160
+    queries = scrape[("pd:external_prefix_cache_queries_total", label)]
+    assert queries == scrape[("vllm:external_prefix_cache_queries_total", label)] == 5 * 170
+    assert scrape[("pd:load_back_tokens_total", label)] == 160  # one load: the 10 pages of the first prefix
+    backup = scrape[("pd:hicache_backup_tokens_total", label)]
+    assert backup >= 160 and backup % 16 == 0
+    assert scrape[("pd:evicted_tokens_total", label)] >= backup
+    assert scrape[("pd:hicache_host_total_tokens", label)] == 4 * 24 * 16
+    assert 0 < scrape[("pd:hicache_host_used_tokens", label)] <= backup
+    assert scrape[("pd:prefix_cache_hits_total", label)] + hits == sum(cached)
+    # The worker without the flag has the families at 0 (no host tier was built).
+    plain = prom.parse(httpx.get(worker + "/metrics", timeout=10).text)
+    assert plain[("pd:hicache_host_total_tokens", label)] == plain[("pd:load_back_tokens_total", label)] == 0
