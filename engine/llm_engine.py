@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from pd_cluster.engine.config import EngineConfig, format_size
 from pd_cluster.engine.detokenizer import IncrementalDetokenizer
+from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
@@ -166,11 +167,15 @@ class LLMEngine:
         return req.request_id
 
     def _register(self, req: Request, stream: bool) -> None:
-        self.requests[req.request_id] = req
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
                                        p.skip_special_tokens, p.min_tokens)
-        detok.replay(req.output_token_ids)  # resumed output: its text was delivered already
+        if req.num_resumed_tokens and self.role != "prefill":  # its text was delivered already
+            detok.replay(req.output_token_ids)
+            if detok.stop_matched is not None:
+                raise RequestRejected(f"resume_token_ids: the output already ended with the stop string "
+                                      f"{detok.stop_matched!r}", param="resume_token_ids")
+        self.requests[req.request_id] = req
         self.detokenizers[req.request_id] = detok
         if stream:
             self.streaming.add(req.request_id)

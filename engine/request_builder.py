@@ -89,9 +89,15 @@ def replay_resumed(engine: "LLMEngine", req: Request, resumed: list[int]) -> Non
     samples as the interrupted run would have (the idea of Dynamo's request migration, made exact).
 
     Raises:
-        RequestRejected: the request's grammar refuses a resumed token, or is complete after them.
+        RequestRejected: a resumed token ended the output (EOS, a stop id) or the request's grammar refuses
+            it, or the grammar is complete after them.
     """
+    p = req.params
     for i, token in enumerate(resumed):
+        if i + 1 >= p.min_tokens and (token in p.stop_token_ids or (token in req.eos_token_ids
+                                                                     and not p.ignore_eos)):
+            raise RequestRejected(f"resume_token_ids[{i}]: token {token} already ended the output",
+                                  param="resume_token_ids")
         if req.grammar is not None and not req.grammar.accept(token):
             raise RequestRejected(f"resume_token_ids[{i}]: token {token} is not allowed by the request's "
                                   f"{req.grammar.spec.kind} constraint", param="resume_token_ids")

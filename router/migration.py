@@ -92,7 +92,8 @@ class StreamTracker:
         choice.update({"logprobs": None, "finish_reason": "length"})
         out = [dict(head, choices=[choice])]
         if self.client_wants_usage:
-            prompt, completion = len(self.prompt_ids or []), len(self.generated)
+            prompt = len(self.prompt_ids or [])
+            completion = len(self.generated) + len(self.data.get("resume_token_ids") or [])
             out.append(dict(head, choices=[], usage={
                 "prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}))
@@ -108,7 +109,7 @@ class StreamTracker:
             limit = 16  # OpenAI's (and the workers') completions default
         if limit is None:
             return None
-        return int(limit) - len(self.generated)
+        return int(limit) - len(self.generated) - len(self.data.get("resume_token_ids") or [])
 
     def continuation_body(self) -> bytes:
         """The request again, continuing after the ids relayed so far (``resume_token_ids``)."""

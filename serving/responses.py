@@ -63,12 +63,10 @@ class ResponseBuilder:
     def response_id(self) -> str:
         return ("cmpl-" if self.kind == "completion" else "chatcmpl-") + self.request_id
 
-    def resume(self, token_ids: list[int], text: str) -> None:
-        """Continue after output an earlier attempt delivered (``resume_token_ids``) and its delivered `text`:
-        logprob strings and ``text_offset`` go on after it, and a tool-call stream parses on from where it
-        was; nothing of it is sent again."""
-        for t in token_ids:
-            self.texts.add(t)
+    def resume(self, text: str) -> None:
+        """Continue after the `text` an earlier attempt delivered (``resume_token_ids``): a tool-call stream
+        parses on from where it was; nothing of it is sent again. (Logprob strings and offsets go on after
+        it through a `TokenTexts` that has taken the resumed tokens.)"""
         if self._tool_stream is not None and text:
             self._tool_stream.feed(text)
 

@@ -3,9 +3,9 @@
 Each stream below is one the router could not continue from a bare ``prompt + generated ids`` prompt: a
 regex or JSON-schema grammar (the matcher must replay what was generated), a named tool call, presence and
 frequency penalties (they count output tokens only), logprobs (offsets continue), seeded sampling (the
-generator's draws). Two copies of each start one after the other (30 ms apart), so with ``round_robin`` one of each runs
-on decode-0; decode-0 is killed (SIGKILL) mid-stream. Every stream, migrated or not, must equal the undisturbed
-run exactly, seen through the real ``openai`` client, and every page must return.
+generator's draws). All start on decode-0 (decode-1 is taken out of the router, then added back), and
+decode-0 is killed (SIGKILL) mid-stream, so every one migrates. Every stream must equal the undisturbed run
+exactly, seen through the real ``openai`` client, and every page must return.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ async def _run(client: openai.AsyncOpenAI, name: str, progress: dict) -> dict:
     return out
 
 
-async def _all(url: str, names: list[str], fault=None) -> list[dict]:
-    """Start one stream per name, 30 ms apart (so that round_robin alternates decode workers in this order);
-    once every stream has 2 chunks, call `fault`. Returns each stream's result and its duration (s)."""
+async def _all(url: str, names: list[str], before_fault=None, fault=None) -> list[dict]:
+    """Start one stream per name, 30 ms apart; once every stream has 2 chunks, call `before_fault` and `fault`.
+    Returns each stream's result."""
     progress: dict = {}
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", timeout=180, max_retries=0) as client:
         tasks = []
@@ -91,6 +91,7 @@ async def _all(url: str, names: list[str], fault=None) -> list[dict]:
             deadline = time.monotonic() + 60
             while (len(progress) < len(names) or min(progress.values()) < 2) and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
+            await asyncio.to_thread(before_fault)
             await asyncio.to_thread(fault)
         return await asyncio.gather(*tasks)
 
@@ -110,24 +111,26 @@ def _check_valid(name: str, out: dict) -> None:
 
 def test_streams_that_replay_their_output_migrate_exactly():
     names = list(CASES)
-    with running_cluster(1, 2, router_argv=["--decode-policy", "round_robin",
-                                            "--upstream-idle-timeout-secs", "5",
+    with running_cluster(1, 2, router_argv=["--upstream-idle-timeout-secs", "5",
                                             "--request-timeout-secs", "240"]) as cluster:
         reference = asyncio.run(_all(cluster.router_url, names))
         for name, ref in zip(names, reference):
             _check_valid(name, ref)
-        print({name: round(ref["seconds"], 2) for name, ref in zip(names, reference)})
-        twice = [n for n in names for _ in range(2)]
-        got = asyncio.run(_all(cluster.router_url, twice, fault=lambda: cluster.kill("decode-0")))
-        for name, out in zip(twice, got):
+        # every stream starts on decode-0: decode-1 leaves the router, and comes back before decode-0 dies
+        spare = next(p.url for p in cluster.procs if p.name == "decode-1")
+        admin = httpx.Client(base_url=cluster.router_url, timeout=10)
+        assert admin.delete("/workers", params={"url": spare}).status_code == 200
+        back = lambda: admin.post("/workers", json={"url": spare, "role": "decode"}).raise_for_status()
+        got = asyncio.run(_all(cluster.router_url, names, back, lambda: cluster.kill("decode-0")))
+        for name, out in zip(names, got):
             ref = reference[names.index(name)]
             _check_valid(name, out)
             for key in ("text", "args", "tokens", "offsets", "finish"):
                 assert out[key] == ref[key], (name, key)
             assert len(out["ids"]) == 1  # one stream id, migrated or not
-        metrics = httpx.get(cluster.router_url + "/metrics", timeout=10).text
+        metrics = admin.get("/metrics").text
         migrated = sum(float(line.split()[-1]) for line in metrics.splitlines()
                        if line.startswith("pd_router_migrations_total"))
-        assert migrated == len(names)  # one copy of each case was on decode-0
+        assert migrated == len(names)  # every stream was on decode-0
         loads = wait_all_free(cluster, timeout=30)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads

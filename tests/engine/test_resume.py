@@ -155,3 +155,25 @@ def test_resume_past_max_tokens_and_out_of_vocab_are_rejected(mixed):
     with pytest.raises(RequestRejected, match=r"must be in \[0,") as e:
         mixed.add_request("oov", PROMPT, SamplingParams(max_tokens=8), resumed_output_ids=[10 ** 6])
     assert e.value.param == "resume_token_ids"
+
+
+def test_resumed_output_that_already_ended_is_rejected(mixed, references):
+    ref_ids = references["greedy"][0]
+    eos = mixed.eos_token_ids[0]
+    with pytest.raises(RequestRejected, match="already ended") as e:  # EOS ends it (unless ignore_eos)
+        mixed.add_request("eos", PROMPT, SamplingParams(max_tokens=40), stream=True,
+                          resumed_output_ids=ref_ids[:3] + [eos])
+    assert e.value.param == "resume_token_ids"
+    mixed.add_request("eos-ignored", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True), stream=True,
+                      resumed_output_ids=ref_ids[:3] + [eos])
+    assert _drain(mixed, "eos-ignored")[3] == 8
+    with pytest.raises(RequestRejected, match="already ended") as e:  # so does a stop id
+        mixed.add_request("stop-id", PROMPT, SamplingParams(max_tokens=40, stop_token_ids=[ref_ids[2]]),
+                          stream=True, resumed_output_ids=ref_ids[:3])
+    text = _delivered_text(mixed, CASES["greedy"], ref_ids[:6])
+    word = text.split()[-1]
+    with pytest.raises(RequestRejected, match="stop string") as e:  # and a stop string the resumed text holds
+        mixed.add_request("stop-str", PROMPT, SamplingParams(max_tokens=40, stop=[word]), stream=True,
+                          resumed_output_ids=ref_ids[:6])
+    assert e.value.param == "resume_token_ids"
+    assert not {"eos", "stop-id", "stop-str"} & set(mixed.requests)

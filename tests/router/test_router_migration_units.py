@@ -98,6 +98,17 @@ def test_chat_continuation_keeps_chat_chunks_without_a_second_role_or_prompt():
     assert json.loads(t.feed(ev({"id": "x", "choices": [], "usage": usage}))[6:])["usage"] == usage
 
 
+def test_the_clients_own_resumed_ids_count_against_max_tokens():
+    _, t = plan_body({"prompt": "hi", "stream": True, "max_tokens": 5, "resume_token_ids": [7, 8, 9],
+                      "stream_options": {"include_usage": True}}, chat=False)
+    t.feed(ev(chunk(" a", [11], prompt=[1])))
+    assert t.remaining_max_tokens() == 1
+    t.feed(ev(chunk(" b", [12])))
+    assert t.remaining_max_tokens() == 0  # 3 resumed by the client + 2 relayed: nothing to migrate
+    usage = [json.loads(x[6:]) for x in t.synthetic_end().decode().split("\n\n") if x.startswith("data: {")]
+    assert usage[-1]["usage"]["completion_tokens"] == 5
+
+
 def test_all_tokens_relayed_ends_without_another_token():
     _, t = plan_body({"prompt": "hi", "stream": True, "max_tokens": 2}, chat=False)
     t.feed(ev(chunk(" a", [11], prompt=[1])))
