@@ -90,9 +90,8 @@ class LLMEngine:
             logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
-        # The decode role keeps no prefix cache yet: its prompt pages are filled by a prefill worker.
         self.prefix_cache = PrefixCache(self.allocator, self.layout.page_size) \
-            if config.cache.enable_prefix_caching and self.role != "decode" else None
+            if config.cache.enable_prefix_caching else None
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
@@ -200,8 +199,9 @@ class LLMEngine:
                            stream: bool = False) -> str:
         """Decode role: queue a request whose prompt KV will come from a prefill worker.
 
-        Its pages are reserved by a coming `step` (see `StepOutput.reserved`).
-        Raises as `add_request`.
+        Its pages are reserved by a coming `step` (see `StepOutput.reserved`), after the prompt's longest
+        cached prefix, or a step admits it to be prefilled here (`StepOutput.local_prefills`,
+        ``--max-local-prefill-length``). Raises as `add_request`.
         """
         req = self._make_request(request_id, list(prompt_token_ids), params, remote_kv=True)
         self._register(req, stream)
@@ -221,8 +221,10 @@ class LLMEngine:
                                 num_cached_tokens: int = 0) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
 
-        `num_cached_tokens`: prompt tokens the prefill worker's prefix cache served; reported in the
-        request's deltas (``RequestDelta.num_cached_tokens``), not in this engine's prefix-cache counters.
+        `num_cached_tokens`: prompt tokens the prefill worker's prefix cache served (it computed the rest;
+        this worker's own cache saved only their transfer); reported in the request's deltas
+        (``RequestDelta.num_cached_tokens``), not in this engine's prefix-cache counters. The prompt's
+        arrived full pages join this engine's prefix cache.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
         grammar refuses fails the request.
@@ -304,7 +306,9 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult, started: float) -> StepOutput:
         out = StepOutput(num_tokens=sched.num_tokens)
-        out.reserved = [(r.request_id, list(r.block_table)) for r in sched.reserved]
+        page = self.layout.page_size
+        out.reserved = [(r.request_id, list(r.block_table), r.num_computed_tokens // page) for r in sched.reserved]
+        out.local_prefills = [r.request_id for r in sched.local_prefills]
         now = time.monotonic()
         for item in sched.scheduled:
             req = item.req
