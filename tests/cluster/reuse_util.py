@@ -69,12 +69,12 @@ def decode_held(turns: list[Turn], k: int, page: int) -> int:
     return best
 
 
-def prefill_held(turns: list[Turn], k: int, page: int) -> int:
-    """Pages of turn k's prompt that the prefill worker's cache holds: earlier prompts' full pages only
-    (it never saw the answers)."""
+def prefill_held(turns: list[Turn], k: int, page: int, seen: list[int] | None = None) -> int:
+    """Pages of turn k's prompt that the prefill worker's cache holds: the full pages of the earlier prompts it
+    prefilled (`seen`: their indices; None: all), never the answers (decoded elsewhere)."""
     ids, best = turns[k].ids, 0
     cap = (len(ids) - 1) // page
-    for t in turns[:k]:
+    for t in (turns[j] for j in (range(k) if seen is None else seen)):
         n = 0
         while n < min(len(t.ids) // page, cap) and t.ids[n * page:(n + 1) * page] == ids[n * page:(n + 1) * page]:
             n += 1
