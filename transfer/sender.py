@@ -208,7 +208,7 @@ class KVSender:
         job.sent_pages, job.last_issued = end, last
         if ready_event is None:
             self._post(job, p)
-        return end - msg.page_start
+        return msg.num_pages
 
     def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
         """Stop a transfer (e.g. the client went away). Its end is reported by `poll` as failed.
