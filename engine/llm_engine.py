@@ -199,9 +199,8 @@ class LLMEngine:
                            stream: bool = False) -> str:
         """Decode role: queue a request whose prompt KV will come from a prefill worker.
 
-        Its pages are reserved by a coming `step` (see `StepOutput.reserved`), after the prompt's longest
-        cached prefix, or a step admits it to be prefilled here (`StepOutput.local_prefills`,
-        ``--max-local-prefill-length``). Raises as `add_request`.
+        A coming `step` reserves pages past its cached prefix (`StepOutput.reserved`) or admits it to be
+        prefilled here (`StepOutput.local_prefills`). Raises as `add_request`.
         """
         req = self._make_request(request_id, list(prompt_token_ids), params, remote_kv=True)
         self._register(req, stream)
@@ -221,10 +220,8 @@ class LLMEngine:
                                 num_cached_tokens: int = 0) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
 
-        `num_cached_tokens`: prompt tokens the prefill worker's prefix cache served (it computed the rest;
-        this worker's own cache saved only their transfer); reported in the request's deltas
-        (``RequestDelta.num_cached_tokens``), not in this engine's prefix-cache counters. The prompt's
-        arrived full pages join this engine's prefix cache.
+        `num_cached_tokens`: prompt tokens the prefill worker's cache served (this engine's own hits saved
+        only their transfer); reported in ``RequestDelta.num_cached_tokens``. The arrived pages join the cache.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
         grammar refuses fails the request.
