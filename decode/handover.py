@@ -5,6 +5,11 @@ RUNNING or RELEASED, and turns the engine's reservations and the receiver's
 events into the record's transitions; every decision about pages is the
 record's (``decode/request.py``). Handlers reach the table only through
 engine-thread commands (`EngineLoop.call` / `call_soon`) and `get`.
+
+A reservation names how many leading prompt pages the engine's prefix cache
+held (the ticket starts after them: a delta transfer); a request the engine
+admitted to prefill here (``--max-local-prefill-length``) goes straight to
+RUNNING, logged at INFO and counted.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 
 
+from pd_cluster.decode.metrics import DecodeReuseMetrics
 from pd_cluster.decode.request import RemoteRequest, RemoteState
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import StepOutput
@@ -38,10 +44,12 @@ class DecodeHooks(StepHooks):
 
     Args:
         receiver: the worker's receiver (`KVReceiver`, or `TPReceiver` under tensor parallelism).
+        metrics: the reuse counters (None: not counted).
     """
 
-    def __init__(self, receiver: Receiver) -> None:
+    def __init__(self, receiver: Receiver, metrics: DecodeReuseMetrics | None = None) -> None:
         self.receiver = receiver
+        self.metrics = metrics
         self._records: dict[str, RemoteRequest] = {}
         self._by_transfer: dict[str, RemoteRequest] = {}  # an index of `_records` by ticket
 
@@ -91,14 +99,33 @@ class DecodeHooks(StepHooks):
 
     # ---- the step loop --------------------------------------------------------------------------------
     def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
-        for request_id, pages in out.reserved:
+        for request_id, pages, num_cached_pages in out.reserved:
             rec = self._records.get(request_id)
             if rec is None:
                 continue
-            rec.reserve(engine, self.receiver, pages)
+            rec.reserve(engine, self.receiver, pages, num_cached_pages)
             if rec.transfer_id is not None:
                 self._by_transfer[rec.transfer_id] = rec
             self._settle_table(rec)
+        for request_id in out.local_prefills:
+            rec = self._records.get(request_id)
+            if rec is None:
+                continue
+            req = engine.requests[request_id]
+            cached = req.num_cached_tokens or 0
+            logger.info("request %s: prefilling %d of %d prompt tokens locally (%d in this worker's prefix cache; "
+                        "--max-local-prefill-length %d); no prefill worker", request_id,
+                        req.num_prompt_tokens - cached, req.num_prompt_tokens, cached,
+                        engine.config.scheduler.max_local_prefill_length)
+            rec.run_locally()
+            self._count_saved(engine, cached // engine.layout.page_size)
+            if self.metrics is not None:
+                self.metrics.local_prefills.inc()
+            self._settle_table(rec)
+
+    def _count_saved(self, engine: LLMEngine, num_pages: int) -> None:
+        if self.metrics is not None and num_pages:
+            self.metrics.saved_bytes.inc(num_pages * engine.layout.page_nbytes)
 
     def poll(self, engine: LLMEngine) -> None:
         if not self._by_transfer and not self.receiver.has_work:
@@ -116,6 +143,7 @@ class DecodeHooks(StepHooks):
             if rec.complete(engine, done, None if first is None else int(first), logprob,
                             num_cached_tokens=cached) and req is not None:
                 skip_first_token_draw(engine, req)
+                self._count_saved(engine, rec.ticket.first_page)
             self._settle_table(rec)
         for failed in ev.failed:
             rec = self._by_transfer.get(failed.transfer_id)

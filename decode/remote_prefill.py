@@ -4,7 +4,10 @@ Per request: load the prefill agent's metadata (cached per incarnation; the
 handshake checks layouts and runs off the engine thread), queue the request
 until its prompt pages are reserved, send the job with the ticket to
 ``POST {prefill}/prefill`` (`PrefillRequest`), and wait until every push has
-arrived (the receiver's poll) or something fails. The request's life, and
+arrived (the receiver's poll) or something fails. The ticket covers only the
+pages this worker's prefix cache lacks (its ``first_page``); when the engine
+decides to prefill the short uncached rest itself (``--max-local-prefill-length``)
+no ticket exists and no ``/prefill`` call is made. The request's life, and
 when its pages come back, is its `RemoteRequest`'s (``decode/request.py``):
 every failure here, whatever its kind, ends in `DecodeHooks.fail`, which
 applies the page rule. Failures before the first token raise `HTTPError`
@@ -154,6 +157,8 @@ class RemotePrefill(PromptSource):
             raise
         try:
             ticket = await rec.ticket_future
+            if ticket is None:  # prefilled here (the engine logged and counted it); it runs like a local request
+                return stream
             body = PrefillRequest(request_id, tuple(prompt_ids), self.self_url, ticket,
                                   first_token_params(params, len(resumed)), tuple(resumed)).to_json()
             self.loop.call_soon(lambda e: self.hooks.send(e, request_id))  # before the post: WRITEs may follow

@@ -3,17 +3,21 @@
 States (`RemoteState`) and the only legal moves::
 
     QUEUED ──▶ RESERVED ──▶ ARRIVING ──▶ RUNNING
-       │           │            │
+       │  │        │            │           ▲
+       │  └────────┼────────────┼───────────┘ (prefilled here: --max-local-prefill-length)
        └───────────┴────────────┴──▶ FAILED ──▶ QUARANTINED ──▶ RELEASED
                                        └──────────────────────────▲
 
 * ``QUEUED``: in the engine's queue, no pages yet (SGLang's decode prealloc queue).
 * ``RESERVED``: the scheduler reserved the prompt's pages and the receiver made the ticket; the ticket has not
-  left this worker, so nobody can write into the pages.
+  left this worker, so nobody can write into the pages. The prompt's leading pages that this worker's prefix
+  cache held are referenced by the request, not reserved: the ticket starts after them (``first_page``), so no
+  WRITE can touch them, and they are released with the request's other pages, by the same rule.
 * ``ARRIVING``: the ticket is on its way to the prefill worker (or a push of it arrived): its WRITEs may land
   in the pages at any moment.
 * ``RUNNING``: every push arrived; the request is in the running batch with its first token, and the engine
-  owns it (and its pages) from here on.
+  owns it (and its pages) from here on. A request whose uncached rest was short enough goes from QUEUED
+  straight to RUNNING: the engine prefills it here and no ticket exists (`run_locally`).
 * ``FAILED``: the request is over with an error; both futures carry it.
 * ``QUARANTINED``: failed while the sender may still write: the pages stay held by the engine, unused.
 * ``RELEASED``: the pages are back in the pool.
@@ -65,7 +69,7 @@ class RemoteState(enum.Enum):
 
 S = RemoteState
 NEXT: dict[RemoteState, frozenset[RemoteState]] = {
-    S.QUEUED: frozenset({S.RESERVED, S.FAILED}),
+    S.QUEUED: frozenset({S.RESERVED, S.RUNNING, S.FAILED}),
     S.RESERVED: frozenset({S.ARRIVING, S.FAILED}),
     S.ARRIVING: frozenset({S.RUNNING, S.FAILED}),
     S.FAILED: frozenset({S.QUARANTINED, S.RELEASED}),
@@ -99,8 +103,9 @@ class RemoteRequest:
         aloop: the event loop of the handler awaiting the futures.
 
     Attributes:
-        ticket_future: resolves to the `Ticket` at RESERVED, or raises the failure.
-        kv_future: resolves to the `RecvDone` at RUNNING, or raises the failure.
+        ticket_future: resolves to the `Ticket` at RESERVED, to None when the engine prefills the request
+            here (no prefill worker), or raises the failure.
+        kv_future: resolves to the `RecvDone` at RUNNING (None when prefilled here), or raises the failure.
         ticket: set at RESERVED.
         error: set at FAILED.
         history: every state entered, in order.
@@ -144,8 +149,13 @@ class RemoteRequest:
     def _settle(self, fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
         self.aloop.call_soon_threadsafe(settle_future, fut, result, error)
 
-    def reserve(self, engine: LLMEngine, receiver: Receiver, pages: list[int]) -> None:
-        """QUEUED -> RESERVED: the scheduler reserved `pages`; the receiver makes the ticket.
+    def reserve(self, engine: LLMEngine, receiver: Receiver, pages: list[int], num_cached_pages: int = 0) -> None:
+        """QUEUED -> RESERVED: the scheduler gave the prompt `pages`; the receiver makes the ticket.
+
+        Args:
+            pages: the whole prompt's page ids.
+            num_cached_pages: how many leading ones this worker's prefix cache held: the ticket covers
+                only the rest (a delta transfer), and the prefill worker pushes only those.
 
         If the receiver refuses (e.g. the prefill agent was dropped meanwhile), the request fails and its pages
         are released at once: no ticket exists, so nothing can be written.
@@ -154,13 +164,26 @@ class RemoteRequest:
             raise IllegalTransition(f"request {self.request_id}: pages reserved while {self.state.value}")
         req = engine.requests[self.request_id]
         try:
-            ticket = receiver.expect(self.request_id, pages, req.num_tokens, self.prefill_agent)
+            ticket = receiver.expect(self.request_id, pages[num_cached_pages:], req.num_tokens,
+                                     self.prefill_agent, num_cached_pages)
         except Exception as e:  # noqa: BLE001 - PeerNotConnectedError, ValueError: the request's own failure
             self._fail_now(engine, e)
             return
         self.ticket = ticket
         self._to(S.RESERVED)
         self._settle(self.ticket_future, ticket)
+
+    def run_locally(self) -> None:
+        """QUEUED -> RUNNING: the engine admitted the request to prefill it here (``--max-local-prefill-length``).
+
+        No ticket exists and no prefill worker is called; both futures resolve to None, and the engine owns the
+        request (and its pages) from here on.
+        """
+        if self.state is not S.QUEUED:
+            raise IllegalTransition(f"request {self.request_id}: prefilled locally while {self.state.value}")
+        self._to(S.RUNNING)
+        self._settle(self.ticket_future, None)
+        self._settle(self.kv_future, None)
 
     def send(self) -> None:
         """RESERVED -> ARRIVING: the handler is about to send the ticket; WRITEs may come from now on.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from pd_cluster.decode.handover import DecodeHooks
+from pd_cluster.decode.metrics import DecodeReuseMetrics
 from pd_cluster.decode.remote_prefill import RemotePrefill
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import EngineLoop
@@ -23,7 +24,7 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | 
     metrics = WorkerMetrics(registry, "decode", engine.model_name)
     tconfig = config.transfer
     agent, receiver = make_worker_transfer(engine, "decode", tconfig, registry)
-    hooks = DecodeHooks(receiver)
+    hooks = DecodeHooks(receiver, DecodeReuseMetrics(registry))
 
     def on_step(e, out, dt):
         metrics.on_step(e)

@@ -84,6 +84,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Scales the new-token reservation (>1: fewer retractions)."),
     Flag("--schedule-policy", "scheduler.schedule_policy", str, "Queue order: fcfs.", choices=("fcfs",)),
     Flag("--decode-log-interval", "scheduler.decode_log_interval", int, "Decode steps between log lines."),
+    Flag("--max-local-prefill-length", "scheduler.max_local_prefill_length", int,
+         "Decode role: prefill here, without a prefill worker, when the prompt's tokens not in this worker's "
+         "prefix cache are at most this many (Dynamo's conditional disaggregation; default 0: never)."),
     Flag("--tp-size", "parallel.tp_size", int, "Tensor-parallel size.", aliases=("--tensor-parallel-size",)),
     Flag("--device", "device.device", str, "auto, cpu or cuda[:N]."),
     Flag("--attention-backend", "device.attention_backend", str, "auto, torch, cpu or triton.",

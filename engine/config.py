@@ -115,9 +115,11 @@ class CacheConfig:
             both budgets when set.
         disable_radix_cache: turn the prefix cache off (SGLang's flag; vLLM's
             ``--no-enable-prefix-caching`` is an alias). The cache is on by
-            default in the mixed and prefill roles; the decode role never uses it.
+            default in every role; a decode worker keeps finished requests'
+            pages in it and asks prefill workers only for the pages it lacks.
         enable_hierarchical_cache: keep pages the prefix cache evicts in a host-memory
-            tier and load them back on a hit (SGLang's HiCache L2 flag; default off).
+            tier and load them back on a hit (SGLang's HiCache L2 flag; default off;
+            prefill and mixed roles).
         hicache_ratio: host pool size over device pool size, in tokens (SGLang's
             ``--hicache-ratio``, default 2.0).
         hicache_size: bytes of the host pool; overrides `hicache_ratio` when set
@@ -172,6 +174,12 @@ class SchedulerConfig:
         schedule_conservativeness: scales the new-token-ratio reservation (SGLang).
         schedule_policy: ``fcfs``.
         decode_log_interval: log a ``Decode batch.`` line every this many decode steps.
+        max_local_prefill_length: decode role: a remote request whose prompt, less what this
+            worker's prefix cache holds, has at most this many tokens is prefilled here, without
+            a prefill worker (Dynamo's conditional disaggregation and flag: remote iff
+            ``prompt_len - prefix_hit_len > max_local_prefill_length``). Default 0: never, since
+            every prompt has at least one uncached token; a local prefill runs inside the decode
+            batch and delays every running request's next token, so it is opt-in.
     """
 
     context_length: int | None = None
@@ -182,6 +190,7 @@ class SchedulerConfig:
     schedule_conservativeness: float = 1.0
     schedule_policy: str = "fcfs"
     decode_log_interval: int = 40
+    max_local_prefill_length: int = 0
 
     def __post_init__(self) -> None:
         if self.context_length is not None and self.context_length < 1:
@@ -200,6 +209,8 @@ class SchedulerConfig:
             raise ValueError(f"schedule_policy must be fcfs, got {self.schedule_policy!r}")
         if self.decode_log_interval < 1:
             raise ValueError(f"decode_log_interval must be >= 1, got {self.decode_log_interval}")
+        if self.max_local_prefill_length < 0:
+            raise ValueError(f"max_local_prefill_length must be >= 0, got {self.max_local_prefill_length}")
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,6 @@ class LLMEngine:
             logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
-        # The decode role keeps no prefix cache yet: its prompt pages are filled by a prefill worker.
         self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool)
         self.host_tier = getattr(self.prefix_cache, "host", None)  # HiCache L2 (--enable-hierarchical-cache)
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
@@ -158,8 +157,8 @@ class LLMEngine:
                            stream: bool = False, resumed_output_ids: list[int] | tuple[int, ...] = ()) -> str:
         """Decode role: queue a request whose prompt KV (and resumed output's) will come from a prefill worker.
 
-        Its pages are reserved by a coming `step` (see `StepOutput.reserved`).
-        Raises as `add_request`.
+        A coming `step` reserves pages past its cached prefix (`StepOutput.reserved`) or admits it to be
+        prefilled here (`StepOutput.local_prefills`). Raises as `add_request`.
         """
         req = make_request(self, request_id, list(prompt_token_ids), params, remote_kv=True,
                                  resumed=list(resumed_output_ids))
@@ -185,8 +184,8 @@ class LLMEngine:
                                 num_cached_tokens: int = 0) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
 
-        `num_cached_tokens`: prompt tokens the prefill worker's prefix cache served; reported in the
-        request's deltas (``RequestDelta.num_cached_tokens``), not in this engine's prefix-cache counters.
+        `num_cached_tokens`: prompt tokens the prefill worker's cache served (this engine's own hits saved
+        only their transfer); reported in ``RequestDelta.num_cached_tokens``. The arrived pages join the cache.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
         grammar refuses fails the request.
@@ -268,7 +267,9 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, result: StepResult, started: float) -> StepOutput:
         out = StepOutput(num_tokens=sched.num_tokens)
-        out.reserved = [(r.request_id, list(r.block_table)) for r in sched.reserved]
+        page = self.layout.page_size
+        out.reserved = [(r.request_id, list(r.block_table), r.num_computed_tokens // page) for r in sched.reserved]
+        out.local_prefills = [r.request_id for r in sched.local_prefills]
         now = time.monotonic()
         for item in sched.scheduled:
             req = item.req

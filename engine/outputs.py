@@ -60,13 +60,17 @@ class StepOutput:
     Attributes:
         deltas: per request with news this step.
         prefill_progress: prefill role: the KV written this step, per request.
-        reserved: decode role: requests whose prompt pages were just reserved, with their page ids.
+        reserved: decode role: requests whose prompt pages were just reserved: (request id, the prompt's
+            page ids, how many leading ones the prefix cache already held and need no transfer).
+        local_prefills: decode role: ids of remote requests admitted to be prefilled here
+            (``--max-local-prefill-length``); no prefill worker is involved.
         num_tokens: tokens the forward pass computed.
     """
 
     deltas: list[RequestDelta] = field(default_factory=list)
     prefill_progress: list[PrefillProgress] = field(default_factory=list)
-    reserved: list[tuple[str, list[int]]] = field(default_factory=list)
+    reserved: list[tuple[str, list[int], int]] = field(default_factory=list)
+    local_prefills: list[str] = field(default_factory=list)
     num_tokens: int = 0
 
 

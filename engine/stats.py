@@ -2,6 +2,9 @@
 
 ``Prefill batch. #new-seq: …, #new-token: …, #cached-token: …, token usage: …, #running-req: …, #queue-req: …``
 ``Decode batch. #running-req: …, #token: …, token usage: …, gen throughput (token/s): …, #queue-req: …``
+``Prealloc batch. #new-seq: …, #new-token: …, #cached-token: …, token usage: …, #running-req: …, #queue-req: …``
+(decode role: remote requests whose pages were reserved this step; ``#new-token`` are the prompt tokens to
+receive, ``#cached-token`` those this worker's prefix cache held, which are not transferred)
 """
 
 from __future__ import annotations
@@ -63,10 +66,17 @@ class EngineStats:
         if out.retracted:
             logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                            len(out.retracted), scheduler.admission.new_token_ratio)
+        held = sum(r.num_computed_tokens for r in out.reserved)  # decode role: matched before the transfer
         if out.prefills:
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                        "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt, out.num_cached_tokens,
-                        scheduler.pages.token_usage, len(scheduler.running), len(scheduler.waiting))
+                        "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt,
+                        out.num_cached_tokens - held, scheduler.pages.token_usage, len(scheduler.running),
+                        len(scheduler.waiting))
+        if out.reserved:
+            logger.info("Prealloc batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                        "#running-req: %d, #queue-req: %d", len(out.reserved),
+                        sum(r.num_prompt_tokens for r in out.reserved) - held, held, scheduler.pages.token_usage,
+                        len(scheduler.running), len(scheduler.waiting))
         if out.decodes:
             self._decode_steps += 1
             if self._decode_steps % self.decode_log_interval == 0:

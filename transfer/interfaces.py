@@ -102,9 +102,9 @@ class Receiver(Protocol):
     def num_waiting(self) -> int:
         ...
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> Ticket:
-        """Register reserved `pages` for a prompt's KV; the ticket goes to the prefill worker.
-        Raises `PeerNotConnectedError`, ValueError."""
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> Ticket:
+        """Register reserved `pages` for a prompt's KV from prompt page `first_page` on (the earlier ones are
+        held here already); the ticket goes to the prefill worker. Raises `PeerNotConnectedError`, ValueError."""
         ...
 
     def abort(self, transfer_id: str, message: str = "aborted by decode") -> bool:

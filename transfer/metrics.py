@@ -39,6 +39,9 @@ class TransferMetrics:
                                buckets=_SPEED_BUCKETS, registry=registry)
         self.num_descriptors = Histogram("pd:kv_transfer_num_descriptors", "NIXL descriptors per transfer",
                                          buckets=_DESC_BUCKETS, registry=registry)
+        self.received_bytes = Counter("pd:kv_transfer_received_bytes",
+                                      "decode: KV bytes of pushes that arrived (a delta transfer's only)",
+                                      registry=registry)
         self.failed = Counter("pd:kv_transfer_failed", "failed transfers", ["reason"], registry=registry)
         self.decode_transfer_queue = Gauge("pd:num_decode_transfer_queue_reqs",
                                            "decode: requests waiting for their KV", registry=registry)

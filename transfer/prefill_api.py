@@ -15,6 +15,15 @@ the bytes and where prefill spent its time. The prompt tokens that prefill's
 prefix cache served (``num_cached_tokens``) ride both: in the last push's
 notification, so that decode knows them before its first delta, and in this
 response for the HTTP side.
+
+Delta transfers. When the decode worker's own prefix cache holds the prompt's
+first pages, the ticket says so (``KVTicket.first_page``) and covers only the
+rest. The prefill worker still needs the whole prompt's KV to compute the
+suffix (its own cache serves what it can, it computes the rest), samples the
+first token as always, and pushes only the pages from ``first_page`` on. A
+prefill worker that predates the field refuses such a ticket (400
+``invalid_job``, see ``transfer/ticket.py``); it never pushes into the wrong
+pages.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ class PrefillRequest:
         request_id: decode's engine id of the request (unique per attempt).
         prompt_token_ids: the prompt's token ids.
         decode_url: the decode worker's base URL (prefill fetches its agent info there).
-        ticket: decode's reserved pages (`KVTicket`, or a `TPTicket` under tensor parallelism).
+        ticket: decode's reserved pages (`KVTicket`, or a `TPTicket` under tensor parallelism), for the
+            prompt's pages from `decode_cached_pages` on.
         sampling: the first token's parameters (`first_token_params` of the request's).
         resumed_output_ids: output generated before this attempt (a migrated stream): prefill computes their
             KV after the prompt's and pushes both (the ticket's ``num_tokens`` counts them), then samples the
@@ -60,6 +70,11 @@ class PrefillRequest:
     ticket: Ticket
     sampling: SamplingParams
     resumed_output_ids: tuple[int, ...] = ()
+
+    @property
+    def decode_cached_pages(self) -> int:
+        """Leading prompt pages the decode worker already holds: not pushed (``ticket.first_page``)."""
+        return self.ticket.first_page
 
     def to_dict(self) -> dict:
         d = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
@@ -137,11 +152,11 @@ class PrefillResponse:
     Attributes:
         request_id: as in the request.
         num_pushes: WRITEs the transfer took.
-        nbytes: bytes written into decode's pages.
+        nbytes: bytes written into decode's pages (those from the ticket's ``first_page`` on).
         timings: `PrefillTimings`.
         num_cached_tokens: prompt tokens whose KV came from the prefill worker's prefix cache (not
-            computed there; OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Decode still
-            receives every prompt page.
+            computed there; OpenAI's ``usage.prompt_tokens_details.cached_tokens``). Independent of
+            what the decode worker held: that saves the transfer of those pages, not their compute.
     """
 
     request_id: str

@@ -143,14 +143,19 @@ class KVReceiver:
         """True while a transfer waits or a failed one's pages are not released: keep calling `poll`."""
         return bool(self._jobs)
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> KVTicket:
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> KVTicket:
         """Register reserved `pages` for a request's prompt KV and make the ticket for the prefill worker.
 
         The deadline starts now.
 
+        Args:
+            pages: the pages to fill, for the prompt's pages ``[first_page, ceil(num_tokens / page_size))``.
+            num_tokens: the whole prompt's tokens.
+            first_page: leading prompt pages this worker already holds (a delta transfer; `KVTicket`).
+
         Raises:
             PeerNotConnectedError: the prefill agent's metadata is not loaded.
-            ValueError: pages outside this pool, repeated, or not matching `num_tokens`.
+            ValueError: pages outside this pool, repeated, or not matching `num_tokens` and `first_page`.
         """
         self.agent.peer(prefill_agent)
         arr = np.asarray(pages, dtype=np.int64)
@@ -158,7 +163,7 @@ class KVReceiver:
         self._seq += 1
         tid = f"{request_id}@{self.agent.incarnation}.{self._seq}"
         ticket = KVTicket(tid, request_id, self.agent.name, prefill_agent, tuple(int(p) for p in arr), num_tokens,
-                          self.agent.pool.page_size)
+                          self.agent.pool.page_size, first_page)
         now = self._clock()
         self._jobs[tid] = _Expect(ticket, now, now)
         self.metrics.decode_transfer_queue.set(self.num_waiting)
@@ -282,6 +287,7 @@ class KVReceiver:
             raise ProtocolError(f"transfer {t.transfer_id} from {job.peer}: {bad}", transfer_id=t.transfer_id,
                                 peer=job.peer)
         job.pushes[push.index] = push
+        self.metrics.received_bytes.inc(push.nbytes)
         job.pages_arrived += push.num_pages
         job.total = push.total or job.total
         job.last_progress = now

@@ -10,7 +10,10 @@ Usage from a prefill worker's step loop (single thread, nothing blocks)::
 
 A push covers the pages that became full since the previous push; the push
 that reaches the prompt's end also sends the last, partial page and carries
-the number of pushes, so decode can check that every push arrived. On GPU, a
+the number of pushes, so decode can check that every push arrived. A delta
+ticket (``first_page`` > 0: decode's own cache holds the prompt's first pages)
+is pushed from that page on: chunks that complete only earlier pages push
+nothing, and a push's ``page_start`` counts from the ticket's first page. On GPU, a
 push may wait for a CUDA event recorded after the chunk's forward pass: it is
 posted by the first `poll` that finds the event complete.
 
@@ -89,7 +92,7 @@ class _Job:
     started: float
     last_progress: float
     pushes: list[_Push] = field(default_factory=list)
-    sent_pages: int = 0
+    sent_pages: int = 0  # prompt pages pushed or held by decode (starts at the ticket's first_page)
     last_issued: bool = False
     nbytes: int = 0
     error: TransferError | None = None
@@ -152,7 +155,7 @@ class KVSender:
             raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
         now = self._clock()
-        self._jobs[ticket.transfer_id] = _Job(ticket, now, now)
+        self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
@@ -167,7 +170,8 @@ class KVSender:
                 after the forward pass; the push is posted once it is complete. None: post now.
 
         Returns:
-            The number of pages this push covers (0: no page became complete; nothing posted).
+            The number of pages this push covers (0: no page at or after the ticket's ``first_page``
+            became complete; nothing posted).
 
         Raises:
             KeyError: unknown transfer id.
@@ -180,18 +184,19 @@ class KVSender:
             raise ValueError(f"transfer {transfer_id}: push after the last push")
         t = job.ticket
         last = num_computed_tokens >= t.num_tokens
-        end = t.num_pages if last else min(num_computed_tokens // t.page_size, t.num_pages)
+        # prompt page indices (job.sent_pages starts at t.first_page); the ticket's pages count from first_page
+        end = t.num_prompt_pages if last else min(num_computed_tokens // t.page_size, t.num_prompt_pages)
         if end <= job.sent_pages:
             return 0
         if len(block_table) < end:
             raise ValueError(f"transfer {transfer_id}: block table has {len(block_table)} pages, push needs {end}")
         src = np.asarray(block_table[job.sent_pages:end], dtype=np.int64)
         validate_pages(src, self.agent.pool.num_pages, "prefill")
-        dst = np.asarray(t.dst_pages[job.sent_pages:end], dtype=np.int64)
+        dst = np.asarray(t.dst_pages[job.sent_pages - t.first_page:end - t.first_page], dtype=np.int64)
         runs = page_runs(src, dst)
         nbytes = runs.num_pages * self.agent.page_nbytes
         index = len(job.pushes)
-        msg = protocol.Push(transfer_id, index, job.sent_pages, end - job.sent_pages, nbytes,
+        msg = protocol.Push(transfer_id, index, job.sent_pages - t.first_page, end - job.sent_pages, nbytes,
                             total=index + 1 if last else 0, meta=(meta or {}) if last else None)
         info = self.agent.peer(job.peer)
         p = _Push(msg,
@@ -203,7 +208,7 @@ class KVSender:
         job.sent_pages, job.last_issued = end, last
         if ready_event is None:
             self._post(job, p)
-        return end - msg.page_start
+        return msg.num_pages
 
     def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
         """Stop a transfer (e.g. the client went away). Its end is reported by `poll` as failed.

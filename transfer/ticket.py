@@ -6,6 +6,15 @@ worker with the request (over HTTP); the prefill worker gives it to
 `KVSender.add_request`. Both agents' names are in it, incarnation ids
 included, so either side can tell the other's metadata is stale before any
 byte moves (vllm #49238).
+
+Delta transfers. A decode worker whose own prefix cache already holds the
+prompt's first pages sends a ticket with ``first_page`` > 0: ``dst_pages``
+then covers only pages ``[first_page, ceil(num_tokens / page_size))`` and the
+prefill worker pushes only those. The field is written only when non-zero, and
+a ticket that carries it has fewer pages than its ``num_tokens`` need, so a
+prefill worker that predates the field refuses it at parsing (400
+``invalid_job``: the page count does not match) instead of pushing the prompt's
+first pages into the wrong decode pages.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ class KVTicket:
         request_id: the request's id (``X-Request-Id``), for logs and events.
         decode_agent: the receiving agent's name (with its incarnation).
         prefill_agent: the sending agent's name as decode knows it.
-        dst_pages: decode's reserved page ids, in token order.
-        num_tokens: prompt tokens whose KV is transferred.
+        dst_pages: decode's reserved page ids, in token order, for the prompt's pages
+            ``[first_page, first_page + len(dst_pages))``.
+        num_tokens: the prompt's tokens (the whole prompt, held pages included).
         page_size: tokens per page (both sides agree; checked at the handshake).
+        first_page: how many leading prompt pages decode already holds (its own prefix
+            cache); they are not transferred. 0: the whole prompt is transferred.
     """
 
     transfer_id: str
@@ -35,21 +47,35 @@ class KVTicket:
     dst_pages: tuple[int, ...]
     num_tokens: int
     page_size: int
+    first_page: int = 0
 
     def __post_init__(self) -> None:
-        need = -(-self.num_tokens // self.page_size) if self.page_size > 0 else -1
+        total = -(-self.num_tokens // self.page_size) if self.page_size > 0 else -1
+        need = total - self.first_page
+        if self.num_tokens >= 1 and not 0 <= self.first_page < total:
+            raise ValueError(f"ticket {self.transfer_id}: first_page={self.first_page} must be in [0, {total}) "
+                             f"for {self.num_tokens} tokens of page size {self.page_size}")
         if self.num_tokens < 1 or len(self.dst_pages) != need:
             raise ValueError(f"ticket {self.transfer_id}: {len(self.dst_pages)} pages for {self.num_tokens} "
-                             f"tokens of page size {self.page_size} (need {need})")
+                             f"tokens of page size {self.page_size} from page {self.first_page} (need {need})")
 
     @property
     def num_pages(self) -> int:
+        """Pages transferred (``len(dst_pages)``)."""
         return len(self.dst_pages)
 
+    @property
+    def num_prompt_pages(self) -> int:
+        """Pages of the whole prompt: ``first_page + num_pages``."""
+        return self.first_page + len(self.dst_pages)
+
     def to_dict(self) -> dict:
-        return {"transfer_id": self.transfer_id, "request_id": self.request_id,
-                "decode_agent": self.decode_agent, "prefill_agent": self.prefill_agent,
-                "dst_pages": list(self.dst_pages), "num_tokens": self.num_tokens, "page_size": self.page_size}
+        d = {"transfer_id": self.transfer_id, "request_id": self.request_id,
+             "decode_agent": self.decode_agent, "prefill_agent": self.prefill_agent,
+             "dst_pages": list(self.dst_pages), "num_tokens": self.num_tokens, "page_size": self.page_size}
+        if self.first_page:  # only then: an older prefill worker must refuse it (module doc)
+            d["first_page"] = self.first_page
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> KVTicket:
@@ -61,7 +87,7 @@ class KVTicket:
         try:
             return cls(str(d["transfer_id"]), str(d["request_id"]), str(d["decode_agent"]),
                        str(d["prefill_agent"]), tuple(int(p) for p in d["dst_pages"]),
-                       int(d["num_tokens"]), int(d["page_size"]))
+                       int(d["num_tokens"]), int(d["page_size"]), int(d.get("first_page", 0)))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed KV ticket: {e!r}") from e
 
@@ -104,6 +130,11 @@ class TPTicket:
     @property
     def num_pages(self) -> int:
         return self.tickets[0].num_pages
+
+    @property
+    def first_page(self) -> int:
+        """Leading prompt pages decode already holds (the same on every rank)."""
+        return self.tickets[0].first_page
 
     def to_dict(self) -> dict:
         return {"tp": [t.to_dict() for t in self.tickets]}

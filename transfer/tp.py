@@ -94,8 +94,9 @@ class RankTransfer:
         ev = self.sender.poll()
         return ev, self.sender.has_work, self.sender.num_inflight
 
-    def receiver_expect(self, request_id: str, pages: list[int], num_tokens: int, prefill0: str) -> KVTicket:
-        return self.receiver.expect(request_id, pages, num_tokens, self.peer_names[prefill0])
+    def receiver_expect(self, request_id: str, pages: list[int], num_tokens: int, prefill0: str,
+                        first_page: int = 0) -> KVTicket:
+        return self.receiver.expect(request_id, pages, num_tokens, self.peer_names[prefill0], first_page)
 
     def receiver_abort(self, tids: tuple[str, ...], message: str) -> bool:
         return self.receiver.abort(tids[self.rank], message)
@@ -268,9 +269,9 @@ class TPReceiver(_TPProxy):
     def num_waiting(self) -> int:
         return sum(1 for p in self.parts.values() if not p.failed and not p.aborted)
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str) -> TPTicket:
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> TPTicket:
         tickets = on_ranks(self.driver, RankTransfer.receiver_expect, request_id, list(pages), num_tokens,
-                           prefill_agent)
+                           prefill_agent, first_page)
         ticket = TPTicket(tuple(tickets))
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in tickets), request_id)
         return ticket

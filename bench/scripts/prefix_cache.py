@@ -24,8 +24,10 @@ Cache on against off (``--disable-radix-cache``) on 1P1D, and with
 ``--with-2p2d`` the router's ``cache_aware`` against ``round_robin`` prefill
 policy on 2P2D. Per run: prefill tokens computed (``vllm:prompt_tokens``
 of the prefill workers), TTFT p50/p99 at the client (streamed), goodput
-(requests per second whose TTFT met ``--ttft-slo-ms``) and the KV bytes
-pushed from prefill to decode (``pd:kv_transfer_bytes``).
+(requests per second whose TTFT met ``--ttft-slo-ms``), the KV bytes
+pushed from prefill to decode (``pd:kv_transfer_bytes`` of the prefill workers)
+and the KV bytes the decode workers did not receive because their own prefix
+cache held those prompt pages (``pd:kv_transfer_saved_bytes``).
 
 Run: ``python -m pd_cluster.bench.scripts.prefix_cache`` (about a minute with the defaults).
 """
@@ -141,6 +143,7 @@ def scrape(urls: list[str], names: tuple[str, ...]) -> dict[str, float]:
 
 COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
             "pd:kv_transfer_bytes_total")
+DECODE_COUNTERS = ("pd:kv_transfer_received_bytes_total", "pd:kv_transfer_saved_bytes_total")
 
 
 async def replay(url: str, reqs: list[TraceRequest], concurrency: int, timeout: float) -> list[float | None]:
@@ -189,21 +192,24 @@ def run_one(run: Run, reqs: list[TraceRequest], args: argparse.Namespace) -> dic
         cluster.wait_ready(timeout=300)
         prefills = [p.url for p in cluster.procs if p.role == "prefill"]
         capacity = sum(httpx.get(u + "/get_load", timeout=10).json()["num_total_pages"] for u in prefills)
-        before = scrape(prefills, COUNTERS)
+        decodes = [p.url for p in cluster.procs if p.role == "decode"]
+        before = {**scrape(prefills, COUNTERS), **scrape(decodes, DECODE_COUNTERS)}
         t0 = time.perf_counter()
         ttfts = asyncio.run(replay(cluster.router_url, reqs, args.concurrency, args.request_timeout))
         wall = time.perf_counter() - t0
         time.sleep(0.5)  # the last step's counters
-        after = scrape(prefills, COUNTERS)
+        after = {**scrape(prefills, COUNTERS), **scrape(decodes, DECODE_COUNTERS)}
     finally:
         cluster.stop()
-    d = {k: after[k] - before[k] for k in COUNTERS}
+    d = {k: after[k] - before[k] for k in COUNTERS + DECODE_COUNTERS}
     ok = np.array([t for t in ttfts if t is not None])
     full_pages = sum(len(r.page_keys) for r in reqs)
     return {"name": run.name, "capacity_pages": capacity, "completed": len(ok), "failed": len(ttfts) - len(ok),
             "hit_tokens": d["vllm:prefix_cache_hits_total"], "query_tokens": d["vllm:prefix_cache_queries_total"],
             "block_hit_ratio": d["vllm:prefix_cache_hits_total"] / args.block_tokens / max(full_pages, 1),
             "prefill_tokens": d["vllm:prompt_tokens_total"], "kv_bytes": d["pd:kv_transfer_bytes_total"],
+            "kv_received_bytes": d["pd:kv_transfer_received_bytes_total"],
+            "kv_saved_bytes": d["pd:kv_transfer_saved_bytes_total"],
             "ttft_p50_ms": float(np.percentile(ok, 50) * 1e3) if len(ok) else float("nan"),
             "ttft_p99_ms": float(np.percentile(ok, 99) * 1e3) if len(ok) else float("nan"),
             "goodput_rps": float((ok <= args.ttft_slo_ms / 1e3).sum() / wall), "wall_s": wall}
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"simulated block hit ratio: unbounded {ideal_hits / full_pages:.1%}; "
           + ", ".join(f"LRU of {c} pages {h / full_pages:.1%}" for c, h in lru.items()))
     head = (f"{'run':<18} {'done':>5} {'fail':>4} {'block hits':>10} {'LRU':>6} {'/ LRU':>6} {'prefill tok':>11} "
-            f"{'TTFT p50':>9} {'TTFT p99':>9} {'goodput':>8} {'KV MiB':>7}")
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'goodput':>8} {'KV MiB':>7} {'saved MiB':>9}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -250,10 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         of_lru = r["block_hit_ratio"] / lru_ratio if lru_ratio else float("nan")
         print(f"{r['name']:<18} {r['completed']:>5} {r['failed']:>4} {r['block_hit_ratio']:>10.1%} {lru_ratio:>6.1%} "
               f"{of_lru:>6.1%} {r['prefill_tokens']:>11.0f} {r['ttft_p50_ms']:>7.1f}ms {r['ttft_p99_ms']:>7.1f}ms "
-              f"{r['goodput_rps']:>6.1f}/s {r['kv_bytes'] / 2**20:>7.2f}")
+              f"{r['goodput_rps']:>6.1f}/s {r['kv_bytes'] / 2**20:>7.2f} {r['kv_saved_bytes'] / 2**20:>9.2f}")
     print(f"LRU: simulated with the run's prefill capacity (2P2D: one LRU of both pools); goodput: requests/s "
-          f"with TTFT <= {args.ttft_slo_ms:.0f} ms; KV MiB: pushed prefill -> decode "
-          f"(every prompt page: decode-side reuse is not built)")
+          f"with TTFT <= {args.ttft_slo_ms:.0f} ms; KV MiB: pushed prefill -> decode; saved MiB: prompt pages the "
+          f"decode workers' own caches held, so not transferred")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": results,
                                          "sim": {"full_pages": full_pages, "ideal_hits": ideal_hits,

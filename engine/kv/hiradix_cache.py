@@ -191,17 +191,19 @@ class HiRadixCache(PrefixCache):
 
 
 def build_prefix_cache(cache: CacheConfig, role: str, allocator: PageAllocator, pool: KVPool) -> PrefixCache | None:
-    """The prefix cache an engine of `role` keeps: none in the decode role or with ``--disable-radix-cache``;
-    with ``--enable-hierarchical-cache`` a `HiRadixCache` over a host tier sized by `plan_host_pool`.
+    """The prefix cache an engine of `role` keeps: none with ``--disable-radix-cache``; with
+    ``--enable-hierarchical-cache`` (prefill and mixed roles) a `HiRadixCache` over a host tier sized by
+    `plan_host_pool`; else a device-only `PrefixCache` (the decode role's: pages of finished requests).
 
     Raises:
         ValueError: the host tier holds no page or exceeds the host memory available.
     """
-    if not cache.enable_prefix_caching or role == "decode":
-        if cache.enable_hierarchical_cache:
-            logger.warning("--enable-hierarchical-cache has no effect in the %s role: it keeps no prefix cache", role)
+    if not cache.enable_prefix_caching:
         return None
-    if not cache.enable_hierarchical_cache:
+    if not cache.enable_hierarchical_cache or role == "decode":
+        if cache.enable_hierarchical_cache:
+            logger.warning("--enable-hierarchical-cache has no effect in the decode role: its prefix cache "
+                           "stays on the device")
         return PrefixCache(allocator, pool.page_size)
     plan = plan_host_pool(pool.layout, cache, pool.num_pages)
     host_pool = HostKVPool(pool, plan.num_pages)

@@ -22,9 +22,13 @@ Roles:
   (``PREFILLED``) until the worker, its KV pushed, calls `release`. Cached
   pages are part of its block table like computed ones, so they are pushed too.
 - ``decode``: remote requests get pages for their prompt at admission
-  (``WAITING_FOR_REMOTE_KV``); the worker then has the prefill worker fill
-  them and calls `complete_remote_prefill` with the first token. A retracted
-  request is recomputed locally.
+  (``WAITING_FOR_REMOTE_KV``), starting on their longest cached prefix (as a
+  local request's, capped before the last token): only the rest is reserved,
+  and the worker has the prefill worker fill only those pages, then calls
+  `complete_remote_prefill` with the first token; the arrived pages join the
+  cache. When the uncached rest is at most ``max_local_prefill_length`` tokens
+  the request is prefilled here instead (``local_prefills``; Dynamo's
+  conditional disaggregation). A retracted request is recomputed locally.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class SchedulerOutput:
     prefills: list[ScheduledRequest] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
     reserved: list[Request] = field(default_factory=list)  # decode role: pages just reserved
+    local_prefills: list[Request] = field(default_factory=list)  # decode role: remote requests prefilled here
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache by the requests admitted this step
     prefix_cache_queries: int = 0    # tokens looked up in the prefix cache (first admissions only, as vLLM)
     prefix_cache_hits: int = 0       # of which found on the device
@@ -214,25 +219,30 @@ class Scheduler:
         reserved = self.admission.reserved_tokens(self.running) + self.admission.reserved_tokens(self.remote.values())
         while self.waiting and self.num_holding < self.max_running:
             req = self.waiting[0]
-            if req.remote_kv:
-                need = self.admission.tokens_needed(req)
-                if not self._fits(need, reserved) or not self._reserve_remote(req, out):
-                    break
+            cached = self._match(req)
+            need = self.admission.tokens_needed(req)  # after the match: cached tokens are not needed
+            remote = req.remote_kv and req.num_tokens - cached > self.config.max_local_prefill_length
+            if remote:
+                admitted = self._fits(need, reserved) and self._reserve_remote(req, out)
+                n = 0
             else:
-                cached = self._match(req)
-                need = self.admission.tokens_needed(req)  # after the match: cached tokens are not needed
                 n = self._chunk(req, budget)
-                if not (self._fits(need, reserved) and n > 0
-                        and self.pages.can_grow(req, req.num_computed_tokens + n)):
-                    self.pages.release(req)  # give the matched pages back
-                    req.num_computed_tokens = 0
-                    break
+                admitted = (self._fits(need, reserved) and n > 0
+                            and self.pages.can_grow(req, req.num_computed_tokens + n))
+            if not admitted:
+                self.pages.release(req)  # give the matched pages back
+                req.num_computed_tokens = 0
+                break
+            if not remote:
+                if req.remote_kv:  # conditional disaggregation: this worker prefills the short rest itself
+                    req.remote_kv = False
+                    out.local_prefills.append(req)
                 self.pages.grow(req, req.num_computed_tokens + n)
                 self.waiting.popleft()
                 self._admit(req)
-                self._count_cached(req, cached, out)
                 out.prefills.append(ScheduledRequest(req, req.num_computed_tokens, n))
                 budget -= n
+            self._count_cached(req, cached, out)
             reserved += need
 
     def _fits(self, need: int, reserved: float) -> bool:
@@ -260,7 +270,8 @@ class Scheduler:
                     out.host_cache_hits += loaded
 
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
-        # every known token's KV comes from the prefill worker: the prompt and any resumed output
+        """Reserve pages for every known token beyond the matched prefix (`num_computed_tokens` until the KV
+        arrives): the prompt and any resumed output, whose KV the prefill worker computes too."""
         if not self.pages.can_grow(req, req.num_tokens):
             return False
         self.pages.grow(req, req.num_tokens)
@@ -298,9 +309,11 @@ class Scheduler:
         self.pages.release(req)
 
     def complete_remote(self, req: Request) -> None:
-        """Decode role: `req`'s prompt KV (and its resumed output's) arrived; it joins the running batch."""
+        """Decode role: `req`'s prompt KV (and its resumed output's) arrived; it joins the running batch and its
+        full pages the cache."""
         self.remote.pop(req.request_id)
         req.num_computed_tokens = req.num_tokens
+        self.pages.cache_computed(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

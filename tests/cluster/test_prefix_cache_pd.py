@@ -3,9 +3,11 @@
 - 1P1D: a 5-turn conversation (each prompt is the previous prompt, its answer and a new question). Turn k's
   prefill computes only what the prefill worker's cache lacks: its ``vllm:prefix_cache_hits`` grow by exactly
   the previous prompt's full pages (the answer was decoded on the decode worker, so prefill never held it),
-  the decode worker reports that count in OpenAI's ``usage.prompt_tokens_details.cached_tokens`` without
-  counting it in its own prefix-cache counters, and every answer equals the cache-off greedy text.
-  The decode worker still receives every prompt page (transfers are not yet limited to missing pages).
+  and the decode worker reports that count in OpenAI's ``usage.prompt_tokens_details.cached_tokens``. The
+  decode worker kept the previous prompt's and answer's full pages in its own cache and receives only the
+  rest: ``pd:kv_transfer_received_bytes`` grows by exactly the missing pages' bytes and
+  ``pd:kv_transfer_saved_bytes`` by the held ones'. Every answer equals the cache-off PD run's
+  (``--disable-radix-cache`` on both workers, every page transferred) and the offline greedy text.
 - 2P2D: the router's ``cache_aware`` prefill policy keeps conversations where their prefix is cached,
   measured by the prefill workers' own hit counters, against ``round_robin``.
 """
@@ -15,7 +17,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from cluster_util import metric_value, running_cluster
+from cluster_util import metric_value, running_cluster, wait_all_free
+from reuse_util import OPENING, QUESTIONS, Turn, conversation, counters, decode_held, delta, pages, prefill_held
 
 from pd_cluster.engine.llm import LLM
 from pd_cluster.engine.sampling.params import SamplingParams
@@ -24,9 +27,6 @@ from pd_cluster.transfer.prefill_api import PrefillResponse, PrefillTimings
 PAGE = 16
 MAX_TOKENS = 16
 ENGINE = ["--page-size", str(PAGE)]
-OPENING = "Once upon a time, there was a little girl named Lily. She liked to play in the park."
-QUESTIONS = [" Then she saw a big dog.", " The dog wanted to play.", " Her mom called her home.",
-             " At night she dreamed."]
 OPENINGS = [OPENING, "Tom had a red truck and a blue ball. Every morning he drove the truck to the hill.",
             "A small bird lived in a tall tree near the river, and it sang a song every day."]
 
@@ -71,33 +71,61 @@ def test_prefill_response_carries_cached_tokens():
         PrefillResponse.from_dict(dict(resp.to_dict(), num_cached_tokens=-1))
 
 
-@pytest.mark.timeout(600)
-def test_multi_turn_1p1d_prefill_computes_only_new_tokens():
-    turns = 5
-    answers, lengths = _reference([OPENING], turns)
-    with running_cluster(1, 1, engine_argv=ENGINE) as cluster:
+def _pd_turns(engine_argv: list[str], turns: list[Turn], page_nbytes: int, reuse: bool) -> list[str]:
+    """Run the conversation on a real 1P1D through the router; check every counter per turn; return the texts.
+
+    With `reuse` (the caches on) turn k's prefill computes only what the prefill worker's cache lacks, and
+    the decode worker receives only the pages its own cache lacks; without it, every page, every time.
+    """
+    texts = []
+    with running_cluster(1, 1, engine_argv=engine_argv) as cluster:
         prefill = next(p.url for p in cluster.procs if p.role == "prefill")
         decode = next(p.url for p in cluster.procs if p.role == "decode")
         client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", timeout=60, max_retries=0)
-        prompt = OPENING
-        for k in range(turns):
-            q0, h0 = _counters(prefill)
-            out = client.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS,
+        for k, t in enumerate(turns):
+            p0, d0 = counters(prefill), counters(decode)
+            out = client.completions.create(model="stories260K", prompt=t.prompt, max_tokens=MAX_TOKENS,
                                             temperature=0)
-            q1, h1 = _counters(prefill)
-            want = _expected_hits(lengths[0][k - 1], lengths[0][k]) if k else 0
-            assert out.choices[0].text == answers[0][k], k
-            assert out.usage.prompt_tokens == lengths[0][k]
-            assert (q1 - q0, h1 - h0) == (lengths[0][k], want), k
-            assert out.usage.prompt_tokens_details.cached_tokens == want, k
-            last, prompt = prompt, prompt + out.choices[0].text + QUESTIONS[k % len(QUESTIONS)]
-        assert want > 0
-        # the last turn again, streamed: its whole prompt is cached but for the last token (the engine's cap)
-        chunks = list(client.completions.create(model="stories260K", prompt=last, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True, stream_options={"include_usage": True}))
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == answers[0][-1]
-        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (lengths[0][-1] - 1) // PAGE * PAGE
-        assert _counters(decode)[1] == 0  # decode's own cache is off; prefill's hits are not counted twice
+            dp, dd = delta(counters(prefill), p0), delta(counters(decode), d0)
+            texts.append(out.choices[0].text)
+            n = len(t.ids)
+            held_p = prefill_held(turns, k, PAGE) if reuse else 0
+            held_d = decode_held(turns, k, PAGE) if reuse else 0
+            moved = (pages(n, PAGE) - held_d) * page_nbytes
+            assert out.usage.prompt_tokens == n
+            assert out.usage.prompt_tokens_details.cached_tokens == held_p * PAGE, k  # prefill computed the rest
+            assert (dp["vllm:prefix_cache_queries_total"], dp["vllm:prefix_cache_hits_total"],
+                    dp["vllm:prompt_tokens_total"]) == ((n, held_p * PAGE, n - held_p * PAGE) if reuse else (0, 0, n))
+            assert (dd["pd:kv_transfer_received_bytes_total"], dd["pd:kv_transfer_saved_bytes_total"],
+                    dp["pd:kv_transfer_bytes_total"]) == (moved, held_d * page_nbytes, moved), k
+            assert (dd["vllm:prefix_cache_queries_total"], dd["vllm:prefix_cache_hits_total"]) == \
+                ((n, held_d * PAGE) if reuse else (0, 0)), k
+            assert dd["pd:decode_local_prefill_requests_total"] == 0
+        if reuse:
+            # the last turn again, streamed: decode holds all its full pages but the last token's (the engine's
+            # cap), prefill its whole prompt's but that token's
+            d0 = counters(decode)
+            chunks = list(client.completions.create(model="stories260K", prompt=turns[-1].prompt,
+                                                    max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}))
+            dd = delta(counters(decode), d0)
+            n = len(turns[-1].ids)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == turns[-1].text
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE
+            assert dd["pd:kv_transfer_received_bytes_total"] == (pages(n, PAGE) - (n - 1) // PAGE) * page_nbytes
+        loads = wait_all_free(cluster, timeout=10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+    return texts
+
+
+@pytest.mark.timeout(600)
+def test_multi_turn_1p1d_prefill_computes_and_decode_receives_only_new_tokens():
+    turns, page_nbytes = conversation(OPENING, 5, MAX_TOKENS, page_size=PAGE)
+    held = [decode_held(turns, k, PAGE) for k in range(len(turns))]
+    assert all(h > p for h, p in zip(held[1:], (prefill_held(turns, k, PAGE) for k in range(1, 5))))
+    cache_off = _pd_turns(ENGINE + ["--disable-radix-cache"], turns, page_nbytes, reuse=False)
+    cache_on = _pd_turns(ENGINE, turns, page_nbytes, reuse=True)
+    assert cache_on == cache_off == [t.text for t in turns]
 
 
 def _conversations_hits(policy: str, answers: list[list[str]], turns: int) -> tuple[float, float]:

@@ -68,7 +68,7 @@ def _error_of(fut: asyncio.Future) -> BaseException:
 
 
 def test_the_transition_table_is_the_documented_one():
-    assert NEXT[S.QUEUED] == {S.RESERVED, S.FAILED}
+    assert NEXT[S.QUEUED] == {S.RESERVED, S.RUNNING, S.FAILED}  # RUNNING: prefilled here (--max-local-prefill-length)
     assert NEXT[S.RESERVED] == {S.ARRIVING, S.FAILED}
     assert NEXT[S.ARRIVING] == {S.RUNNING, S.FAILED}
     assert NEXT[S.FAILED] == {S.QUARANTINED, S.RELEASED}

@@ -178,11 +178,12 @@ def test_prefill_role_computes_only_the_suffix_and_cached_pages_hold_the_same_by
     assert_no_page_in_use(on)
 
 
-def test_flags_turn_the_cache_off_and_decode_role_has_none():
+def test_flags_turn_the_cache_off_in_every_role():
     parser = add_engine_args(argparse.ArgumentParser())
     for argv, on in (([], True), (["--disable-radix-cache"], False), (["--no-enable-prefix-caching"], False)):
         assert config_from_args(parser.parse_args(argv)).cache.enable_prefix_caching is on
     for kw in ({"disable_radix_cache": True},):
         assert LLM(**kw).engine.prefix_cache is None
     assert LLM().engine.prefix_cache is not None
-    assert LLMEngine(config_from_kwargs(role="decode")).prefix_cache is None
+    assert LLMEngine(config_from_kwargs(role="decode")).prefix_cache is not None  # decode keeps finished pages
+    assert LLMEngine(config_from_kwargs(role="decode", disable_radix_cache=True)).prefix_cache is None

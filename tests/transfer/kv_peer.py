@@ -159,13 +159,15 @@ class _Worker:
     def cmd_connected(self, agent: str) -> bool:
         return self.agent.is_connected(agent)
 
-    def cmd_expect(self, request_id: str, num_tokens: int, prefill_agent: str, skip_pages: int = 0) -> dict:
+    def cmd_expect(self, request_id: str, num_tokens: int, prefill_agent: str, skip_pages: int = 0,
+                   first_page: int = 0) -> dict:
+        """Reserve pages for the prompt's pages from `first_page` on (a delta ticket when > 0) and make the ticket."""
         hole = self.alloc.allocate(skip_pages) if skip_pages else []
-        pages = self.alloc.allocate(self.km.pages_for(num_tokens, self.spec.page_size))
+        pages = self.alloc.allocate(self.km.pages_for(num_tokens, self.spec.page_size) - first_page)
         if hole:
             self.alloc.free(hole)  # leaves the request's pages away from page 1
         try:
-            return self.receiver.expect(request_id, pages, num_tokens, prefill_agent).to_dict()
+            return self.receiver.expect(request_id, pages, num_tokens, prefill_agent, first_page).to_dict()
         except Exception:
             self.alloc.free(pages)
             raise
@@ -205,7 +207,7 @@ class _Worker:
             self.alloc.free(pages)
             raise
         self.jobs[t.transfer_id] = {"ids": ids, "n": t.num_tokens, "pages": pages, "pos": 0, "chunk": chunk,
-                                    "auto": auto, "sent": 0, "pushes": []}
+                                    "auto": auto, "sent": t.first_page, "pushes": []}
         return pages
 
     def cmd_chunk(self, tid: str) -> dict:

@@ -64,3 +64,29 @@ def test_response_round_trips_and_carries_no_first_token():
     assert PrefillResponse.from_dict(d) == resp
     with pytest.raises(ValueError):
         PrefillResponse.from_dict({"request_id": "r"})
+
+
+# ---- delta tickets (the decode worker's cache holds the prompt's first pages) ----------------------------------
+DELTA = KVTicket("r@inc.3", "r", "decode-h-1-tp0-a", "prefill-h-2-tp0-b", (9, 4), 50, 16, first_page=2)
+
+
+def test_a_delta_ticket_round_trips_and_names_the_held_pages():
+    req = _request(DELTA)
+    back = PrefillRequest.from_json(req.to_json())
+    assert back == req and back.decode_cached_pages == 2
+    assert (DELTA.num_pages, DELTA.num_prompt_pages) == (2, 4)
+    assert "first_page" not in TICKET.to_dict() and KVTicket.from_dict(TICKET.to_dict()).first_page == 0
+
+
+@pytest.mark.parametrize("pages, first", [((9, 4), 1), ((9, 4, 5), 2), ((), 4), ((9,), -1), ((9,), 4)])
+def test_a_delta_ticket_must_cover_exactly_the_pages_after_the_held_ones(pages, first):
+    with pytest.raises(ValueError, match="first_page|pages"):
+        KVTicket("t", "r", "d", "p", pages, 50, 16, first_page=first)  # 50 tokens: 4 pages of 16
+
+
+def test_a_prefill_worker_that_predates_delta_tickets_refuses_them():
+    from legacy_ticket import KVTicket as OldTicket
+
+    assert OldTicket.from_dict(TICKET.to_dict()).dst_pages == TICKET.dst_pages  # full tickets still parse
+    with pytest.raises(ValueError, match=r"2 pages for 50 tokens of page size 16 \(need 4\)"):
+        OldTicket.from_dict(DELTA.to_dict())  # never read as "the prompt's first two pages go to 9 and 4"

@@ -67,3 +67,33 @@ def test_2000_tokens_arrive_in_8_checked_pushes(launcher, tokenizer):
     sender_events = pre.wait_events(lambda ev: any(e["kind"] == "completed" for e in ev), 10)
     assert [e["num_pushes"] for e in sender_events if e["kind"] == "completed"] == [8]
     assert pre.call("state")["free"] == 160
+
+
+@pytest.mark.timeout(300)
+def test_a_delta_ticket_gets_only_the_pages_after_the_held_ones(launcher, tokenizer):
+    """Decode holds the prompt's first 5 pages: prefill computes all 200 tokens in chunks of 48 and pushes
+    only pages 5..12, into the ticket's pages in order; decode's other pages are never written."""
+    n, chunk, held = 200, 48, 5
+    ids = real_prompt(tokenizer, n)
+    pre, dec = launcher.start(PeerSpec("prefill", "fp8_e4m3", PAGE, num_pages=40),
+                              PeerSpec("decode", "fp8_e4m3", PAGE, num_pages=40))
+    connect_pair(pre, dec)
+    zero = dec.call("page_hashes", [1])[0]
+    ticket = dec.call("expect", "req-delta", n, pre.agent, 0, held)
+    tid, dst = ticket["transfer_id"], ticket["dst_pages"]
+    assert ticket["first_page"] == held and len(dst) == pages_for(n, PAGE) - held == 8
+    pre.call("start", ticket, ids, chunk, False)
+    pushes = [pre.call("chunk", tid) for _ in range(0, n, chunk)]
+    # chunk ends 48, 96, 144, 192, 200: full pages 3, 6, 9, 12, then the last (partial) 13th
+    assert [(p["page_start"], p["num_pages"]) for p in pushes] == [(5, 0), (5, 1), (6, 3), (9, 3), (12, 1)]
+    events = dec.wait_events(lambda ev: any(e["kind"] in ("completed", "failed") for e in ev), 30)
+    done = [e for e in events if e["kind"] == "completed"]
+    assert len(done) == 1, events
+    per_page = done[0]["nbytes"] // 8  # 8 pages moved, not 13
+    assert done[0]["nbytes"] == 8 * per_page and "first_token_id" in done[0]["meta"]
+    # on decode a push's page_start counts from the ticket's first page
+    assert [tuple(p[:4]) for p in done[0]["pushes"]] == [(0, 0, 1, per_page), (1, 1, 3, 3 * per_page),
+                                                         (2, 4, 3, 3 * per_page), (3, 7, 1, per_page)]
+    assert dec.call("page_hashes", dst) == [h for p in pushes for h in p["hashes"]]
+    others = [p for p in range(1, 41) if p not in dst]
+    assert dec.call("page_hashes", others) == [zero] * len(others)

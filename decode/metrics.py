@@ -1,0 +1,32 @@
+"""The decode worker's counters of its own KV reuse (delta transfers and local prefills).
+
+Names follow the worker's other ``pd:`` metrics (``docs/worker-api.md``); no
+anchor project has a counter for these concepts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+
+
+class DecodeReuseMetrics:
+    """What a decode worker's own prefix cache saved.
+
+    Args:
+        registry: the worker's registry.
+
+    Attributes:
+        saved_bytes: ``pd:kv_transfer_saved_bytes`` (bytes): prompt pages this worker's prefix cache held
+            when a remote request was admitted, times the page's bytes (all layers, K and V), counted
+            when the request starts running; these pages were not transferred.
+        local_prefills: ``pd:decode_local_prefill_requests``: remote requests prefilled here because their
+            uncached rest was at most ``--max-local-prefill-length`` tokens (no ``/prefill`` call).
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.saved_bytes = Counter("pd:kv_transfer_saved_bytes",
+                                   "decode: KV bytes of prompt pages its own prefix cache held, not transferred",
+                                   registry=registry)
+        self.local_prefills = Counter("pd:decode_local_prefill_requests",
+                                      "decode: remote requests prefilled locally (--max-local-prefill-length)",
+                                      registry=registry)
