@@ -22,6 +22,7 @@ from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, Po
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
 from pd_cluster.engine.parallel.group import SINGLE
@@ -91,7 +92,8 @@ class LLMEngine:
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         # The decode role keeps no prefix cache yet: its prompt pages are filled by a prefill worker.
-        self.prefix_cache = PrefixCache(self.allocator, self.layout.page_size) \
+        self.kv_events = KVEventLog(self.layout.page_size)  # what the cache stores and evicts (GET /kv_events)
+        self.prefix_cache = PrefixCache(self.allocator, self.layout.page_size, self.kv_events) \
             if config.cache.enable_prefix_caching and self.role != "decode" else None
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
