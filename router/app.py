@@ -68,7 +68,7 @@ class RouterApp:
         self.monitor.on_unhealthy.append(self._fail_inflight)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, lambda: self.generate.draining,
-                                    self.can_route).build()
+                                    self.can_route, self.selector.index).build()
         self.sources = sources or []
         self._loops: list[asyncio.Task] = []
 
