@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -58,7 +59,9 @@ class RouterTokenizer:
         try:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            tokenizer = AutoTokenizer.from_pretrained(self.path)
+            tokenizer.model_max_length = sys.maxsize  # the workers check lengths; no warning per long prompt
+            self._tokenizer = tokenizer
             log.info("router tokenizer loaded", extra={"path": self.path})
         except Exception as exc:  # noqa: BLE001 - routing falls back to the approximate tree
             self.error = repr(exc)

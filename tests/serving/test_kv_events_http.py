@@ -83,6 +83,33 @@ def test_kv_events_report_stored_then_evicted_pages_by_the_routers_hashes():
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
 
 
+def test_the_router_tokenizes_as_the_worker_does():
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+    from pd_cluster.router.tokenizer import RouterTokenizer
+
+    tok = RouterTokenizer(DEFAULT_MODEL, max_chars=1 << 18)
+    tok._load()  # what start_loading runs in its thread
+    chat = [{"role": "system", "content": "You tell stories."},
+            {"role": "user", "content": [{"type": "text", "text": "A dog "}, {"type": "text", "text": "and a cat."}]},
+            {"role": "assistant", "content": "Once upon a time"}, {"role": "user", "content": "More!"}]
+    cases = [({"prompt": PROMPT}, False), ({"prompt": PROMPT, "add_special_tokens": False}, False),
+             ({"messages": chat}, True), ({"messages": chat, "add_generation_prompt": False}, True),
+             ({"messages": chat, "add_special_tokens": True}, True)]
+    with running_worker(page_size=PS) as w:
+        for body, is_chat in cases:
+            r = httpx.post(w.url + "/tokenize", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            ids = tok.chat_ids(body) if is_chat else tok.completion_ids(body)
+            assert ids == r.json()["tokens"], body
+    assert tok.chat_ids({"messages": chat, "tools": [{"type": "function"}]}) is None  # the tree routes these
+    assert tok.completion_ids({"prompt": ["a", "b"]}) is None
+    cut = RouterTokenizer(DEFAULT_MODEL, max_chars=400)
+    cut._tokenizer = tok._tokenizer
+    full = tok.completion_ids({"prompt": PROMPT * 20})
+    short = cut.completion_ids({"prompt": PROMPT * 20})
+    assert short == full[:len(short)] and 40 < len(short) < len(full)  # a cut prompt hashes a prefix
+
+
 def test_kv_events_need_the_internal_key():
     auth = InternalAuth(lambda scope, receive, send: JSONResponse({})(scope, receive, send), key="k" * 32)
     assert auth.protects("/kv_events") and not auth.protects("/get_load")
