@@ -64,8 +64,6 @@ POLICY_FLAGS: tuple[Flag, ...] = (
 KV_FLAGS: tuple[Flag, ...] = (
     Flag("--tokenizer-path", "policy.kv.tokenizer_path", str,
          "the model's tokenizer folder: cache_aware then routes on the workers' KV events", aliases=("--tokenizer",)),
-    Flag("--kv-events", "policy.kv.kv_events", None, "use the workers' KV events (--no-kv-events: the "
-         "approximate tree only)", action=argparse.BooleanOptionalAction),
     Flag("--kv-overlap-score-weight", "policy.kv.overlap_score_weight", float,
          "cost = weight x uncached fraction of the prompt + load in requests"),
     Flag("--kv-events-stale-secs", "policy.kv.stale_secs", float,
@@ -139,6 +137,8 @@ def _add_policies(p: argparse.ArgumentParser) -> None:
                    help="decode policy (default least_kv_usage: lowest KV usage with admission room)")
     add_flags(g, POLICY_FLAGS, RouterConfig())
     add_flags(g, KV_FLAGS, RouterConfig())
+    g.add_argument("--no-kv-events", action="store_true",
+                   help="cache_aware ignores the workers' KV events: the approximate tree only (Dynamo's flag)")
     g.add_argument("--kv-events-interval-ms", type=float, default=KvRoutingConfig().poll_interval_secs * 1e3,
                    help="period of GET /kv_events per worker")
 
@@ -215,7 +215,7 @@ def _selector(pairs: Sequence[str]) -> str | None:
 def _policies(a: argparse.Namespace) -> PolicyConfig:
     cache = CacheAwareConfig(**flag_values(a, POLICY_FLAGS, skip_none=False, section="policy.cache_aware"))
     kv = KvRoutingConfig(**flag_values(a, KV_FLAGS, skip_none=False, section="policy.kv"),
-                         poll_interval_secs=a.kv_events_interval_ms / 1e3)
+                         poll_interval_secs=a.kv_events_interval_ms / 1e3, kv_events=not a.no_kv_events)
     d = PolicyConfig()
     return PolicyConfig(
         prefill=a.prefill_policy or a.policy or d.prefill,

@@ -59,7 +59,7 @@ class KvRoutingConfig:
 
     ``tokenizer_path``: the model's tokenizer folder (``--tokenizer-path``); without it the router cannot hash
     prompts, and ``cache_aware`` uses the approximate tree only. ``kv_events``: poll ``GET /kv_events`` and use
-    it (Dynamo's ``--no-kv-events`` turns it off). ``poll_interval_secs``: the poll period per worker.
+    it (``--no-kv-events``, Dynamo's flag, turns it off). ``poll_interval_secs``: the poll period per worker.
     ``stale_secs``: an index whose last good poll is older is not used. ``overlap_score_weight``: the weight
     of the uncached fraction of the prompt against the load in requests (Dynamo's ``--kv-overlap-score-weight``).
     ``max_pages``: per-worker bound of the index. ``max_prompt_chars``: longer prompts are tokenized only up to

@@ -11,6 +11,7 @@ from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.events import page_hash as engine_page_hash
 from pd_cluster.engine.kv.prefix_cache import CacheChain, PrefixCache
+from pd_cluster.router.args import parse_config
 from pd_cluster.router.config import CacheAwareConfig, CircuitBreakerConfig, KvRoutingConfig, PolicyConfig, Role
 from pd_cluster.router.kv_index import BadBatch, KvIndex, PromptTokens, page_hash, page_hashes
 from pd_cluster.router.load import LoadReport
@@ -191,3 +192,11 @@ def test_decode_routing_and_pending_routes_through_the_pair_selector():
     sync(index, p0, workers[p0], clock.t)  # a poll started after both ended: the events are the truth now
     assert index.cached_pages(p0, prompt(new)) == (0, 5)
     assert selector.uses_kv_events(Role.DECODE) and selector.needs_tokens
+
+
+def test_flags():
+    kv = parse_config(["--tokenizer-path", "/m", "--kv-overlap-score-weight", "2.5", "--kv-events-interval-ms",
+                       "50"]).policy.kv
+    assert kv.enabled and (kv.tokenizer_path, kv.overlap_score_weight, kv.poll_interval_secs) == ("/m", 2.5, 0.05)
+    assert not parse_config(["--tokenizer", "/m", "--no-kv-events"]).policy.kv.enabled
+    assert not parse_config([]).policy.kv.enabled  # no tokenizer: the approximate tree
