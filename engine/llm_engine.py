@@ -20,6 +20,7 @@ from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
+from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
 from pd_cluster.engine.model_runner import ModelRunner, StepResult
 from pd_cluster.engine.parallel.group import SINGLE
@@ -89,7 +90,8 @@ class LLMEngine:
             logger.warning("context_length=%d exceeds the model's max_position_embeddings=%d; outputs past it "
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
-        self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool)
+        self.kv_events = KVEventLog(self.layout.page_size)  # what the cache stores and evicts (GET /kv_events)
+        self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events)
         self.host_tier = getattr(self.prefix_cache, "host", None)  # HiCache L2 (--enable-hierarchical-cache)
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler

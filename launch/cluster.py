@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.engine.net import free_port
 from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
@@ -64,7 +65,8 @@ class ClusterSpec:
         colocated: start `num_workers` mixed workers instead.
         engine_argv: engine/transfer flags passed to every worker.
         role_argv: extra flags for the workers of one role (``{"prefill": [...]}``), after `engine_argv`.
-        router_argv: extra router flags.
+        router_argv: extra router flags. Unless they name a ``--tokenizer-path``, the router gets the workers'
+            tokenizer folder (`router_tokenizer`), so that ``cache_aware`` routes on the workers' KV events.
         api_key, admin_api_key: the router's keys (given to it through its environment); the launcher
             uses the admin key to register restarted workers.
         internal_api_key: the cluster's shared internal key, given to the router and every worker through
@@ -119,6 +121,8 @@ class LocalCluster:
             urls = [p.url for p in self.procs if p.role == role]
             if urls:
                 router_argv += [flag, *urls]
+        if not any(a.split("=")[0] in ("--tokenizer-path", "--tokenizer") for a in spec.router_argv):
+            router_argv += ["--tokenizer-path", router_tokenizer(spec.engine_argv)]
         self.router = Proc("router", "router", self.router_url, router_argv + spec.router_argv)
 
     def _add_worker(self, name: str, role: str, port: int) -> None:
@@ -334,6 +338,19 @@ class LocalCluster:
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.manifest, f, indent=2)
+
+
+def router_tokenizer(engine_argv: list[str]) -> str:
+    """The tokenizer folder the workers load: ``--tokenizer``, else ``--model`` (or their SGLang spellings), else
+    the embedded model."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(engine_argv):
+        name, eq, value = arg.partition("=")
+        key = {"--tokenizer": "tokenizer", "--tokenizer-path": "tokenizer", "--model": "model",
+               "--model-path": "model"}.get(name)
+        if key is not None:
+            found[key] = value if eq else (engine_argv[i + 1] if i + 1 < len(engine_argv) else "")
+    return found.get("tokenizer") or found.get("model") or DEFAULT_MODEL
 
 
 def internal_key_env(spec: ClusterSpec) -> dict[str, str]:

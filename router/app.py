@@ -18,12 +18,14 @@ from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.control import ControlPlane
 from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
 from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.kv_events import KvEventsPoller
 from pd_cluster.router.limiter import ConcurrencyLimiter
 from pd_cluster.router.metrics import RouterMetrics, StateCollector
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.proxy import ENDPOINTS, GenerateHandler
 from pd_cluster.router.relay import AttemptFailure
 from pd_cluster.router.selection import PairSelector
+from pd_cluster.router.tokenizer import RouterTokenizer
 from pd_cluster.router.upstream import Upstreams
 from pd_cluster.router.workers import Worker, WorkerRegistry
 
@@ -42,9 +44,13 @@ class RouterApp:
         self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
                                           lim.queue_timeout_secs)
         self.metrics = RouterMetrics()
+        self.tokenizer: RouterTokenizer | None = None
+        if self.selector.needs_tokens:
+            self.tokenizer = RouterTokenizer(config.policy.kv.tokenizer_path, config.policy.kv.max_prompt_chars)
         self.metrics.attach_state(StateCollector(
             self.registry, lambda: self.limiter.queued, lambda: self.limiter.running,
-            {r.value: p for r, p in self.selector.policies.items()}))
+            {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
+            tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded))
         self.models = ModelNames(config.served_model_names, self.registry)
         self.upstreams = Upstreams(lim, config.security.internal_api_key)
         self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
@@ -52,11 +58,17 @@ class RouterApp:
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
                                         self.models, self.upstreams)
         self.generate.on_failure = self._on_attempt_failure
+        self.generate.tokenizer = self.tokenizer
+        self.kv_poller: KvEventsPoller | None = None
+        if self.selector.index is not None and self.tokenizer is not None:
+            self.kv_poller = KvEventsPoller(self.registry, self.upstreams, self.selector.index, config.policy.kv,
+                                            self.selector.uses_kv_events)
+            self.monitor.on_unhealthy.append(self.kv_poller.on_unhealthy)
         self.registry.subscribe(on_removed=self.generate.forget_worker)
         self.monitor.on_unhealthy.append(self._fail_inflight)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, lambda: self.generate.draining,
-                                    self.can_route).build()
+                                    self.can_route, self.selector.index).build()
         self.sources = sources or []
         self._loops: list[asyncio.Task] = []
 
@@ -131,9 +143,13 @@ class RouterApp:
         loop = asyncio.get_running_loop()
         for name, source in self.sources:
             source.start(RegistrySink(self.registry, name, loop, source.ready_means_healthy))
+        if self.tokenizer is not None:
+            self.tokenizer.start_loading()
         self._loops = [asyncio.create_task(c) for c in (
             self.monitor.run_checks(), self.monitor.run_load_polls(), self._run_eviction(),
             self.generate.supervisor.run())]
+        if self.kv_poller is not None:
+            self._loops.append(asyncio.create_task(self.kv_poller.run()))
         log.info("router started", extra={
             "workers": len(self.registry.all()),
             "healthy": sum(w.healthy for w in self.registry.all()),
@@ -156,5 +172,9 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.monitor.close()
+        if self.kv_poller is not None:
+            await self.kv_poller.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
         await self.upstreams.close()
         log.info("router stopped")

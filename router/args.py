@@ -22,6 +22,7 @@ from pd_cluster.router.config import (
     CircuitBreakerConfig,
     HealthConfig,
     KubernetesDiscoveryConfig,
+    KvRoutingConfig,
     LimitsConfig,
     PolicyConfig,
     RayDiscoveryConfig,
@@ -59,6 +60,15 @@ POLICY_FLAGS: tuple[Flag, ...] = (
     Flag("--cache-block-chars", "policy.cache_aware.block_chars", int,
          "granularity of the approximate prefix tree, in characters"),
     Flag("--policy-seed", "policy.seed", int, "seed of random choices"),
+)
+KV_FLAGS: tuple[Flag, ...] = (
+    Flag("--tokenizer-path", "policy.kv.tokenizer_path", str,
+         "the model's tokenizer folder: cache_aware then routes on the workers' KV events", aliases=("--tokenizer",)),
+    Flag("--kv-overlap-score-weight", "policy.kv.overlap_score_weight", float,
+         "cost = weight x uncached fraction of the prompt + load in requests"),
+    Flag("--kv-events-stale-secs", "policy.kv.stale_secs", float,
+         "an index not refreshed for this long is not used (the approximate tree is)"),
+    Flag("--kv-index-max-pages", "policy.kv.max_pages", int, "pages indexed per worker at most"),
 )
 RETRY_FLAGS: tuple[Flag, ...] = (
     Flag("--retry-max-retries", "retry.max_attempts", int,
@@ -126,6 +136,11 @@ def _add_policies(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-policy", choices=POLICY_NAMES, default=None,
                    help="decode policy (default least_kv_usage: lowest KV usage with admission room)")
     add_flags(g, POLICY_FLAGS, RouterConfig())
+    add_flags(g, KV_FLAGS, RouterConfig())
+    g.add_argument("--no-kv-events", action="store_true",
+                   help="cache_aware ignores the workers' KV events: the approximate tree only (Dynamo's flag)")
+    g.add_argument("--kv-events-interval-ms", type=float, default=KvRoutingConfig().poll_interval_secs * 1e3,
+                   help="period of GET /kv_events per worker")
 
 
 def _add_resilience(p: argparse.ArgumentParser) -> None:
@@ -199,11 +214,13 @@ def _selector(pairs: Sequence[str]) -> str | None:
 
 def _policies(a: argparse.Namespace) -> PolicyConfig:
     cache = CacheAwareConfig(**flag_values(a, POLICY_FLAGS, skip_none=False, section="policy.cache_aware"))
+    kv = KvRoutingConfig(**flag_values(a, KV_FLAGS, skip_none=False, section="policy.kv"),
+                         poll_interval_secs=a.kv_events_interval_ms / 1e3, kv_events=not a.no_kv_events)
     d = PolicyConfig()
     return PolicyConfig(
         prefill=a.prefill_policy or a.policy or d.prefill,
         decode=a.decode_policy or a.policy or d.decode,
-        mixed=a.policy or d.mixed, cache_aware=cache, seed=a.policy_seed)
+        mixed=a.policy or d.mixed, cache_aware=cache, kv=kv, seed=a.policy_seed)
 
 
 def _resilience(a: argparse.Namespace) -> tuple[RetryConfig, CircuitBreakerConfig, HealthConfig]:

@@ -54,6 +54,41 @@ class CacheAwareConfig:
 
 
 @dataclass(frozen=True)
+class KvRoutingConfig:
+    """``cache_aware`` on the workers' real cache state, from their KV events (``docs/router.md``).
+
+    ``tokenizer_path``: the model's tokenizer folder (``--tokenizer-path``); without it the router cannot hash
+    prompts, and ``cache_aware`` uses the approximate tree only. ``kv_events``: poll ``GET /kv_events`` and use
+    it (``--no-kv-events``, Dynamo's flag, turns it off). ``poll_interval_secs``: the poll period per worker.
+    ``stale_secs``: an index whose last good poll is older is not used. ``overlap_score_weight``: the weight
+    of the uncached fraction of the prompt against the load in requests (Dynamo's ``--kv-overlap-score-weight``).
+    ``max_pages``: per-worker bound of the index. ``max_prompt_chars``: longer prompts are tokenized only up to
+    this many characters (the pages near the cut are not hashed).
+    """
+
+    tokenizer_path: str | None = None
+    kv_events: bool = True
+    poll_interval_secs: float = 0.1
+    stale_secs: float = 2.0
+    overlap_score_weight: float = 1.0
+    max_pages: int = 1 << 21
+    max_prompt_chars: int = 1 << 18
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_secs <= 0 or self.stale_secs <= 0:
+            raise ValueError("kv events poll interval and staleness must be > 0")
+        if self.overlap_score_weight < 0:
+            raise ValueError("kv overlap score weight must be >= 0")
+        if self.max_pages < 1 or self.max_prompt_chars < 1:
+            raise ValueError("kv index max pages and max prompt chars must be >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        """Real-state routing is on: a tokenizer and events."""
+        return self.kv_events and bool(self.tokenizer_path)
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """One policy per role; names from :data:`POLICY_NAMES`."""
 
@@ -61,6 +96,7 @@ class PolicyConfig:
     decode: str = "least_kv_usage"
     mixed: str = "cache_aware"
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    kv: KvRoutingConfig = field(default_factory=KvRoutingConfig)
     seed: int | None = None
 
     def __post_init__(self) -> None:

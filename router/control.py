@@ -24,10 +24,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body
 from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.kv_index import KvIndex
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.openapi import document_generate_routes, error_responses
-from pd_cluster.router.workers import WorkerRegistry, normalize_url
+from pd_cluster.router.workers import Worker, WorkerRegistry, normalize_url
 
 
 class AddWorker(BaseModel):
@@ -61,8 +62,10 @@ class ControlPlane:
 
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
                  metrics: RouterMetrics, models: ModelNames,
-                 is_draining: Callable[[], bool], can_route: Callable[[], bool]) -> None:
+                 is_draining: Callable[[], bool], can_route: Callable[[], bool],
+                 kv_index: KvIndex | None = None) -> None:
         self.config = config
+        self.kv_index = kv_index
         self.registry = registry
         self.monitor = monitor
         self.metrics = metrics
@@ -167,12 +170,22 @@ class ControlPlane:
                  "root": name, "parent": None} for name in self.models.names()]
         return {"object": "list", "data": data}
 
+    def _describe(self, worker: Worker, now: float) -> dict[str, Any]:
+        """A worker's ``/workers`` entry; with KV events, its index: ``synced``, ``fresh``, ``instance_id``,
+        ``seq`` (the last event applied), ``pages``."""
+        out = worker.describe(now)
+        w = self.kv_index.get(worker.url) if self.kv_index is not None else None
+        if w is not None:
+            out["kv_index"] = {"synced": w.synced, "fresh": self.kv_index.fresh(worker.url, now),
+                               "instance_id": w.instance_id, "seq": w.seq, "pages": len(w.blocks)}
+        return out
+
     def _admin_routes(self, app: FastAPI) -> None:
         @app.get("/workers")
         async def list_workers(request: Request) -> Response:
             self._check_admin(request)
             now = time.monotonic()
-            return JSONResponse({"workers": [w.describe(now) for w in self.registry.all()]})
+            return JSONResponse({"workers": [self._describe(w, now) for w in self.registry.all()]})
 
         @app.post("/workers")
         async def add_worker(request: Request, body: AddWorker) -> Response:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.router.circuit import STATE_CODES
 from pd_cluster.router.config import Role
+from pd_cluster.router.kv_index import KvIndex
 from pd_cluster.router.policies import CacheAware, Policy, effective_load
 from pd_cluster.router.workers import WorkerRegistry
 
@@ -82,8 +83,11 @@ class StateCollector(Collector):
 
     def __init__(self, workers: WorkerRegistry, queue_depth: Callable[[], int],
                  running: Callable[[], int], policies: dict[str, Policy],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_index: KvIndex | None = None,
+                 tokenizer_loaded: Callable[[], bool] = lambda: False) -> None:
         self._workers = workers
+        self._kv_index = kv_index
+        self._tokenizer_loaded = tokenizer_loaded
         self._queue_depth = queue_depth
         self._running = running
         self._policies = policies
@@ -96,6 +100,8 @@ class StateCollector(Collector):
                                 value=self._running())
         yield from self._worker_families()
         yield from self._cache_families()
+        if self._kv_index is not None:
+            yield from self._kv_families(self._kv_index)
 
     def _worker_families(self) -> Iterator:
         now = self._clock()
@@ -128,6 +134,9 @@ class StateCollector(Collector):
                                   "cache_aware hits / decisions since start.", labels=["role"])
         entries = GaugeMetricFamily("pd_router_cache_aware_tree_entries",
                                     "Entries in the approximate prefix tree.", labels=["role"])
+        routed = CounterMetricFamily(
+            "pd_router_cache_aware_routed", "cache_aware decisions by source: kv_events (the workers' "
+            "reported cache state) or approx_tree (the fallback).", labels=["role", "source"])
         for role, policy in self._policies.items():
             if isinstance(policy, CacheAware) and self._workers.has_role(Role(role)):
                 decisions.add_metric([role, "hit"], policy.hits)
@@ -135,4 +144,20 @@ class StateCollector(Collector):
                 decisions.add_metric([role, "balance"], policy.balanced)
                 ratio.add_metric([role], policy.hit_ratio)
                 entries.add_metric([role], len(policy.tree))
-        yield from (decisions, ratio, entries)
+                routed.add_metric([role, "kv_events"], policy.by_events)
+                routed.add_metric([role, "approx_tree"], policy.by_tree)
+        yield from (decisions, ratio, entries, routed)
+
+    def _kv_families(self, index: KvIndex) -> Iterator:
+        received = CounterMetricFamily("pd_router_kv_events_received",
+                                       "KV events applied from the workers' /kv_events.")
+        received.add_metric([], index.events_received)
+        resyncs = CounterMetricFamily("pd_router_kv_index_resyncs",
+                                      "Worker indexes dropped for a resync, by reason.", labels=["reason"])
+        for reason, count in sorted(index.resyncs.items()):
+            resyncs.add_metric([reason], count)
+        synced = GaugeMetricFamily("pd_router_kv_index_synced_workers", "Workers whose KV index is synced.")
+        synced.add_metric([], index.num_synced())
+        tok = GaugeMetricFamily("pd_router_tokenizer_loaded", "1 once the router's tokenizer has loaded.")
+        tok.add_metric([], 1.0 if self._tokenizer_loaded() else 0.0)
+        yield from (received, resyncs, synced, tok)

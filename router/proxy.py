@@ -32,6 +32,7 @@ from pd_cluster.router.request import InvalidRequest, parse_request
 from pd_cluster.router.retry import backoff_seconds, is_retriable_status
 from pd_cluster.router.selection import Pair, PairSelector
 from pd_cluster.router.supervisor import Supervisor
+from pd_cluster.router.tokenizer import RouterTokenizer
 from pd_cluster.router.upstream import Upstreams
 from pd_cluster.router.workers import Worker
 
@@ -65,6 +66,7 @@ class GenerateHandler:
         self.models = models
         self.upstreams = upstreams
         self.relay = Relay(metrics, config.limits)
+        self.tokenizer: RouterTokenizer | None = None  # set by the app when routing on KV events
         self.draining = False
         self.on_failure: Callable[[Worker, AttemptFailure], None] | None = None
         self._rng = random.Random(config.policy.seed)
@@ -131,6 +133,9 @@ class GenerateHandler:
             plan = plan_body(parsed.data, chat=scope["path"] == "/v1/chat/completions")
             if plan is not None:
                 state.upstream_body, state.tracker = plan
+        if self.tokenizer is not None:
+            state.prompt = await self.tokenizer.prompt(parsed.data, scope["path"] == "/v1/chat/completions",
+                                                       self.selector.index.page_sizes())
         out_state.append(state)
         return await self._admit_and_run(state, receive, send)
 
@@ -179,7 +184,7 @@ class GenerateHandler:
         last: AttemptFailure | None = None
         attempts = self.config.retry.max_attempts
         for attempt in range(1, attempts + 1):
-            pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
+            pair = self.selector.choose(RouteRequest(state.parsed.text, attempt, state.prompt), tried)
             if pair is None:
                 break
             result = await self._run_on(pair, state, send)
@@ -187,7 +192,7 @@ class GenerateHandler:
                 # a worker without return_token_ids: send the client's body as it came, and
                 # give up migration for this request
                 state.tracker = state.upstream_body = None
-                pair = self.selector.choose(RouteRequest(state.parsed.text, attempt), tried)
+                pair = self.selector.choose(RouteRequest(state.parsed.text, attempt, state.prompt), tried)
                 if pair is None:
                     break
                 result = await self._run_on(pair, state, send)
@@ -239,7 +244,7 @@ class GenerateHandler:
             if tracker.migrations:
                 await asyncio.sleep(backoff_seconds(self.config.retry, tracker.migrations,
                                                     self._rng))
-            pair = self.selector.choose(RouteRequest(state.parsed.text, state.attempts + 1), tried)
+            pair = self.selector.choose(RouteRequest(state.parsed.text, state.attempts + 1, state.prompt), tried)
             if pair is None:
                 break
             tracker.migrations += 1

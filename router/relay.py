@@ -26,6 +26,7 @@ from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status, error_para
 from pd_cluster.router.config import LimitsConfig, Role
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.migration import StreamTracker
+from pd_cluster.router.kv_index import PromptTokens
 from pd_cluster.router.request import ParsedRequest
 from pd_cluster.router.retry import is_retriable_status
 from pd_cluster.router.selection import Pair
@@ -53,6 +54,7 @@ class RequestState:
     attempts: int = 0
     tracker: StreamTracker | None = None  # set when the stream may migrate
     upstream_body: bytes | None = None    # what goes to the worker (None: ``body`` unchanged)
+    prompt: PromptTokens | None = None    # token ids for routing on KV events (``--tokenizer-path``)
 
     last_chunk_at: float = 0.0   # perf_counter of the last chunk relayed (ITL across migrations)
     clean: bool = True           # the last raw chunk relayed ended an SSE event

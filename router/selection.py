@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pd_cluster.router.config import PolicyConfig, Role
-from pd_cluster.router.policies import Policy, RouteRequest, make_policy
+from pd_cluster.router.kv_index import KvIndex
+from pd_cluster.router.policies import CacheAware, Policy, RouteRequest, make_policy
 from pd_cluster.router.workers import Worker, WorkerRegistry
 
 
@@ -32,34 +33,45 @@ class Pair:
     prefill: Worker | None = None
     _prefill_held: bool = True
     _decode_held: bool = True
+    on_prefill_done: Callable[[], None] | None = field(default=None, repr=False)
+    on_decode_done: Callable[[], None] | None = field(default=None, repr=False)
 
     def release_prefill(self) -> None:
         if self.prefill is not None and self._prefill_held:
             self._prefill_held = False
             self.prefill.inflight -= 1
+            if self.on_prefill_done is not None:
+                self.on_prefill_done()
 
     def release(self) -> None:
         self.release_prefill()
         if self._decode_held:
             self._decode_held = False
             self.decode.inflight -= 1
+            if self.on_decode_done is not None:
+                self.on_decode_done()
 
     def urls(self) -> tuple[str, ...]:
         return (self.decode.url,) if self.prefill is None else (self.decode.url, self.prefill.url)
 
 
 class PairSelector:
-    """Applies the per-role policies to the registry's usable workers."""
+    """Applies the per-role policies to the registry's usable workers.
+
+    ``index``: the workers' KV event index, given to ``cache_aware`` when ``config.kv.enabled`` (a
+    tokenizer and ``--kv-events``); None makes one then.
+    """
 
     def __init__(self, registry: WorkerRegistry, config: PolicyConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, index: KvIndex | None = None) -> None:
         self.registry = registry
         rng = random.Random(config.seed)
+        kv = config.kv
+        self.index = (index or KvIndex(kv.max_pages, kv.stale_secs)) if kv.enabled else None
         self.policies: dict[Role, Policy] = {
-            Role.PREFILL: make_policy(config.prefill, config.cache_aware, rng, clock),
-            Role.DECODE: make_policy(config.decode, config.cache_aware, rng, clock),
-            Role.MIXED: make_policy(config.mixed, config.cache_aware, rng, clock),
-        }
+            role: make_policy(name, config.cache_aware, rng, clock, self.index, kv)
+            for role, name in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode),
+                               (Role.MIXED, config.mixed))}
         registry.subscribe(on_removed=self._forget)
 
     def _forget(self, worker: Worker) -> None:
@@ -67,6 +79,15 @@ class PairSelector:
 
     def needs_load(self, role: Role) -> bool:
         return self.policies[role].needs_load
+
+    def uses_kv_events(self, role: Role) -> bool:
+        """True when `role`'s policy routes on the workers' KV events (poll their ``/kv_events``)."""
+        return self.index is not None and isinstance(self.policies[role], CacheAware)
+
+    @property
+    def needs_tokens(self) -> bool:
+        """True when some role routes on KV events, which needs each prompt's token ids."""
+        return any(self.uses_kv_events(role) for role in Role)
 
     def _pick(self, role: Role, request: RouteRequest, tried: set[str]) -> Worker | None:
         usable = self.registry.usable(role)
@@ -90,6 +111,9 @@ class PairSelector:
             if w is not None:
                 w.inflight += 1
                 w.sent_since_report += 1
+        pair.on_decode_done = self.policies[pair.decode.role].track(pair.decode, request)
+        if pair.prefill is not None:
+            pair.on_prefill_done = self.policies[Role.PREFILL].track(pair.prefill, request)
         return pair
 
     def evict(self) -> None:

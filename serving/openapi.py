@@ -191,6 +191,11 @@ _PATHS: dict[str, dict[str, Any]] = {
     "/openapi.json": {"get": _op("This document", _json(None, "OpenAPI 3.1"))},
     "/prefill": {"post": _op("Prefill a prompt and push its KV (called by decode workers)",
                              _json(None, "the first token and timings"), extra={"409": _ERROR})},
+    "/kv_events": {"get": dict(_op("KV cache events after `since`, or a snapshot (called by the router; "
+                                   "docs/router.md)", _json(None, "an event batch")),
+                               parameters=[{"name": n, "in": "query", "required": False,
+                                            "schema": {"type": "integer", "minimum": m, "maximum": 10 ** 18 - 1}}
+                                           for n, m in (("since", 0), ("limit", 1))])},
     "/abort": {"post": _op("Abort a prefill job (called by decode workers)", _json(None, "aborted"))},
 }
 

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import error_body, install_error_handlers
+from pd_cluster.serving.errors import HTTPError, error_body, install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
 from pd_cluster.serving.tool_calls import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
@@ -102,7 +102,7 @@ class WorkerConfig:
 INTERNAL_KEY_HEADER = "X-PD-Internal-Key"
 """The header carrying the cluster's internal key on worker-internal calls."""
 
-INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/")
+INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/", "/kv_events")
 """Worker-internal endpoints: only the cluster's own processes call them."""
 
 
@@ -137,7 +137,7 @@ class InternalAuth:
         self.prefixes = INTERNAL_PATHS + (("/v1/", "/tokenize", "/detokenize") if protect_v1 else ())
 
     def protects(self, path: str) -> bool:
-        return path.startswith(self.prefixes) or path.rstrip("/") in ("/prefill", "/abort")
+        return path.startswith(self.prefixes) or path.rstrip("/") in ("/prefill", "/abort", "/kv_events")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not self.protects(scope.get("path", "")):
@@ -251,9 +251,17 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     async def version(request: Request) -> Response:
         return JSONResponse({"version": package_version()})
 
+    async def kv_events(request: Request) -> Response:
+        since, limit = _int_param(request, "since", None), _int_param(request, "limit", 4096)
+        if limit < 1:
+            raise HTTPError(400, "limit: must be >= 1", "limit", "invalid_value")
+        log = state.loop.engine.kv_events  # a snapshot can take a while: read it off the event loop
+        batch = await asyncio.to_thread(log.read, since, limit)
+        return JSONResponse(batch.to_json())
+
     all_routes = [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
                   ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"]),
-                  ("/version", version, ["GET"])] + routes
+                  ("/version", version, ["GET"]), ("/kv_events", kv_events, ["GET"])] + routes
     document = worker_openapi(state.info.get("role", "mixed"), [path for path, _, _ in all_routes])
 
     async def openapi(request: Request) -> Response:
@@ -262,6 +270,20 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     for path, handler, methods in all_routes + [("/openapi.json", openapi, ["GET"])]:
         app.add_route(path, handler, methods=methods)
     return app
+
+
+def _int_param(request: Request, name: str, default: int | None) -> int | None:
+    """A query parameter as a non-negative integer below 2**63, else `default` when absent.
+
+    Raises:
+        HTTPError: 400 ``invalid_value`` when present and not such an integer.
+    """
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:
+        raise HTTPError(400, f"{name}: must be a non-negative integer", name, "invalid_value")
+    return int(raw)
 
 
 def _exit_dead(state: WorkerState) -> None:

@@ -47,10 +47,12 @@ class HiRadixCache(PrefixCache):
         allocator: the device pool's page allocator.
         page_size: tokens per page.
         host: the host tier (its pool, allocator and LRU).
+        observer: as `PrefixCache`'s: a page spilled to the host is reported removed (it left the device),
+            and stored again when it loads back.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, host: HostTier) -> None:
-        super().__init__(allocator, page_size)
+    def __init__(self, allocator: PageAllocator, page_size: int, host: HostTier, observer=None) -> None:
+        super().__init__(allocator, page_size, observer)
         self.host = host
         self._spills: list[tuple[int, int]] = []  # (device page, host page) waiting for one batched copy
         self._loading: set[_Node] = set()         # host-only nodes a match is about to load: never dropped
@@ -100,6 +102,9 @@ class HiRadixCache(PrefixCache):
             n.parent.num_host_children -= 1
         self.allocator.incref(device)  # the request's reference
         self.host.load_back([(n.host_page, page) for n, page in zip(hosted, device)])
+        if self.observer is not None:  # back on the device: stored again (spilled pages were reported removed)
+            parent = hosted[0].parent
+            self.observer.stored(None if parent is self.root else parent.page, device, [n.tokens for n in hosted])
         pages.extend(device)
         chain.node, chain.num_pages, chain.num_loaded = hosted[-1], len(pages), len(hosted)
         return pages, chain
@@ -190,7 +195,8 @@ class HiRadixCache(PrefixCache):
         return freed
 
 
-def build_prefix_cache(cache: CacheConfig, role: str, allocator: PageAllocator, pool: KVPool) -> PrefixCache | None:
+def build_prefix_cache(cache: CacheConfig, role: str, allocator: PageAllocator, pool: KVPool,
+                       observer=None) -> PrefixCache | None:
     """The prefix cache an engine of `role` keeps: none with ``--disable-radix-cache``; with
     ``--enable-hierarchical-cache`` (prefill and mixed roles) a `HiRadixCache` over a host tier sized by
     `plan_host_pool`; else a device-only `PrefixCache` (the decode role's: pages of finished requests).
@@ -204,7 +210,7 @@ def build_prefix_cache(cache: CacheConfig, role: str, allocator: PageAllocator, 
         if cache.enable_hierarchical_cache:
             logger.warning("--enable-hierarchical-cache has no effect in the decode role: its prefix cache "
                            "stays on the device")
-        return PrefixCache(allocator, pool.page_size)
+        return PrefixCache(allocator, pool.page_size, observer)
     plan = plan_host_pool(pool.layout, cache, pool.num_pages)
     host_pool = HostKVPool(pool, plan.num_pages)
     tier = HostTier(plan.num_pages, pool.page_size, host_pool)
@@ -215,4 +221,4 @@ def build_prefix_cache(cache: CacheConfig, role: str, allocator: PageAllocator, 
         logger.warning("HiCache host KV pool (%d tokens) is not larger than the device pool (%d tokens); "
                        "raise --hicache-ratio or --hicache-size for more host hits",
                        tier.max_total_num_tokens, pool.max_total_num_tokens)
-    return HiRadixCache(allocator, pool.page_size, tier)
+    return HiRadixCache(allocator, pool.page_size, tier, observer)

@@ -88,11 +88,14 @@ class PrefixCache:
     Args:
         allocator: the pool's page allocator (the cache holds one reference per cached page).
         page_size: tokens per page.
+        observer: told of pages stored (``stored(parent page or None, pages, token tuples)``) and removed
+            (``removed(pages)``), e.g. `pd_cluster.engine.kv.events.KVEventLog`; None: nobody.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+    def __init__(self, allocator: PageAllocator, page_size: int, observer=None) -> None:
         self.allocator = allocator
         self.page_size = page_size
+        self.observer = observer
         self.root = _Node((), NULL_PAGE, None)
         self._by_page: dict[int, _Node] = {}
         self._num_evictable = 0
@@ -155,6 +158,7 @@ class PrefixCache:
         if num_full_pages <= chain.num_pages:
             return
         node, stamp = chain.node, next(self._clock)
+        new: list[_Node] = []  # a chain: a new node has no children, so every later node is new too
         for i, key in enumerate(self._keys(token_ids, chain.num_pages, num_full_pages), start=chain.num_pages):
             child = node.children.get(key)
             page = block_table[i]
@@ -163,14 +167,20 @@ class PrefixCache:
                 node.children[key] = child
                 self._by_page[page] = child
                 self.allocator.incref([page])  # the cache's reference
+                new.append(child)
             elif child.page == NULL_PAGE:  # on the host only: the request's page becomes its device copy
                 self._adopt(child, page)
+                new.append(child)  # host-only nodes have host-only children: `new` stays one chain
             elif child.page != page:  # someone cached this page first: hold theirs as an anchor
                 self._acquire(child.page)
                 chain.anchors.append(child.page)
             child.stamp = stamp
             node = child
         chain.node, chain.num_pages = node, num_full_pages
+        if new and self.observer is not None:
+            parent = new[0].parent
+            self.observer.stored(None if parent is self.root else parent.page, [n.page for n in new],
+                                 [n.tokens for n in new])
 
     # ---- references ----------------------------------------------------------------
     def _acquire(self, page: int) -> None:
@@ -214,16 +224,19 @@ class PrefixCache:
         Returns:
             The number of pages freed (fewer only when fewer were evictable).
         """
-        freed = 0
+        freed, removed = 0, []
         while freed < num_pages and self._lru:
             stamp, _, node = heapq.heappop(self._lru)
             if not self._is_evictable_leaf(node, stamp):
                 continue  # stale entry: touched, referenced or grown since it was pushed
+            removed.append(node.page)  # it leaves the device (removed, or spilled to a host tier)
             self._evict_node(node)
             freed += 1
             parent = node.parent
             if parent is not self.root and self.allocator.refcount(parent.page) == 1:
                 self._push_if_leaf(parent)
+        if removed and self.observer is not None:
+            self.observer.removed(removed)
         return freed
 
     def _is_evictable_leaf(self, node: _Node, stamp: int) -> bool:

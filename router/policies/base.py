@@ -10,10 +10,11 @@ the load signals; the estimate below is ours and is described in
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pd_cluster.router.kv_index import PromptTokens
 from pd_cluster.router.load import LoadReport
 
 
@@ -30,13 +31,15 @@ class Candidate(Protocol):
 class RouteRequest:
     """The parts of a request a policy may use.
 
-    ``text``: the prompt as text (chat messages joined), for ``cache_aware``;
-    only as long as the prompt, never tokenized by the router. ``attempt``:
-    1 for the first try, 2.. for retries.
+    ``text``: the prompt as text (chat messages joined), for ``cache_aware``'s
+    approximate tree. ``attempt``: 1 for the first try, 2.. for retries.
+    ``prompt``: the prompt's token ids as the workers tokenize them (with
+    ``--tokenizer-path``), for ``cache_aware`` on the workers' KV events.
     """
 
     text: str = ""
     attempt: int = 1
+    prompt: PromptTokens | None = None
 
 
 def effective_load(c: Candidate) -> int:
@@ -48,6 +51,15 @@ def effective_load(c: Candidate) -> int:
     if c.load is None:
         return c.inflight
     return c.load.requests + c.sent_since_report
+
+
+def live_load(c: Candidate) -> int:
+    """Like :func:`effective_load`, but counting of the requests sent since the report only those still in
+    flight (at most ``inflight``): a request that already ended there is no load, and a report at most a poll
+    period old would otherwise make an idle worker look busy right after it answered."""
+    if c.load is None:
+        return c.inflight
+    return c.load.requests + min(c.sent_since_report, c.inflight)
 
 
 def estimated_usage(c: Candidate) -> float:
@@ -94,6 +106,11 @@ class Policy(ABC):
     @abstractmethod
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         """Return the chosen candidate. Raises ``ValueError`` when empty."""
+
+    def track(self, choice: Candidate, request: RouteRequest) -> Callable[[], None] | None:
+        """Called with the worker chosen for an attempt; may return what to call when that worker's part of
+        the attempt has ended (``cache_aware`` on KV events)."""
+        return None
 
     def on_worker_removed(self, url: str) -> None:
         """Forget state about a worker that left the registry."""

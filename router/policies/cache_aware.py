@@ -11,42 +11,116 @@ Semantics of SGLang's ``cache_aware`` router policy:
 
 The chosen worker's tree then records the prompt. Load is
 :func:`pd_cluster.router.policies.base.effective_load`.
+
+**On the workers' real cache state** (NVIDIA Dynamo's KV router: overlap
+against load). When the request carries its token ids (``--tokenizer-path``)
+and every candidate's :class:`~pd_cluster.router.kv_index.KvIndex` entry is
+fresh, the tree is not consulted; each worker costs
+
+    cost = overlap_score_weight x (1 - cached_pages / prompt_pages) + load
+
+where ``cached_pages`` are the prompt's leading full pages the worker holds
+(reported by its KV events, or pending from a request routed there since the
+last poll), ``prompt_pages`` the prompt's full pages, and ``load`` is
+:func:`~pd_cluster.router.policies.base.live_load` in requests. The lowest
+cost wins; ties go to the lower load, then to the worker holding fewer pages.
+Otherwise the tree decides (the fallback). The tree records every prompt either
+way, so it is warm when events lag.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pd_cluster.router.config import CacheAwareConfig
-from pd_cluster.router.policies.base import Candidate, Policy, RouteRequest, effective_load, require_candidates
+from pd_cluster.router.config import CacheAwareConfig, KvRoutingConfig
+from pd_cluster.router.kv_index import KvIndex, PromptTokens
+from pd_cluster.router.policies.base import (
+    Candidate,
+    Policy,
+    RouteRequest,
+    effective_load,
+    live_load,
+    require_candidates,
+)
 from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
 
 
 class CacheAware(Policy):
-    """The ``cache_aware`` policy; counts its decisions in ``hits``, ``misses``, ``balanced``."""
+    """The ``cache_aware`` policy.
+
+    Counts its decisions in ``hits``, ``misses``, ``balanced`` (a hit: the chosen worker holds part of the
+    prompt, by the tree or by its events), and by source in ``by_events`` and ``by_tree``.
+    ``index``: the workers' KV event index (None: the tree only).
+    """
 
     name = "cache_aware"
     needs_load = True
 
-    def __init__(self, config: CacheAwareConfig, clock: Callable[[], float]) -> None:
+    def __init__(self, config: CacheAwareConfig, clock: Callable[[], float], index: KvIndex | None = None,
+                 kv: KvRoutingConfig | None = None) -> None:
         self.config = config
+        self.kv = kv or KvRoutingConfig()
+        self.index = index
+        self._clock = clock
         self.tree = ApproxPrefixTree(config.block_chars, config.max_tree_size, clock)
         self.hits = 0
         self.misses = 0
         self.balanced = 0
+        self.by_events = 0
+        self.by_tree = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
-        loads = [effective_load(c) for c in candidates]
         hashes = self.tree.path_hashes(request.text)
-        if self._imbalanced(loads):
-            self.balanced += 1
-            choice = self._least_loaded(candidates, loads, None)
+        if self._events_usable(candidates, request):
+            self.by_events += 1
+            choice = self._by_kv_state(candidates, request.prompt)
         else:
-            choice = self._by_prefix(candidates, loads, hashes, len(request.text))
+            self.by_tree += 1
+            loads = [effective_load(c) for c in candidates]
+            if self._imbalanced(loads):
+                self.balanced += 1
+                choice = self._least_loaded(candidates, loads, None)
+            else:
+                choice = self._by_prefix(candidates, loads, hashes, len(request.text))
         if hashes:
             self.tree.insert(hashes, choice.url)
         return choice
+
+    def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest) -> bool:
+        if self.index is None or request.prompt is None:
+            return False
+        now = self._clock()
+        return all(self.index.fresh(c.url, now) for c in candidates)
+
+    def _by_kv_state(self, candidates: Sequence[Candidate], prompt: PromptTokens) -> Candidate:
+        index, weight = self.index, self.kv.overlap_score_weight
+        best, best_key, best_cached = candidates[0], None, 0
+        for c in candidates:
+            cached, total = index.cached_pages(c.url, prompt)
+            load = live_load(c)
+            cost = weight * (1.0 - cached / total if total else 1.0) + load
+            key = (cost, load, index.num_pages(c.url))
+            if best_key is None or key < best_key:
+                best, best_key, best_cached = c, key, cached
+        if best_cached:
+            self.hits += 1
+        else:
+            self.misses += 1
+        return best
+
+    def track(self, choice: Candidate, request: RouteRequest) -> Callable[[], None] | None:
+        """Count the prompt's pages as pending on `choice` (see `KvIndex.predict`); returns what to call when
+        the worker's part of the request has ended."""
+        if self.index is None or request.prompt is None:
+            return None
+        w = self.index.get(choice.url)
+        if w is None or w.page_size < 1:
+            return None
+        route = self.index.predict(choice.url, request.prompt.hashes(w.page_size))
+        if route is None:
+            return None
+        return lambda: KvIndex.done(route, self._clock())
 
     def _by_prefix(self, candidates: Sequence[Candidate], loads: list[int],
                    hashes: list[int], text_len: int) -> Candidate:
@@ -83,6 +157,8 @@ class CacheAware(Policy):
 
     def on_worker_removed(self, url: str) -> None:
         self.tree.remove_tenant(url)
+        if self.index is not None:
+            self.index.forget(url)
 
     def evict(self) -> None:
         """Drop entries idle longer than the eviction interval."""

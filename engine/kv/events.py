@@ -1,0 +1,206 @@
+"""KV cache events: what a worker's prefix cache stored and evicted, by chained page hash.
+
+The idea and the event names are vLLM's KV events (``vllm/distributed/kv_events.py``: ``BlockStored`` with
+``block_hashes``, ``parent_block_hash``, ``token_ids`` and ``block_size``, ``BlockRemoved``, ``AllBlocksCleared``,
+batches with sequence numbers and a replay path) as consumed by NVIDIA Dynamo's KV router (one index of block
+hashes per worker, scored by overlap against load). Here the transport is the worker's ``GET /kv_events`` (HTTP,
+which the router already speaks) and the replay path is a snapshot of the whole cache on request.
+
+**Hash.** A page's hash is ``page_hash(parent_hash, token_ids)``: BLAKE2b with an 8-byte digest over the parent's
+hash (8 bytes, little endian; `ROOT_HASH` for a prompt's first page) followed by the page's token ids (4 bytes each,
+little endian), read as an unsigned little-endian integer. It identifies the whole prefix up to and including the
+page, is the same in every process and on every machine (Python's ``hash()`` is salted per process), and the
+router computes it from token ids without importing the engine (`pd_cluster.router.kv_index.page_hashes` is the
+same function; ``tests/router/test_kv_index.py`` checks they agree). A collision can only misroute a request:
+the engine's cache is keyed by exact tokens, so it never serves another prefix's KV.
+
+**Log.** `KVEventLog` is the prefix cache's observer (`PrefixCache.observer`): the engine thread reports pages
+stored and removed; HTTP handlers read batches from another thread (one lock). Memory is bounded: the events held
+cover at most ``max_pages`` pages (older events are dropped, and a reader that asks for them gets a snapshot
+instead), and the page -> hash map holds one entry per cached page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import threading
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROOT_HASH = 0
+"""The parent hash of a prompt's first page."""
+
+
+def page_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The chained hash of one page (see the module docstring); an unsigned 64-bit integer."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Pages that joined the cache, in chain order; the first one's parent is `parent_block_hash`
+    (None for a prompt's first page)."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+    def to_json(self) -> dict:
+        return {"type": "BlockStored", "block_hashes": list(self.block_hashes),
+                "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
+                "block_size": self.block_size}
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Pages evicted from the cache."""
+
+    block_hashes: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes)}
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Everything before is void (a snapshot starts with it)."""
+
+    def to_json(self) -> dict:
+        return {"type": "AllBlocksCleared"}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """One answer of `KVEventLog.read`.
+
+    Attributes:
+        instance_id: this log's id (new in every process: a restarted worker has a new one).
+        page_size: tokens per page.
+        seq: the sequence number the reader is at after this batch (ask for ``since=seq`` next).
+        events: (sequence number, event) in order.
+        snapshot: the events are the whole cache as of `seq` (starting with `AllBlocksCleared`), not a delta.
+        more: events after `seq` exist already (the batch was cut at the reader's limit).
+    """
+
+    instance_id: str
+    page_size: int
+    seq: int
+    events: tuple[tuple[int, KVEvent], ...]
+    snapshot: bool
+    more: bool = False
+
+    def to_json(self) -> dict:
+        return {"instance_id": self.instance_id, "page_size": self.page_size, "seq": self.seq,
+                "snapshot": self.snapshot, "more": self.more,
+                "events": [dict(e.to_json(), seq=s) for s, e in self.events]}
+
+
+class KVEventLog:
+    """The events of one prefix cache, numbered 1, 2, ...; the cache's observer.
+
+    Args:
+        page_size: tokens per page.
+        max_pages: bound on the pages the held events cover (older events are dropped).
+    """
+
+    def __init__(self, page_size: int, max_pages: int = 16384) -> None:
+        if page_size < 1 or max_pages < 1:
+            raise ValueError("page_size and max_pages must be >= 1")
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.instance_id = uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._events: deque[tuple[int, KVEvent]] = deque()
+        self._held_pages = 0
+        self._seq = 0
+        self._pages: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # page -> (hash, parent hash, tokens)
+
+    # ---- the observer (engine thread) ----------------------------------------------------------
+    def stored(self, parent_page: int | None, pages: Sequence[int], tokens: Sequence[tuple[int, ...]]) -> None:
+        """`pages` (a chain, with their token tuples) joined the cache under `parent_page` (None: the root)."""
+        if not pages:
+            return
+        with self._lock:
+            parent = self._pages[parent_page][0] if parent_page is not None else None
+            first_parent, hashes, flat = parent, [], []
+            for page, toks in zip(pages, tokens):
+                h = page_hash(ROOT_HASH if parent is None else parent, toks)
+                self._pages[page] = (h, parent, toks)
+                hashes.append(h)
+                flat.extend(toks)
+                parent = h
+            self._append(BlockStored(tuple(hashes), first_parent, tuple(flat), self.page_size), len(pages))
+
+    def removed(self, pages: Sequence[int]) -> None:
+        """`pages` left the cache."""
+        if not pages:
+            return
+        with self._lock:
+            hashes = tuple(self._pages.pop(p)[0] for p in pages)
+            self._append(BlockRemoved(hashes), len(pages))
+
+    def _append(self, event: KVEvent, num_pages: int) -> None:
+        self._seq += 1
+        self._events.append((self._seq, event))
+        self._held_pages += num_pages
+        while self._held_pages > self.max_pages and len(self._events) > 1:
+            _, old = self._events.popleft()
+            self._held_pages -= _pages_of(old)
+
+    # ---- readers (any thread) -------------------------------------------------------------------
+    @property
+    def seq(self) -> int:
+        """The last event's sequence number (0 before any)."""
+        return self._seq
+
+    @property
+    def num_pages(self) -> int:
+        """Pages cached now (as reported to this log)."""
+        return len(self._pages)
+
+    def read(self, since: int | None, limit: int = 4096) -> KVEventBatch:
+        """The events after `since`, at most `limit` of them; a snapshot when `since` is None, ahead of this log
+        (another instance's number) or older than the oldest event held.
+
+        Raises:
+            ValueError: `limit` < 1.
+        """
+        if limit < 1:
+            raise ValueError("limit must be >= 1")
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self._seq + 1
+            if since is None or since > self._seq or since < oldest - 1:
+                entries = list(self._pages.values())
+                return KVEventBatch(self.instance_id, self.page_size, self._seq, self._snapshot(entries), True)
+            events = [(s, e) for s, e in self._events if s > since]  # bounded by max_pages
+        more = len(events) > limit
+        events = events[:limit]
+        seq = events[-1][0] if events else since
+        return KVEventBatch(self.instance_id, self.page_size, seq, tuple(events), False, more)
+
+    def _snapshot(self, entries: list[tuple[int, int | None, tuple[int, ...]]]) -> tuple[tuple[int, KVEvent], ...]:
+        """The cache as events: parents come before children (dict order is insertion order), and runs of a
+        chain share one `BlockStored`."""
+        seq, out = self._seq, [(self._seq, AllBlocksCleared())]
+        run: list[tuple[int, int | None, tuple[int, ...]]] = []
+        for entry in entries + [None]:
+            if run and (entry is None or entry[1] != run[-1][0]):
+                out.append((seq, BlockStored(tuple(e[0] for e in run), run[0][1],
+                                             tuple(t for e in run for t in e[2]), self.page_size)))
+                run = []
+            if entry is not None:
+                run.append(entry)
+        return tuple(out)
+
+
+def _pages_of(event: KVEvent) -> int:
+    return len(event.block_hashes) if isinstance(event, (BlockStored, BlockRemoved)) else 0
