@@ -127,7 +127,8 @@ def test_flags_follow_sglang():
 def test_flag_off_means_no_host_tier():
     engine = LLM(page_size=16, num_pages=20).engine
     assert type(engine.prefix_cache) is PrefixCache and engine.host_tier is None
-    assert LLMEngine(config_from_kwargs(role="decode", enable_hierarchical_cache=True)).prefix_cache is None
+    decode = LLMEngine(config_from_kwargs(role="decode", enable_hierarchical_cache=True))
+    assert type(decode.prefix_cache) is PrefixCache and decode.host_tier is None  # decode keeps device pages only
 
 
 def test_sized_by_ratio_or_size_never_by_context_length_and_logged(caplog):

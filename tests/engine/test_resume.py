@@ -106,7 +106,7 @@ def _prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, params
     decode.add_remote_request(rid, prefill.tokenize(PROMPT), params, stream=True, resumed_output_ids=resumed)
     dst = None
     for _ in range(10):
-        dst = next((pages for r, pages in decode.step().reserved if r == rid), dst)
+        dst = next((pages for r, pages, *_ in decode.step().reserved if r == rid), dst)
         if dst is not None:
             break
     n_tokens = decode.requests[rid].num_tokens
