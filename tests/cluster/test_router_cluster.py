@@ -72,12 +72,15 @@ def _replay(cluster, tmp: Path, name: str) -> dict:
 
 @pytest.mark.timeout(1800)
 def test_cache_aware_keeps_shared_prefixes_on_one_prefill_worker(tmp_path, capsys):
+    """The approximate prefix tree (cache_aware without KV events: ``--no-kv-events``, the fallback when events lag)
+    keeps continuations on one prefill worker. Routing on the workers' real cache state trades some of that
+    stickiness for load and is measured by server-side hits in `tests/cluster/test_kv_events_routing.py`."""
     pairs = _continuations(_kept_blocks())
     assert len(pairs) >= 30
     share = {}
     for policy in ("cache_aware", "round_robin"):
         with running_cluster(2, 2, router_argv=["--prefill-policy", policy, "--enable-log-requests",
-                                                "--log-level", "info"]) as cluster:
+                                                "--log-level", "info", "--no-kv-events"]) as cluster:
             result = _replay(cluster, tmp_path, policy)
             assert result["summary"]["completed"] == ROWS
             time.sleep(0.5)
