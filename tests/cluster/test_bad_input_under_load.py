@@ -2,9 +2,8 @@
 oversized headers, through the router of a real 1P1D cluster while 8 greedy streams run through the same router.
 
 Every case gets a 4xx in the one OpenAI error format within 2 s; every stream completes with the healthy
-cluster's text; afterwards every page is free. The largest gap between two tokens the streams saw is asserted
-against a loose bound here (a loaded 2-core host); `bench/scripts/soak.py` and `docs/perf/resilience.md` report
-the measured value.
+cluster's text; afterwards every page is free; no stream sees a gap over 1 s between two tokens (issue 12's
+bound; measured 0.26, 0.27 and 0.60 s in three runs on the shared 2-core host, `docs/perf/resilience.md`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 C = "/v1/completions"
 CASE_BOUND = 2.0  # seconds for each bad request's answer
-GAP_BOUND = 3.0  # seconds between two tokens of a stream, loose: the 2-core host is shared (see the docstring)
+GAP_BOUND = 1.0  # seconds between two tokens of a stream
 N_STREAMS, TOKENS = 8, 120
 
 # (id, path, body, status, param, code, extra headers)
