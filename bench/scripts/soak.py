@@ -39,14 +39,14 @@ INTERNAL_KEY_HEADER = "X-PD-Internal-Key"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="soak", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of soak after the capacity run")
     p.add_argument("--fault-interval", type=float, default=120.0, help="seconds between faults")
     p.add_argument("--first-fault-at", type=float, default=None, help="seconds into the soak (default: interval)")
     p.add_argument("--freeze-secs", type=float, default=20.0, help="how long a frozen worker stays stopped")
     p.add_argument("--faults", default="kill,freeze", help="kinds to draw from: kill, freeze")
     p.add_argument("--load-fraction", type=float, default=0.7)
-    p.add_argument("--capacity-concurrency", type=int, default=8)
+    p.add_argument("--capacity-concurrency", type=int, default=16)
     p.add_argument("--capacity-secs", type=float, default=30.0)
     p.add_argument("--dataset-name", default="mooncake-trace", choices=("mooncake-trace", "azure-trace"))
     p.add_argument("--input-len-scale", type=float, default=0.04)
@@ -237,7 +237,7 @@ def router_counter(text: str, name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith(name):
-            label = line[len(name):].split(" ")[0]
+            label = line[len(name):].split(" ")[0].removeprefix('{reason="').removesuffix('"}')
             out[label] = out.get(label, 0.0) + float(line.split()[-1])
     return out
 
