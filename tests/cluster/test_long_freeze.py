@@ -147,12 +147,11 @@ def test_decode_frozen_75s_and_prefill_frozen_40s_end_every_request_and_leak_not
                 b = [asyncio.ensure_future(_stream(client, url, ("l", i, 20), f"b{i}")) for i in range(8)]
 
                 async def p0_prefilling() -> bool:
-                    load = (await client.get(p0.url + "/get_load")).json()
+                    out["p0_load"] = load = (await client.get(p0.url + "/get_load")).json()
                     return bool(load["num_running_reqs"] or load["num_prefill_inflight_queue_reqs"])
 
                 assert await _until(p0_prefilling, 20)
-                out["p0_load"] = (await client.get(p0.url + "/get_load")).json()
-                os.kill(p0.pid, signal.SIGSTOP)
+                os.kill(p0.pid, signal.SIGSTOP)  # right after a load that showed prefills in flight
                 out["t_p"] = time.monotonic()
                 await asyncio.sleep(max(0.0, t_d + D_FREEZE - time.monotonic()))
                 os.kill(d0.pid, signal.SIGCONT)
