@@ -254,9 +254,11 @@ def wait_idle(serve: Serve, timeout: float) -> dict[str, dict]:
 
 
 def rss_table(rss: dict[str, list[tuple[float, float]]], skip: float) -> list[dict]:
+    """One row per process (a restarted worker is a new row); `first_mib` is its first sample at least `skip`
+    seconds after its own first one (start-up and warm-up left out), `change_pct` from there to its last."""
     rows = []
     for key, pts in sorted(rss.items()):
-        steady = [v for t, v in pts if t >= skip] or [v for _, v in pts]
+        steady = [v for t, v in pts if t >= pts[0][0] + skip] or [v for _, v in pts]
         first, last = steady[0], steady[-1]
         rows.append({"process": key, "samples": len(pts), "from_s": pts[0][0], "to_s": pts[-1][0],
                      "first_mib": first, "last_mib": last, "max_mib": max(steady),
@@ -309,6 +311,7 @@ def main(argv=None) -> int:
         "restarts": {w["name"]: w["restarts"] for w in manifest["workers"]},
         "faults": got["faults"], "leaked_pages": leaked,
         "rss": rss_table(got["rss"], skip=min(60.0, args.duration / 4)),
+        "rss_series": {k: [[round(t, 1), round(v, 1)] for t, v in pts] for k, pts in got["rss"].items()},
     }
     print_report(report)
     if args.plot:
@@ -328,7 +331,8 @@ def print_report(r: dict) -> None:
     print(f"faults: {faults}")
     print(f"migrations {r['migrations']}; retries {r['retries']}; restarts {r['restarts']}")
     print(f"leaked pages {r['leaked_pages']}")
-    print("\n| process:pid | samples | from s | to s | first MiB | last MiB | max MiB | change |")
+    print("\nRSS per process (first: its first sample past its warm-up, min(60 s, duration / 4) after its start)")
+    print("| process:pid | samples | from s | to s | first MiB | last MiB | max MiB | change |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in r["rss"]:
         print(f"| {row['process']} | {row['samples']} | {row['from_s']:.0f} | {row['to_s']:.0f} | "
