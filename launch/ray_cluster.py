@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -118,6 +119,18 @@ class ProcessActor:
         cmd = parent_bound_argv([sys.executable, "-m", module, *argv], signal.SIGINT)
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
                                      start_new_session=True)
+        self._stopping = False
+        threading.Thread(target=self._exit_with_child, name="child-watch", daemon=True).start()
+
+    def _exit_with_child(self) -> None:
+        """The child exited without `stop`: end this actor's process too, so Ray restarts the actor (its
+        ``max_restarts``), which runs ``__init__`` again and with it a fresh child (Ray's fault-tolerance
+        guide, "Actor process failure")."""
+        code = self.proc.wait()
+        if not self._stopping:
+            print(f"{self.name}: its process exited with code {code}; ending the actor so Ray restarts it",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
 
     def __repr__(self) -> str:  # Ray prefixes the child's log lines with this
         return self.name
@@ -138,6 +151,7 @@ class ProcessActor:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGINT the child (it drains), SIGKILL it after `timeout` seconds; returns its exit code."""
+        self._stopping = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -162,6 +176,7 @@ class RayCluster:
         self.router = None
         self.manifest: dict = {}
         self._reported: set[str] = set()
+        self._restarts: dict[str, int] = {}
 
     @property
     def router_url(self) -> str:
@@ -196,7 +211,8 @@ class RayCluster:
         deadline = time.monotonic() + timeout
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         placement = plan_placement(self.tp_size, [n["Resources"].get("GPU", 0) for n in nodes])
-        actor_cls = ray.remote(max_restarts=0)(ProcessActor)
+        max_restarts = self.spec.restart.max_restarts  # -1: Ray's "restart forever" too
+        actor_cls = ray.remote(max_restarts=max_restarts)(ProcessActor)
         counts: dict[str, int] = {}
         for role in self.roles():
             i = counts[role] = counts.get(role, -1) + 1
@@ -221,7 +237,8 @@ class RayCluster:
                  self.spec.host, self.spec.router_port, _key_env(self.spec))
         infos = ray.get([a.info.remote() for a in self.workers + [self.router]])
         self._wait_ready(ray, infos, deadline)
-        self.manifest = {"router": {"url": self.router_url, "pid": infos[-1]["pid"]}, "workers": infos[:-1],
+        self.manifest = {"router": {"url": self.router_url, "pid": infos[-1]["pid"]},
+                         "workers": [dict(i, restarts=0) for i in infos[:-1]],
                          "ray": {"address": gcs, "namespace": self.namespace, "local": self.local,
                                  "session_dir": _session_dir(ray), "gpus_per_worker": placement.gpus_per_worker}}
 
@@ -263,13 +280,37 @@ class RayCluster:
         return out
 
     def tend(self) -> bool:
-        """Report actors that died, once each. Ray restarts nothing here: the actors run with max_restarts=0."""
-        for name in self.dead():
-            if name not in self._reported:
-                self._reported.add(name)
-                print(f"pd-serve: {name} exited; pd-serve does not restart Ray actors: the router routes around "
-                      "it while another worker of its role is left", file=sys.stderr, flush=True)
-        return False
+        """Note actors that Ray restarted (a new process, hence a new pid and URL) in the manifest.
+
+        Ray restarts an actor whose process died, up to ``--max-restarts`` times (`ProcessActor` ends itself
+        when its child exits); the router's Ray discovery sees the new URL under the same actor name. Actors
+        that answer nothing (restarting, or out of restarts) are reported once each.
+
+        Returns:
+            True when the manifest changed.
+        """
+        import ray
+
+        changed = False
+        workers = self.manifest.get("workers", [])
+        refs = [(i, name, actor.info.remote()) for i, (name, actor) in enumerate(zip(self.names, self.workers))]
+        for i, name, ref in refs:
+            try:
+                info = ray.get(ref, timeout=5)
+            except Exception:  # restarting, or dead for good
+                if name not in self._reported:
+                    self._reported.add(name)
+                    print(f"pd-serve: {name} is down; Ray restarts it while it has restarts left",
+                          file=sys.stderr, flush=True)
+                continue
+            self._reported.discard(name)
+            if i < len(workers) and (info["pid"], info["url"]) != (workers[i]["pid"], workers[i]["url"]):
+                self._restarts[name] = self._restarts.get(name, 0) + 1
+                workers[i] = dict(info, restarts=self._restarts[name])
+                print(f"pd-serve: {name} restarted by Ray (pid {info['pid']}, {info['url']}, restart "
+                      f"{self._restarts[name]})", file=sys.stderr, flush=True)
+                changed = True
+        return changed
 
     def stop(self) -> None:
         """Router first (no new requests), then the workers; then the actors, the groups and a local Ray."""

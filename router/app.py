@@ -13,9 +13,10 @@ import asyncio
 import logging
 import time
 
-from pd_cluster.router.asgi import Receive, Scope, Send
+from pd_cluster.router.asgi import Receive, Scope, Send, oversized_headers, send_bytes
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.control import ControlPlane
+from pd_cluster.router.errors import error_body
 from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
 from pd_cluster.router.health import HealthMonitor
 from pd_cluster.router.kv_events import KvEventsPoller
@@ -84,8 +85,8 @@ class RouterApp:
         self.generate.draining = True
 
     def _on_attempt_failure(self, worker: Worker, failure: AttemptFailure) -> None:
-        if failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken",
-                              "idle_timeout", "worker_dead"):
+        if not failure.ambiguous and failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken",
+                                                        "idle_timeout", "worker_dead"):
             self.monitor.apply(worker, False)
         self.monitor.poke(worker)
 
@@ -99,6 +100,12 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            lim = self.config.limits
+            too_large = oversized_headers(scope, lim.max_header_bytes, lim.max_header_count)
+            if too_large is not None:
+                self.metrics.rejected.labels("header_too_large").inc()
+                await send_bytes(send, 431, error_body(431, too_large), b"application/json")
+                return
             if scope["method"] == "POST" and scope["path"] in ENDPOINTS:
                 await self.generate(scope, receive, send)
             else:

@@ -33,6 +33,17 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def oversized_headers(scope: Scope, max_bytes: int, max_count: int) -> str | None:
+    """Why the request's headers are too large (sum of names and values in bytes, or their count), or ``None``."""
+    headers = scope["headers"]
+    if len(headers) > max_count:
+        return f"{len(headers)} request headers; at most {max_count} are accepted"
+    size = sum(len(k) + len(v) for k, v in headers)
+    if size > max_bytes:
+        return f"request headers of {size} bytes; at most {max_bytes} are accepted"
+    return None
+
+
 def valid_request_id(value: bytes | None) -> str | None:
     """A client-given request id if it is short and plain (else ``None``)."""
     if not value:

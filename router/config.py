@@ -179,6 +179,10 @@ class LimitsConfig:
     Past either, the attempt fails and the request is retried or migrated.
     Both apply to streamed requests only (a non-streamed answer is silent
     until complete; the health check and the request timeout bound it).
+    ``max_header_bytes`` / ``max_header_count``: past either (names and values
+    summed, in bytes), a request gets 431 before anything else is read; the
+    count is vLLM's ``--h11-max-header-count`` default, the size nginx's
+    ``large_client_header_buffers`` (4 x 8 KiB) twice over.
     """
 
     max_concurrent_requests: int = 1024
@@ -191,6 +195,8 @@ class LimitsConfig:
     upstream_idle_timeout_secs: float = 30.0
     upstream_keepalive_secs: float = 4.0
     shutdown_grace_period_secs: float = 180.0
+    max_header_bytes: int = 64 * 1024
+    max_header_count: int = 256
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Shape: ``{"error": {"message", "type", "param", "code"}}`` as in OpenAI's API,
 with the same ``type`` names the workers use (``serving/errors.py``):
-``invalid_request_error`` (400, 404, 405, 413), ``authentication_error`` (401),
+``invalid_request_error`` (400, 404, 405, 413, 431), ``authentication_error`` (401),
 ``permission_error`` (403), ``rate_limit_error`` (429), ``server_error``
 (5xx). ``code`` is a short machine-readable string (``invalid_value``,
 ``model_not_found``, ``queue_full``, ``no_healthy_worker``...); the HTTP
@@ -23,6 +23,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
     499: "invalid_request_error",
 }
 
@@ -34,6 +35,7 @@ DEFAULT_CODES = {
     405: "method_not_allowed",
     413: "request_too_large",
     429: "rate_limit_exceeded",
+    431: "request_header_fields_too_large",
     499: "client_closed_request",
     500: "internal_error",
     502: "bad_gateway",

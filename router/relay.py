@@ -110,7 +110,7 @@ class Relay:
             headers["x-pd-prefill-url"] = pair.prefill.url
         sup = state.supervised
         if sup is not None:
-            sup.upstream, sup.stall = pair.decode.url, None
+            sup.upstream, sup.stall, sup.answered = pair.decode.url, None, False
             # A non-streamed answer is silent until it is complete: only the health check
             # and the request timeout bound it.
             sup.idle_limit = self._first_byte if state.parsed.stream else float("inf")
@@ -123,6 +123,12 @@ class Relay:
             if sup is None or sup.stall is None or sup.timed_out or sup.client_gone:
                 raise
             sup.task.uncancel()
+            if sup.stall == "idle_timeout" and not sup.answered and pair.prefill is not None:
+                # Silent before its first byte: the decode worker waits for its prefill, or is stuck itself.
+                # Which one is not known, so no breaker counts it and both get a health check now
+                # (router.blame); blaming the decode made a frozen prefill take healthy decodes down.
+                return AttemptFailure("idle_timeout", None, ambiguous=True, after_start=state.response_started,
+                                      detail=f"no first byte for {sup.idle_limit:g} s (prefill or decode)")
             return AttemptFailure(sup.stall, Role.DECODE, after_start=state.response_started,
                                   detail=f"no byte for {sup.idle_limit:g} s" if
                                   sup.stall == "idle_timeout" else "the health check found it dead")
@@ -196,7 +202,7 @@ class Relay:
             state.response_started = True
         sup = state.supervised
         if sup is not None:
-            sup.idle_limit, sup.last_byte = self._idle, time.monotonic()
+            sup.idle_limit, sup.last_byte, sup.answered = self._idle, time.monotonic(), True
         ttft, itl = self._metrics.ttft, self._metrics.itl
         tracker = state.tracker
         pending = b""

@@ -42,6 +42,7 @@ class Supervised:
     idle_limit: float = float("inf")  # seconds without a byte from ``upstream``
     last_byte: float = 0.0           # time.monotonic() of the last byte (or of the attempt's start)
     stall: str | None = None         # why the attempt was cancelled: idle_timeout, worker_dead
+    answered: bool = False           # the attempt in progress has its worker's first byte
     watcher: asyncio.Task | None = field(default=None, repr=False)
 
 

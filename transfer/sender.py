@@ -253,6 +253,23 @@ class KVSender:
 
     # ---- internals -----------------------------------------------------------
     def _post(self, job: _Job, p: _Push) -> None:
+        """Post one push's WRITE, unless the transfer went idle past `sender_idle_timeout` first.
+
+        The check is made here, just before the WRITE, and not only in `poll`: a process frozen (SIGSTOP, a VM
+        pause) for longer than decode's quarantine wakes up mid-step and would otherwise post that step's push
+        into pages decode has since given to another request (sglang #30233, "garbage after an aborted prefill").
+        Decode releases an unconfirmed failed transfer's pages a quarantine (default `kv_transfer_timeout`) after
+        the failure, itself after the last progress; `sender_idle_timeout` is half of that, so a push that passes
+        this check is posted before decode may reuse the pages. What stays open is a stall between this check
+        and the WRITE call itself (docs/transfer.md, Known limits).
+        """
+        idle = self._clock() - job.last_progress
+        if idle > self.config.sender_idle_timeout:
+            tid = job.ticket.transfer_id
+            self._stop(job, TransferTimeoutError(
+                f"transfer {tid}: push {p.msg.index} not posted, no progress for {idle:.1f} s (more than "
+                f"{self.config.sender_idle_timeout:.1f} s; this process was stalled)", transfer_id=tid, peer=job.peer))
+            return
         p.started = time.perf_counter()
         try:
             p.handle, state = self.agent.write(job.peer, p.local, p.remote)

@@ -4,8 +4,9 @@ Contract with the launcher: each worker is a named actor in the Ray namespace
 ``--ray-namespace`` whose name starts with ``--ray-actor-prefix``, and it has
 a method ``endpoint()`` returning ``{"url": "http://host:port", "role":
 "prefill" | "decode" | "mixed"}``. Ray has no watch on named actors, so the
-source lists them every ``--ray-poll-secs``; an actor that is gone (or whose
-``endpoint()`` fails) is removed. Workers found this way still need a health
+source lists them and asks each for its endpoint every ``--ray-poll-secs``; an
+actor that is gone is removed, and one that Ray restarted on a new URL is
+moved there. Workers found this way still need a health
 check before use. ``ray`` is imported only when this source is used.
 """
 
@@ -77,18 +78,34 @@ class RayDiscovery(DiscoverySource):
                 and a["name"].startswith(self.cfg.actor_prefix)}
 
     def poll(self, ray, sink: RegistrySink) -> None:
-        """One listing: add new actors, drop vanished ones, reconcile the registry."""
+        """One listing: ask every actor for its endpoint, drop vanished ones, reconcile the registry.
+
+        Known actors are asked again on every poll: Ray restarts a dead actor under the same name
+        (``max_restarts``) and the restarted one serves on a new URL, which replaces the old one. An actor
+        that does not answer in time keeps its last endpoint (the health checks judge that URL).
+        """
         names = self._names(ray)
         for gone in set(self._known) - names:
             del self._known[gone]
-        for name in names - set(self._known):
+        refs = {}
+        for name in names:
             try:
-                actor = ray.get_actor(name, namespace=self.cfg.namespace)
-                info = ray.get(actor.endpoint.remote(), timeout=ENDPOINT_TIMEOUT_SECS)
-                self._known[name] = parse_endpoint(info)
+                refs[name] = ray.get_actor(name, namespace=self.cfg.namespace).endpoint.remote()
             except Exception as exc:
-                log.warning("ray actor endpoint unavailable", extra={"actor": name,
-                                                                     "error": repr(exc)})
+                log.warning("ray actor endpoint unavailable", extra={"actor": name, "error": repr(exc)})
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=ENDPOINT_TIMEOUT_SECS)
+        for name, ref in refs.items():
+            try:
+                found = parse_endpoint(ray.get(ref, timeout=0))
+            except Exception as exc:
+                if name not in self._known:
+                    log.warning("ray actor endpoint unavailable", extra={"actor": name, "error": repr(exc)})
+                continue
+            if name in self._known and self._known[name] != found:
+                log.info("ray actor moved (restarted)", extra={"actor": name, "from": self._known[name][0],
+                                                               "to": found[0]})
+            self._known[name] = found
         self.polls += 1
         wanted = {url: role for url, role in self._known.values()}
         sink.replace(wanted, set(Role))

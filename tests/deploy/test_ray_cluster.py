@@ -160,3 +160,43 @@ def test_a_killed_worker_actor_takes_its_process_with_it():
         time.sleep(0.5)
     assert session_processes(session) == []
     assert not ray.is_initialized()
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_worker_process_is_restarted_by_ray_and_rejoins_the_router():
+    """SIGKILL a worker's process: its actor ends, Ray restarts it (``max_restarts``), the new process serves on a
+    new URL under the same actor name, the router's discovery moves there, and answers are the same as before."""
+    import httpx
+
+    from pd_cluster.launch.ray_cluster import RayCluster
+
+    spec = ClusterSpec(router_port=free_port(), engine_argv=list(FAST_ENGINE), log_level="warning", echo=False,
+                       router_argv=["--health-check-interval-secs", "0.5"])
+    cluster = RayCluster("local", spec, None)
+    try:
+        cluster.start(300)
+        url = cluster.router_url
+        before = completions(url)
+        decode = dict(next(w for w in cluster.manifest["workers"] if w["role"] == "decode"))
+        os.kill(decode["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not cluster.tend():
+            time.sleep(0.5)
+        now = next(w for w in cluster.manifest["workers"] if w["name"] == decode["name"])
+        assert now["restarts"] == 1 and now["pid"] != decode["pid"] and now["url"] != decode["url"], now
+        with httpx.Client(timeout=10) as c:
+            while time.monotonic() < deadline:
+                workers = {w["url"]: w for w in c.get(url + "/workers").json()["workers"]}
+                if now["url"] in workers and workers[now["url"]]["healthy"] and decode["url"] not in workers:
+                    break
+                time.sleep(0.5)
+        assert now["url"] in workers and decode["url"] not in workers, workers
+        assert completions(url) == before
+        assert live({decode["pid"]}) == []
+    finally:
+        session = cluster.manifest.get("ray", {}).get("session_dir")
+        cluster.stop()
+    deadline = time.monotonic() + 30
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert session_processes(session) == []

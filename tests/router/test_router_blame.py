@@ -99,3 +99,6 @@ def test_stream_from_a_worker_silent_past_the_first_byte_timeout_is_retried_else
         m = router.metrics()
         assert metric_value(m, "pd_router_retries_total", reason="idle_timeout") == 1
         assert len(slow.recent()) == 1 and len(fast.recent()) == 2
+        # silent before its first byte: a stuck prefill looks the same, so the decode is not blamed
+        assert metric_value(m, "pd_router_upstream_failures_total", role="none", reason="idle_timeout") == 1
+        assert metric_value(m, "pd_router_circuit_state", worker=slow.url) == 0

@@ -77,3 +77,49 @@ async def test_named_actors_join_and_leave_the_registry(local_ray):
         source.stop()
         for actor in (p, stranger):
             ray.kill(actor)
+
+
+@ray.remote(num_cpus=0, max_restarts=1)
+class RestartingWorkerActor:
+    """A worker actor whose URL changes with its process, like `ProcessActor` (a new free port per start)."""
+
+    def __init__(self, role: str) -> None:
+        import os
+
+        self._info = {"url": f"http://10.1.1.1:{20000 + os.getpid() % 40000}", "role": role}
+
+    def endpoint(self) -> dict:
+        return self._info
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@pytest.mark.asyncio
+async def test_an_actor_restarted_by_ray_moves_to_its_new_url(local_ray):
+    a = RestartingWorkerActor.options(name="pd-worker-decode-7").remote("decode")
+    first = ray.get(a.endpoint.remote())["url"]
+    registry = WorkerRegistry(CircuitBreakerConfig())
+    source = RayDiscovery(RayDiscoveryConfig(namespace=NAMESPACE, poll_secs=0.2))
+    source.start(RegistrySink(registry, "ray", asyncio.get_running_loop(), False))
+    try:
+        await until(lambda: {w.url for w in registry.all()} == {first}, "the actor found")
+        old_pid = ray.get(a.pid.remote())
+        ray.kill(a, no_restart=False)  # its process dies; Ray restarts it under the same name
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(a.pid.remote(), timeout=5) != old_pid:
+                    break
+            except Exception:  # still restarting
+                pass
+            await asyncio.sleep(0.2)
+        second = ray.get(a.endpoint.remote())["url"]
+        assert second != first
+        await until(lambda: {(w.url, w.role) for w in registry.all()} == {(second, Role.DECODE)},
+                    "the registry moved to the restarted actor's URL")
+    finally:
+        source.stop()
+        ray.kill(a)

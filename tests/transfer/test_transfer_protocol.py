@@ -290,3 +290,29 @@ def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
     with caplog.at_level("WARNING", logger="pd_cluster.transfer.sender"):
         p.sender.poll()
     assert not p.sender.has_work and "never acknowledged" in caplog.text
+
+
+def test_a_sender_stalled_past_its_idle_timeout_posts_nothing_on_waking(sides):
+    """A prefill process frozen mid-prefill (SIGSTOP) wakes up and pushes the step it was in: that push must not
+    be posted, because decode may have released and reused its pages; decode's pages stay untouched."""
+    clock, p, d = sides
+    p.pool.kv[7:9] = 1  # non-zero bytes that would show up in decode's pages if posted
+    t = d.receiver.expect("stalled", [27, 28], 32, p.agent.name)
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [7, 8], 16) == 1  # the first chunk before the freeze
+    for _ in range(100):
+        p.sender.poll()
+        d.receiver.poll()
+        if d.receiver.progress(t.transfer_id):
+            break
+    assert [m.index for m in d.receiver.progress(t.transfer_id)] == [0]
+    d.pool.kv[27:29] = 0
+    clock.t += T / 2 + 0.1  # frozen: no poll ran meanwhile, the step loop goes on with the next push
+    assert p.sender.push(t.transfer_id, [7, 8], 32, meta={"first_token_id": 3}) == 1  # accepted, not posted
+    ev = p.sender.poll()
+    assert [(f.transfer_id, f.error.reason) for f in ev.failed] == [(t.transfer_id, "timeout")]
+    assert "not posted" in str(ev.failed[0].error)
+    assert torch.count_nonzero(d.pool.read_pages([28])) == 0
+    ev = drain(d, 50, p)
+    assert [r.why for r in ev.released] == ["sender stopped"]
+    assert torch.count_nonzero(d.pool.read_pages([27, 28])) == 0
