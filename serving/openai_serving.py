@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
@@ -30,6 +29,7 @@ from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.resume import Resumed, prepare_resumed
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tokenization import Tokenization
@@ -68,9 +68,7 @@ class Prepared(NamedTuple):
     prompt_ids: list[int]
     params: SamplingParams
     tools: ChatTools | None = None
-    resumed: list[int] = []       # ``resume_token_ids``
-    resumed_text: str = ""        # the text those tokens delivered (as the engine's detokenizer sent it)
-    resumed_texts: TokenTexts | None = None  # logprobs: token strings in context, after the resumed tokens
+    resumed: Resumed = Resumed([])  # ``resume_token_ids``: what an earlier attempt delivered
 
 
 class OpenAIServing:
@@ -117,16 +115,16 @@ class OpenAIServing:
             n, count = body.num_choices, body.num_generated
             runs = []
             for i, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
-                texts = prep.resumed_texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
                 builder = ResponseBuilder(kind, request_id, self.model_name, texts,
                                           want_logprobs=prep.params.logprobs is not None,
                                           prompt_token_ids=prompt_ids if body.return_token_ids else None,
                                           index=i, tools=prep.tools)
-                builder.resume(prep.resumed_text)
+                builder.resume(prep.resumed.text)
                 # The engine's id is unique per attempt: a router retry of the same request may reach this worker
                 # while the failed attempt still holds its pages (waiting for the sender to stop writing into them).
                 runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder), params))
-            await self._start_all(request, prompt_ids, runs, prep.resumed)
+            await self._start_all(request, prompt_ids, runs, prep.resumed.token_ids)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -175,26 +173,8 @@ class OpenAIServing:
                 prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
-        resumed = body.resumed_output()
-        if not resumed:
-            return Prepared(body, prompt_ids, params, tools)
-        limit = self.context_length - len(prompt_ids) if params.max_tokens is None else params.max_tokens
-        if len(resumed) >= limit:  # before any replay: its cost grows with the list
-            raise HTTPError(400, f"resume_token_ids: {len(resumed)} tokens leave nothing to generate within "
-                                 f"{'the context' if params.max_tokens is None else 'max_tokens'} ({limit})",
-                            "resume_token_ids", "invalid_value")
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output,
-                                       params.skip_special_tokens, params.min_tokens)
-        text = detok.replay(resumed)
-        if detok.stop_matched is not None:
-            raise HTTPError(400, f"resume_token_ids: the output already ended with the stop string "
-                                 f"{detok.stop_matched!r}", "resume_token_ids", "invalid_value")
-        texts = None
-        if params.logprobs is not None:  # logprob strings and offsets go on after the resumed text
-            texts = TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-            for t in resumed:
-                texts.add(t)
-        return Prepared(body, prompt_ids, params, tools, resumed, text, texts)
+        resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
+        return Prepared(body, prompt_ids, params, tools, resumed)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
         """Blame the prompt when it leaves no room for one token, else the output budget."""
