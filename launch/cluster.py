@@ -121,8 +121,7 @@ class LocalCluster:
             urls = [p.url for p in self.procs if p.role == role]
             if urls:
                 router_argv += [flag, *urls]
-        if not any(a.split("=")[0] in ("--tokenizer-path", "--tokenizer") for a in spec.router_argv):
-            router_argv += ["--tokenizer-path", router_tokenizer(spec.engine_argv)]
+        router_argv += router_tokenizer_argv(spec)
         self.router = Proc("router", "router", self.router_url, router_argv + spec.router_argv)
 
     def _add_worker(self, name: str, role: str, port: int) -> None:
@@ -351,6 +350,14 @@ def router_tokenizer(engine_argv: list[str]) -> str:
         if key is not None:
             found[key] = value if eq else (engine_argv[i + 1] if i + 1 < len(engine_argv) else "")
     return found.get("tokenizer") or found.get("model") or DEFAULT_MODEL
+
+
+def router_tokenizer_argv(spec: ClusterSpec) -> list[str]:
+    """``["--tokenizer-path", <the workers' tokenizer folder>]`` for the router, or ``[]`` when the user's router
+    flags name one (``--tokenizer-path`` or ``--tokenizer``)."""
+    if any(a.split("=")[0] in ("--tokenizer-path", "--tokenizer") for a in spec.router_argv):
+        return []
+    return ["--tokenizer-path", router_tokenizer(spec.engine_argv)]
 
 
 def internal_key_env(spec: ClusterSpec) -> dict[str, str]:

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import httpx
 
 from pd_cluster.engine.net import free_port
-from pd_cluster.launch.cluster import ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready
+from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready,
+                                       router_tokenizer_argv)
 from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 
@@ -93,10 +94,12 @@ def worker_argv(role: str, host: str, port: int, spec: ClusterSpec) -> list[str]
 
 
 def router_argv(spec: ClusterSpec, gcs_address: str, namespace: str) -> list[str]:
-    """``pd-router`` arguments: discovery of this run's named worker actors, then the user's flags."""
+    """``pd-router`` arguments: discovery of this run's named worker actors, the workers' tokenizer folder (as
+    `LocalCluster` passes it, unless the user's flags name one), then the user's flags."""
     return ["--host", spec.host, "--port", str(spec.router_port), "--log-level", spec.log_level,
             "--ray-discovery", "--ray-address", gcs_address, "--ray-namespace", namespace,
-            "--ray-actor-prefix", ACTOR_PREFIX, "--ray-poll-secs", "1", *spec.router_argv]
+            "--ray-actor-prefix", ACTOR_PREFIX, "--ray-poll-secs", "1", *router_tokenizer_argv(spec),
+            *spec.router_argv]
 
 
 class ProcessActor:

@@ -290,6 +290,58 @@ def test_auth_secret_and_disabled_auth():
     assert "PD_ROUTER_API_KEY" not in {e["name"] for e in env}
 
 
+def _router_pod(values):
+    return one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]
+
+
+def test_router_gets_the_workers_tokenizer_from_the_model_volume_read_only():
+    """Defaults (model.source=pvc): --tokenizer-path model.path, the workers' model volume mounted read-only."""
+    objs = render()
+    dep = one(objs, "Deployment", "-router")
+    validate(dep, KUBE_VERSION)  # at the chart's declared minimum Kubernetes
+    spec = dep["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert flag_value(c["args"], "--tokenizer-path") == "/models/Llama-3.1-70B-Instruct"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    worker = one(objs, "StatefulSet", "-decode")["spec"]["template"]["spec"]
+    model_volume = next(v for v in spec["volumes"] if v["name"] == "model")
+    assert model_volume == next(v for v in worker["volumes"] if v["name"] == "model")
+    assert model_volume["persistentVolumeClaim"]["readOnly"] is True
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
+    sub = _router_pod({"model": {"pvc": {"subPath": "weights"}}})["containers"][0]["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "weights"} in sub
+    # the decode role's own tokenizer wins over model.path, as for the workers
+    c = _router_pod({"decode": {"args": {"tokenizer": "/models/tok"}}})["containers"][0]
+    assert flag_value(c["args"], "--tokenizer-path") == "/models/tok"
+    # hostPath: the same volume; image: the folder is in the (shared) image, so no mount
+    host = _router_pod(load_values(CHART / "ci" / "mixed-values.yaml"))
+    assert flag_value(host["containers"][0]["args"], "--tokenizer-path") == "/models/Qwen2.5-7B-Instruct"
+    assert {"name": "model", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in host["volumes"]
+    image = _router_pod({"model": {"source": "image"}})
+    assert flag_value(image["containers"][0]["args"], "--tokenizer-path") == "/models/Llama-3.1-70B-Instruct"
+    assert [v["name"] for v in image["volumes"]] == ["tmp"]
+
+
+@pytest.mark.parametrize("values", [
+    {"router": {"tokenizerFromModel": False}},
+    {"model": {"source": "embedded"}},
+    {"router": {"args": {"tokenizer-path": "/elsewhere"}}},
+    {"router": {"extraArgs": ["--tokenizer=/elsewhere"]}},
+], ids=["off", "embedded", "args", "extraArgs"])
+def test_router_gets_no_model_tokenizer_when_off_or_unavailable_or_named(values):
+    objs = render(values)
+    dep = one(objs, "Deployment", "-router")
+    validate(dep, KUBE_VERSION)
+    spec = dep["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    assert [m["name"] for m in c["volumeMounts"]] == ["tmp"] and [v["name"] for v in spec["volumes"]] == ["tmp"]
+    assert "HF_HUB_OFFLINE" not in {e["name"] for e in c["env"]}
+    named = values["router"].get("args", {}).get("tokenizer-path") if "router" in values else None
+    assert c["args"].count("--tokenizer-path") == (1 if named else 0)
+    if named:
+        assert flag_value(c["args"], "--tokenizer-path") == named
+
+
 def test_network_policy_admits_router_and_peers_only():
     objs = render()
     workers = one(objs, "NetworkPolicy", "-workers")["spec"]

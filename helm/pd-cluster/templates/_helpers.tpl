@@ -160,3 +160,39 @@ failureThreshold: {{ .failureThreshold }}
 {{- end }}
 {{- toJson $roles }}
 {{- end }}
+
+{{/*
+The folder the router loads its tokenizer from (--tokenizer-path), or "" for none: router.tokenizerFromModel
+off, the router's args or extraArgs name one already, or model.source=embedded (a folder inside the installed
+package, which the chart cannot name). Otherwise the tokenizer the workers load: the decode (else mixed) role's
+`tokenizer` flag, else model.path.
+*/}}
+{{- define "pd-cluster.routerTokenizer" -}}
+{{- $r := .Values.router }}
+{{- $named := index ($r.args | default dict) "tokenizer-path" }}
+{{- range $r.extraArgs }}
+{{- if regexMatch "^--tokenizer(-path)?(=|$)" (toString .) }}{{ $named = true }}{{ end }}
+{{- end }}
+{{- if and $r.tokenizerFromModel (not $named) (ne .Values.model.source "embedded") }}
+{{- $tok := "" }}
+{{- range $role := list "decode" "mixed" }}
+{{- if and (not $tok) (index $.Values $role).enabled }}
+{{- $tok = get (include "pd-cluster.roleArgs" (dict "root" $ "role" $role) | fromJson) "tokenizer" }}
+{{- end }}
+{{- end }}
+{{- $tok | default .Values.model.path }}
+{{- end }}
+{{- end }}
+
+{{/* The model volume's mount (read-only), for a source that is a volume (pvc, hostPath, imageVolume). */}}
+{{- define "pd-cluster.modelVolumeMount" -}}
+{{- $m := .Values.model }}
+{{- if has $m.source (list "pvc" "hostPath" "imageVolume") }}
+- name: model
+  mountPath: {{ $m.mountPath }}
+  readOnly: true
+  {{- if and (eq $m.source "pvc") $m.pvc.subPath }}
+  subPath: {{ $m.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end }}

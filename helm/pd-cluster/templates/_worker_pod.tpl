@@ -124,14 +124,7 @@ spec:
           mountPath: /tmp
         - name: cache
           mountPath: /cache
-        {{- if has $root.Values.model.source (list "pvc" "hostPath" "imageVolume") }}
-        - name: model
-          mountPath: {{ $root.Values.model.mountPath }}
-          readOnly: true
-          {{- if and (eq $root.Values.model.source "pvc") $root.Values.model.pvc.subPath }}
-          subPath: {{ $root.Values.model.pvc.subPath }}
-          {{- end }}
-        {{- end }}
+        {{- include "pd-cluster.modelVolumeMount" $root | trim | nindent 8 }}
         {{- with $w.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
