@@ -313,10 +313,16 @@ def test_router_gets_the_workers_tokenizer_from_the_model_volume_read_only():
     # the decode role's own tokenizer wins over model.path, as for the workers
     c = _router_pod({"decode": {"args": {"tokenizer": "/models/tok"}}})["containers"][0]
     assert flag_value(c["args"], "--tokenizer-path") == "/models/tok"
-    # hostPath: the same volume; image: the folder is in the (shared) image, so no mount
+    # hostPath: only when asked (the folder may not exist on the router's node), then the same volume
     host = _router_pod(load_values(CHART / "ci" / "mixed-values.yaml"))
+    assert "--tokenizer-path" not in host["containers"][0]["args"]
+    assert "model" not in [v["name"] for v in host["volumes"]]
+    values = load_values(CHART / "ci" / "mixed-values.yaml")
+    values.setdefault("router", {})["tokenizerFromModel"] = True
+    host = _router_pod(values)
     assert flag_value(host["containers"][0]["args"], "--tokenizer-path") == "/models/Qwen2.5-7B-Instruct"
     assert {"name": "model", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in host["volumes"]
+    # image: the folder is in the (shared) image, so no mount
     image = _router_pod({"model": {"source": "image"}})
     assert flag_value(image["containers"][0]["args"], "--tokenizer-path") == "/models/Llama-3.1-70B-Instruct"
     assert [v["name"] for v in image["volumes"]] == ["tmp"]

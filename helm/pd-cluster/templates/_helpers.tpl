@@ -163,7 +163,7 @@ failureThreshold: {{ .failureThreshold }}
 
 {{/*
 The folder the router loads its tokenizer from (--tokenizer-path), or "" for none: router.tokenizerFromModel
-off, the router's args or extraArgs name one already, or model.source=embedded (a folder inside the installed
+false (null, the default, means on except for model.source=hostPath), the router's args or extraArgs name one already, or model.source=embedded (a folder inside the installed
 package, which the chart cannot name). Otherwise the tokenizer the workers load: the decode (else mixed) role's
 `tokenizer` flag, else model.path.
 */}}
@@ -173,7 +173,9 @@ package, which the chart cannot name). Otherwise the tokenizer the workers load:
 {{- range $r.extraArgs }}
 {{- if regexMatch "^--tokenizer(-path)?(=|$)" (toString .) }}{{ $named = true }}{{ end }}
 {{- end }}
-{{- if and $r.tokenizerFromModel (not $named) (ne .Values.model.source "embedded") }}
+{{- $on := $r.tokenizerFromModel }}
+{{- if kindIs "invalid" $on }}{{ $on = ne .Values.model.source "hostPath" }}{{ end }}
+{{- if and $on (not $named) (ne .Values.model.source "embedded") }}
 {{- $tok := "" }}
 {{- range $role := list "decode" "mixed" }}
 {{- if and (not $tok) (index $.Values $role).enabled }}
