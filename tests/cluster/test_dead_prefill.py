@@ -12,7 +12,7 @@ import pytest
 from cluster_util import PROMPTS, running_cluster, wait_all_free, worker_loads
 
 # Small chunks and a small step budget make each prefill take many steps, so requests are in flight at the kill.
-SLOW_PREFILL = ["--chunked-prefill-size", "16", "--max-prefill-tokens", "32"]
+SLOW_PREFILL = ["--chunked-prefill-size", "4", "--max-prefill-tokens", "8"]  # ~100 steps: a wide window to freeze in
 LONG = " ".join(PROMPTS) * 3  # about 300 tokens
 
 
@@ -76,8 +76,9 @@ def test_retry_with_the_same_request_id_while_the_failed_attempt_still_holds_pag
                     first = asyncio.ensure_future(client.post(decode.url + "/v1/completions", json=body, headers={
                         "X-Request-Id": "same-id", "X-PD-Prefill-Url": p0.url}))
                     deadline = time.monotonic() + 20
-                    while time.monotonic() < deadline and not worker_loads(cluster)["prefill-0"]["num_running_reqs"]:
-                        await asyncio.sleep(0.01)
+                    while time.monotonic() < deadline and not (
+                            await client.get(p0.url + "/get_load")).json()["num_running_reqs"]:
+                        await asyncio.sleep(0.005)
                     os.kill(p0.pid, signal.SIGSTOP)  # frozen mid-prefill: it can neither push nor confirm
                     r1 = await first
                     held = (await client.get(decode.url + "/get_load")).json()  # (prefill-0 is frozen)

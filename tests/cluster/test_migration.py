@@ -27,6 +27,7 @@ needs_token_ids = pytest.mark.skipif("return_token_ids" not in CompletionRequest
 
 TOKENS = 200
 N_STREAMS = 8
+N_KILL_STREAMS = 20  # issue 12's scenario: kill -9 a decode with 20 streams in flight
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> dict:
@@ -58,10 +59,10 @@ def test_kill_decode_with_streams_in_flight_all_complete_with_the_reference_text
                                             "--upstream-idle-timeout-secs", "5",
                                             "--request-timeout-secs", "120"]) as cluster:
         async def run(fault: bool) -> list[dict]:
-            progress = [0] * N_STREAMS
+            progress = [0] * N_KILL_STREAMS
             async with httpx.AsyncClient(timeout=150) as client:
                 tasks = [asyncio.ensure_future(_stream(client, cluster.router_url, i, progress))
-                         for i in range(N_STREAMS)]
+                         for i in range(N_KILL_STREAMS)]
                 if fault:
                     deadline = time.monotonic() + 60
                     while min(progress) < 3 and time.monotonic() < deadline:
