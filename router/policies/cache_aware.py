@@ -15,7 +15,11 @@ The chosen worker's tree then records the prompt. Load is
 **On the workers' real cache state** (NVIDIA Dynamo's KV router: overlap
 against load). When the request carries its token ids (``--tokenizer-path``)
 and every candidate's :class:`~pd_cluster.router.kv_index.KvIndex` entry is
-fresh, the tree is not consulted; each worker costs
+fresh, the tree is not consulted. While the loads are balanced (the tree's
+``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's router), the
+worker holding the most of the prompt wins if it holds more than
+``cache_threshold`` of it (ties: the lower load), else the least loaded worker
+holding the fewest pages; once the loads are imbalanced each worker costs
 
     cost = overlap_score_weight x (1 - cached_pages / prompt_pages) + load
 
@@ -95,11 +99,22 @@ class CacheAware(Policy):
 
     def _by_kv_state(self, candidates: Sequence[Candidate], prompt: PromptTokens) -> Candidate:
         index, weight = self.index, self.kv.overlap_score_weight
-        best, best_key, best_cached = candidates[0], None, 0
+        loads = [live_load(c) for c in candidates]
+        fractions = []
         for c in candidates:
             cached, total = index.cached_pages(c.url, prompt)
-            load = live_load(c)
-            cost = weight * (1.0 - cached / total if total else 1.0) + load
+            fractions.append((cached / total if total else 0.0, cached))
+        # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
+        balanced = not self._imbalanced(loads)
+        by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
+        best, best_key, best_cached = candidates[0], None, 0
+        for c, load, (fraction, cached) in zip(candidates, loads, fractions):
+            if by_match:
+                cost = 1.0 - fraction
+            elif balanced:
+                cost = 0.0  # no worker holds enough of it: the least loaded, then the one holding fewest pages
+            else:
+                cost = weight * (1.0 - fraction) + load
             key = (cost, load, index.num_pages(c.url))
             if best_key is None or key < best_key:
                 best, best_key, best_cached = c, key, cached

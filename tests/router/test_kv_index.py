@@ -150,8 +150,11 @@ def test_cache_aware_scores_real_overlap_against_load_and_falls_back_to_the_tree
     assert policy.select([a, b], RouteRequest(text, 1, prompt(ids))) is b  # the tree would say A
     assert (policy.by_events, policy.hits) == (1, 1)
     assert policy.select([a, b], RouteRequest(text, 1, None)) is a  # no token ids: the tree
-    # cost = 1 x uncached fraction + load: B (0 + 1) ties A (1 + 0) -> the lower load; at load 2 A wins outright
+    # loads balanced (a report may lag by a request): the cached prefix wins
     b.load = LoadReport.from_json({"num_running_reqs": 1}, 0.0)
+    assert policy.select([a, b], RouteRequest(text, 1, prompt(ids))) is b
+    # imbalanced (> balance_abs_threshold and > balance_rel_threshold x): cost = 1 x uncached fraction + load
+    b.load = LoadReport.from_json({"num_running_reqs": 70}, 0.0)
     assert policy.select([a, b], RouteRequest(text, 1, prompt(ids))) is a
     b.load = LoadReport.from_json({"num_running_reqs": 0}, 0.0)
     b.sent_since_report, b.inflight = 3, 0  # sent since the report but already over: no load
