@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import httpx
@@ -68,3 +69,17 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):  # the only series, labelled or not
             return float(line.split()[-1])
     raise KeyError(name)
+
+
+async def stream_pieces(resp, rec: dict):
+    """Each completion text piece of a streamed (SSE) response; sets ``rec["done"]`` on ``[DONE]`` and
+    ``rec["error"]`` on an error event."""
+    async for line in resp.aiter_lines():
+        if line == "data: [DONE]":
+            rec["done"] = True
+        elif line.startswith("data: {"):
+            data = json.loads(line[6:])
+            if "error" in data:
+                rec["error"] = data["error"]
+            elif data["choices"] and data["choices"][0]["text"]:
+                yield data["choices"][0]["text"]

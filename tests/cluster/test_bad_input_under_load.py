@@ -9,7 +9,6 @@ bound; measured 0.26, 0.27 and 0.60 s in three runs on the shared 2-core host, `
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import threading
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_util import PROMPTS, running_cluster, wait_all_free
+from cluster_util import stream_pieces, PROMPTS, running_cluster, wait_all_free
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from test_bad_input import CASES, OK, _send, assert_openai_error  # noqa: E402
@@ -50,16 +49,9 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int) -> dict:
     rec = {"i": i, "text": "", "error": None, "done": False, "token_times": []}
     async with client.stream("POST", url + C, json=_body(i)) as resp:
         assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                rec["done"] = True
-            elif line.startswith("data: {"):
-                data = json.loads(line[6:])
-                if "error" in data:
-                    rec["error"] = data["error"]
-                elif data["choices"] and data["choices"][0]["text"]:
-                    rec["text"] += data["choices"][0]["text"]
-                    rec["token_times"].append(time.monotonic())
+        async for piece in stream_pieces(resp, rec):
+            rec["text"] += piece
+            rec["token_times"].append(time.monotonic())
     return rec
 
 

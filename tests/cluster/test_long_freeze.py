@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from cluster_util import PROMPTS, running_cluster, wait_all_free
+from cluster_util import stream_pieces, PROMPTS, running_cluster, wait_all_free
 from test_migration import needs_token_ids
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -55,17 +55,10 @@ async def _stream(client: httpx.AsyncClient, url: str, key: tuple, rid: str, pro
             if resp.status_code != 200:
                 rec["error"] = json.loads(await resp.aread())["error"]
                 return
-            async for line in resp.aiter_lines():
-                if line == "data: [DONE]":
-                    rec["done"] = True
-                elif line.startswith("data: {"):
-                    data = json.loads(line[6:])
-                    if "error" in data:
-                        rec["error"] = data["error"]
-                    elif data["choices"] and data["choices"][0]["text"]:
-                        rec["text"] += data["choices"][0]["text"]
-                        if progress is not None:
-                            progress[rid] = progress.get(rid, 0) + 1
+            async for piece in stream_pieces(resp, rec):
+                rec["text"] += piece
+                if progress is not None:
+                    progress[rid] = progress.get(rid, 0) + 1
 
     try:
         await asyncio.wait_for(run(), HANG)

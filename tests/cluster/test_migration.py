@@ -10,14 +10,13 @@ wrong, and once it runs again every page returns.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
 
 import httpx
 import pytest
-from cluster_util import PROMPTS, running_cluster, wait_all_free
+from cluster_util import stream_pieces, PROMPTS, running_cluster, wait_all_free
 
 from pd_cluster.serving.protocol import CompletionRequest
 
@@ -38,16 +37,9 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[in
     async with client.stream("POST", url + "/v1/completions", json=body,
                              headers={"x-request-id": f"mig-{i}"}) as resp:
         assert resp.status_code == 200
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                rec["done"] = True
-            elif line.startswith("data: {"):
-                data = json.loads(line[6:])
-                if "error" in data:
-                    rec["error"] = data["error"]
-                elif data["choices"] and data["choices"][0]["text"]:
-                    rec["text"] += data["choices"][0]["text"]
-                    progress[i] += 1
+        async for piece in stream_pieces(resp, rec):
+            rec["text"] += piece
+            progress[i] += 1
     rec["elapsed"] = time.monotonic() - t
     rec["ended_at"] = time.monotonic()
     return rec
