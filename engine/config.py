@@ -235,6 +235,10 @@ class DeviceConfig:
             ``torch``, ``cpu`` or ``triton``.
         disable_cuda_graph: replay no CUDA graphs (SGLang flag).
         cuda_graph_max_bs: the largest decode batch captured in a graph (SGLang flag).
+        disable_overlap_schedule: schedule each step only after the previous one's tokens are on the host
+            (SGLang flag). Overlap scheduling is on by default on CUDA (`pd_cluster.engine.overlap`).
+        enable_overlap_schedule: overlap scheduling also off CUDA (it gains nothing there, where torch runs
+            each op before returning; for tests of the CUDA path's bookkeeping).
         cpu_threads: intra-op threads of this process on CPU. Default 1: the CPU
             path serves small models, whose many tiny kernels run slower with
             more threads, and a local cluster runs several workers per host
@@ -245,6 +249,8 @@ class DeviceConfig:
     attention_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    disable_overlap_schedule: bool = False
+    enable_overlap_schedule: bool = False
     cpu_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -254,6 +260,8 @@ class DeviceConfig:
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         if self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.disable_overlap_schedule and self.enable_overlap_schedule:
+            raise ValueError("disable_overlap_schedule and enable_overlap_schedule are exclusive")
         if self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
 

@@ -22,7 +22,8 @@ from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
-from pd_cluster.engine.model_runner import ModelRunner, StepResult
+from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
+from pd_cluster.engine.overlap import OverlapScheduler
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
@@ -113,6 +114,7 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.streaming: set[str] = set()
         self._pending: list[RequestDelta] = []
+        self.overlap = OverlapScheduler(self, config)
         self._log_startup(backend_name)
 
     # ---- start-up ------------------------------------------------------------
@@ -126,11 +128,12 @@ class LLMEngine:
         logger.info(
             "max_total_num_tokens=%d, page_size=%d, kv_cache_dtype=%s, context_len=%d, chunked_prefill_size=%d, "
             "max_running_requests=%d, available_mem=%s, kv_cache_memory=%s (%s), attention_backend=%s, role=%s, "
-            "prefix_cache=%s",
+            "prefix_cache=%s, overlap_schedule=%s",
             self.pool.max_total_num_tokens, self.layout.page_size, self.layout.kv_cache_dtype, self.context_length,
             self.config.scheduler.chunked_prefill_size, self.max_running_requests,
             format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
-            backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on")
+            backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on",
+            self.overlap.describe())
 
     # ---- requests --------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -257,25 +260,46 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self.overlap.in_flight is not None
 
     def step(self) -> StepOutput:
-        """Run one scheduler step and return what it produced."""
+        """Run one scheduler step and return what it produced.
+
+        With overlap scheduling (`pd_cluster.engine.overlap`) it issues one step and returns what the
+        previous one produced.
+        """
+        if self.overlap.enabled:
+            return self.overlap.step()
         started = time.monotonic()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched) if not sched.is_empty else StepResult([], None)
-        self.scheduler.on_step_done(sched)
-        return self._postprocess(sched, result, started)
-
-    def _postprocess(self, sched: SchedulerOutput, result: StepResult, started: float) -> StepOutput:
         out = StepOutput(num_tokens=sched.num_tokens)
+        self._report_schedule(sched, out)
+        launched = self.runner.launch(sched, None, started) if not sched.is_empty else LaunchedStep(sched, [], None,
+                                                                                                   started)
+        self.scheduler.on_step_launched(sched)
+        self._complete_step(launched, out)
+        out.deltas, self._pending = self._pending, []
+        return out
+
+    def _report_schedule(self, sched: SchedulerOutput, out: StepOutput) -> None:
+        """What the scheduling itself decided (decode role: pages reserved, requests prefilled here)."""
         page = self.layout.page_size
         out.reserved = [(r.request_id, list(r.block_table), r.num_computed_tokens // page) for r in sched.reserved]
         out.local_prefills = [r.request_id for r in sched.local_prefills]
+
+    def _complete_step(self, step: LaunchedStep, out: StepOutput) -> None:
+        """Wait for `step`'s tokens and apply them: progress, the cache, stops, deltas (into `_pending`).
+
+        A request that ended while the step was in flight (overlap scheduling) gets no token: it was aborted,
+        or its previous token stopped it.
+        """
+        result = step.result()
+        sched = step.sched
+        self.scheduler.on_step_done(sched)
         now = time.monotonic()
         for item in sched.scheduled:
             req = item.req
-            req.times.first_scheduled = req.times.first_scheduled or started
+            req.times.first_scheduled = req.times.first_scheduled or step.started
             if item.end >= req.num_prompt_tokens and req.times.prefill_done is None:
                 req.times.prefill_done = now
             if self.role == "prefill":
@@ -285,6 +309,8 @@ class LLMEngine:
             so = result.sampler_output
             failed = set()
             for req, tok, lp, err in zip(result.sampled_reqs, so.token_ids, so.logprobs, so.errors):
+                if req.status.finished or req.status == RequestStatus.PREFILLED:
+                    continue  # ended while this step was in flight
                 if err is None:
                     self._on_token(req, tok, lp)
                     if req.status == RequestStatus.FINISHED_ERROR:  # its grammar refused the token
@@ -294,8 +320,6 @@ class LLMEngine:
             if failed:  # no first token to hand over: the prefill hooks see only the error delta
                 out.prefill_progress = [p for p in out.prefill_progress if p.request_id not in failed]
         self.stats.on_step(sched, self.scheduler, len(result.sampled_reqs))
-        out.deltas, self._pending = self._pending, []
-        return out
 
     def _on_token(self, req: Request, token: int, logprob) -> None:
         if req.grammar is not None and not req.grammar.accept(token):

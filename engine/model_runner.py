@@ -14,11 +14,13 @@ import numpy as np
 import torch
 
 from pd_cluster.engine.batch import BatchInputs
+from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.executor.tp import TPDriver
 from pd_cluster.engine.executor.shard import Shard
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.batch import SamplingBatch
-from pd_cluster.engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from pd_cluster.engine.sampling.pending import PendingSample, SamplerOutput
+from pd_cluster.engine.sampling.sampler import Sampler, prompt_logprobs
 from pd_cluster.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -28,6 +30,31 @@ class StepResult:
 
     sampled_reqs: list[Request]
     sampler_output: SamplerOutput | None
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward pass and sampling are issued (overlap scheduling's step in flight).
+
+    Attributes:
+        sched: what the scheduler chose.
+        sampled_reqs: the requests that sample a token, in the order of ``pending``'s rows.
+        pending: the sampling, on the device until `result`; None when nothing samples.
+        started: when the step was scheduled (``time.monotonic``).
+    """
+
+    sched: SchedulerOutput
+    sampled_reqs: list[Request]
+    pending: PendingSample | None
+    started: float
+
+    def row_of(self) -> dict[str, int]:
+        """Request id -> its row of ``pending.token_ids``."""
+        return {r.request_id: i for i, r in enumerate(self.sampled_reqs)}
+
+    def result(self) -> StepResult:
+        """Wait for the device; the step's sampled tokens."""
+        return StepResult(self.sampled_reqs, None if self.pending is None else self.pending.result())
 
 
 class ModelRunner:
@@ -48,32 +75,65 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run the model on the step `out` and sample the next tokens."""
+        """Run the model on the step `out` and sample the next tokens (waits for the device)."""
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None, started: float = 0.0) -> LaunchedStep:
+        """Issue the step `out` (forward pass and sampling) without waiting for its tokens.
+
+        Args:
+            prev: the step in flight (overlap scheduling): a decode whose input token it is still sampling
+                reads that token from ``prev.pending.token_ids`` on the device (SGLang's future token ids).
+
+        Raises:
+            RuntimeError: a request's input token is neither known nor sampled by `prev`.
+        """
         items = out.scheduled
-        inputs, sample_rows, prompt_rows = self._build_batch(items, len(out.decodes))
-        logits = self._forward(inputs)
+        inputs, sample_rows, prompt_rows, future = self._build_batch(items, len(out.decodes), prev)
+        logits = self._forward(inputs, future)
         sampled = [it.req for it in items if it.samples]
         self._record_prompt_logprobs(logits, prompt_rows)
         if not sampled:
-            return StepResult([], None)
-        sample_logits = logits[torch.tensor(sample_rows, device=logits.device)] if prompt_rows else logits
-        result = self.sampler(sample_logits, SamplingBatch.from_requests(sampled))
-        return StepResult(sampled, result)
+            return LaunchedStep(out, [], None, started)
+        sample_logits = logits[to_device(sample_rows, logits.device)] if prompt_rows else logits
+        return LaunchedStep(out, sampled, self.sampler.launch(sample_logits, SamplingBatch.from_requests(sampled)),
+                            started)
 
-    def _forward(self, inputs: BatchInputs) -> torch.Tensor:
+    def _forward(self, inputs: BatchInputs, future: tuple[list[int], list[int], torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         if self.tp_driver is not None:
+            if future is not None:
+                raise RuntimeError("overlap scheduling is not built for tensor parallelism")
             return self.tp_driver.call("forward", inputs)
-        return self.shard.forward(inputs.build(self.device, self.shard.staging))
+        batch = inputs.build(self.device, self.shard.staging)
+        if future is not None:  # the tokens the previous step is sampling, straight from the device
+            dst, src, tokens = future
+            batch.input_ids[to_device(dst, self.device)] = tokens[to_device(src, tokens.device)]
+        return self.shard.forward(batch)
 
-    def _build_batch(self, items: list[ScheduledRequest], num_decodes: int
-                     ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]]]:
+    def _build_batch(self, items: list[ScheduledRequest], num_decodes: int, prev: LaunchedStep | None = None
+                     ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]],
+                                tuple[list[int], list[int], torch.Tensor] | None]:
         token_ids, starts, tables, rows = [], [], [], []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, first logits row, first position, count)
-        n_rows = 0
+        dst: list[int] = []  # overlap scheduling: input positions whose token is still on the device
+        src: list[int] = []
+        prev_rows = prev.row_of() if prev is not None and prev.pending is not None else {}
+        n_rows = n_tokens = 0
         for it in items:
             req = it.req
-            token_ids.append(np.asarray(req.token_ids[it.start:it.end], dtype=np.int64))
+            ids = np.asarray(req.token_ids[it.start:it.end], dtype=np.int64)
+            if len(ids) < it.num_new_tokens:  # the last one is being sampled by `prev`
+                row = prev_rows.get(req.request_id)
+                if row is None or len(ids) != it.num_new_tokens - 1:
+                    raise RuntimeError(f"request {req.request_id}: tokens [{it.start}, {it.end}) are not known "
+                                       f"({len(req.token_ids)} known) nor sampled by the step in flight")
+                ids = np.append(ids, 0)
+                dst.append(n_tokens + len(ids) - 1)
+                src.append(row)
+            token_ids.append(ids)
+            n_tokens += len(ids)
             starts.append(it.start)
             tables.append(req.block_table)
             want = []
@@ -87,7 +147,9 @@ class ModelRunner:
                 sample_rows.append(n_rows + len(want) - 1)
             rows.append(np.asarray(want, dtype=np.int64))
             n_rows += len(want)
-        return BatchInputs(token_ids, starts, tables, rows, num_decodes, self.pool.page_size), sample_rows, prompt_rows
+        future = (dst, src, prev.pending.token_ids) if dst else None
+        return (BatchInputs(token_ids, starts, tables, rows, num_decodes, self.pool.page_size), sample_rows,
+                prompt_rows, future)
 
     @staticmethod
     def _prompt_logprob_count(it: ScheduledRequest) -> int:

@@ -87,6 +87,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_resumed_tokens = len(resumed_output_ids)
         self.num_computed_tokens = 0
+        self.num_inflight = 0  # overlap scheduling: tokens sampled by launched steps, not yet known on the host
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
         self.status = RequestStatus.WAITING
@@ -100,7 +101,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens the scheduler counts: the known ones plus those in flight (`num_inflight`, overlap scheduling)."""
+        return len(self.token_ids) + self.num_inflight
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -108,6 +110,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens known on the host (those in flight excluded)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property

@@ -53,7 +53,8 @@ class SamplingBatch:
         banned = []
         for r in reqs:
             p = r.params
-            if len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+            # tokens in flight (overlap scheduling) are output already: this row samples the one after them
+            if len(r.token_ids) + getattr(r, "num_inflight", 0) - r.num_prompt_tokens < p.min_tokens:
                 banned.append(tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(r.eos_token_ids)))
             else:
                 banned.append(())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.sampling.batch import SamplingBatch
 
 
@@ -33,7 +34,7 @@ def apply_bans(logits: torch.Tensor, batch: SamplingBatch) -> None:
         cols.extend(ids)
     if rows:
         idx = _index(rows, cols, logits.device)
-        logits.index_put_(idx, torch.tensor(float("-inf"), device=logits.device))
+        logits.index_put_(idx, torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -52,7 +53,7 @@ def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> None:
             vals.extend(p.logit_bias.values())
     if rows:
         logits.index_put_(_index(rows, cols, logits.device),
-                          torch.tensor(vals, dtype=logits.dtype, device=logits.device), accumulate=True)
+                          to_device(vals, logits.device, logits.dtype), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -67,18 +68,18 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     generated = counts > 0
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = generated | (_bincounts(_padded([batch.prompt_ids(i) for i in rows], vocab), vocab, dev) > 0)
-        penalty = torch.tensor([p.repetition_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
+        penalty = to_device([p.repetition_penalty for p in params], dev, sub.dtype)[:, None]
         penalised = torch.where(sub < 0, sub * penalty, sub / penalty)
         sub = torch.where(seen, penalised, sub)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=sub.dtype, device=dev)[:, None]
+        freq = to_device([p.frequency_penalty for p in params], dev, sub.dtype)[:, None]
+        pres = to_device([p.presence_penalty for p in params], dev, sub.dtype)[:, None]
         sub = sub - counts * freq - generated.to(sub.dtype) * pres
     logits[rows] = sub
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    both = torch.tensor([rows, cols], dtype=torch.int64).to(device)
+    both = to_device([rows, cols], device, torch.int64)
     return both[0], both[1]
 
 

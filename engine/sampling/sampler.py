@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.sampling.batch import SamplingBatch
+from pd_cluster.engine.sampling.pending import Logprob, PendingSample, SamplerOutput, DeviceLogprobs
 from pd_cluster.engine.sampling.grammar import apply_grammar_bitmask
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.sampling.penalties import apply_bans, apply_logit_bias, apply_penalties
@@ -42,25 +43,6 @@ logger = logging.getLogger("engine.sampling")
 
 TOP_P_CANDIDATES = 1024
 """Top-p without top-k first looks at this many candidates (doubled while they hold less than top_p)."""
-
-Logprob = tuple[float, list[tuple[int, float]]]
-
-
-@dataclass
-class SamplerOutput:
-    """Result of sampling one step.
-
-    Attributes:
-        token_ids: per row, the chosen token, or -1 for a row that failed.
-        logprobs: per row, None or (chosen token's logprob, [(token_id, logprob)] top-N),
-            computed from the model's raw distribution (before any processing, vLLM's default).
-        errors: per row, None or why the row could not be sampled (the request fails, the batch goes on).
-    """
-
-    token_ids: list[int]
-    logprobs: list[Logprob | None]
-    errors: list[str | None]
-
 
 class Sampler:
     """Samples one token per row of logits.
@@ -95,6 +77,16 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample from logits [B, V] (float32 or lower), one row per entry of `batch`."""
+        return self.launch(logits, batch).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
+        """Issue the sampling of logits [B, V] without waiting for the device (`PendingSample.result` waits).
+
+        Everything that reads `logits` runs here, so the caller may overwrite them afterwards (a CUDA graph's
+        static output). The chosen ids stay on the device too (`PendingSample.token_ids`, [B] int64, always
+        valid vocabulary ids) for the next step's inputs under overlap scheduling.
+        """
         n = len(batch)
         errors: list[str | None] = [None] * n
         x = self._run_processors(logits, batch, errors)
@@ -106,19 +98,19 @@ class Sampler:
         if batch.grammars:
             self._apply_grammars(x, batch, errors)
         try:
-            tokens = self._pick(x, batch, errors)
+            tokens, bad = self._pick(x, batch, errors)
         except _BeforeDraws:  # nothing drawn yet: every generator is where it was
             logger.exception("sampling: batched choice failed; retrying row by row")
-            tokens = self._pick_row_by_row(x, batch, errors)
-        for i, e in enumerate(errors):
-            if e is not None:
-                tokens[i] = -1
+            tokens, bad = self._pick_row_by_row(x, batch, errors)
+        pending = PendingSample(tokens, bad, errors, batch.params)
         try:
-            logprobs = self._logprobs(logits, batch.params, tokens)
+            pending.logprobs = self._logprobs(logits, batch.params, tokens, errors)
         except Exception:  # noqa: BLE001
             logger.exception("sampling: batched logprobs failed; retrying row by row")
-            logprobs = self._logprobs_row_by_row(logits, batch.params, tokens, errors)
-        return SamplerOutput(tokens, logprobs, errors)
+            pending.fallback_logprobs = self._logprobs_row_by_row(logits, batch.params, pending.host_tokens(),
+                                                                  errors)
+        pending.start_copy()
+        return pending
 
     # ---- logits processing ---------------------------------------------------
     @staticmethod
@@ -189,8 +181,12 @@ class Sampler:
             errors[i] = row_errors[0]
 
     # ---- choosing tokens ------------------------------------------------------
-    def _pick(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
+    def _pick(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy rows: argmax. Sampled rows: temperature, filters, one draw each.
+
+        Returns:
+            the chosen ids [B] int64 and the rows with nothing finite to sample from [B] bool, on the device.
 
         Raises:
             _BeforeDraws: something failed before any generator was used (the rows can be retried).
@@ -200,7 +196,7 @@ class Sampler:
             bad = x.isnan().any(dim=-1) | (x == float("-inf")).all(dim=-1)
             sampled = [i for i, p in enumerate(batch.params) if not p.greedy and errors[i] is None]
             if sampled:
-                idx = torch.tensor(sampled, device=x.device)
+                idx = to_device(sampled, x.device)
                 probs = self._filtered_probs(x[idx], [batch.params[i] for i in sampled])
         except Exception as e:  # noqa: BLE001
             raise _BeforeDraws() from e
@@ -208,34 +204,33 @@ class Sampler:
             q = self._draws(probs, [batch.generators[i] for i in sampled], sampled, errors)
             tokens[idx] = (probs / q).argmax(dim=-1)
             bad[idx] |= probs.isnan().any(dim=-1)
-        out = torch.stack([tokens, bad.to(tokens.dtype)]).tolist()
-        for i, is_bad in enumerate(out[1]):
-            if is_bad and errors[i] is None:
-                errors[i] = "the logits hold no finite value to sample from (NaN or every token banned)"
-        return out[0]
+        return tokens, bad
 
-    def _pick_row_by_row(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]) -> list[int]:
-        tokens = [-1] * len(batch)
+    def _pick_row_by_row(self, x: torch.Tensor, batch: SamplingBatch, errors: list[str | None]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(len(batch), dtype=torch.long, device=x.device)
+        bad = torch.zeros(len(batch), dtype=torch.bool, device=x.device)
         for i in range(len(batch)):
             if errors[i] is not None:
                 continue
             row_errors: list[str | None] = [None]
             try:
-                tokens[i] = self._pick(x[i:i + 1], batch.select([i]), row_errors)[0]
+                t, b = self._pick(x[i:i + 1], batch.select([i]), row_errors)
+                tokens[i:i + 1], bad[i:i + 1] = t, b
             except _BeforeDraws as e:
                 row_errors[0] = f"sampling failed: {type(e.__cause__).__name__}: {e.__cause__}"
             errors[i] = row_errors[0]
-        return tokens
+        return tokens, bad
 
     @staticmethod
     def _filtered_probs(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p; returns probabilities [S, V] float32."""
         dev = x.device
-        x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)[:, None]
+        x = x / to_device([p.temperature for p in params], dev, x.dtype)[:, None]
         if any(p.needs_topk_topp for p in params):
-            x = top_k_top_p_min_p(x, torch.tensor([p.top_k for p in params], device=dev),
-                                  torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev),
-                                  torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev),
+            x = top_k_top_p_min_p(x, to_device([p.top_k for p in params], dev),
+                                  to_device([p.top_p for p in params], dev, x.dtype),
+                                  to_device([p.min_p for p in params], dev, x.dtype),
                                   max_k=max((p.top_k for p in params if p.top_k < x.shape[-1]), default=0),
                                   any_top_p=any(p.top_p < 1.0 for p in params),
                                   any_min_p=any(p.min_p > 0.0 for p in params))
@@ -250,7 +245,7 @@ class Sampler:
             return q.exponential_(generator=self.generator)
         if unseeded:
             fill = torch.empty(len(unseeded), probs.shape[-1], dtype=probs.dtype, device=probs.device)
-            q[torch.tensor(unseeded, device=probs.device)] = fill.exponential_(generator=self.generator)
+            q[to_device(unseeded, probs.device)] = fill.exponential_(generator=self.generator)
         for j, g in enumerate(generators):
             if g is None:
                 continue
@@ -269,28 +264,28 @@ class Sampler:
             if p.logprobs is None or tokens[i] < 0:
                 continue
             try:
-                out[i] = self._logprobs(logits[i:i + 1], [p], [tokens[i]])[0]
+                t = torch.tensor([tokens[i]], device=logits.device)
+                lp = self._logprobs(logits[i:i + 1], [p], t, [None])
+                out[i] = lp.to_host([p])[0] if lp is not None else None
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"logprobs failed: {type(e).__name__}: {e}"
                 tokens[i] = -1
         return out
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[Logprob | None]:
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None and tokens[i] >= 0]
-        out: list[Logprob | None] = [None] * len(params)
+    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor,
+                  errors: list[str | None]) -> DeviceLogprobs | None:
+        """The logprobs of the rows that ask for them, on the device (read back by `PendingSample.result`)."""
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
         if not rows:
-            return out
+            return None
         dev = logits.device
-        logp = logits[torch.tensor(rows, device=dev)].float().log_softmax(dim=-1)
+        idx = to_device(rows, dev)
+        logp = logits[idx].float().log_softmax(dim=-1)
         top_n = max(params[i].logprobs for i in rows)
         top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1)  # at most 20: no full sort
-        chosen = logp.gather(-1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None])[:, 0].tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = params[i].logprobs
-            out[i] = (chosen[j], list(zip(top_ids[j][:n], top_vals[j][:n])))
-        return out
+        chosen = logp.gather(-1, tokens[idx][:, None])[:, 0]
+        return DeviceLogprobs(rows, chosen, top_vals, top_ids)
 
 
 class _BeforeDraws(Exception):

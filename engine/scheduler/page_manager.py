@@ -97,14 +97,20 @@ class PageManager:
     def has_host_tier(self) -> bool:
         return getattr(self.cache, "host", None) is not None
 
-    def cache_computed(self, req: Request) -> None:
-        """Add the pages of `req` that are full and computed to the prefix cache."""
+    def cache_computed(self, req: Request, num_tokens: int | None = None) -> None:
+        """Add the pages of `req` that are full and computed to the prefix cache.
+
+        Args:
+            num_tokens: tokens whose KV is final (default ``req.num_computed_tokens``; overlap scheduling passes
+                the end of the completed step, as a later step may still be writing).
+        """
         if self.cache is None:
             return
+        computed = req.num_computed_tokens if num_tokens is None else min(num_tokens, req.num_computed_tokens)
         chain = self._chains.get(req.request_id)
         if chain is None:
             chain = self._chains[req.request_id] = CacheChain(self.cache.root)
-        self.cache.insert(req.token_ids, req.block_table, req.num_computed_tokens // self.page_size, chain)
+        self.cache.insert(req.token_ids, req.block_table, min(computed, len(req.token_ids)) // self.page_size, chain)
 
     # ---- release -------------------------------------------------------------------------
     def release(self, req: Request) -> None:

@@ -176,6 +176,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # retracted earlier in this loop
                 continue
+            if req.num_inflight and req.num_output_tokens + req.num_inflight >= req.max_tokens:
+                continue  # overlap scheduling: its token in flight is its last (max_tokens); nothing to run
             n = self._chunk(req, budget)
             if n <= 0:
                 continue
@@ -251,7 +253,7 @@ class Scheduler:
 
     def _match(self, req: Request) -> int:
         """Start a request that holds no pages on its cached prefix; returns the cached tokens."""
-        if req.params.prompt_logprobs is not None:
+        if req.params.prompt_logprobs is not None or req.num_inflight:
             return 0
         cached = self.pages.match(req)
         req.num_computed_tokens = cached
@@ -288,19 +290,40 @@ class Scheduler:
         self.running.append(req)
 
     # ---- after the forward pass -------------------------------------------------
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance progress of everything the step computed."""
+    def on_step_launched(self, out: SchedulerOutput) -> None:
+        """The step's forward pass is issued: advance every scheduled request's ``num_computed_tokens``.
+
+        With overlap scheduling the next step is scheduled before this one's results are known, on this
+        progress (vLLM v1 also advances it at scheduling time); the KV is final only at `on_step_done`.
+        """
         for item in out.scheduled:
             item.req.num_computed_tokens = item.end
-            self.pages.cache_computed(item.req)
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The step's forward pass completed: the pages it filled join the prefix cache.
+
+        Only up to the step's own end (a later step may be in flight) and only for requests still running
+        (one retracted or ended meanwhile gave its pages back).
+        """
+        for item in out.scheduled:
+            req = item.req
+            if req.status == RequestStatus.RUNNING:
+                req.num_computed_tokens = max(req.num_computed_tokens, item.end)  # no-op after on_step_launched
+                self.pages.cache_computed(req, item.end)
         if out.decodes:
             self.admission.on_decode_step()
         if out.retracted:
             self.admission.on_retract(self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """`req` stopped: free its pages (or, in the prefill role, hold them for the push)."""
-        self.running.remove(req)
+        """`req` stopped: free its pages (or, in the prefill role, hold them for the push).
+
+        Under overlap scheduling a request retracted while its last step was in flight is in the queue.
+        """
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
         if self.role == "prefill" and status != RequestStatus.FINISHED_ABORTED:
             req.status = RequestStatus.PREFILLED
             self.held[req.request_id] = req

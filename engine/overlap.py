@@ -1,0 +1,117 @@
+"""Overlap scheduling: schedule and issue step N+1 while step N runs on the device.
+
+The engine thread's host work (scheduling, building the batch, reading
+tokens back, detokenizing, stop checks) otherwise sits between two device
+steps, leaving the GPU idle for it. As SGLang's overlap scheduler and vLLM
+v1's async scheduling do, `OverlapScheduler.step` schedules and issues step
+N+1 first, then waits for step N's tokens and applies them:
+
+- A decode of step N+1 whose input is the token step N is still sampling
+  reads it on the device (`PendingSample.token_ids`, SGLang's future token
+  ids); the request counts it in ``num_inflight`` until it is known.
+- ``num_computed_tokens`` advances when a step is issued; its pages join the
+  prefix cache when it completes (`Scheduler.on_step_done`).
+- A request that a token of step N stops (EOS, stop id, stop string) has run
+  one more step in N+1; that token is dropped. One whose last token by
+  ``max_tokens`` is in flight is not scheduled again.
+- Before a step with a request whose sampling needs its previous token on the
+  host (a structured-output matcher, penalties, logits processors), the
+  engine first completes the step in flight: such steps do not overlap.
+- Pages freed while a step is in flight (abort, retraction) are written by
+  that step only; any later user's writes come after it on the same stream,
+  and the decode role hands reserved pages to a transfer only after the
+  step completes (`step` returns after it).
+
+Off CUDA, torch runs each op before returning, so nothing overlaps; the
+bookkeeping is the same and is tested there (``--enable-overlap-schedule``).
+Not built for tensor parallelism (the other ranks would need the token on
+their device) nor for the prefill role, whose steps hand pages to transfers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.model_runner import LaunchedStep
+from pd_cluster.engine.outputs import StepOutput
+from pd_cluster.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.llm_engine import LLMEngine
+
+
+def overlap_mode(config: EngineConfig, device_type: str) -> tuple[bool, str]:
+    """Whether an engine overlaps scheduling, and why (for the start-up log)."""
+    dc = config.device
+    if dc.disable_overlap_schedule:
+        return False, "off (--disable-overlap-schedule)"
+    if config.parallel.tp_size > 1:
+        return False, "off (not built for tensor parallelism)"
+    if config.role == "prefill":
+        return False, "off (prefill role)"
+    if device_type == "cuda":
+        return True, "on"
+    if dc.enable_overlap_schedule:
+        return True, "on (--enable-overlap-schedule)"
+    return False, "off (no CUDA)"
+
+
+def needs_host_tokens(req: Request) -> bool:
+    """Whether `req`'s next sampling reads its previous tokens on the host."""
+    p = req.params
+    return req.grammar is not None or p.has_penalties or bool(p.logits_processors)
+
+
+class OverlapScheduler:
+    """Owns the step in flight of an engine with overlap scheduling.
+
+    Args:
+        engine: the engine whose scheduler, runner and token handling it drives.
+        config: the engine configuration (``--disable-overlap-schedule``, ``--enable-overlap-schedule``).
+    """
+
+    def __init__(self, engine: LLMEngine, config: EngineConfig) -> None:
+        self.engine = engine
+        self.enabled, self._why = overlap_mode(config, engine.device.type)
+        self.in_flight: LaunchedStep | None = None
+        self.num_drains = 0  # steps that waited for the previous one first (a request needed host tokens)
+        self.num_overlapped = 0  # steps issued while the previous one was in flight
+
+    def describe(self) -> str:
+        return self._why
+
+    def step(self) -> StepOutput:
+        """Issue the next step, then complete the previous one; returns what the previous one produced."""
+        eng = self.engine
+        started = time.monotonic()
+        out = StepOutput()
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None and any(r.status == RequestStatus.RUNNING and needs_host_tokens(r)
+                                    for r in prev.sampled_reqs):
+            self._complete(prev, out)
+            prev = None
+            self.num_drains += 1
+        sched = eng.scheduler.schedule()
+        out.num_tokens = sched.num_tokens
+        eng._report_schedule(sched, out)
+        if sched.is_empty:
+            eng.scheduler.on_step_launched(sched)
+            eng._complete_step(LaunchedStep(sched, [], None, started), out)
+        else:
+            launched = eng.runner.launch(sched, prev, started)
+            self.num_overlapped += prev is not None
+            eng.scheduler.on_step_launched(sched)
+            for req in launched.sampled_reqs:
+                req.num_inflight += 1
+            self.in_flight = launched
+        if prev is not None:
+            self._complete(prev, out)
+        out.deltas, eng._pending = eng._pending, []
+        return out
+
+    def _complete(self, step: LaunchedStep, out: StepOutput) -> None:
+        for req in step.sampled_reqs:
+            req.num_inflight -= 1  # its token is about to be known (or dropped)
+        self.engine._complete_step(step, out)
