@@ -9,7 +9,9 @@ It measures, in one run and on the device itself:
 1. the two ceilings: device-to-device copy bandwidth and the bf16 matrix rate;
 2. FP8 paged decode attention at Llama-3.1-8B shapes, batch 1/32/128 x context
    1k/4k/32k, against the torch reference backend and bf16 SDPA (after a
-   small sweep of the kernel's launch settings at batch 32, context 4k);
+   small sweep of the kernel's launch settings at batch 32, context 4k), and
+   FlashInfer's paged decode on the same pool and batches when it is
+   installed (`gpu_flashinfer`; otherwise one row says it is not);
 3. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
    against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
 4. the 8k-token prefill kernel alone (launch-settings sweep);
@@ -67,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> list[Section]:
-    from pd_cluster.bench.scripts import gpu_attention, gpu_model, gpu_nixl
+    from pd_cluster.bench.scripts import gpu_attention, gpu_flashinfer, gpu_model, gpu_nixl
     from pd_cluster.engine.attention.triton_backend import TritonAttentionConfig
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +89,11 @@ def run(args: argparse.Namespace) -> list[Section]:
     if "decode" not in skip:
         decode_cfg, tune = gpu_attention.tune_decode(device, num_sms, args.smoke)
         sections.append(_emit(tune))
-        sections.append(_emit(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke)))
+        flashinfer = gpu_flashinfer.FlashInferDecode(device, ceil)
+        sections.append(_emit(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke, flashinfer)))
+        sections.append(_emit(flashinfer.section))
+        del flashinfer
+        _free(device)
     if "layout" not in skip:
         from pd_cluster.bench.scripts import gpu_layout
 
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> list[Section]:
 
 def summary(sections: list[Section]) -> Section:
     """The acceptance targets, read back from the tables."""
+    from pd_cluster.bench.scripts import gpu_flashinfer
+
     sec = Section("Summary against the targets", ["metric", "measured", "target"])
     by_title = {s.title.split(",")[0].split(" (")[0]: s for s in sections}
     dec = by_title.get("FP8 paged decode attention")
@@ -123,6 +131,9 @@ def summary(sections: list[Section]) -> Section:
         if vals:
             sec.rows.append(Row(["decode attention, worst % of copy BW at batch >= 32, context >= 4k",
                                  min(vals), ">= 75"]))
+    fi = next((s for s in sections if s.title == gpu_flashinfer.TITLE), None)
+    if fi:
+        sec.rows += gpu_flashinfer.summary_rows(fi)
     step = next((s for s in sections if s.title.startswith("Decode step")), None)
     if step:
         for r in step.rows:

@@ -5,7 +5,8 @@ head_dim 128) over one layer of an FP8 E4M3 pool with page size 64 and pages
 scattered at random: the Triton kernels, the torch reference backend on the
 same pool, and `torch.nn.functional.scaled_dot_product_attention` over the same
 K and V laid out contiguously in bf16. Bytes counted: each K/V byte read once,
-plus queries, outputs and block tables.
+plus queries, outputs and block tables. FlashInfer's paged decode, when it is
+installed, runs on the same pool and batches (`gpu_flashinfer`).
 """
 
 from __future__ import annotations
@@ -51,15 +52,21 @@ def decode_batch(bsz: int, ctx: int, num_pages: int, device: torch.device, gen: 
     """`bsz` requests decoding at position ``ctx - 1`` on distinct random pages."""
     per = -(-ctx // PAGE)
     pages = (torch.randperm(num_pages, generator=gen)[:bsz * per] + 1).view(bsz, per).to(torch.int32)
-    seq = torch.full((bsz,), ctx, dtype=torch.int32)
+    return batch_from_tables(pages, [ctx] * bsz, device)
+
+
+def batch_from_tables(block_tables: torch.Tensor, seq_lens: list[int], device: torch.device) -> ForwardBatch:
+    """A decode-only batch (one query per request) over the given [B, W] page ids, padded with page 0."""
+    bsz = len(seq_lens)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
     pos = seq.long() - 1
     slots = torch.full((bsz,), -1, dtype=torch.long)  # the benchmarks attend only
     qsl = torch.arange(bsz + 1, dtype=torch.int32)
     return ForwardBatch(
         input_ids=torch.zeros(bsz, dtype=torch.long, device=device), positions=pos.to(device),
         slot_mapping=slots.to(device), query_start_loc=qsl.to(device), seq_lens=seq.to(device),
-        block_tables=pages.to(device), logits_indices=torch.arange(bsz, device=device), num_decodes=bsz,
-        query_lens_cpu=[1] * bsz, seq_lens_cpu=[ctx] * bsz, query_start_loc_cpu=qsl.tolist())
+        block_tables=block_tables.to(device=device, dtype=torch.int32), logits_indices=torch.arange(bsz, device=device),
+        num_decodes=bsz, query_lens_cpu=[1] * bsz, seq_lens_cpu=list(seq_lens), query_start_loc_cpu=qsl.tolist())
 
 
 def _triton_decode_fn(q, pool, batch, shape: Shape, cfg: DecodeKernelConfig, num_sms: int):
@@ -122,10 +129,18 @@ def tune_decode(device, num_sms: int, smoke: bool) -> tuple[DecodeKernelConfig, 
     return cfg, sec
 
 
-def decode_table(device, ceil: Ceilings, cfg: DecodeKernelConfig, num_sms: int, smoke: bool) -> Section:
+def decode_table(device, ceil: Ceilings, cfg: DecodeKernelConfig, num_sms: int, smoke: bool,
+                 companion=None) -> Section:
+    """The decode attention table; `companion` (e.g. `gpu_flashinfer.FlashInferDecode`) gets each shape too.
+
+    The companion's ``prepare(pool, shape)`` runs once on the pool, then ``add(bsz, ctx, batch, q, triton_ms)``
+    after the Triton kernel is timed on each (batch, context), with the same pages and queries.
+    """
     shape = Shape() if not smoke else Shape(4, 2, 32)
     batches, ctxs = ((1, 32, 128), (1024, 4096, 32768)) if not smoke else ((1, 2), (64, 128))
     pool = make_fp8_pool(shape, max(batches) * max(ctxs) // PAGE + 8, device)
+    if companion is not None:
+        companion.prepare(pool, shape)
     gen = torch.Generator().manual_seed(1)
     sec = Section("FP8 paged decode attention, Llama-3.1-8B shapes (32 q heads, 8 KV heads, head_dim 128, page 64)",
                   ["batch", "context", "triton (us)", "triton GB/s", "% of copy BW", "torch ref (us)",
@@ -136,6 +151,8 @@ def decode_table(device, ceil: Ceilings, cfg: DecodeKernelConfig, num_sms: int, 
         fp8_bytes = decode_bytes(bsz, ctx, shape, 1)
         t_tri = bench_ms(_triton_decode_fn(q, pool, batch, shape, cfg, num_sms), device)
         gb_tri = fp8_bytes / (t_tri * 1e-3) / 1e9
+        if companion is not None:
+            companion.add(bsz, ctx, batch, q, t_tri)
         t_ref = _time_reference(q, pool, batch, shape, device)
         t_sdpa = _time_sdpa(q, pool, batch, shape, device)
         bf16_bytes = decode_bytes(bsz, ctx, shape, 2)
