@@ -1,4 +1,5 @@
-"""Acceptance: `pd-serve` at 1P1D answers the real `openai` client with the reference greedy text."""
+"""Acceptance: `pd-serve` at 1P1D answers the real `openai` client with the reference greedy text (its decode
+worker with overlap scheduling, as on CUDA)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def pd_serve(tmp_path_factory):
     manifest = tmp_path_factory.mktemp("pd") / "manifest.json"
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest", str(manifest),
-                             "--log-level", "warning", *FAST_ENGINE], stdout=subprocess.DEVNULL,
+                             "--log-level", "warning", *FAST_ENGINE,
+                             # the decode worker overlaps its steps as on CUDA (the prefill role never does);
+                             # the texts must still equal the offline engine's, which does not overlap
+                             "--enable-overlap-schedule"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
