@@ -125,7 +125,8 @@ class DecodeHooks(StepHooks):
 
     def _count_saved(self, engine: LLMEngine, num_pages: int) -> None:
         if self.metrics is not None and num_pages:
-            self.metrics.saved_bytes.inc(num_pages * engine.layout.page_nbytes)
+            # every TP rank holds its share of the heads in a page of `page_nbytes`
+            self.metrics.saved_bytes.inc(num_pages * engine.layout.page_nbytes * engine.config.parallel.tp_size)
 
     def poll(self, engine: LLMEngine) -> None:
         if not self._by_transfer and not self.receiver.has_work:

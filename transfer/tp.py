@@ -202,6 +202,10 @@ class _TPProxy:
         self._has_work = any(r[1] for r in results)
         return [r[0] for r in results]
 
+    def _rank0(self) -> RankTransfer:
+        """Rank 0's own `RankTransfer` (its metrics are the ones the worker serves)."""
+        return self.driver.local.extensions[EXTENSION]
+
     def _abort_rest(self, p: _Parts, method: Callable, message: str) -> None:
         if not p.aborted:
             p.aborted = True
@@ -257,6 +261,8 @@ class TPSender(_TPProxy):
                 out.failed.append(SendFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
             else:
                 d = [p.done[r] for r in range(self.size)]
+                # the worker serves rank 0's counters: add the other ranks' bytes (their agents moved them)
+                self._rank0().sender.metrics.bytes.inc(sum(x.nbytes for x in d[1:]))
                 out.completed.append(SendDone(tid0, p.request_id, d[0].num_pushes, sum(x.nbytes for x in d),
                                               max(x.seconds for x in d)))
         return out
@@ -315,6 +321,7 @@ class TPReceiver(_TPProxy):
         if not p.failed and len(p.done) == self.size:
             del self.parts[tid0]
             d = [p.done[r] for r in range(self.size)]
+            self._rank0().receiver.metrics.received_bytes.inc(sum(x.nbytes for x in d[1:]))  # as the sender's
             out.completed.append(RecvDone(tid0, p.request_id, d[0].pages, d[0].meta, d[0].pushes,
                                           sum(x.nbytes for x in d), max(x.wait_s for x in d),
                                           max(x.transfer_s for x in d)))

@@ -8,10 +8,14 @@ every part has ended.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pd_cluster.transfer.errors import PeerDiedError, TransferAbortedError, TransferTimeoutError
 from pd_cluster.transfer.interfaces import Receiver, Sender
+from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.receiver import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.sender import SendDone, SenderEvents, SendFailed
 from pd_cluster.transfer.ticket import KVTicket, TPTicket
@@ -29,6 +33,11 @@ class ScriptedDriver:
         self.size = size
         self.calls: list[tuple] = []
         self.next_events: list = [None] * size
+        # rank 0's own RankTransfer: only its metrics are read (the worker serves them)
+        self.metrics = TransferMetrics(CollectorRegistry())
+        rank0 = SimpleNamespace(sender=SimpleNamespace(metrics=self.metrics),
+                                receiver=SimpleNamespace(metrics=self.metrics))
+        self.local = SimpleNamespace(extensions={EXTENSION: rank0})
 
     def call(self, name, ext, method, *args, gather=False):
         assert name == "ext" and ext == EXTENSION
@@ -84,6 +93,8 @@ def test_sender_complete_only_when_every_rank_is(sender):
     ev = _poll(s)
     assert ev.completed == [SendDone("r@r0", "r", 2, 220, 0.7)] and ev.failed == []
     assert s.parts == {} and d.methods("sender_abort") == []
+    # rank 0's KVSender counted its own 100 bytes as it pushed them; the merge adds rank 1's 120
+    assert d.metrics.bytes._value.get() == 120
 
 
 def test_sender_one_rank_fails_the_rest_are_aborted_once_and_failure_waits_for_all(sender):
@@ -156,6 +167,7 @@ def test_receiver_complete_only_when_every_rank_is(receiver):
     d.next_events[0] = ReceiverEvents(completed=[_done(0)])
     ev = _poll(r)
     assert ev.completed == [RecvDone("r@r0", "r", PAGES, {"first_token_id": 9}, (), 201, 1.2, 0.1)]
+    assert d.metrics.received_bytes._value.get() == 101  # rank 1's; rank 0's KVReceiver counts its own
     assert r.parts == {} and ev.failed == [] and ev.released == []
 
 
