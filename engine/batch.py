@@ -138,26 +138,6 @@ def build_forward_batch(
     )
 
 
-@dataclass
-class BatchInputs:
-    """Host-side inputs of one forward pass; rank 0 sends them to every TP rank, each builds its `ForwardBatch`.
-
-    token_ids: per request, int64 numpy ids of the tokens to run; start_positions: the position of each
-    request's first such token; block_tables: page ids per request; logits_rows: per request, the rows
-    (offsets into its tokens) whose logits are needed; the first ``num_decodes`` requests are decodes."""
-
-    token_ids: list[np.ndarray]
-    start_positions: list[int]
-    block_tables: list[list[int]]
-    logits_rows: list[np.ndarray]
-    num_decodes: int
-    page_size: int
-
-    def build(self, device: torch.device, staging: HostStaging | None = None) -> ForwardBatch:
-        return build_forward_batch(self.token_ids, self.start_positions, self.block_tables, self.logits_rows,
-                                   self.num_decodes, self.page_size, device, staging)
-
-
 class HostStaging:
     """Persistent host buffers through which a step's index arrays reach the device.
 

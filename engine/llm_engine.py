@@ -97,8 +97,9 @@ class LLMEngine:
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
+        # the graphs' block-table width is CudaGraphConfig's fixed default, never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
-                                 max_context_len=self.context_length, disable=config.device.disable_cuda_graph)
+                                 disable=config.device.disable_cuda_graph)
         if self.tp_driver is not None:
             self.tp_driver.attach(RankServer(shard, tp, self.device))
             buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets
@@ -106,6 +107,7 @@ class LLMEngine:
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
+        self.scheduler.on_leave = lambda req: self.runner.release(req.request_id)  # frees its block-table row
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_cluster.engine.batch import BatchInputs
+from pd_cluster.engine.block_tables import BlockTableRows
 from pd_cluster.engine.executor.tp import TPDriver
 from pd_cluster.engine.executor.shard import Shard
+from pd_cluster.engine.packed_step import HEADER_LEN, pack_step
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
@@ -46,6 +47,12 @@ class ModelRunner:
         self.device = device
         self.tp_driver = tp_driver
         self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
+        self.rows = BlockTableRows()  # which row of every rank's device block table each running request owns
+
+    def release(self, request_id: str) -> None:
+        """Hook: the request left the running set (finished, aborted, retracted, handed off); its block-table row
+        is free again. The engine wires it to `Scheduler.on_leave`. Unknown ids are ignored."""
+        self.rows.release(request_id)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the model on the step `out` and sample the next tokens."""
@@ -60,34 +67,42 @@ class ModelRunner:
         result = self.sampler(sample_logits, SamplingBatch.from_requests(sampled))
         return StepResult(sampled, result)
 
-    def _forward(self, inputs: BatchInputs) -> torch.Tensor:
+    def _forward(self, step: np.ndarray) -> torch.Tensor:
+        """Run the packed step (`pd_cluster.engine.packed_step`) on every rank; rank 0's logits."""
         if self.tp_driver is not None:
-            return self.tp_driver.call("forward", inputs)
-        return self.shard.forward(inputs.build(self.device, self.shard.staging))
+            return self.tp_driver.run_step(step)
+        return self.shard.run_step(step[:HEADER_LEN], step[HEADER_LEN:])
 
     def _build_batch(self, items: list[ScheduledRequest], num_decodes: int
-                     ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]]]:
-        token_ids, starts, tables, rows = [], [], [], []
+                     ) -> tuple[np.ndarray, list[int], list[tuple[Request, int, int, int]]]:
+        """The packed step ([HEADER_LEN + payload] int64), the sampled requests' logits rows, and the prompt
+        logprob rows. Block tables travel as appends to the requests' persistent rows (`BlockTableRows`)."""
+        token_ids: list[int] = []
+        starts, qlens, logits = [], [], []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, first logits row, first position, count)
-        n_rows = 0
+        n_tok = 0
         for it in items:
             req = it.req
-            token_ids.append(np.asarray(req.token_ids[it.start:it.end], dtype=np.int64))
+            n = it.num_new_tokens
+            if n == 1:
+                token_ids.append(req.token_ids[it.start])
+            else:
+                token_ids.extend(req.token_ids[it.start:it.end])
             starts.append(it.start)
-            tables.append(req.block_table)
-            want = []
+            qlens.append(n)
             lp_count = self._prompt_logprob_count(it)
             if lp_count:
-                want.extend(range(lp_count))
-                prompt_rows.append((req, n_rows, it.start, lp_count))
+                prompt_rows.append((req, len(logits), it.start, lp_count))
+                logits.extend(range(n_tok, n_tok + lp_count))
             if it.samples:
-                if not want or want[-1] != it.num_new_tokens - 1:
-                    want.append(it.num_new_tokens - 1)
-                sample_rows.append(n_rows + len(want) - 1)
-            rows.append(np.asarray(want, dtype=np.int64))
-            n_rows += len(want)
-        return BatchInputs(token_ids, starts, tables, rows, num_decodes, self.pool.page_size), sample_rows, prompt_rows
+                if not lp_count or lp_count != n:
+                    logits.append(n_tok + n - 1)
+                sample_rows.append(len(logits) - 1)
+            n_tok += n
+        rows, edits = self.rows.step([it.req.request_id for it in items], [it.req.block_table for it in items])
+        step = pack_step(token_ids, starts, qlens, rows, logits, num_decodes, edits)
+        return step, sample_rows, prompt_rows
 
     @staticmethod
     def _prompt_logprob_count(it: ScheduledRequest) -> int:

@@ -37,6 +37,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pd_cluster.engine.config import SchedulerConfig
 from pd_cluster.engine.request import Request, RequestStatus
@@ -113,6 +114,13 @@ class Scheduler:
         self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
+        # Called with every request that leaves the running set (finished, aborted, retracted, held for a
+        # transfer), and with every removed request; the engine frees its block-table row there.
+        self.on_leave: Callable[[Request], None] | None = None
+
+    def _left(self, req: Request) -> None:
+        if self.on_leave is not None:
+            self.on_leave(req)
 
     # ---- queue management ----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -142,6 +150,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.held.pop(req.request_id, None)
+        self._left(req)
         if release_pages or not req.block_table:
             self.pages.release(req)
             return False
@@ -206,6 +215,7 @@ class Scheduler:
 
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        self._left(req)
         self.pages.release(req)
         req.num_computed_tokens = 0
         req.remote_kv = False  # recomputed locally, also in the decode role
@@ -301,6 +311,7 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """`req` stopped: free its pages (or, in the prefill role, hold them for the push)."""
         self.running.remove(req)
+        self._left(req)
         if self.role == "prefill" and status != RequestStatus.FINISHED_ABORTED:
             req.status = RequestStatus.PREFILLED
             self.held[req.request_id] = req
