@@ -50,6 +50,13 @@ class RankServer:
         logits = self.shard.run_step(header, payload)
         return logits if self.tp.is_driver else None
 
+    def block_table_state(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """This rank's device block table (as host int32 [rows, width]), its row lengths, and whether the host
+        mirror equals it: every rank's must be identical (tests, diagnostics)."""
+        table = self.shard.block_table
+        dev = table.table.cpu().numpy()
+        return dev, table.lengths.copy(), bool(np.array_equal(dev, table.host))
+
     def ping(self) -> int:
         return self.tp.rank
 
