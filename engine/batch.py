@@ -141,7 +141,8 @@ def build_forward_batch(
 class HostStaging:
     """Persistent host buffers through which a step's index arrays reach the device.
 
-    The seven arrays of a `ForwardBatch` are packed into one int64 and one int32
+    A step's index arrays (those of a `ForwardBatch`; in the engine also its block-table rows and edits,
+    `pd_cluster.engine.packed_step.build_step`) are packed into one int64 and one int32
     host buffer, which are copied with one copy each into fresh device tensors;
     the batch's tensors are views of those. On CUDA the host buffers are pinned
     and the copies ``non_blocking``, so the host goes on building while the copy
