@@ -191,15 +191,16 @@ class DeviceBlockTable:
                             int(edits.seg_rows.max(initial=-1)))
         ends = edits.seg_cols + edits.seg_lens
         self._ensure(need_rows, int(ends.max(initial=0)))
+        held = self.lengths[edits.seg_rows]  # checked before anything changes: mirror and device stay equal
+        held[np.isin(edits.seg_rows, edits.clear)] = 0
+        if not np.array_equal(held, edits.seg_cols):
+            raise ValueError(f"block-table append out of order: rows {edits.seg_rows.tolist()} hold "
+                             f"{held.tolist()} pages, appends start at {edits.seg_cols.tolist()}")
         if edits.clear.size:
             self.host[edits.clear] = 0
             self.lengths[edits.clear] = 0
         if not edits.seg_rows.size:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
-        if not np.array_equal(self.lengths[edits.seg_rows], edits.seg_cols):
-            raise ValueError(f"block-table append out of order: rows {edits.seg_rows.tolist()} hold "
-                             f"{self.lengths[edits.seg_rows].tolist()} pages, appends start at "
-                             f"{edits.seg_cols.tolist()}")
         # column of every appended id: its segment's first column plus its offset within the segment
         starts = np.zeros(edits.seg_lens.size, dtype=np.int64)
         np.cumsum(edits.seg_lens[:-1], out=starts[1:])

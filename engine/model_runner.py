@@ -96,7 +96,7 @@ class ModelRunner:
                 prompt_rows.append((req, len(logits), it.start, lp_count))
                 logits.extend(range(n_tok, n_tok + lp_count))
             if it.samples:
-                if not lp_count or lp_count != n:
+                if lp_count != n:
                     logits.append(n_tok + n - 1)
                 sample_rows.append(len(logits) - 1)
             n_tok += n

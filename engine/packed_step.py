@@ -120,7 +120,8 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
     need = -(-seq_lens // page_size)
     short = np.nonzero(held < need)[0]
     if short.size:
-        i = int(short[0])
+        table.apply_device(*(torch.from_numpy(a).to(table.device) for a in (step.edits.clear, flat_idx, values)))
+        i = int(short[0])  # the edits are applied on the device too, so that mirror and table stay equal
         raise ValueError(f"request {i}: block table has {held[i]} pages, needs {need[i]} for {seq_lens[i]} tokens")
     slots = table.host[step.rows[req_of_token], positions // page_size].astype(np.int64) * page_size \
         + positions % page_size

@@ -109,6 +109,7 @@ def test_an_append_out_of_order_is_refused():
     edits.clear = np.zeros(0, dtype=np.int64)
     with pytest.raises(ValueError, match="out of order"):
         t.dev.apply_host(edits, np.zeros(1, dtype=np.int64))
+    assert t.row(0)[:3] == [1, 2, 0] and t.dev.lengths[0] == 2  # refused before anything changed
 
 
 def _check_idle(engine: LLMEngine) -> None:

@@ -101,5 +101,7 @@ def test_a_row_short_of_pages_is_refused():
     tracker = BlockTableRows()
     rows, edits = tracker.step(["a"], [[7]])  # one page of 4 tokens
     flat = pack_step([1] * 5, [0], [5], rows, [4], 0, edits)  # 5 tokens need 2 pages
+    table = DeviceBlockTable(CPU)
     with pytest.raises(ValueError, match="needs 2"):
-        build_step(unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:]), DeviceBlockTable(CPU), PAGE, None)
+        build_step(unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:]), table, PAGE, None)
+    assert np.array_equal(table.table.numpy(), table.host) and table.host[rows[0], 0] == 7  # still in step
