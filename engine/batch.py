@@ -138,30 +138,11 @@ def build_forward_batch(
     )
 
 
-@dataclass
-class BatchInputs:
-    """Host-side inputs of one forward pass; rank 0 sends them to every TP rank, each builds its `ForwardBatch`.
-
-    token_ids: per request, int64 numpy ids of the tokens to run; start_positions: the position of each
-    request's first such token; block_tables: page ids per request; logits_rows: per request, the rows
-    (offsets into its tokens) whose logits are needed; the first ``num_decodes`` requests are decodes."""
-
-    token_ids: list[np.ndarray]
-    start_positions: list[int]
-    block_tables: list[list[int]]
-    logits_rows: list[np.ndarray]
-    num_decodes: int
-    page_size: int
-
-    def build(self, device: torch.device, staging: HostStaging | None = None) -> ForwardBatch:
-        return build_forward_batch(self.token_ids, self.start_positions, self.block_tables, self.logits_rows,
-                                   self.num_decodes, self.page_size, device, staging)
-
-
 class HostStaging:
     """Persistent host buffers through which a step's index arrays reach the device.
 
-    The seven arrays of a `ForwardBatch` are packed into one int64 and one int32
+    A step's index arrays (those of a `ForwardBatch`; in the engine also its block-table rows and edits,
+    `pd_cluster.engine.packed_step.build_step`) are packed into one int64 and one int32
     host buffer, which are copied with one copy each into fresh device tensors;
     the batch's tensors are views of those. On CUDA the host buffers are pinned
     and the copies ``non_blocking``, so the host goes on building while the copy

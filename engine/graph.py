@@ -35,6 +35,7 @@ from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
 
+GRAPH_CONTEXT_LEN = 65536  # tokens the decode graphs' block table covers; longer decode batches run eagerly
 PAD_SEQ_LEN = 1  # a padded request "attends" to token 0 of the null page, whose output row is ignored
 
 
@@ -147,7 +148,10 @@ class CudaGraphConfig:
 
     Attributes:
         max_bs: ``--cuda-graph-max-bs``, the largest captured decode batch.
-        max_context_len: the longest context a request can reach (sizes the block tables).
+        max_context_len: the longest context the captured graphs serve: their static block table is
+            [max_bs, max_context_len / page_size] int32. A fixed default, deliberately not the engine's
+            ``--context-length`` (memory never scales with it: 4 MiB at 256 requests and page size 16);
+            a decode batch whose table is wider runs eagerly (`CudaGraphRunner.can_run`).
         disable: ``--disable-cuda-graph``.
         eager_stand_in: off CUDA, still build the runner, uncaptured: its replay runs the padded
             static batch eagerly. This is how the buckets, padding and (under TP) the
@@ -155,7 +159,7 @@ class CudaGraphConfig:
     """
 
     max_bs: int = 256
-    max_context_len: int = 4096
+    max_context_len: int = GRAPH_CONTEXT_LEN
     disable: bool = False
     eager_stand_in: bool = False
 
@@ -197,7 +201,10 @@ class CudaGraphRunner:
         return bool(self.graphs)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """True for a decode-only batch that fits the largest bucket and the captured block-table width."""
+        """True for a decode-only batch that fits the largest bucket and the captured block-table width.
+
+        A wider batch (a context past `CudaGraphConfig.max_context_len`) runs eagerly: there is no re-capture,
+        since at such lengths attention, not launch overhead, dominates a decode step."""
         return (batch.num_reqs > 0 and batch.is_decode_only and batch.num_reqs <= self.sizes[-1]
                 and batch.block_tables.shape[1] <= self.buffers.max_pages)
 

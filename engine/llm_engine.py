@@ -98,8 +98,9 @@ class LLMEngine:
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
+        # the graphs' block-table width is CudaGraphConfig's fixed default, never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
-                                 max_context_len=self.context_length, disable=config.device.disable_cuda_graph)
+                                 disable=config.device.disable_cuda_graph)
         if self.tp_driver is not None:
             self.tp_driver.attach(RankServer(shard, tp, self.device))
             buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets
@@ -107,6 +108,7 @@ class LLMEngine:
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
+        self.scheduler.on_leave = lambda req: self.runner.release(req.request_id)  # frees its block-table row
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
@@ -305,12 +307,14 @@ class LLMEngine:
             if self.role == "prefill":
                 out.prefill_progress.append(PrefillProgress(req.request_id, item.start, item.end,
                                                             list(req.block_table), item.samples))
+        num_sampled = 0
         if result.sampler_output is not None:
             so = result.sampler_output
             failed = set()
             for req, tok, lp, err in zip(result.sampled_reqs, so.token_ids, so.logprobs, so.errors):
                 if req.status.finished or req.status == RequestStatus.PREFILLED:
                     continue  # ended while this step was in flight
+                num_sampled += 1
                 if err is None:
                     self._on_token(req, tok, lp)
                     if req.status == RequestStatus.FINISHED_ERROR:  # its grammar refused the token
@@ -319,7 +323,7 @@ class LLMEngine:
                     failed.add(req.request_id)
             if failed:  # no first token to hand over: the prefill hooks see only the error delta
                 out.prefill_progress = [p for p in out.prefill_progress if p.request_id not in failed]
-        self.stats.on_step(sched, self.scheduler, len(result.sampled_reqs))
+        self.stats.on_step(sched, self.scheduler, num_sampled)
 
     def _on_token(self, req: Request, token: int, logprob) -> None:
         if req.grammar is not None and not req.grammar.accept(token):

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_cluster.engine.batch import BatchInputs
+from pd_cluster.engine.block_tables import BlockTableRows
 from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.executor.tp import TPDriver
 from pd_cluster.engine.executor.shard import Shard
+from pd_cluster.engine.packed_step import HEADER_LEN, pack_step
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.pending import PendingSample, SamplerOutput
@@ -73,6 +74,12 @@ class ModelRunner:
         self.device = device
         self.tp_driver = tp_driver
         self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
+        self.rows = BlockTableRows()  # which row of every rank's device block table each running request owns
+
+    def release(self, request_id: str) -> None:
+        """Hook: the request left the running set (finished, aborted, retracted, handed off); its block-table row
+        is free again. The engine wires it to `Scheduler.on_leave`. Unknown ids are ignored."""
+        self.rows.release(request_id)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run the model on the step `out` and sample the next tokens (waits for the device)."""
@@ -99,57 +106,67 @@ class ModelRunner:
         return LaunchedStep(out, sampled, self.sampler.launch(sample_logits, SamplingBatch.from_requests(sampled)),
                             started)
 
-    def _forward(self, inputs: BatchInputs, future: tuple[list[int], list[int], torch.Tensor] | None = None
+    def _forward(self, step: np.ndarray, future: tuple[list[int], list[int], torch.Tensor] | None = None
                  ) -> torch.Tensor:
+        """Run the packed step (`pd_cluster.engine.packed_step`) on every rank; rank 0's logits.
+
+        `future`: (token positions, rows of the token tensor, the previous step's sampled ids on the device)."""
         if self.tp_driver is not None:
             if future is not None:
                 raise RuntimeError("overlap scheduling is not built for tensor parallelism")
-            return self.tp_driver.call("forward", inputs)
-        batch = inputs.build(self.device, self.shard.staging)
-        if future is not None:  # the tokens the previous step is sampling, straight from the device
-            dst, src, tokens = future
-            batch.input_ids[to_device(dst, self.device)] = tokens[to_device(src, tokens.device)]
-        return self.shard.forward(batch)
+            return self.tp_driver.run_step(step)
+        return self.shard.run_step(step[:HEADER_LEN], step[HEADER_LEN:], future)
 
     def _build_batch(self, items: list[ScheduledRequest], num_decodes: int, prev: LaunchedStep | None = None
-                     ) -> tuple[BatchInputs, list[int], list[tuple[Request, int, int, int]],
+                     ) -> tuple[np.ndarray, list[int], list[tuple[Request, int, int, int]],
                                 tuple[list[int], list[int], torch.Tensor] | None]:
-        token_ids, starts, tables, rows = [], [], [], []
+        """The packed step ([HEADER_LEN + payload] int64), the sampled requests' logits rows, the prompt
+        logprob rows, and (overlap scheduling) the input tokens to take from `prev`'s sampled ids on the device.
+        Block tables travel as appends to the requests' persistent rows (`BlockTableRows`).
+
+        Raises:
+            RuntimeError: a request's input token is neither known nor sampled by `prev`.
+        """
+        token_ids: list[int] = []
+        starts, qlens, logits = [], [], []
         sample_rows: list[int] = []
         prompt_rows: list[tuple[Request, int, int, int]] = []  # (req, first logits row, first position, count)
         dst: list[int] = []  # overlap scheduling: input positions whose token is still on the device
         src: list[int] = []
         prev_rows = prev.row_of() if prev is not None and prev.pending is not None else {}
-        n_rows = n_tokens = 0
+        n_tok = 0
         for it in items:
             req = it.req
-            ids = np.asarray(req.token_ids[it.start:it.end], dtype=np.int64)
-            if len(ids) < it.num_new_tokens:  # the last one is being sampled by `prev`
+            n = it.num_new_tokens
+            known = len(req.token_ids) - it.start
+            if known < n:  # the last one is being sampled by `prev`
                 row = prev_rows.get(req.request_id)
-                if row is None or len(ids) != it.num_new_tokens - 1:
+                if row is None or known != n - 1:
                     raise RuntimeError(f"request {req.request_id}: tokens [{it.start}, {it.end}) are not known "
                                        f"({len(req.token_ids)} known) nor sampled by the step in flight")
-                ids = np.append(ids, 0)
-                dst.append(n_tokens + len(ids) - 1)
+                token_ids.extend(req.token_ids[it.start:])
+                token_ids.append(0)
+                dst.append(n_tok + n - 1)
                 src.append(row)
-            token_ids.append(ids)
-            n_tokens += len(ids)
+            elif n == 1:
+                token_ids.append(req.token_ids[it.start])
+            else:
+                token_ids.extend(req.token_ids[it.start:it.end])
             starts.append(it.start)
-            tables.append(req.block_table)
-            want = []
+            qlens.append(n)
             lp_count = self._prompt_logprob_count(it)
             if lp_count:
-                want.extend(range(lp_count))
-                prompt_rows.append((req, n_rows, it.start, lp_count))
+                prompt_rows.append((req, len(logits), it.start, lp_count))
+                logits.extend(range(n_tok, n_tok + lp_count))
             if it.samples:
-                if not want or want[-1] != it.num_new_tokens - 1:
-                    want.append(it.num_new_tokens - 1)
-                sample_rows.append(n_rows + len(want) - 1)
-            rows.append(np.asarray(want, dtype=np.int64))
-            n_rows += len(want)
+                if lp_count != n:
+                    logits.append(n_tok + n - 1)
+                sample_rows.append(len(logits) - 1)
+            n_tok += n
+        rows, edits = self.rows.step([it.req.request_id for it in items], [it.req.block_table for it in items])
+        step = pack_step(token_ids, starts, qlens, rows, logits, num_decodes, edits)
         future = (dst, src, prev.pending.token_ids) if dst else None
-        return (BatchInputs(token_ids, starts, tables, rows, num_decodes, self.pool.page_size), sample_rows,
-                prompt_rows, future)
+        return step, sample_rows, prompt_rows, future
 
     @staticmethod
     def _prompt_logprob_count(it: ScheduledRequest) -> int:

@@ -66,7 +66,7 @@ class EngineStats:
         if out.retracted:
             logger.warning("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f",
                            len(out.retracted), scheduler.admission.new_token_ratio)
-        held = sum(r.num_computed_tokens for r in out.reserved)  # decode role: matched before the transfer
+        held = out.reserved_cached_tokens  # decode role: matched before the transfer
         if out.prefills:
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                         "#running-req: %d, #queue-req: %d", len(out.prefills), new_prompt,

@@ -19,12 +19,15 @@ import torch
 from pd_cluster.engine.attention import get_backend, resolve_backend_name
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import HostStaging
+from pd_cluster.engine.block_tables import DeviceBlockTable
 from pd_cluster.engine.config import EngineConfig
+from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs, warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
 from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
+from pd_cluster.engine.packed_step import build_step, unpack_step
 from pd_cluster.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -44,12 +47,27 @@ class Shard:
     backend_name: str
     graph_runner: Any = None
     staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
+    block_table: DeviceBlockTable | None = None  # persistent per-request rows of page ids (set by build_shard)
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Capture this rank's decode CUDA graphs once the pool exists (none off CUDA or with
         ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner."""
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
+
+    def run_step(self, header, payload, future=None) -> torch.Tensor:
+        """Run one packed step (`pd_cluster.engine.packed_step`; header [8] and payload int64 numpy arrays):
+        apply its block-table edits, build its `ForwardBatch`, run the model. Every rank, rank 0 included,
+        runs exactly this. Returns the logits [L, vocab].
+
+        `future` (overlap scheduling, one rank only): (token positions, rows, the previous step's sampled ids
+        [S] int64 on this device); those input ids are taken from the device tensor."""
+        step = unpack_step(header, payload)
+        batch = build_step(step, self.block_table, self.pool.page_size, self.staging)
+        if future is not None:
+            dst, src, tokens = future
+            batch.input_ids[to_device(dst, batch.input_ids.device)] = tokens[to_device(src, tokens.device)]
+        return self.forward(batch)
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
@@ -128,4 +146,5 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         started = time.perf_counter()
         warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
         logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
-    return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device))
+    return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device),
+                 block_table=DeviceBlockTable(device))

@@ -1,10 +1,17 @@
 """The ranks of a tensor-parallel engine: processes 1..N-1, and rank 0's driver that commands them.
 
 Rank 0 (the engine's own process) schedules; for each step it broadcasts a
-command (method name and arguments) and every rank, rank 0 included, runs the
-same method of its `RankServer` on its own shard: the collectives inside the
-model then line up. Commands carry host data only (token ids, positions, page
-ids), so each rank builds its tensors on its own device.
+command and every rank, rank 0 included, runs it on its own shard: the
+collectives inside the model then line up.
+
+Every command starts with an int64 header of `HEADER_LEN` elements over the
+gloo group. A forward step is a packed step (`pd_cluster.engine.packed_step`):
+the header says so and gives the sizes, the payload (token ids, positions,
+logits rows, block-table rows and appends) follows as one int64 tensor; no
+Python object is pickled. Any other command (capture, install, ext, ping,
+stop) has a `COMMAND_MAGIC` header followed by a pickled ``(name, args,
+gather)``, run as the method of the same name of `RankServer`. Commands carry
+host data only, so each rank builds its tensors on its own device.
 """
 
 from __future__ import annotations
@@ -18,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pd_cluster.engine.batch import BatchInputs
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.executor.shard import Shard, build_shard
 from pd_cluster.engine.graph import CudaGraphConfig
+from pd_cluster.engine.packed_step import COMMAND_MAGIC, HEADER_LEN, STEP_MAGIC, payload_len
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +45,17 @@ class RankServer:
         self.device = device
         self.extensions: dict[str, Any] = {}
 
-    def forward(self, inputs: BatchInputs) -> torch.Tensor | None:
-        logits = self.shard.forward(inputs.build(self.device, self.shard.staging))
+    def run_step(self, header: np.ndarray, payload: np.ndarray) -> torch.Tensor | None:
+        """Run a packed step (the same decode on every rank); rank 0's logits, None elsewhere."""
+        logits = self.shard.run_step(header, payload)
         return logits if self.tp.is_driver else None
+
+    def block_table_state(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """This rank's device block table (as host int32 [rows, width]), its row lengths, and whether the host
+        mirror equals it: every rank's must be identical (tests, diagnostics)."""
+        table = self.shard.block_table
+        dev = table.table.cpu().numpy()
+        return dev, table.lengths.copy(), bool(np.array_equal(dev, table.host))
 
     def ping(self) -> int:
         return self.tp.rank
@@ -82,6 +97,16 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
     tp = init_tp_group(rank, size, master, device)
     server = RankServer(build_shard(config, device, tp), tp, device)
     while True:
+        header = tp.broadcast_tensor(torch.empty(HEADER_LEN, dtype=torch.int64)).numpy()
+        if int(header[0]) == STEP_MAGIC:
+            payload = tp.broadcast_tensor(torch.empty(payload_len(header), dtype=torch.int64)).numpy()
+            try:
+                server.run_step(header, payload)
+            except Exception:  # noqa: BLE001 - rank 0 fails the same step on the same arrays
+                logger.exception("tp rank %d: step failed", rank)
+            continue
+        if int(header[0]) != COMMAND_MAGIC:
+            raise RuntimeError(f"tp rank {rank}: unknown command header {header.tolist()}")
         name, args, gather = tp.broadcast_object()
         if name == "stop":
             break
@@ -125,10 +150,8 @@ class TPDriver:
             Exception: with `gather`, the first rank's exception, as raised there.
             RuntimeError: a rank process is gone.
         """
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if dead:
-            raise RuntimeError(f"tensor-parallel ranks exited: {dead}")
-        self.tp.broadcast_object((name, args, gather))
+        self._check_alive()
+        self._send_command(name, args, gather)
         if not gather:
             return getattr(self.local, name)(*args)
         try:
@@ -140,6 +163,31 @@ class TPDriver:
         if errors:
             raise errors[0]  # the rank's own exception (e.g. a layout mismatch), so callers can tell them apart
         return results
+
+    def _check_alive(self) -> None:
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel ranks exited: {dead}")
+
+    def _send_command(self, name: str, args: tuple, gather: bool) -> None:
+        header = np.zeros(HEADER_LEN, dtype=np.int64)
+        header[0] = COMMAND_MAGIC
+        self.tp.broadcast_tensor(torch.from_numpy(header))
+        self.tp.broadcast_object((name, args, gather))
+
+    def run_step(self, step: np.ndarray) -> torch.Tensor:
+        """Run a packed step ([HEADER_LEN + payload] int64, `pd_cluster.engine.packed_step`) on every rank: the
+        header, then the payload, as two tensor broadcasts; rank 0 then decodes the very arrays it sent, as the
+        other ranks do. Returns rank 0's logits.
+
+        Raises:
+            RuntimeError: a rank process is gone.
+        """
+        self._check_alive()
+        header, payload = torch.from_numpy(step[:HEADER_LEN]), torch.from_numpy(step[HEADER_LEN:])
+        self.tp.broadcast_tensor(header)
+        self.tp.broadcast_tensor(payload)
+        return self.local.run_step(header.numpy(), payload.numpy())
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Every rank captures decode graphs for the same buckets, in lockstep (the all-reduces inside the
@@ -164,7 +212,7 @@ class TPDriver:
                 p.kill()
         elif any(p.is_alive() for p in self.procs):
             try:
-                self.tp.broadcast_object(("stop", (), False))
+                self._send_command("stop", (), False)
             except Exception as e:  # noqa: BLE001 - the ranks may be gone already
                 logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
         for p in self.procs:

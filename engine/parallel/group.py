@@ -4,11 +4,12 @@ Megatron-LM's scheme (Shoeybi et al. 2019): the q/k/v and gate/up projections
 are split by output rows (each rank holds ``1/N`` of the heads and of the MLP
 width), the o and down projections by input columns, and one all-reduce after
 each of those sums the partial outputs. Rank 0 runs the scheduler; every step
-it broadcasts a command (`TPGroup.broadcast_object`) and all ranks execute it
-in lockstep.
+it broadcasts a step as two int64 tensors (`TPGroup.broadcast_tensor`), or
+another command as a pickled object (`TPGroup.broadcast_object`), and all
+ranks execute it in lockstep.
 
-Collectives: tensors over NCCL on GPUs and gloo on CPUs; Python objects
-(commands, results) always over a gloo group.
+Collectives: the model's all-reduces over NCCL on GPUs and gloo on CPUs;
+commands (packed steps, pickled objects) and results always over a gloo group.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ class TPGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._object_group)
         return box[0]
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` (a CPU tensor; the others pass one of the same shape and dtype to receive into), in
+        place, over the gloo object group: no pickling (a packed step, `pd_cluster.engine.packed_step`)."""
+        dist.broadcast(t, src=0, group=self._object_group)
+        return t
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""

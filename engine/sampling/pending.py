@@ -42,6 +42,12 @@ class DeviceLogprobs:
     top_vals: torch.Tensor
     top_ids: torch.Tensor
 
+    def start_copy(self) -> None:
+        """On CUDA: copy the three tensors to pinned host memory without waiting (`to_host` reads those once
+        the caller's event has completed); a `.tolist()` of device tensors would wait for every later kernel."""
+        self.chosen, self.top_vals, self.top_ids = (_pinned_copy(t) for t in (self.chosen, self.top_vals,
+                                                                               self.top_ids))
+
     def to_host(self, params: list[SamplingParams]) -> list[Logprob | None]:
         out: list[Logprob | None] = [None] * len(params)
         chosen, top_vals, top_ids = self.chosen.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
@@ -77,9 +83,9 @@ class PendingSample:
         """On CUDA: start the ids' and flags' copy to pinned host memory (no sync); elsewhere nothing."""
         if self.token_ids.device.type != "cuda":
             return
-        both = torch.stack([self.token_ids, self._bad.to(self.token_ids.dtype)])
-        self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        self._host.copy_(both, non_blocking=True)
+        self._host = _pinned_copy(torch.stack([self.token_ids, self._bad.to(self.token_ids.dtype)]))
+        if self.logprobs is not None:
+            self.logprobs.start_copy()
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -108,3 +114,11 @@ class PendingSample:
         logprobs = [None if tokens[i] < 0 else lp for i, lp in enumerate(logprobs)]
         self._result = SamplerOutput(tokens, logprobs, errors)
         return self._result
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that `t` (on CUDA) is being copied into (complete once an event recorded after
+    this call has)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -233,7 +233,9 @@ class Sampler:
                                   to_device([p.min_p for p in params], dev, x.dtype),
                                   max_k=max((p.top_k for p in params if p.top_k < x.shape[-1]), default=0),
                                   any_top_p=any(p.top_p < 1.0 for p in params),
-                                  any_min_p=any(p.min_p > 0.0 for p in params))
+                                  any_min_p=any(p.min_p > 0.0 for p in params),
+                                  top_p_in_top_k=all(0 < p.top_k <= TOP_P_CANDIDATES for p in params
+                                                     if p.top_p < 1.0))
         return x.softmax(dim=-1)
 
     def _draws(self, probs: torch.Tensor, generators: list[torch.Generator | None], rows: list[int],
@@ -293,7 +295,8 @@ class _BeforeDraws(Exception):
 
 
 def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                      max_k: int, any_top_p: bool = True, any_min_p: bool = True) -> torch.Tensor:
+                      max_k: int, any_top_p: bool = True, any_min_p: bool = True,
+                      top_p_in_top_k: bool = False) -> torch.Tensor:
     """Mask filtered tokens to -inf, without sorting the whole vocabulary.
 
     Args:
@@ -304,6 +307,8 @@ def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         min_p: [S] float in [0, 1]; drops tokens whose probability is below min_p times the top one.
         max_k: the largest entry of `top_k` below V (a host value: no device sync); <= 0: no top-k.
         any_top_p, any_min_p: whether any row asks for top-p / min-p (host values).
+        top_p_in_top_k: every top-p row also has a top-k of at most `TOP_P_CANDIDATES` (a host value): the
+            top-p candidates then hold all the mass left, and no host check (a device sync) is needed.
 
     Returns:
         [S, V] float32: `x` with the filtered tokens at -inf. The most likely token always survives.
@@ -315,22 +320,25 @@ def top_k_top_p_min_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         kth = x.topk(kmax, dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
         x = x.masked_fill((k > 0)[:, None] & (x < kth), float("-inf"))
     if any_top_p:
-        x = _top_p(x, top_p)
+        x = _top_p(x, top_p, covered=top_p_in_top_k and 0 < max_k)
     if any_min_p:
         probs = x.softmax(dim=-1)
         x = x.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return x
 
 
-def _top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The top-p cut, looking at `torch.topk` candidates widened only while they hold less than top_p."""
+def _top_p(x: torch.Tensor, top_p: torch.Tensor, covered: bool = False) -> torch.Tensor:
+    """The top-p cut, looking at `torch.topk` candidates widened only while they hold less than top_p.
+
+    `covered`: the candidates hold every token left (a top-k of at most their number ran first; tokens tied
+    with the k-th beyond them share the cut's value and are kept), so the widening check is skipped."""
     vocab = x.shape[-1]
     probs = x.softmax(dim=-1)
     width = min(TOP_P_CANDIDATES, vocab)
     while True:
         cand_probs, cand_ids = probs.topk(width, dim=-1)  # sorted, descending
         cum = cand_probs.cumsum(dim=-1)
-        if width == vocab or bool(((cum[:, -1] >= top_p) | (top_p >= 1.0)).all()):
+        if covered or width == vocab or bool(((cum[:, -1] >= top_p) | (top_p >= 1.0)).all()):
             break
         width = min(2 * width, vocab)
     keep = (cum - cand_probs) < top_p[:, None]  # rank j is kept while the mass before it is below top_p

@@ -37,6 +37,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pd_cluster.engine.config import SchedulerConfig
 from pd_cluster.engine.request import Request, RequestStatus
@@ -78,6 +79,8 @@ class SchedulerOutput:
     prefix_cache_hits: int = 0       # of which found on the device
     host_cache_queries: int = 0      # the same lookups, counted when a host tier is on (vLLM's external_*)
     host_cache_hits: int = 0         # of which loaded back from the host tier
+    reserved_cached_tokens: int = 0  # decode role: of the reserved requests' tokens, those their cache held
+    launched: bool = False           # `Scheduler.on_step_launched` ran (admission updates applied)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -113,6 +116,13 @@ class Scheduler:
         self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
+        # Called with every request that leaves the running set (finished, aborted, retracted, held for a
+        # transfer), and with every removed request; the engine frees its block-table row there.
+        self.on_leave: Callable[[Request], None] | None = None
+
+    def _left(self, req: Request) -> None:
+        if self.on_leave is not None:
+            self.on_leave(req)
 
     # ---- queue management ----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -142,6 +152,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.remote.pop(req.request_id, None)
         self.held.pop(req.request_id, None)
+        self._left(req)
         if release_pages or not req.block_table:
             self.pages.release(req)
             return False
@@ -208,6 +219,7 @@ class Scheduler:
 
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        self._left(req)
         self.pages.release(req)
         req.num_computed_tokens = 0
         req.remote_kv = False  # recomputed locally, also in the decode role
@@ -282,6 +294,7 @@ class Scheduler:
         self.remote[req.request_id] = req
         req.times.admitted = req.times.admitted or time.monotonic()
         out.reserved.append(req)
+        out.reserved_cached_tokens += req.num_computed_tokens  # the matched prefix
         return True
 
     def _admit(self, req: Request) -> None:
@@ -298,6 +311,15 @@ class Scheduler:
         """
         for item in out.scheduled:
             item.req.num_computed_tokens = item.end
+        self._update_admission(out)
+        out.launched = True
+
+    def _update_admission(self, out: SchedulerOutput) -> None:
+        """The admission rule's state after a step (before the next one is scheduled)."""
+        if out.decodes:
+            self.admission.on_decode_step()
+        if out.retracted:
+            self.admission.on_retract(self.running)
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The step's forward pass completed: the pages it filled join the prefix cache.
@@ -310,10 +332,8 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 req.num_computed_tokens = max(req.num_computed_tokens, item.end)  # no-op after on_step_launched
                 self.pages.cache_computed(req, item.end)
-        if out.decodes:
-            self.admission.on_decode_step()
-        if out.retracted:
-            self.admission.on_retract(self.running)
+        if not out.launched:
+            self._update_admission(out)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """`req` stopped: free its pages (or, in the prefill role, hold them for the push).
@@ -324,6 +344,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        self._left(req)
         if self.role == "prefill" and status != RequestStatus.FINISHED_ABORTED:
             req.status = RequestStatus.PREFILLED
             self.held[req.request_id] = req

@@ -109,6 +109,8 @@ def test_overlap_equals_the_engine_without_it(page_size):
         assert rec == reference[rid], rid
     assert {r[2] for r in got.values()} == {"length", "stop"}
     assert eng.overlap.num_overlapped > 100 and eng.overlap.num_drains == 0
+    # the generation counter counts delivered tokens, not the dropped ones of requests stopped in flight
+    assert eng.stats.generation_tokens_total == sum(len(r[0]) for r in got.values())
     _assert_idle(eng)
 
 
@@ -163,6 +165,7 @@ def test_abort_with_a_step_in_flight(reference):
         assert (got[rid], finished[rid]) == (reference[rid][0], reference[rid][2]), rid
     for rid in ("greedy-1", "greedy-4"):
         assert got[rid] == reference[rid][0][:len(got[rid])] and len(got[rid]) < len(reference[rid][0])
+    assert eng.stats.generation_tokens_total == sum(len(ids) for ids in got.values())
     _assert_idle(eng)
 
 

@@ -157,6 +157,36 @@ def test_top_k_top_p_min_p_equal_transformers_warpers(scale):
         assert torch.isfinite(ours[i]).sum() >= 1
 
 
+def test_top_p_within_a_top_k_reads_nothing_back_from_the_device():
+    """Every top-p row also has a top-k of at most 1,024: the candidates hold all the mass, so the host check
+    that widens them (a device sync on CUDA: a tensor read into a Python bool) is skipped; same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from pd_cluster.engine.sampling.sampler import top_k_top_p_min_p
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    filters = [(50, 0.8, 0.0), (10, 0.95, 0.2), (1, 0.3, 0.0), (1000, 0.99, 0.0), (-1, 1.0, 0.1)]
+    x = torch.randn(len(filters), 32000, generator=torch.Generator().manual_seed(3)) * 0.5  # flat: 1,024 hold
+    args = (x, torch.tensor([f[0] for f in filters]), torch.tensor([f[1] for f in filters]),  # little mass
+            torch.tensor([f[2] for f in filters]))
+    with Ops() as ops:
+        ours = top_k_top_p_min_p(*args, max_k=1000, top_p_in_top_k=True)
+    assert "_local_scalar_dense" not in ops.seen and "is_nonzero" not in ops.seen, sorted(ops.seen)
+    for i, (k, p, m) in enumerate(filters):
+        ref = _reference_filter(x[i], k, p, m)
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), (i, filters[i])
+    with Ops() as ops:  # without the promise the check runs (and is what this test must see disappear)
+        assert torch.equal(top_k_top_p_min_p(*args, max_k=1000), ours)
+    assert {"_local_scalar_dense", "is_nonzero"} & ops.seen
+
+
 def test_no_full_sort_of_a_128k_vocabulary_for_greedy_top_k_top_p_min_p_and_logprobs():
     from torch.utils._python_dispatch import TorchDispatchMode
     from pd_cluster.engine.sampling.batch import SamplingBatch

@@ -113,3 +113,24 @@ def test_decode_step_makes_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)
+
+
+def test_default_graph_width_is_fixed_and_wider_decodes_run_eagerly():
+    """The static block table is GRAPH_CONTEXT_LEN / page_size pages whatever --context-length is (the engine
+    builds its config without it); a decode batch past it is refused by `can_run` and so runs eagerly."""
+    import numpy as np
+    from pd_cluster.engine.batch import build_forward_batch
+    from pd_cluster.engine.graph import GRAPH_CONTEXT_LEN
+    from pd_cluster.engine.kv.pool import KVLayout, KVPool
+    pool = KVPool(KVLayout(1, 2, 16, 16, "fp16", (1.0,), (1.0,)), 4, device(), torch.float16)
+    runner = CudaGraphRunner(torch.nn.Identity(), pool, TritonAttentionBackend(4, 2, 16, 0.25),
+                             CudaGraphConfig(max_bs=2, eager_stand_in=True))
+    width = GRAPH_CONTEXT_LEN // 16
+    assert runner.buffers.block_tables.shape == (2, width)
+
+    def decode_at(ctx: int):
+        pages = [1] * -(-(ctx + 1) // 16)
+        return build_forward_batch([np.array([3])], [ctx], [pages], [np.array([0])], 1, 16, device())
+
+    assert runner.can_run(decode_at(GRAPH_CONTEXT_LEN - 1))  # exactly `width` pages
+    assert not runner.can_run(decode_at(GRAPH_CONTEXT_LEN))  # one page more

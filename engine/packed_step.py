@@ -1,0 +1,142 @@
+"""A step's inputs as one flat int64 array, and how every rank turns it into its `ForwardBatch`.
+
+Rank 0 packs (`pack_step`); under tensor parallelism it broadcasts the header,
+then the payload, as two tensors (`pd_cluster.engine.executor.tp`); every rank,
+rank 0 included, decodes the same arrays with `build_step` against its own
+`DeviceBlockTable`, so a packing bug cannot hide on one side.
+
+Layout (all int64)::
+
+    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N
+    payload: token ids [T] | start positions [B] | query lengths [B] | table rows [B] | logits rows [L]
+             | rows to clear [C] | append rows [S] | append first columns [S] | append lengths [S]
+             | appended page ids [N]
+
+B requests (decodes first), T tokens, L logits rows (indices into the T tokens),
+and the block-table edits of `pd_cluster.engine.block_tables.TableEdits`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pd_cluster.engine.batch import ForwardBatch, HostStaging
+from pd_cluster.engine.block_tables import DeviceBlockTable, TableEdits
+
+HEADER_LEN = 8
+STEP_MAGIC = 0x53544550_0001  # "STEP", layout version 1
+COMMAND_MAGIC = 0x434D4E44_0001  # "CMND": a pickled command follows (pd_cluster.engine.executor.tp)
+
+
+@dataclass
+class StepArrays:
+    """A decoded step: views into the packed payload (int64 arrays).
+
+    Attributes:
+        input_ids: [T]; starts: [B] position of each request's first new token; query_lens: [B];
+        rows: [B] block-table rows; logits: [L] token rows whose logits are needed; num_decodes: leading decodes;
+        edits: the block-table edits.
+    """
+
+    input_ids: np.ndarray
+    starts: np.ndarray
+    query_lens: np.ndarray
+    rows: np.ndarray
+    logits: np.ndarray
+    num_decodes: int
+    edits: TableEdits
+
+
+def pack_step(input_ids: list[int], starts: list[int], query_lens: list[int], rows: list[int], logits: list[int],
+              num_decodes: int, edits: TableEdits) -> np.ndarray:
+    """The flat int64 array ``header + payload`` of one step (see the module docstring)."""
+    b, t, n_l = len(starts), len(input_ids), len(logits)
+    c, s, n = edits.clear.size, edits.seg_rows.size, edits.ids.size
+    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n, dtype=np.int64)
+    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n)
+    o = HEADER_LEN
+    for part in (input_ids, starts, query_lens, rows, logits, edits.clear, edits.seg_rows, edits.seg_cols,
+                 edits.seg_lens, edits.ids):
+        k = len(part)
+        out[o:o + k] = part
+        o += k
+    return out
+
+
+def payload_len(header: np.ndarray) -> int:
+    """Payload elements announced by `header` ([HEADER_LEN] int64).
+
+    Raises:
+        ValueError: not a step header.
+    """
+    if int(header[0]) != STEP_MAGIC:
+        raise ValueError(f"not a packed step header: {header.tolist()}")
+    _, b, _, t, n_l, c, s, n = (int(x) for x in header)
+    return t + 3 * b + n_l + c + 3 * s + n
+
+
+def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
+    """Views of `payload` as a `StepArrays` (no copies).
+
+    Raises:
+        ValueError: not a step header, or a payload of the wrong length.
+    """
+    size = payload_len(header)
+    if payload.size != size:
+        raise ValueError(f"packed step payload has {payload.size} elements, its header announces {size}")
+    _, b, nd, t, n_l, c, s, n = (int(x) for x in header)
+    parts, o = [], 0
+    for k in (t, b, b, b, n_l, c, s, s, s, n):
+        parts.append(payload[o:o + k])
+        o += k
+    ids, starts, qlens, rows, logits, clear, seg_rows, seg_cols, seg_lens, pages = parts
+    return StepArrays(ids, starts, qlens, rows, logits, nd, TableEdits(clear, seg_rows, seg_cols, seg_lens, pages))
+
+
+def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None
+               ) -> ForwardBatch:
+    """Apply the step's block-table edits to `table` and assemble its `ForwardBatch` on the table's device.
+
+    One upload carries the step's index arrays and the edits; the edits are then applied on the device and the
+    step's ``block_tables`` [B, W] int32 is a device gather of its rows (W: the most pages any of them holds).
+    Slots come from the host mirror.
+
+    Raises:
+        ValueError: a row does not hold the pages its request's tokens need, or an out-of-order append.
+    """
+    flat_idx, values = table.apply_host(step.edits, step.rows)
+    qlens = step.query_lens
+    starts = step.starts
+    qsl = np.zeros(qlens.size + 1, dtype=np.int64)
+    np.cumsum(qlens, out=qsl[1:])
+    total = int(qsl[-1])
+    req_of_token = np.repeat(np.arange(qlens.size), qlens)
+    positions = starts[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
+    seq_lens = starts + qlens
+    held = table.lengths[step.rows]
+    need = -(-seq_lens // page_size)
+    short = np.nonzero(held < need)[0]
+    if short.size:
+        table.apply_device(*(torch.from_numpy(a).to(table.device) for a in (step.edits.clear, flat_idx, values)))
+        i = int(short[0])  # the edits are applied on the device too, so that mirror and table stay equal
+        raise ValueError(f"request {i}: block table has {held[i]} pages, needs {need[i]} for {seq_lens[i]} tokens")
+    slots = table.host[step.rows[req_of_token], positions // page_size].astype(np.int64) * page_size \
+        + positions % page_size
+    width = int(held.max(initial=1)) or 1
+    arrays = [(step.input_ids, torch.long), (positions, torch.long), (slots, torch.long), (qsl, torch.int32),
+              (seq_lens, torch.int32), (step.logits, torch.long), (step.rows, torch.long),
+              (step.edits.clear, torch.long), (flat_idx, torch.long), (values, torch.int32)]
+    if staging is not None:
+        tensors = staging.upload(arrays)
+    else:
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device=table.device, dtype=dt) for a, dt in arrays]
+    ids_t, pos_t, slots_t, qsl_t, seq_t, logits_t, rows_t, clear_t, idx_t, val_t = tensors
+    table.apply_device(clear_t, idx_t, val_t)
+    return ForwardBatch(
+        input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_t,
+        block_tables=table.gather(rows_t, width), logits_indices=logits_t, num_decodes=step.num_decodes,
+        query_lens_cpu=qlens.tolist(), seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist(),
+    )
