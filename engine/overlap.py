@@ -18,9 +18,10 @@ N+1 first, then waits for step N's tokens and applies them:
   host (a structured-output matcher, penalties, logits processors), the
   engine first completes the step in flight: such steps do not overlap.
 - Pages freed while a step is in flight (abort, retraction) are written by
-  that step only; any later user's writes come after it on the same stream,
-  and the decode role hands reserved pages to a transfer only after the
-  step completes (`step` returns after it).
+  that step only; any later user's writes come after it on the same stream.
+  The decode role hands pages reserved by a schedule to a transfer after
+  `step` returns: the step issued with that schedule does not write them
+  (they were free) and every earlier step has completed by then.
 
 Off CUDA, torch runs each op before returning, so nothing overlaps; the
 bookkeeping is the same and is tested there (``--enable-overlap-schedule``).
