@@ -96,8 +96,8 @@ class ModelRunner:
             RuntimeError: a request's input token is neither known nor sampled by `prev`.
         """
         items = out.scheduled
-        inputs, sample_rows, prompt_rows, future = self._build_batch(items, len(out.decodes), prev)
-        logits = self._forward(inputs, future)
+        inputs, sample_rows, prompt_rows, prev_tokens = self._build_batch(items, len(out.decodes), prev)
+        logits = self._forward(inputs, prev_tokens)
         sampled = [it.req for it in items if it.samples]
         self._record_prompt_logprobs(logits, prompt_rows)
         if not sampled:
@@ -106,22 +106,19 @@ class ModelRunner:
         return LaunchedStep(out, sampled, self.sampler.launch(sample_logits, SamplingBatch.from_requests(sampled)),
                             started)
 
-    def _forward(self, step: np.ndarray, future: tuple[list[int], list[int], torch.Tensor] | None = None
-                 ) -> torch.Tensor:
+    def _forward(self, step: np.ndarray, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the packed step (`pd_cluster.engine.packed_step`) on every rank; rank 0's logits.
 
-        `future`: (token positions, rows of the token tensor, the previous step's sampled ids on the device)."""
+        `prev_tokens`: the previous step's sampled ids on the device, for a step with future tokens."""
         if self.tp_driver is not None:
-            if future is not None:
-                raise RuntimeError("overlap scheduling is not built for tensor parallelism")
-            return self.tp_driver.run_step(step)
-        return self.shard.run_step(step[:HEADER_LEN], step[HEADER_LEN:], future)
+            return self.tp_driver.run_step(step, prev_tokens)
+        return self.shard.run_step(step[:HEADER_LEN], step[HEADER_LEN:], prev_tokens)
 
     def _build_batch(self, items: list[ScheduledRequest], num_decodes: int, prev: LaunchedStep | None = None
-                     ) -> tuple[np.ndarray, list[int], list[tuple[Request, int, int, int]],
-                                tuple[list[int], list[int], torch.Tensor] | None]:
+                     ) -> tuple[np.ndarray, list[int], list[tuple[Request, int, int, int]], torch.Tensor | None]:
         """The packed step ([HEADER_LEN + payload] int64), the sampled requests' logits rows, the prompt
-        logprob rows, and (overlap scheduling) the input tokens to take from `prev`'s sampled ids on the device.
+        logprob rows, and (overlap scheduling, when some input ids are still being sampled) `prev`'s sampled ids
+        on the device.
         Block tables travel as appends to the requests' persistent rows (`BlockTableRows`).
 
         Raises:
@@ -164,9 +161,10 @@ class ModelRunner:
                 sample_rows.append(len(logits) - 1)
             n_tok += n
         rows, edits = self.rows.step([it.req.request_id for it in items], [it.req.block_table for it in items])
-        step = pack_step(token_ids, starts, qlens, rows, logits, num_decodes, edits)
-        future = (dst, src, prev.pending.token_ids) if dst else None
-        return step, sample_rows, prompt_rows, future
+        prev_tokens = prev.pending.token_ids if dst else None
+        step = pack_step(token_ids, starts, qlens, rows, logits, num_decodes, edits, dst, src,
+                         0 if prev_tokens is None else prev_tokens.numel())
+        return step, sample_rows, prompt_rows, prev_tokens
 
     @staticmethod
     def _prompt_logprob_count(it: ScheduledRequest) -> int:

@@ -25,8 +25,9 @@ N+1 first, then waits for step N's tokens and applies them:
 
 Off CUDA, torch runs each op before returning, so nothing overlaps; the
 bookkeeping is the same and is tested there (``--enable-overlap-schedule``).
-Not built for tensor parallelism (the other ranks would need the token on
-their device) nor for the prefill role, whose steps hand pages to transfers.
+Under tensor parallelism the packed step names its future tokens and rank 0
+broadcasts the sampled ids on the device group (NCCL: queued on each rank's
+stream). Not for the prefill role, whose steps hand pages to transfers.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ def overlap_mode(config: EngineConfig, device_type: str) -> tuple[bool, str]:
     dc = config.device
     if dc.disable_overlap_schedule:
         return False, "off (--disable-overlap-schedule)"
-    if config.parallel.tp_size > 1:
-        return False, "off (not built for tensor parallelism)"
     if config.role == "prefill":
         return False, "off (prefill role)"
     if device_type == "cuda":

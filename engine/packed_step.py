@@ -7,13 +7,16 @@ rank 0 included, decodes the same arrays with `build_step` against its own
 
 Layout (all int64)::
 
-    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N
+    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N, F, P
     payload: token ids [T] | start positions [B] | query lengths [B] | table rows [B] | logits rows [L]
              | rows to clear [C] | append rows [S] | append first columns [S] | append lengths [S]
-             | appended page ids [N]
+             | appended page ids [N] | future token positions [F] | their rows of the previous tokens [F]
 
 B requests (decodes first), T tokens, L logits rows (indices into the T tokens),
-and the block-table edits of `pd_cluster.engine.block_tables.TableEdits`.
+the block-table edits of `pd_cluster.engine.block_tables.TableEdits`, and
+(overlap scheduling, `pd_cluster.engine.overlap`) F input tokens still being
+sampled by the previous step: their ids come from its P sampled ids on the
+device (rank 0's, broadcast to the other ranks on the device group).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import torch
 from pd_cluster.engine.batch import ForwardBatch, HostStaging
 from pd_cluster.engine.block_tables import DeviceBlockTable, TableEdits
 
-HEADER_LEN = 8
-STEP_MAGIC = 0x53544550_0001  # "STEP", layout version 1
+HEADER_LEN = 10
+STEP_MAGIC = 0x53544550_0002  # "STEP", layout version 2
 COMMAND_MAGIC = 0x434D4E44_0001  # "CMND": a pickled command follows (pd_cluster.engine.executor.tp)
 
 
@@ -38,7 +41,8 @@ class StepArrays:
     Attributes:
         input_ids: [T]; starts: [B] position of each request's first new token; query_lens: [B];
         rows: [B] block-table rows; logits: [L] token rows whose logits are needed; num_decodes: leading decodes;
-        edits: the block-table edits.
+        edits: the block-table edits; future_pos: [F] token positions whose id is the previous step's
+        ``future_src`` [F] row of its sampled ids (of which there are ``num_prev``).
     """
 
     input_ids: np.ndarray
@@ -48,18 +52,22 @@ class StepArrays:
     logits: np.ndarray
     num_decodes: int
     edits: TableEdits
+    future_pos: np.ndarray
+    future_src: np.ndarray
+    num_prev: int
 
 
 def pack_step(input_ids: list[int], starts: list[int], query_lens: list[int], rows: list[int], logits: list[int],
-              num_decodes: int, edits: TableEdits) -> np.ndarray:
+              num_decodes: int, edits: TableEdits, future_pos: list[int] = (), future_src: list[int] = (),
+              num_prev: int = 0) -> np.ndarray:
     """The flat int64 array ``header + payload`` of one step (see the module docstring)."""
     b, t, n_l = len(starts), len(input_ids), len(logits)
-    c, s, n = edits.clear.size, edits.seg_rows.size, edits.ids.size
-    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n, dtype=np.int64)
-    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n)
+    c, s, n, f = edits.clear.size, edits.seg_rows.size, edits.ids.size, len(future_pos)
+    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n + 2 * f, dtype=np.int64)
+    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n, f, num_prev)
     o = HEADER_LEN
     for part in (input_ids, starts, query_lens, rows, logits, edits.clear, edits.seg_rows, edits.seg_cols,
-                 edits.seg_lens, edits.ids):
+                 edits.seg_lens, edits.ids, future_pos, future_src):
         k = len(part)
         out[o:o + k] = part
         o += k
@@ -74,8 +82,8 @@ def payload_len(header: np.ndarray) -> int:
     """
     if int(header[0]) != STEP_MAGIC:
         raise ValueError(f"not a packed step header: {header.tolist()}")
-    _, b, _, t, n_l, c, s, n = (int(x) for x in header)
-    return t + 3 * b + n_l + c + 3 * s + n
+    _, b, _, t, n_l, c, s, n, f, _ = (int(x) for x in header)
+    return t + 3 * b + n_l + c + 3 * s + n + 2 * f
 
 
 def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
@@ -87,13 +95,14 @@ def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
     size = payload_len(header)
     if payload.size != size:
         raise ValueError(f"packed step payload has {payload.size} elements, its header announces {size}")
-    _, b, nd, t, n_l, c, s, n = (int(x) for x in header)
+    _, b, nd, t, n_l, c, s, n, f, n_prev = (int(x) for x in header)
     parts, o = [], 0
-    for k in (t, b, b, b, n_l, c, s, s, s, n):
+    for k in (t, b, b, b, n_l, c, s, s, s, n, f, f):
         parts.append(payload[o:o + k])
         o += k
-    ids, starts, qlens, rows, logits, clear, seg_rows, seg_cols, seg_lens, pages = parts
-    return StepArrays(ids, starts, qlens, rows, logits, nd, TableEdits(clear, seg_rows, seg_cols, seg_lens, pages))
+    ids, starts, qlens, rows, logits, clear, seg_rows, seg_cols, seg_lens, pages, fpos, fsrc = parts
+    return StepArrays(ids, starts, qlens, rows, logits, nd, TableEdits(clear, seg_rows, seg_cols, seg_lens, pages),
+                      fpos, fsrc, n_prev)
 
 
 def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None

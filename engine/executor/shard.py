@@ -55,18 +55,26 @@ class Shard:
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
-    def run_step(self, header, payload, future=None) -> torch.Tensor:
-        """Run one packed step (`pd_cluster.engine.packed_step`; header [8] and payload int64 numpy arrays):
-        apply its block-table edits, build its `ForwardBatch`, run the model. Every rank, rank 0 included,
-        runs exactly this. Returns the logits [L, vocab].
+    def run_step(self, header, payload, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one packed step (`pd_cluster.engine.packed_step`; header [HEADER_LEN] and payload int64 numpy
+        arrays): apply its block-table edits, build its `ForwardBatch`, run the model. Every rank, rank 0
+        included, runs exactly this. Returns the logits [L, vocab].
 
-        `future` (overlap scheduling, one rank only): (token positions, rows, the previous step's sampled ids
-        [S] int64 on this device); those input ids are taken from the device tensor."""
+        Args:
+            prev_tokens: overlap scheduling: the previous step's sampled ids ([P] int64 on this device); the
+                step's future token positions take their ids from it, on the device.
+
+        Raises:
+            ValueError: the step has future tokens but `prev_tokens` is missing or not of its size P.
+        """
         step = unpack_step(header, payload)
         batch = build_step(step, self.block_table, self.pool.page_size, self.staging)
-        if future is not None:
-            dst, src, tokens = future
-            batch.input_ids[to_device(dst, batch.input_ids.device)] = tokens[to_device(src, tokens.device)]
+        if step.future_pos.size:
+            if prev_tokens is None or prev_tokens.numel() != step.num_prev:
+                raise ValueError(f"the step takes {step.future_pos.size} input ids from the previous step's "
+                                 f"{step.num_prev} sampled ids, got {None if prev_tokens is None else prev_tokens.shape}")
+            dev = batch.input_ids.device
+            batch.input_ids[to_device(step.future_pos, dev)] = prev_tokens[to_device(step.future_src, dev)]
         return self.forward(batch)
 
     def forward(self, batch) -> torch.Tensor:

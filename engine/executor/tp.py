@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 from importlib import import_module
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,9 +44,18 @@ class RankServer:
         self.device = device
         self.extensions: dict[str, Any] = {}
 
-    def run_step(self, header: np.ndarray, payload: np.ndarray) -> torch.Tensor | None:
-        """Run a packed step (the same decode on every rank); rank 0's logits, None elsewhere."""
-        logits = self.shard.run_step(header, payload)
+    def run_step(self, header: np.ndarray, payload: np.ndarray, prev_tokens: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
+        """Run a packed step (the same decode on every rank); rank 0's logits, None elsewhere.
+
+        A step with future tokens (overlap scheduling) first broadcasts rank 0's `prev_tokens` (the previous
+        step's sampled ids, on its device) over the device group: NCCL on GPUs, ordered on each rank's stream
+        after the sampling that wrote them, with no host wait."""
+        if int(header[8]):
+            if not self.tp.is_driver:
+                prev_tokens = torch.empty(int(header[9]), dtype=torch.int64, device=self.device)
+            self.tp.broadcast_device(prev_tokens)
+        logits = self.shard.run_step(header, payload, prev_tokens)
         return logits if self.tp.is_driver else None
 
     def block_table_state(self) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -175,7 +183,7 @@ class TPDriver:
         self.tp.broadcast_tensor(torch.from_numpy(header))
         self.tp.broadcast_object((name, args, gather))
 
-    def run_step(self, step: np.ndarray) -> torch.Tensor:
+    def run_step(self, step: np.ndarray, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run a packed step ([HEADER_LEN + payload] int64, `pd_cluster.engine.packed_step`) on every rank: the
         header, then the payload, as two tensor broadcasts; rank 0 then decodes the very arrays it sent, as the
         other ranks do. Returns rank 0's logits.
@@ -187,7 +195,7 @@ class TPDriver:
         header, payload = torch.from_numpy(step[:HEADER_LEN]), torch.from_numpy(step[HEADER_LEN:])
         self.tp.broadcast_tensor(header)
         self.tp.broadcast_tensor(payload)
-        return self.local.run_step(header.numpy(), payload.numpy())
+        return self.local.run_step(header.numpy(), payload.numpy(), prev_tokens)
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Every rank captures decode graphs for the same buckets, in lockstep (the all-reduces inside the

@@ -66,6 +66,13 @@ class TPGroup:
         dist.broadcast(t, src=0, group=self._object_group)
         return t
 
+    def broadcast_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` (on this rank's device; the others pass one of the same shape and dtype), in place,
+        over the tensor group (NCCL on GPUs: queued on the stream, no host wait)."""
+        if self.size > 1:
+            dist.broadcast(t, src=0, group=self._tensor_group)
+        return t
+
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
         out = [None] * self.size if self.rank == 0 else None

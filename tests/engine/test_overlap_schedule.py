@@ -219,6 +219,24 @@ def test_decode_role_with_pages_from_a_prefill_engine(reference):
     assert prefill.num_free_pages() == prefill.allocator.num_pages
 
 
+def test_tensor_parallel_ranks_take_the_tokens_in_flight_from_rank_0():
+    """TP 2: the packed step names its future tokens and rank 0 broadcasts the sampled ids on the device group;
+    both ranks' inputs must hold them, or the all-reduced outputs differ from the engine without overlap."""
+    cases = {k: PLAIN[k] for k in ("greedy", "eos", "stop_str", "seeded", "logprobs")}
+    outs = []
+    for overlap in (False, True):
+        eng = _engine(overlap, tp_size=2, page_size=16)
+        try:
+            assert eng.overlap.enabled == overlap
+            outs.append(_run(eng, cases))
+            if overlap:
+                assert eng.overlap.num_overlapped > 50
+                _assert_idle(eng)
+        finally:
+            eng.close()
+    assert outs[0] == outs[1]
+
+
 def test_overlap_flags():
     from pd_cluster.engine.config import EngineConfig
     from pd_cluster.engine.overlap import overlap_mode
@@ -232,7 +250,7 @@ def test_overlap_flags():
     assert mode("cpu") == (False, "off (no CUDA)")
     assert mode("cpu", enable_overlap_schedule=True)[0]
     assert isinstance(config_from_kwargs(tp_size=2), EngineConfig)
-    assert mode("cuda", tp_size=2) == (False, "off (not built for tensor parallelism)")
+    assert mode("cuda", tp_size=2) == (True, "on")
     with pytest.raises(ValueError, match="exclusive"):
         config_from_kwargs(enable_overlap_schedule=True, disable_overlap_schedule=True)
 

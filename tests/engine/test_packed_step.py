@@ -50,7 +50,8 @@ def test_pack_unpack_round_trips_exactly():
         _, _, fields, _ = _random_step(rng, tracker, tables, computed)
         ids, starts, qlens, rows, logits, n_dec, edits = fields
         flat = pack_step(*fields)
-        assert flat.dtype == np.int64 and flat[0] == STEP_MAGIC and flat.size == HEADER_LEN + payload_len(flat[:8])
+        assert flat.dtype == np.int64 and flat[0] == STEP_MAGIC
+        assert flat.size == HEADER_LEN + payload_len(flat[:HEADER_LEN])
         got = unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:].copy())
         assert got.input_ids.tolist() == ids and got.starts.tolist() == starts and got.query_lens.tolist() == qlens
         assert got.rows.tolist() == rows and got.logits.tolist() == logits and got.num_decodes == n_dec
