@@ -18,6 +18,8 @@ import os
 import sys
 import uuid
 
+import uvicorn
+
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.tool_calls import add_tool_args, tool_settings_from_args
@@ -26,6 +28,17 @@ from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
 
 INTERNAL_API_KEY_ENV = "PD_INTERNAL_API_KEY"
+
+
+class DrainedServer(uvicorn.Server):
+    """Exits 0 after the graceful shutdown a SIGINT/SIGTERM started (uvicorn re-raises the captured signal
+    afterwards: a KeyboardInterrupt traceback for SIGINT, death by the signal for SIGTERM)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()  # the drain is the answer to the signal
 
 ROLE_ALIASES = {"null": "mixed", "prefill": "prefill", "decode": "decode", "mixed": "mixed"}
 
@@ -130,15 +143,13 @@ def main(argv: list[str] | None = None) -> int:
                                             "from a checkpoint")
     if config.engine.device.attention_backend == "triton":
         use_triton_interpreter_without_cuda()  # before the kernels are imported
-    import uvicorn
-
     try:
         app = build_app(config)
     except FileNotFoundError as e:  # e.g. a Hub id instead of a model folder: one line, not a traceback
         print(f"pd-worker: error: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=config.timeout_graceful_shutdown)
+    DrainedServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                                 access_log=False, timeout_graceful_shutdown=config.timeout_graceful_shutdown)).run()
     return 0
 
 

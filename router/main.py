@@ -38,7 +38,8 @@ def build_sources(config: RouterConfig) -> list[tuple[str, DiscoverySource]]:
 
 
 class RouterServer(uvicorn.Server):
-    """uvicorn server that tells the app to drain as soon as a stop signal arrives."""
+    """uvicorn server that tells the app to drain as soon as a stop signal arrives, and exits 0 once drained
+    (uvicorn re-raises the captured signal after its shutdown: a KeyboardInterrupt traceback for SIGINT)."""
 
     def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
         super().__init__(config)
@@ -47,6 +48,9 @@ class RouterServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.router_app.begin_drain()
         super().handle_exit(sig, frame)
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()  # the drain is the answer to the signal
 
 
 def _loop_and_http() -> tuple[str, str]:

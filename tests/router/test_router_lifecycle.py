@@ -56,10 +56,9 @@ def test_sigterm_drains_in_flight_streams_and_refuses_new_work():
         assert out["status"] == 200 and "error" not in out
         assert out["events"][-1] == "data: [DONE]"
         assert sum('"text":" ' in e for e in out["events"]) == 12
-        # uvicorn re-raises the captured SIGTERM once shutdown is complete.
-        assert router.proc.wait(timeout=10) in (0, -signal.SIGTERM)
+        assert router.proc.wait(timeout=10) == 0  # drained: a clean exit, not death by the re-raised signal
         log = router.log()
-        assert "draining" in log and "router stopped" in log
+        assert "draining" in log and "router stopped" in log and "Traceback" not in log
 
 
 def test_grace_period_ends_streams_that_run_too_long():
