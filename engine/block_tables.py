@@ -122,6 +122,8 @@ class BlockTableRows:
                 st = self._rows[rid] = _RowState(self._take_row(), bt, 0, -1)
                 clear.append(st.row)
                 col = 0
+            # The page manager only appends to a request's list or replaces the list (retraction, a prefix-cache
+            # match at readmission); an edit inside the same list object would not be seen here.
             elif st.table is not bt or n < st.known or (st.known and bt[st.known - 1] != st.last):
                 self.rewrites += 1
                 clear.append(st.row)

@@ -67,10 +67,18 @@ def rebuilt_step(reqs: list[Request], device: torch.device, staging: HostStaging
 
 def device_rows_step(runner: ModelRunner, table: DeviceBlockTable, reqs: list[Request], staging: HostStaging):
     items = [ScheduledRequest(r, r.num_computed_tokens, 1) for r in reqs]
-    step, _, _ = runner._build_batch(items, len(items))
+    step, *_ = runner._build_batch(items, len(items))
     batch = build_step(unpack_step(step[:HEADER_LEN], step[HEADER_LEN:]), table, PAGE, staging)
     advance(reqs)
     return batch
+
+
+def device_rows_runner(device: torch.device) -> tuple[ModelRunner, DeviceBlockTable, HostStaging]:
+    """A `ModelRunner` with only what `_build_batch` uses, a device table and staging buffers."""
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.pool = types.SimpleNamespace(page_size=PAGE)
+    runner.rows = BlockTableRows()
+    return runner, DeviceBlockTable(device), HostStaging(device)
 
 
 def measure(fn, n: int = 200) -> float:
@@ -92,10 +100,7 @@ def main() -> None:
         staging = HostStaging(device)
         before = measure(lambda: (rebuilt_step(reqs, device, staging), sync()))
         reqs = make_requests(bs, ctx)
-        runner = ModelRunner.__new__(ModelRunner)  # only what _build_batch uses
-        runner.pool = types.SimpleNamespace(page_size=PAGE)
-        runner.rows = BlockTableRows()
-        table, staging = DeviceBlockTable(device), HostStaging(device)
+        runner, table, staging = device_rows_runner(device)
         after = measure(lambda: (device_rows_step(runner, table, reqs, staging), sync()))
         print(f"batch {bs:3d}, {ctx:6d}-token contexts, page {PAGE}: rebuilt {before * 1e6:7.0f} us/step, "
               f"device rows {after * 1e6:7.0f} us/step ({before / after:.1f}x)")
