@@ -35,7 +35,7 @@ from pd_cluster.engine.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
 
-GRAPH_CONTEXT_LEN = 65536  # tokens the decode graphs' block table covers; longer decode batches run eagerly
+GRAPH_TABLE_BYTES = 64 << 20  # the decode graphs' static block table: at most this many bytes
 PAD_SEQ_LEN = 1  # a padded request "attends" to token 0 of the null page, whose output row is ignored
 
 
@@ -149,9 +149,10 @@ class CudaGraphConfig:
     Attributes:
         max_bs: ``--cuda-graph-max-bs``, the largest captured decode batch.
         max_context_len: the longest context the captured graphs serve: their static block table is
-            [max_bs, max_context_len / page_size] int32. A fixed default, deliberately not the engine's
-            ``--context-length`` (memory never scales with it: 4 MiB at 256 requests and page size 16);
-            a decode batch whose table is wider runs eagerly (`CudaGraphRunner.can_run`).
+            [max_bs, max_context_len / page_size] int32. None (the default): as many pages as the pool holds
+            (no request can hold more), within `GRAPH_TABLE_BYTES` (`graph_table_pages`); deliberately not the
+            engine's ``--context-length``, so memory never scales with it. A decode batch whose table is wider
+            runs eagerly (`CudaGraphRunner.can_run`).
         disable: ``--disable-cuda-graph``.
         eager_stand_in: off CUDA, still build the runner, uncaptured: its replay runs the padded
             static batch eagerly. This is how the buckets, padding and (under TP) the
@@ -159,13 +160,20 @@ class CudaGraphConfig:
     """
 
     max_bs: int = 256
-    max_context_len: int = GRAPH_CONTEXT_LEN
+    max_context_len: int | None = None
     disable: bool = False
     eager_stand_in: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_bs < 1 or self.max_context_len < 1:
+        if self.max_bs < 1 or (self.max_context_len is not None and self.max_context_len < 1):
             raise ValueError(f"max_bs and max_context_len must be >= 1, got {self.max_bs}, {self.max_context_len}")
+
+
+def graph_table_pages(max_bs: int, num_pages: int) -> int:
+    """Width (pages) of the decode graphs' static block table [max_bs, width] int32: every page of the pool
+    (no request holds more), capped so the table takes at most `GRAPH_TABLE_BYTES` (64 MiB: 65,536 pages at
+    256 requests, i.e. 1M tokens at page size 16 and 64k at page size 1)."""
+    return max(1, min(num_pages, GRAPH_TABLE_BYTES // (4 * max_bs)))
 
 
 class CudaGraphRunner:
@@ -188,7 +196,10 @@ class CudaGraphRunner:
         self.model, self.pool, self.backend, self.config = model, pool, backend, config
         self.device = pool.device
         self.sizes = capture_batch_sizes(config.max_bs)
-        max_pages = -(-config.max_context_len // pool.page_size)
+        if config.max_context_len is None:
+            max_pages = graph_table_pages(config.max_bs, pool.num_pages)
+        else:
+            max_pages = -(-config.max_context_len // pool.page_size)
         self.buffers = CaptureBuffers.allocate(config.max_bs, max_pages, self.device)
         backend.prepare_for_capture(config.max_bs, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

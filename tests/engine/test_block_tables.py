@@ -164,16 +164,16 @@ def test_a_readmitted_request_is_rewritten_even_without_its_release():
 
 def test_context_length_does_not_size_any_block_table(monkeypatch):
     from pd_cluster.engine.executor.shard import Shard
-    from pd_cluster.engine.graph import GRAPH_CONTEXT_LEN, CudaGraphRunner
+    from pd_cluster.engine.graph import CudaGraphRunner, graph_table_pages
     configs = []
     monkeypatch.setattr(Shard, "capture_decode_graphs", lambda self, config: configs.append(config) or [])
     small = LLMEngine(config_from_kwargs(context_length=4096, num_pages=64))
     huge = LLMEngine(config_from_kwargs(context_length=10_000_000, num_pages=64))
     assert small.shard.block_table.shape == huge.shard.block_table.shape == (INITIAL_ROWS, INITIAL_WIDTH)
-    assert configs[0] == configs[1] and configs[0].max_context_len == GRAPH_CONTEXT_LEN
+    assert configs[0] == configs[1] and configs[0].max_context_len is None  # from the pool, not the context
     from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend
     runner = CudaGraphRunner(torch.nn.Identity(), huge.pool, TritonAttentionBackend(4, 2, 16, 0.25), configs[1])
-    assert runner.buffers.max_pages == GRAPH_CONTEXT_LEN // huge.pool.page_size
+    assert runner.buffers.max_pages == graph_table_pages(configs[1].max_bs, 64) == 64
 
 
 @pytest.mark.timeout(600)

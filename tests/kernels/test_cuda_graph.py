@@ -115,22 +115,30 @@ def test_decode_step_makes_no_host_sync():
     torch.testing.assert_close(eager, want, rtol=1e-4, atol=1e-4)
 
 
-def test_default_graph_width_is_fixed_and_wider_decodes_run_eagerly():
-    """The static block table is GRAPH_CONTEXT_LEN / page_size pages whatever --context-length is (the engine
-    builds its config without it); a decode batch past it is refused by `can_run` and so runs eagerly."""
+@pytest.mark.parametrize("num_pages, max_bs, width", [
+    (40, 2, 40),                # every page of the pool: no request can hold more
+    (200_000, 256, 65536),      # capped at 64 MiB of int32 (1M tokens at page 16)
+    (200_000, 8, 200_000),      # a small batch: the whole pool within 64 MiB
+])
+def test_default_graph_width_is_the_pool_within_64_mib_and_wider_decodes_run_eagerly(num_pages, max_bs, width):
+    """The static block table covers as many pages as the pool holds, capped at GRAPH_TABLE_BYTES, whatever
+    --context-length is (the engine builds its config without it); a decode batch past it is refused by
+    `can_run` and so runs eagerly."""
     import numpy as np
     from pd_cluster.engine.batch import build_forward_batch
-    from pd_cluster.engine.graph import GRAPH_CONTEXT_LEN
+    from pd_cluster.engine.graph import GRAPH_TABLE_BYTES, graph_table_pages
+    assert graph_table_pages(max_bs, num_pages) == width and width * max_bs * 4 <= GRAPH_TABLE_BYTES
+    if num_pages > 1000:
+        return  # the rule only: no pool of that size here
     from pd_cluster.engine.kv.pool import KVLayout, KVPool
-    pool = KVPool(KVLayout(1, 2, 16, 16, "fp16", (1.0,), (1.0,)), 4, device(), torch.float16)
+    pool = KVPool(KVLayout(1, 2, 16, 16, "fp16", (1.0,), (1.0,)), num_pages, device(), torch.float16)
     runner = CudaGraphRunner(torch.nn.Identity(), pool, TritonAttentionBackend(4, 2, 16, 0.25),
-                             CudaGraphConfig(max_bs=2, eager_stand_in=True))
-    width = GRAPH_CONTEXT_LEN // 16
-    assert runner.buffers.block_tables.shape == (2, width)
+                             CudaGraphConfig(max_bs=max_bs, eager_stand_in=True))
+    assert runner.buffers.block_tables.shape == (max_bs, width)
 
     def decode_at(ctx: int):
         pages = [1] * -(-(ctx + 1) // 16)
         return build_forward_batch([np.array([3])], [ctx], [pages], [np.array([0])], 1, 16, device())
 
-    assert runner.can_run(decode_at(GRAPH_CONTEXT_LEN - 1))  # exactly `width` pages
-    assert not runner.can_run(decode_at(GRAPH_CONTEXT_LEN))  # one page more
+    assert runner.can_run(decode_at(width * 16 - 1))  # exactly `width` pages
+    assert not runner.can_run(decode_at(width * 16))  # one page more
