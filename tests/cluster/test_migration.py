@@ -47,9 +47,10 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[in
 
 @needs_token_ids
 def test_kill_decode_with_streams_in_flight_all_complete_with_the_reference_text():
-    with running_cluster(2, 2, router_argv=["--decode-policy", "round_robin",
-                                            "--upstream-idle-timeout-secs", "5",
-                                            "--request-timeout-secs", "120"]) as cluster:
+    # the decode workers overlap their steps, as on CUDA (the frozen-decode test below runs without)
+    with running_cluster(2, 2, engine_argv=["--enable-overlap-schedule"],
+                         router_argv=["--decode-policy", "round_robin", "--upstream-idle-timeout-secs", "5",
+                                      "--request-timeout-secs", "120"]) as cluster:
         async def run(fault: bool) -> list[dict]:
             progress = [0] * N_KILL_STREAMS
             async with httpx.AsyncClient(timeout=150) as client:
