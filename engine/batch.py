@@ -148,7 +148,8 @@ class HostStaging:
     and the copies ``non_blocking``, so the host goes on building while the copy
     runs (pageable memory makes every copy synchronous). A buffer is refilled
     only after the previous step's copy out of it has completed (a CUDA event;
-    in practice long done, since sampling reads results back). Buffers grow to
+    in practice done: that copy was queued before the previous step's kernels,
+    and with overlap scheduling the step before those has completed). Buffers grow to
     the largest step seen and are never shrunk.
 
     Each array starts at a multiple of `ALIGN` elements (128 bytes or more) into

@@ -160,6 +160,7 @@ class DeviceBlockTable:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(rows, width) of the device table now (both grow on demand)."""
         return tuple(self.table.shape)  # type: ignore[return-value]
 
     def _ensure(self, rows: int, width: int) -> None:

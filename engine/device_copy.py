@@ -5,7 +5,7 @@ for it to finish so the host buffer may be freed), so the host waits for every
 kernel already queued: one such copy per step undoes overlap scheduling and
 stalls the engine thread behind the GPU. `to_device` stages through pinned
 memory (torch's caching host allocator, which keeps the block until the copy's
-event completes) and copies ``non_blocking``.
+event completes) and copies ``non_blocking``, as vLLM's ``async_tensor_h2d`` does.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class LLMEngine:
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
-        # the graphs' block-table width is CudaGraphConfig's fixed default, never --context-length
+        # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
                                  disable=config.device.disable_cuda_graph)
         if self.tp_driver is not None:
@@ -265,19 +265,15 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._pending) or self.overlap.in_flight is not None
 
     def step(self) -> StepOutput:
-        """Run one scheduler step and return what it produced.
-
-        With overlap scheduling (`pd_cluster.engine.overlap`) it issues one step and returns what the
-        previous one produced.
-        """
+        """Run one scheduler step and return what it produced (with overlap scheduling,
+        `pd_cluster.engine.overlap`: issue one step and return what the previous one produced)."""
         if self.overlap.enabled:
             return self.overlap.step()
         started = time.monotonic()
         sched = self.scheduler.schedule()
         out = StepOutput(num_tokens=sched.num_tokens)
         self._report_schedule(sched, out)
-        launched = self.runner.launch(sched, None, started) if not sched.is_empty else LaunchedStep(sched, [], None,
-                                                                                                   started)
+        launched = LaunchedStep.empty(sched, started) if sched.is_empty else self.runner.launch(sched, None, started)
         self.scheduler.on_step_launched(sched)
         self._complete_step(launched, out)
         out.deltas, self._pending = self._pending, []

@@ -49,6 +49,11 @@ class LaunchedStep:
     pending: PendingSample | None
     started: float
 
+    @classmethod
+    def empty(cls, sched: SchedulerOutput, started: float) -> "LaunchedStep":
+        """A step that ran nothing on the device (nothing was scheduled)."""
+        return cls(sched, [], None, started)
+
     def row_of(self) -> dict[str, int]:
         """Request id -> its row of ``pending.token_ids``."""
         return {r.request_id: i for i, r in enumerate(self.sampled_reqs)}
@@ -81,10 +86,6 @@ class ModelRunner:
         is free again. The engine wires it to `Scheduler.on_leave`. Unknown ids are ignored."""
         self.rows.release(request_id)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run the model on the step `out` and sample the next tokens (waits for the device)."""
-        return self.launch(out).result()
-
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None, started: float = 0.0) -> LaunchedStep:
         """Issue the step `out` (forward pass and sampling) without waiting for its tokens.
 
@@ -101,7 +102,7 @@ class ModelRunner:
         sampled = [it.req for it in items if it.samples]
         self._record_prompt_logprobs(logits, prompt_rows)
         if not sampled:
-            return LaunchedStep(out, [], None, started)
+            return LaunchedStep.empty(out, started)
         sample_logits = logits[to_device(sample_rows, logits.device)] if prompt_rows else logits
         return LaunchedStep(out, sampled, self.sampler.launch(sample_logits, SamplingBatch.from_requests(sampled)),
                             started)

@@ -80,6 +80,7 @@ class OverlapScheduler:
         self.num_overlapped = 0  # steps issued while the previous one was in flight
 
     def describe(self) -> str:
+        """``on``, or ``off`` with the reason, as the start-up log line shows it."""
         return self._why
 
     def step(self) -> StepOutput:
@@ -98,7 +99,7 @@ class OverlapScheduler:
         eng._report_schedule(sched, out)
         if sched.is_empty:
             eng.scheduler.on_step_launched(sched)
-            eng._complete_step(LaunchedStep(sched, [], None, started), out)
+            eng._complete_step(LaunchedStep.empty(sched, started), out)
         else:
             launched = eng.runner.launch(sched, prev, started)
             self.num_overlapped += prev is not None

@@ -1,8 +1,10 @@
 """A step's inputs as one flat int64 array, and how every rank turns it into its `ForwardBatch`.
 
 Rank 0 packs (`pack_step`); under tensor parallelism it broadcasts the header,
-then the payload, as two tensors (`pd_cluster.engine.executor.tp`); every rank,
-rank 0 included, decodes the same arrays with `build_step` against its own
+then the payload, as two tensors (`pd_cluster.engine.executor.tp`), not a
+pickled object (SGLang instead runs a scheduler on every rank and broadcasts
+the incoming requests pickled, ``broadcast_pyobj``); every rank, rank 0
+included, decodes the same arrays with `build_step` against its own
 `DeviceBlockTable`, so a packing bug cannot hide on one side.
 
 Layout (all int64)::

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pd_cluster.engine.attention import get_backend, resolve_backend_name
@@ -55,7 +56,8 @@ class Shard:
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
-    def run_step(self, header, payload, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run_step(self, header: np.ndarray, payload: np.ndarray, prev_tokens: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """Run one packed step (`pd_cluster.engine.packed_step`; header [HEADER_LEN] and payload int64 numpy
         arrays): apply its block-table edits, build its `ForwardBatch`, run the model. Every rank, rank 0
         included, runs exactly this. Returns the logits [L, vocab].

@@ -49,6 +49,8 @@ class DeviceLogprobs:
                                                                                self.top_ids))
 
     def to_host(self, params: list[SamplingParams]) -> list[Logprob | None]:
+        """Per row of the step (None for rows not in `rows`): (chosen logprob, [(token id, logprob)] top-N).
+        Reads the pinned copies after `start_copy` (the caller waited for its event), else the device tensors."""
         out: list[Logprob | None] = [None] * len(params)
         chosen, top_vals, top_ids = self.chosen.tolist(), self.top_vals.tolist(), self.top_ids.tolist()
         for j, i in enumerate(self.rows):
@@ -77,13 +79,18 @@ class PendingSample:
         self._result: SamplerOutput | None = None
 
     def host_tokens(self) -> list[int]:
+        """The chosen ids as a list (waits for the device: only the row-by-row logprobs fallback uses it)."""
         return self.token_ids.tolist()
+
+    def _flags(self) -> torch.Tensor:
+        """[2, B] int64: the chosen ids and the rows with nothing to sample from."""
+        return torch.stack([self.token_ids, self._bad.to(self.token_ids.dtype)])
 
     def start_copy(self) -> None:
         """On CUDA: start the ids' and flags' copy to pinned host memory (no sync); elsewhere nothing."""
         if self.token_ids.device.type != "cuda":
             return
-        self._host = _pinned_copy(torch.stack([self.token_ids, self._bad.to(self.token_ids.dtype)]))
+        self._host = _pinned_copy(self._flags())
         if self.logprobs is not None:
             self.logprobs.start_copy()
         self._copied = torch.cuda.Event()
@@ -97,7 +104,7 @@ class PendingSample:
             self._copied.synchronize()
             tokens, bad = self._host.tolist()
         else:
-            tokens, bad = torch.stack([self.token_ids, self._bad.to(self.token_ids.dtype)]).tolist()
+            tokens, bad = self._flags().tolist()
         errors = self._errors
         for i, is_bad in enumerate(bad):
             if is_bad and errors[i] is None:

@@ -106,3 +106,22 @@ def test_a_row_short_of_pages_is_refused():
     with pytest.raises(ValueError, match="needs 2"):
         build_step(unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:]), table, PAGE, None)
     assert np.array_equal(table.table.numpy(), table.host) and table.host[rows[0], 0] == 7  # still in step
+
+
+def test_a_decode_step_packs_into_bytes_that_do_not_grow_with_the_contexts():
+    """28 decodes over 32k-token contexts (2,048 pages each, page 16): once the rows hold the pages, a step is
+    8 x (10 + 5 x 28) bytes, and 32 bytes more per appended page; the context length does not enter."""
+    tracker = BlockTableRows()
+    names = [f"r{i}" for i in range(28)]
+    tables = {n: list(range(1 + 2048 * i, 1 + 2048 * (i + 1))) for i, n in enumerate(names)}
+
+    def step_bytes() -> int:
+        rows, edits = tracker.step(names, [tables[n] for n in names])
+        n = len(names)
+        return pack_step([7] * n, [32767] * n, [1] * n, rows, list(range(n)), n, edits).nbytes
+
+    assert step_bytes() > 28 * 2048 * 8  # the first step writes every row's pages once
+    assert step_bytes() == 8 * (10 + 5 * 28) == 1200
+    for i, n in enumerate(names):
+        tables[n].append(100_000 + i)  # every request gains a page
+    assert step_bytes() == 1200 + 28 * 32 == 2096

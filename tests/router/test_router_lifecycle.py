@@ -41,13 +41,14 @@ def start_stream(router: RouterProc, tokens: int) -> tuple[threading.Thread, dic
     return t, out
 
 
-def test_sigterm_drains_in_flight_streams_and_refuses_new_work():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_drains_in_flight_streams_and_refuses_new_work(sig):
     with FakeWorker("prefill") as p, \
             FakeWorker("decode", ["--ttft-ms", "10", "--itl-ms", "150", "--num-tokens", "12"]) as d, \
             RouterProc(["--prefill", p.url, "--decode", d.url,
                         "--shutdown-grace-period-secs", "30"]) as router:
         thread, out = start_stream(router, 12)
-        router.proc.send_signal(signal.SIGTERM)
+        router.proc.send_signal(sig)
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):
             httpx.post(router.url + "/v1/completions", timeout=5,
