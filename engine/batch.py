@@ -66,6 +66,33 @@ class ForwardBatch:
         return self.num_decodes == self.num_reqs
 
 
+def token_layout(starts: np.ndarray, query_lens: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Where a step's tokens sit, vectorised.
+
+    Args:
+        starts: [B] int64, the position of each request's first new token; query_lens: [B] int64, its new tokens.
+
+    Returns:
+        query start offsets [B + 1], the request of each token [T], each token's position [T], and each
+        request's context length after the step [B] (all int64).
+    """
+    qsl = np.zeros(query_lens.size + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    req_of_token = np.repeat(np.arange(query_lens.size), query_lens)
+    positions = starts[req_of_token] + (np.arange(int(qsl[-1])) - qsl[:-1][req_of_token])
+    return qsl, req_of_token, positions, starts + query_lens
+
+
+def upload(arrays: list[tuple[np.ndarray, torch.dtype]], device: torch.device, staging: "HostStaging | None"
+           ) -> list[torch.Tensor]:
+    """The (numpy array, torch dtype) pairs as device tensors: through `staging` (two copies, pinned on CUDA),
+    or one plain copy each when it is None."""
+    if staging is not None:
+        return staging.upload(arrays)
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt) for a, dt in arrays]
+
+
 def build_forward_batch(
     token_ids: list[np.ndarray],
     start_positions: list[int],
@@ -95,13 +122,7 @@ def build_forward_batch(
         ValueError: a block table does not cover its request's new tokens.
     """
     query_lens = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
-    starts = np.asarray(start_positions, dtype=np.int64)
-    qsl = np.zeros(len(token_ids) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=qsl[1:])
-    total = int(qsl[-1])
-    req_of_token = np.repeat(np.arange(len(token_ids)), query_lens)
-    positions = starts[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
-    seq_lens = starts + query_lens
+    qsl, req_of_token, positions, seq_lens = token_layout(np.asarray(start_positions, dtype=np.int64), query_lens)
 
     max_pages = max((len(bt) for bt in block_tables), default=1) or 1
     table = np.zeros((len(block_tables), max_pages), dtype=np.int64)
@@ -118,11 +139,7 @@ def build_forward_batch(
 
     arrays = [(ids, torch.long), (positions, torch.long), (slots, torch.long), (qsl, torch.int32),
               (seq_lens, torch.int32), (table, torch.int32), (logits_idx.astype(np.int64), torch.long)]
-    if staging is not None:
-        tensors = staging.upload(arrays)
-    else:
-        tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt) for a, dt in arrays]
-    input_ids, positions_t, slots_t, qsl_t, seq_lens_t, table_t, logits_t = tensors
+    input_ids, positions_t, slots_t, qsl_t, seq_lens_t, table_t, logits_t = upload(arrays, device, staging)
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_t,

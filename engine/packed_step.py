@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pd_cluster.engine.batch import ForwardBatch, HostStaging
+from pd_cluster.engine.batch import ForwardBatch, HostStaging, token_layout, upload
 from pd_cluster.engine.block_tables import DeviceBlockTable, TableEdits
 
 HEADER_LEN = 10
@@ -120,13 +120,7 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
     """
     flat_idx, values = table.apply_host(step.edits, step.rows)
     qlens = step.query_lens
-    starts = step.starts
-    qsl = np.zeros(qlens.size + 1, dtype=np.int64)
-    np.cumsum(qlens, out=qsl[1:])
-    total = int(qsl[-1])
-    req_of_token = np.repeat(np.arange(qlens.size), qlens)
-    positions = starts[req_of_token] + (np.arange(total) - qsl[:-1][req_of_token])
-    seq_lens = starts + qlens
+    qsl, req_of_token, positions, seq_lens = token_layout(step.starts, qlens)
     held = table.lengths[step.rows]
     need = -(-seq_lens // page_size)
     short = np.nonzero(held < need)[0]
@@ -140,10 +134,7 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
     arrays = [(step.input_ids, torch.long), (positions, torch.long), (slots, torch.long), (qsl, torch.int32),
               (seq_lens, torch.int32), (step.logits, torch.long), (step.rows, torch.long),
               (step.edits.clear, torch.long), (flat_idx, torch.long), (values, torch.int32)]
-    if staging is not None:
-        tensors = staging.upload(arrays)
-    else:
-        tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(device=table.device, dtype=dt) for a, dt in arrays]
+    tensors = upload(arrays, table.device, staging)
     ids_t, pos_t, slots_t, qsl_t, seq_t, logits_t, rows_t, clear_t, idx_t, val_t = tensors
     table.apply_device(clear_t, idx_t, val_t)
     return ForwardBatch(
