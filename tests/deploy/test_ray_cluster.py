@@ -52,6 +52,16 @@ def session_processes(session_dir: str) -> list[str]:
     return out
 
 
+def stop_and_wait_for_no_ray_process(cluster) -> None:
+    """Stop a `RayCluster` and assert, within 30 s, that no process of its Ray session is left."""
+    session = cluster.manifest.get("ray", {}).get("session_dir")
+    cluster.stop()
+    deadline = time.monotonic() + 30
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert session_processes(session) == []
+
+
 @pytest.fixture(scope="module")
 def ray_serve(tmp_path_factory):
     """Start ``pd-serve --ray-address local``; yield its URL, manifest and process tree; Ctrl-C it at the end."""
@@ -162,12 +172,7 @@ def test_a_killed_worker_actor_takes_its_process_with_it():
         assert live({decode["pid"]}) == []
         assert cluster.dead() == [decode["name"]]
     finally:
-        session = cluster.manifest.get("ray", {}).get("session_dir")
-        cluster.stop()
-    deadline = time.monotonic() + 30
-    while session_processes(session) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_processes(session) == []
+        stop_and_wait_for_no_ray_process(cluster)
     assert not ray.is_initialized()
 
 
@@ -203,9 +208,4 @@ def test_a_killed_worker_process_is_restarted_by_ray_and_rejoins_the_router():
         assert completions(url) == before
         assert live({decode["pid"]}) == []
     finally:
-        session = cluster.manifest.get("ray", {}).get("session_dir")
-        cluster.stop()
-    deadline = time.monotonic() + 30
-    while session_processes(session) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert session_processes(session) == []
+        stop_and_wait_for_no_ray_process(cluster)

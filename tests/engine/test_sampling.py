@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.sampling.params import SamplingParamError
@@ -157,20 +158,22 @@ def test_top_k_top_p_min_p_equal_transformers_warpers(scale):
         assert torch.isfinite(ours[i]).sum() >= 1
 
 
+class Ops(TorchDispatchMode):
+    """Records the name of every aten operator run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def test_top_p_within_a_top_k_reads_nothing_back_from_the_device():
     """Every top-p row also has a top-k of at most 1,024: the candidates hold all the mass, so the host check
     that widens them (a device sync on CUDA: a tensor read into a Python bool) is skipped; same result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from pd_cluster.engine.sampling.sampler import top_k_top_p_min_p
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     filters = [(50, 0.8, 0.0), (10, 0.95, 0.2), (1, 0.3, 0.0), (1000, 0.99, 0.0), (-1, 1.0, 0.1)]
     x = torch.randn(len(filters), 32000, generator=torch.Generator().manual_seed(3)) * 0.5  # flat: 1,024 hold
@@ -188,18 +191,8 @@ def test_top_p_within_a_top_k_reads_nothing_back_from_the_device():
 
 
 def test_no_full_sort_of_a_128k_vocabulary_for_greedy_top_k_top_p_min_p_and_logprobs():
-    from torch.utils._python_dispatch import TorchDispatchMode
     from pd_cluster.engine.sampling.batch import SamplingBatch
     from pd_cluster.engine.sampling.sampler import Sampler, prompt_logprobs
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     vocab = 128256
     x = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)) * 4  # a peaked distribution
