@@ -12,17 +12,21 @@ It measures, in one run and on the device itself:
    small sweep of the kernel's launch settings at batch 32, context 4k), and
    FlashInfer's paged decode on the same pool and batches when it is
    installed (`gpu_flashinfer`; otherwise one row says it is not);
-3. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
-   against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
-4. the 8k-token prefill kernel alone (launch-settings sweep);
-5. a Llama-3.1-8B decode step (dummy weights, FP8 KV, batch 64, context 2k)
+3. a Llama-3.1-8B decode step (dummy weights, FP8 KV, batch 64, context 2k)
    with and without CUDA graphs, against (weight + KV bytes) / bandwidth,
-   with the GPU kernels it launches;
-6. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix rate;
-7. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU.
+   with the GPU kernels it launches and the top kernels by time;
+4. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix
+   rate, with the top kernels by time;
+5. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU;
+6. the 8k-token prefill kernel alone (launch-settings sweep);
+7. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
+   against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
+8. a sweep of the decode kernel's launch settings and split sizing at several
+   (batch, context) points (`gpu_attention.decode_sweep`).
 
 Prints a markdown table per part and writes them, with the device, date and
-command, to ``--output`` (and the raw numbers to the same name with ``.json``).
+command, to ``--output`` (and the raw numbers to the same name with ``.json``),
+rewriting both after every table, so a run stopped part-way keeps what it measured.
 ``--smoke`` runs tiny shapes on any device (the kernels in Triton's interpreter
 on CPU) to check the script itself; its numbers mean nothing.
 """
@@ -42,7 +46,7 @@ import torch
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
-PARTS = ("decode", "layout", "prefill_kernel", "decode_step", "prefill", "nixl")
+PARTS = ("decode", "decode_step", "prefill", "nixl", "prefill_kernel", "layout", "decode_sweep")
 
 
 def device_info(device: torch.device) -> str:
@@ -65,13 +69,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--output", default="gpu-bench.md", help="markdown file for the tables (default: gpu-bench.md)")
     ap.add_argument("--skip", default="", help=f"comma-separated parts to skip: {','.join(PARTS)}")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device: checks the script only")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="measure the decode kernel with the engine's default settings (no launch-settings sweep)")
     return ap.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> list[Section]:
+def run(args: argparse.Namespace, emit=None) -> list[Section]:
+    """Measure every part not skipped, most valuable first; `emit` gets each table as soon as it is measured.
+
+    Order: ceilings, decode attention (launch settings, then the table and FlashInfer), the decode step, the
+    8k prefill, NIXL, then the prefill-kernel sweep and the pool-layout study (least needed for the targets).
+    The model prefill runs with the default extend-kernel settings unless the sweep ran before it.
+    """
     from pd_cluster.bench.scripts import gpu_attention, gpu_flashinfer, gpu_model, gpu_nixl
     from pd_cluster.engine.attention.triton_backend import TritonAttentionConfig
 
+    emit = emit or _emit
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
         raise SystemExit("no CUDA device: run with --smoke to check the script on CPU (numbers mean nothing)")
@@ -79,43 +92,52 @@ def run(args: argparse.Namespace) -> list[Section]:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     torch.manual_seed(0)
     sections: list[Section] = []
+
+    def add(sec: Section) -> None:
+        sections.append(sec)
+        emit(sec)
+
     ceil = measure_ceilings(device, args.smoke)
     sec = Section("Ceilings measured on this device", ["copy GB/s (read + write)", "bf16 matmul TFLOP/s"])
     sec.rows.append(Row([ceil.copy_gbps, ceil.matmul_tflops]))
     sec.notes.append(f"copy: {ceil.copy_bytes / 2**30:.2f} GiB buffer; matmul: {ceil.matmul_n}^3, random bf16.")
-    sections.append(_emit(sec))
+    add(sec)
 
     decode_cfg = gpu_attention.DecodeKernelConfig()
     if "decode" not in skip:
-        decode_cfg, tune = gpu_attention.tune_decode(device, num_sms, args.smoke)
-        sections.append(_emit(tune))
+        if not args.no_tune:
+            decode_cfg, tune = gpu_attention.tune_decode(device, num_sms, args.smoke)
+            add(tune)
         flashinfer = gpu_flashinfer.FlashInferDecode(device, ceil)
-        sections.append(_emit(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke, flashinfer)))
-        sections.append(_emit(flashinfer.section))
+        add(gpu_attention.decode_table(device, ceil, decode_cfg, num_sms, args.smoke, flashinfer))
+        add(flashinfer.section)
         del flashinfer
         _free(device)
-    if "layout" not in skip:
-        from pd_cluster.bench.scripts import gpu_layout
-
-        sections.append(_emit(gpu_layout.layout_table(device, ceil, decode_cfg, num_sms, args.smoke)))
-        _free(device)
     extend_cfg = gpu_attention.ExtendKernelConfig() if not args.smoke else gpu_attention.ExtendKernelConfig(16, 16)
-    if "prefill_kernel" not in skip:
-        extend_cfg, sec = gpu_attention.prefill_kernel_table(device, ceil, args.smoke)
-        sections.append(_emit(sec))
     cfg = TritonAttentionConfig(decode=decode_cfg, extend=extend_cfg)
     if {"decode_step", "prefill"} - skip:
         _free(device)
         loaded = gpu_model.load_dummy(device, args.smoke)
         if "decode_step" not in skip:
-            sections.append(_emit(gpu_model.decode_step_table(loaded, device, ceil, cfg, args.smoke)))
+            add(gpu_model.decode_step_table(loaded, device, ceil, cfg, args.smoke))
             _free(device)
         if "prefill" not in skip:
-            sections.append(_emit(gpu_model.prefill_table(loaded, device, ceil, cfg, args.smoke)))
+            add(gpu_model.prefill_table(loaded, device, ceil, cfg, args.smoke))
         del loaded
         _free(device)
     if "nixl" not in skip:
-        sections.append(_emit(gpu_nixl.nixl_table(ceil.copy_gbps, device.type == "cuda", args.smoke)))
+        add(gpu_nixl.nixl_table(ceil.copy_gbps, device.type == "cuda", args.smoke))
+    if "prefill_kernel" not in skip:
+        _, sec = gpu_attention.prefill_kernel_table(device, ceil, args.smoke)
+        add(sec)
+    if "layout" not in skip:
+        from pd_cluster.bench.scripts import gpu_layout
+
+        add(gpu_layout.layout_table(device, ceil, decode_cfg, num_sms, args.smoke))
+        _free(device)
+    if "decode_sweep" not in skip:
+        add(gpu_attention.decode_sweep(device, ceil, num_sms, args.smoke))
+        _free(device)
     return sections
 
 
@@ -145,7 +167,7 @@ def summary(sections: list[Section]) -> Section:
     nx = next((s for s in sections if s.title.startswith("NIXL")), None)
     if nx:
         ok = [r.cells[4] for r in nx.rows if isinstance(r.cells[4], float)]
-        sec.rows.append(Row(["NIXL VRAM->VRAM, best % of copy (bytes once)", max(ok) if ok else "n/a", "-"]))
+        sec.rows.append(Row(["NIXL VRAM->VRAM, best % of copy (bytes once)", max(ok) if ok else "n/a", ">= 70"]))
     return sec
 
 
@@ -161,6 +183,27 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+class Output:
+    """The markdown file and its JSON twin, rewritten after every table so a run that is stopped keeps its tables."""
+
+    def __init__(self, path: Path, header: str) -> None:
+        self.path, self.header = path, header
+        self.sections: list[Section] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def emit(self, sec: Section) -> None:
+        _emit(sec)
+        self.sections.append(sec)
+        self.write()
+
+    def write(self, footer: str = "\n(run in progress, or stopped before its end)\n") -> None:
+        text = self.header + "\n" + "\n".join(s.markdown() for s in self.sections) + footer
+        self.path.write_text(text)
+        self.path.with_suffix(".json").write_text(json.dumps([s.to_dict() for s in self.sections], indent=1,
+                                                             default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():  # the kernels can only run in Triton's interpreter; before triton loads
@@ -169,15 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     header = "## GPU benchmark\n\n" + device_info(device) + "\n"
     print(header, flush=True)
-    sections = run(args)
-    sections.append(_emit(summary(sections)))
+    out = Output(Path(args.output), header)
+    sections = run(args, out.emit)
+    out.emit(summary(sections))
     footer = f"\n(total wall time {time.perf_counter() - t0:.0f} s)\n"
-    text = header + "\n" + "\n".join(s.markdown() for s in sections) + footer
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps([s.to_dict() for s in sections], indent=1, default=str))
-    print(f"wrote {out} and {out.with_suffix('.json')}{footer}", flush=True)
+    out.write(footer)
+    print(f"wrote {out.path} and {out.path.with_suffix('.json')}{footer}", flush=True)
     return 0
 
 

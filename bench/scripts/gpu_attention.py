@@ -99,7 +99,8 @@ def tune_decode(device, num_sms: int, smoke: bool) -> tuple[DecodeKernelConfig, 
     batch = decode_batch(bsz, ctx, pool.num_pages, device, torch.Generator().manual_seed(0))
     q = torch.randn(bsz, shape.num_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
     # warps=2 with block_n >= 64 spills registers on sm_90 (bench/scripts/gpu_compile.py), so it is left out
-    grid = [(64, 4, 2)] if smoke else [(32, 2, 2)] + list(itertools.product((32, 64, 128), (4, 8), (2, 3)))
+    # six points around the sm_90 compile report's picks (each costs a compile, a few seconds on a first run)
+    grid = [(64, 4, 2)] if smoke else [(32, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2)]
     sec = Section(f"Decode kernel launch settings (batch {bsz}, context {ctx}, FP8)",
                   ["block_n", "num_warps", "num_stages", "time (us)", "GB/s"])
     best = None
@@ -127,6 +128,50 @@ def tune_decode(device, num_sms: int, smoke: bool) -> tuple[DecodeKernelConfig, 
     sec.notes.append(f"kept: block_n={cfg.block_n}, num_warps={cfg.num_warps}, num_stages={cfg.num_stages}, "
                      f"programs_per_sm={cfg.programs_per_sm}")
     return cfg, sec
+
+
+SWEEP_SHAPES = ((32, 4096), (64, 2048), (128, 1024), (128, 4096))
+SWEEP_CONFIGS = ((32, 2, 2), (32, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 2), (128, 4, 2))
+SWEEP_PPS = (2, 4, 8, 16)
+
+
+def decode_sweep(device, ceil: Ceilings, num_sms: int, smoke: bool) -> Section:
+    """Launch settings x split sizing at several (batch, context) points: which setting is best where.
+
+    One pool (the largest point's size, pages scattered at random) serves every point. Each cell is the
+    time and the % of the measured copy bandwidth; the best cell of each point is marked.
+    """
+    shape = Shape() if not smoke else Shape(4, 2, 32)
+    shapes = SWEEP_SHAPES if not smoke else ((2, 128),)
+    configs = SWEEP_CONFIGS if not smoke else ((64, 4, 2),)
+    pps_values = SWEEP_PPS if not smoke else (4,)
+    pool = make_fp8_pool(shape, max(b * c for b, c in shapes) // PAGE + 8, device)
+    gen = torch.Generator().manual_seed(2)
+    sec = Section("Decode kernel sweep: launch settings x programs per SM (FP8, Llama-3.1-8B shapes)",
+                  ["batch", "context", "block_n", "num_warps", "num_stages", "programs_per_sm", "splits",
+                   "time (us)", "% of copy BW", "best"])
+    for bsz, ctx in shapes:
+        batch = decode_batch(bsz, ctx, pool.num_pages, device, gen)
+        q = torch.randn(bsz, shape.num_heads, shape.head_dim, device=device, dtype=torch.bfloat16)
+        nbytes = decode_bytes(bsz, ctx, shape, 1)
+        rows = []
+        for (bn, nw, ns), pps in itertools.product(configs, pps_values):
+            cfg = DecodeKernelConfig(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=pps)
+            splits = max_splits_for(bsz, shape.num_kv_heads, num_sms, cfg)
+            try:
+                ms = bench_ms(_triton_decode_fn(q, pool, batch, shape, cfg, num_sms), device, rep_ms=100)
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a row, not a stop
+                rows.append(Row([bsz, ctx, bn, nw, ns, pps, splits, "failed", repr(e)[:60], ""]))
+                continue
+            rows.append(Row([bsz, ctx, bn, nw, ns, pps, splits, ms * 1e3,
+                             pct(nbytes / (ms * 1e-3) / 1e9, ceil.copy_gbps), ""]))
+        timed = [r for r in rows if isinstance(r.cells[7], float)]
+        if timed:
+            min(timed, key=lambda r: r.cells[7]).cells[9] = "best"
+        sec.rows += rows
+    sec.notes.append("splits = the grid's split axis for the batch (`max_splits_for`); each request also needs "
+                     "256 tokens per split (`min_tokens_per_split`).")
+    return sec
 
 
 def decode_table(device, ceil: Ceilings, cfg: DecodeKernelConfig, num_sms: int, smoke: bool,

@@ -48,6 +48,29 @@ def cuda_kernels_per_call(fn, device: torch.device) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def top_kernels(fn, device: torch.device, n: int = 8) -> list[str]:
+    """The `n` GPU kernels (and device copies) with the most device time in one call of `fn`, from torch.profiler:
+    ``name: microseconds (launches)`` each, largest first, then the total; empty off CUDA."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    totals: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t = totals.setdefault(e.name, [0.0, 0])
+            t[0] += e.time_range.elapsed_us()
+            t[1] += 1
+    whole = sum(t for t, _ in totals.values())
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:n]
+    return [f"{name[:90]}: {us:.0f} us ({count})" for name, (us, count) in top] + [f"all kernels: {whole:.0f} us"]
+
+
 def fp8_pool(loaded: LoadedModel, num_pages: int, device: torch.device) -> KVPool:
     a = loaded.arch
     scales = (0.05,) * a.num_hidden_layers
@@ -110,6 +133,9 @@ def decode_step_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAt
         "Kernels: every GPU kernel and device copy of one eager step, from torch.profiler (fused layer ops on; "
         "tests/kernels/test_launch_count.py asserts <= 12 per layer on CPU).",
     ]
+    top = top_kernels(lambda: loaded.model(batch, pool, backend), device)
+    if top:
+        sec.notes.append("top GPU kernels of one eager step (torch.profiler, device time): " + "; ".join(top))
     del pool
     return sec
 
@@ -136,4 +162,7 @@ def prefill_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAttent
                   [Row([ms, tf, pct(tf, ceil.matmul_tflops), t / (ms * 1e-3)])])
     sec.notes.append(f"FLOPs {flops / 1e12:.1f} T: projections and MLP 2*T*params per layer, causal attention "
                      "2*heads*head_dim*T*(T+1) per layer, one logits row; whole forward incl. norms and RoPE.")
+    top = top_kernels(lambda: loaded.model(batch, pool, backend), device)
+    if top:
+        sec.notes.append("top GPU kernels of one prefill (torch.profiler, device time): " + "; ".join(top))
     return sec

@@ -120,7 +120,8 @@ def nixl_table(copy_gbps: float | None, use_cuda: bool, smoke: bool) -> Section:
     except ImportError as e:
         sec.notes.append(f"skipped: NIXL is not installed here ({e}); see docs/gpu.md for carrying its wheels.")
         return sec
-    sizes = [(1 << 30, 4 << 20), (1 << 30, 256 << 10), (256 << 20, 4 << 20)] if not smoke else [(8 << 20, 1 << 20)]
+    sizes = ([(1 << 30, 4 << 20), (1 << 30, 256 << 10), (256 << 20, 4 << 20), (1 << 30, 1 << 30),
+              (1 << 30, 64 << 20), (1 << 30, 16 << 20)] if not smoke else [(8 << 20, 1 << 20)])
     for nbytes, desc in sizes:
         try:
             t, ok = measure(nbytes, desc, 5 if not smoke else 2, use_cuda)
@@ -132,5 +133,6 @@ def nixl_table(copy_gbps: float | None, use_cuda: bool, smoke: bool) -> Section:
         sec.rows.append(Row([nbytes >> 20, desc >> 10, t * 1e3, gbps, 100 * gbps / ref if ref else "-", ok]))
     sec.notes.append("A device-to-device copy of N bytes moves N bytes once but counts 2N in the copy ceiling, "
                      "so the comparison uses half the measured copy bandwidth. 4 MiB descriptors are one Llama-3.1-8B "
-                     "FP8 page of 64 tokens (all layers); 256 KiB ones are smaller page runs.")
+                     "FP8 page of 64 tokens (all layers); 256 KiB ones are smaller page runs; 16 MiB to 1 GiB ones are runs of "
+                     "consecutive pages, which the sender merges into one descriptor (`transfer/descriptors.py`).")
     return sec

@@ -4,7 +4,7 @@ The handshake with a new peer (loading its NIXL metadata, setting up the connect
 the peer takes to answer. Here it is a stand-in agent whose `connect` takes 0.8 s, while 8 streams decode on
 a real engine: the connect must run on a thread other than the engine thread, and the streams must keep
 getting tokens meanwhile. The strict bound (no inter-token gap over 50 ms with real NIXL between processes)
-is measured by ``bench/scripts/first_contact.py``; the bound here is loose, for a loaded CI machine.
+is measured by ``bench/scripts/peer_handshake.py``; the bound here is loose, for a loaded CI machine.
 """
 
 from __future__ import annotations
