@@ -1,10 +1,20 @@
 """How many pages the KV pool gets: from a memory budget, never from the context length.
 
-GPU: SGLang's rule. After the weights are loaded, the pool gets what is free
-minus the share of the device that ``--mem-fraction-static`` leaves for
-activations, CUDA graphs and other processes:
-``budget = free - total * (1 - mem_fraction_static)``.
-``--kv-cache-memory`` replaces that with an explicit number of bytes.
+GPU: ``--mem-fraction-static`` (SGLang's flag) is the fraction of the device
+that this worker's weights and KV pool may take. After the weights are loaded,
+the pool gets that share minus what this process already holds
+(``budget = total * mem_fraction_static - held``, ``held`` being torch's
+reserved memory: the weights and any other tensors); a budget over what is
+free is refused with an error that names both.
+The rest of the device is left for activations, CUDA graphs, the CUDA context
+and other processes. Memory is counted per process, as `pd-plan` does and as
+vLLM documents its ``--gpu-memory-utilization`` (a per-instance limit). SGLang's
+own rule, ``free - total * (1 - mem_fraction_static)``, gives the same budget
+to a worker alone on its device but counts every other process's memory
+against it, so the second of two workers sharing a device gets nothing: on an
+H100, a 1P1D ``pd-serve`` with ``--mem-fraction-static 0.1`` per worker
+stopped with "KV cache budget 0 B" in the decode worker under that rule.
+``--kv-cache-memory`` replaces the rule with an explicit number of bytes.
 
 CPU: an explicit ``--kv-cache-memory`` (default 256 MiB), checked against the
 host memory that is available.
@@ -21,6 +31,21 @@ from pd_cluster.engine.config import CacheConfig, format_size
 from pd_cluster.engine.kv.pool import KVLayout
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One reading of a device's memory, in bytes: `free` and `total` (``cudaMemGetInfo``), and `held`, what
+    this process's torch allocator has reserved on it."""
+
+    free: int
+    total: int
+    held: int
+
+    @classmethod
+    def read(cls, device: torch.device) -> "DeviceMemory":
+        free, total = torch.cuda.mem_get_info(device)
+        return cls(int(free), int(total), int(torch.cuda.memory_reserved(device)))
 
 
 @dataclass(frozen=True)
@@ -41,20 +66,25 @@ class PoolPlan:
     source: str
 
 
-def plan_pool(layout: KVLayout, cache: CacheConfig, device: torch.device) -> PoolPlan:
+def plan_pool(layout: KVLayout, cache: CacheConfig, device: torch.device,
+              memory: DeviceMemory | None = None) -> PoolPlan:
     """Size the pool for `layout` on `device`.
+
+    Args:
+        memory: the device's memory reading (GPU; default: read now, after the weights are loaded).
 
     Raises:
         ValueError: the budget holds less than one page, or exceeds the memory available.
     """
     page = layout.page_nbytes
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        available = free
+        memory = memory or DeviceMemory.read(device)
+        available = memory.free
         if cache.kv_cache_memory is not None:
             budget, source = cache.kv_cache_memory, "kv_cache_memory"
         else:
-            budget, source = int(free - total * (1.0 - cache.mem_fraction_static)), "mem_fraction_static"
+            budget = int(memory.total * cache.mem_fraction_static) - memory.held
+            source = "mem_fraction_static"
     else:
         available = psutil.virtual_memory().available
         budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
