@@ -30,8 +30,10 @@ from pd_cluster.engine.model.layer_ops import TORCH_OPS, TritonLayerOps
 from pd_cluster.engine.model.loader import load_model
 from kernel_cases import device
 
-# small tiles and 2 "SMs" keep the interpreter fast; split counts still vary (1 or 2 per request, grid of 1-2)
-CPU_CFG = TritonAttentionConfig(decode=DecodeKernelConfig(block_n=16, min_tokens_per_split=16), num_sms=2,
+# small tiles and 2 "SMs" keep the interpreter fast; split counts still vary (1 or 2 per request, grid of 1-2):
+# min_splits=1 lets the grid's split axis reach 1 (the default's 3 never does, but a configuration may)
+CPU_CFG = TritonAttentionConfig(decode=DecodeKernelConfig(block_n=16, min_tokens_per_split=16, min_splits=1),
+                                num_sms=2,
                                 extend=ExtendKernelConfig(block_m=16, block_n=16))
 PAGE = 16
 NUM_PAGES = 64
