@@ -74,8 +74,10 @@ def test_rope_qk_in_place_on_qkv_views(dtype, tokens, hq, hk, head_dim):
     q = qkv[:, :q_size].view(tokens, hq, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, hk, head_dim)
     q0, k0 = q.double().clone(), k.double().clone()
-    positions = torch.randint(0, 100_000, (tokens,), generator=gen).to(device())
-    cos, sin = RotaryEmbedding(head_dim, 500000.0, None, 131072).cos_sin(positions, torch.float64)
+    positions = torch.randint(0, 100_000, (tokens,), generator=gen)
+    # the table is built where the module lives (CPU) and moved, as the model builds it on its own device
+    cos, sin = (t.to(device()) for t in RotaryEmbedding(head_dim, 500000.0, None, 131072).cos_sin(positions,
+                                                                                                  torch.float64))
     fused.rope_qk(q, k, cos.float(), sin.float())
     want_q, want_k = REF.rope_qk(q0, k0, cos, sin)
     assert rel_err(q, want_q) <= REL_ERR_BOUND[dtype]
@@ -88,7 +90,7 @@ def test_rope_qk_every_scaling_type(scaling):
     """The kernel takes the step's cos/sin table, so every scaling the loader supports (and YaRN's
     attention factor) reaches it unchanged; checked against the reference rotation."""
     gen = torch.Generator().manual_seed(7)
-    rope = RotaryEmbedding(64, 10000.0, scaling, 4096)
+    rope = RotaryEmbedding(64, 10000.0, scaling, 4096).to(device())
     positions = torch.tensor([0, 1, 17, 4095, 20000, 131071], device=device())
     q = _randn(6, 4, 64, dtype=torch.float32, gen=gen)
     k = _randn(6, 2, 64, dtype=torch.float32, gen=gen)
