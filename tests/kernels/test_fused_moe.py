@@ -14,18 +14,19 @@ import torch
 from pd_cluster.engine.attention.triton.fused_moe import FusedMoEKernelConfig, fused_experts, moe_align
 from pd_cluster.engine.model.moe import torch_fused_experts
 
-BOUND = {torch.float32: 1e-5, torch.float16: 2e-3}
+BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, drop: float = 0.0):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(dtype)
-    w13 = (torch.randn(e, 2 * i, h, generator=gen) * h ** -0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, generator=gen) * i ** -0.5).to(dtype)
+    x = torch.randn(t, h, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * h ** -0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) * i ** -0.5).to(DEVICE, dtype)
     weights, ids = torch.randn(t, e, generator=gen).softmax(-1).topk(k, dim=-1)
     if drop:  # expert parallelism: choices another rank computes are -1
         ids = torch.where(torch.rand(ids.shape, generator=gen) < drop, -1, ids)
-    return x, w13, w2, weights, ids
+    return x, w13, w2, weights.to(DEVICE), ids.to(DEVICE)
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -61,6 +62,15 @@ def test_weights_on_the_input_and_large_tiles():
                               apply_weights_on_input=True)
     big = FusedMoEKernelConfig(block_m=64, block_n=128, block_k=64)
     _check(fused_experts(x, w13, w2, weights, ids, apply_weights_on_input=True, cfg=big), ref, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, e, k, h, i", [(1, 8, 2, 4096, 512), (300, 128, 8, 2048, 768)])
+def test_bf16_on_the_gpu(t, e, k, h, i):
+    """bf16 dots (the interpreter has none): real expert widths, decode and prefill sizes."""
+    x, w13, w2, weights, ids = _case(t, e, k, h, i, torch.bfloat16, seed=5)
+    ref = torch_fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    _check(fused_experts(x, w13, w2, weights, ids), ref, torch.bfloat16)
 
 
 def test_moe_align_sorts_and_pads_each_expert():
