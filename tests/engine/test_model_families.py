@@ -1,5 +1,6 @@
-"""Acceptance: tiny random Mixtral, Qwen3-MoE and Phi-3 checkpoints, written by transformers
-(`save_pretrained`: the real tensor names, sharded), generate transformers' own greedy tokens.
+"""Acceptance: tiny random Mixtral, Qwen3-MoE and Phi-3 checkpoints (and the dense Llama, Qwen2, Qwen3 and
+Mistral ones), written by transformers (`save_pretrained`: the real tensor names, sharded), generate
+transformers' own greedy tokens.
 
 The reference is a full-recompute greedy loop (`hf_greedy_full`): each token is the argmax of a fresh
 forward pass over the whole sequence. 5 prompts x 32 tokens, fp32 KV, chunked prefill of 7 tokens over
@@ -18,7 +19,10 @@ from pd_cluster.engine.model.moe import SparseMoE
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 # family -> the layers whose MLP is a MoE block (3 layers each; see random_models.FAMILIES)
-LAYOUT = {"mixtral": (0, 1, 2), "qwen3-moe": (0, 2), "qwen3-moe-sparse-step": (1,), "phi3": ()}
+LAYOUT = {"mixtral": (0, 1, 2), "qwen3-moe": (0, 2), "qwen3-moe-sparse-step": (1,), "phi3": (),
+          # the dense families stay exact the same way
+          "llama-gqa4": (), "llama3-rope-scaling": (), "qwen2-bias-tied": (), "qwen2-yarn": (), "qwen3-qknorm": (),
+          "mistral": (), "mistral-window": ()}
 
 
 @pytest.mark.parametrize("family", sorted(LAYOUT))

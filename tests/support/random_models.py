@@ -26,6 +26,7 @@ FAMILIES = {
     "qwen2-bias-tied": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": (Qwen3ForCausalLM, Qwen3Config, dict(num_key_value_heads=4, head_dim=16)),
     "mistral": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=None)),
+    "mistral-window": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
     "llama3-rope-scaling": (LlamaForCausalLM, LlamaConfig, dict(num_key_value_heads=2, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 128})),
@@ -106,7 +107,8 @@ def engine_logits(path: Path, ids: list[int], kv_cache_dtype: str = "fp32", page
     layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, page_size, kv_cache_dtype,
                       tuple(lm.k_scales), tuple(lm.v_scales))
     pool = KVPool(layout, 64, "cpu", torch.float32)
-    backend = TorchAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5)
+    backend = TorchAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5,
+                                    sliding_window=a.sliding_window)
     pages = list(range(1, -(-len(ids) // page_size) + 1))
     batch = build_forward_batch([np.array(ids)], [0], [pages], [np.arange(len(ids))], 0, page_size,
                                 torch.device("cpu"))
