@@ -59,6 +59,9 @@ class TorchLayerOps:
 
         return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input)
 
+    def warm_up_experts(self, w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype) -> None:
+        """Compile what a start-up step does not (nothing to compile here)."""
+
 
 class TritonLayerOps(TorchLayerOps):
     """One Triton launch per op; float32 cos/sin (the kernel computes in float32 anyway)."""
@@ -87,6 +90,11 @@ class TritonLayerOps(TorchLayerOps):
         from pd_cluster.engine.attention.triton import fused_moe
 
         return fused_moe.fused_experts(x, w13, w2, weights, ids, apply_weights_on_input)
+
+    def warm_up_experts(self, w13, w2, top_k, dtype):
+        from pd_cluster.engine.attention.triton import fused_moe
+
+        fused_moe.warm_up(w13, w2, top_k, dtype)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -214,3 +214,8 @@ class SparseMoE(nn.Module):
             out = out + shared
         return self.tp.all_reduce(out)
 
+    def warm_up_kernels(self) -> None:
+        """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""
+        self.ops.warm_up_experts(self.experts.w13_weight, self.experts.w2_weight, self.cfg.top_k,
+                                 self.experts.w13_weight.dtype)
+

@@ -90,3 +90,15 @@ def test_moe_align_sorts_and_pads_each_expert():
 def test_empty_batch():
     x, w13, w2, weights, ids = _case(0, 4, 2, 64, 32, torch.float32, seed=0)
     assert fused_experts(x, w13, w2, weights, ids).shape == (0, 64)
+
+
+def test_warm_up_runs_the_large_batch_tiles(monkeypatch):
+    """The start-up warm-up compiles the tiles a step of more than LARGE_BATCH_PAIRS pairs uses."""
+    from pd_cluster.engine.attention.triton import fused_moe
+
+    seen = []
+    real = fused_moe._grouped_gemm
+    monkeypatch.setattr(fused_moe, "_grouped_gemm", lambda *a: seen.append(a[-1]) or real(*a))
+    _, w13, w2, _, _ = _case(1, 4, 2, 64, 32, torch.float32, seed=0)
+    fused_moe.warm_up(w13, w2, 2, torch.float32)
+    assert seen and all(cfg == fused_moe.default_config(fused_moe.LARGE_BATCH_PAIRS + 1) for cfg in seen)

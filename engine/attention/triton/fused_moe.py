@@ -50,11 +50,23 @@ class FusedMoEKernelConfig:
     num_stages: int = 3
 
 
+LARGE_BATCH_PAIRS = 1024  # above this many (token, choice) pairs the larger tiles are used
+
+
 def default_config(num_pairs: int) -> FusedMoEKernelConfig:
     """Tiles for `num_pairs` (token, choice) pairs: 16-row tiles for decode-sized batches, 64 above 1,024."""
-    if num_pairs <= 1024:
+    if num_pairs <= LARGE_BATCH_PAIRS:
         return FusedMoEKernelConfig()
     return FusedMoEKernelConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
+
+
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype) -> None:
+    """Compile the large-batch tile variant at start-up (a small step compiles the other): one call with
+    ``LARGE_BATCH_PAIRS / top_k + 1`` zero tokens, weights `w13`/`w2` of the layer."""
+    t = LARGE_BATCH_PAIRS // top_k + 1
+    x = torch.zeros((t, w13.shape[2]), dtype=dtype, device=w13.device)
+    ids = torch.arange(t * top_k, device=w13.device).remainder(w13.shape[0]).view(t, top_k)
+    fused_experts(x, w13, w2, torch.ones((t, top_k), device=w13.device), ids)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
