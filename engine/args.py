@@ -88,6 +88,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Decode role: prefill here, without a prefill worker, when the prompt's tokens not in this worker's "
          "prefix cache are at most this many (Dynamo's conditional disaggregation; default 0: never)."),
     Flag("--tp-size", "parallel.tp_size", int, "Tensor-parallel size.", aliases=("--tensor-parallel-size",)),
+    Flag("--enable-expert-parallel", "parallel.enable_expert_parallel", None,
+         "MoE layers: each TP rank holds whole experts (E / tp-size) instead of a slice of every expert (vLLM's flag).",
+         action="store_true"),
     Flag("--device", "device.device", str, "auto, cpu or cuda[:N]."),
     Flag("--attention-backend", "device.attention_backend", str, "auto, torch, cpu or triton.",
          choices=("auto", "torch", "cpu", "triton")),

@@ -215,10 +215,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: this process is rank `tp_rank` of `tp_size`."""
+    """Tensor parallelism: this process is rank `tp_rank` of `tp_size`.
+
+    `enable_expert_parallel`: MoE layers split their experts across the TP ranks (whole experts each)
+    instead of each expert's width (`pd_cluster.engine.model.moe`).
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:

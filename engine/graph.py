@@ -297,7 +297,8 @@ def warm_up_kernels(model: torch.nn.Module, pool: KVPool, backend: AttentionBack
     fixed by the model and pool, so this step compiles the only variants a
     serving step can ask for (`pd_cluster.engine.attention.triton.variants`;
     tests/kernels/test_kernel_variants.py proves it). CUDA-graph capture
-    (`CudaGraphRunner.capture`) then compiles nothing new.
+    (`CudaGraphRunner.capture`) then compiles nothing new. Modules with a ``warm_up_kernels`` method (MoE
+    blocks: the expert kernels' large-batch tiles) run it after the step.
     """
     page = pool.page_size
     null_pages = [0] * -(-2 // page)
@@ -305,6 +306,9 @@ def warm_up_kernels(model: torch.nn.Module, pool: KVPool, backend: AttentionBack
                                 [null_pages, null_pages], [np.array([0]), np.array([1])], 1, page, pool.device)
     batch = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
     model(batch, pool, backend)
+    for module in model.modules():
+        if hasattr(module, "warm_up_kernels"):
+            module.warm_up_kernels()
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
 

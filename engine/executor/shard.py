@@ -86,18 +86,15 @@ class Shard:
         return self.loaded.model(batch, self.pool, self.backend)
 
 
-def check_tp_size(model_path: str, tp_size: int) -> None:
-    """Refuse a TP size that does not divide the KV heads and the MLP width (before any rank starts).
+def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False) -> None:
+    """Refuse a TP size that does not divide the KV heads, the MLP width or the experts (before any rank starts).
 
     Raises:
-        ValueError: naming the sizes.
+        ValueError: naming the sizes (`ArchConfig.check_tp`).
     """
     from pd_cluster.engine.model.arch import ArchConfig
 
-    arch = ArchConfig.from_pretrained(model_path)
-    if arch.num_key_value_heads % tp_size or arch.intermediate_size % tp_size:
-        raise ValueError(f"--tp-size {tp_size} must divide num_key_value_heads ({arch.num_key_value_heads}) and "
-                         f"intermediate_size ({arch.intermediate_size})")
+    ArchConfig.from_pretrained(model_path).check_tp(tp_size, expert_parallel)
 
 
 def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayout:
@@ -138,7 +135,9 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         TritonRuntimeError: the triton backend was chosen and its self-check failed (`check_triton`).
     """
     mc = config.model
-    loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp)
+    loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
+                        expert_parallel=config.parallel.enable_expert_parallel,
+                        context_length=config.scheduler.context_length)
     layout = kv_layout(config, loaded, tp)
     plan = plan_pool(layout, config.cache, device)
     if tp.size > 1:

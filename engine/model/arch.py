@@ -1,8 +1,13 @@
 """The architecture of a Llama-family checkpoint, read from its ``config.json``.
 
 Supported: Llama 2/3 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``),
-Qwen2 (``Qwen2ForCausalLM``, q/k/v bias) and Qwen3 (``Qwen3ForCausalLM``, q/k
-RMSNorm). This module has no torch dependency, so the memory planner can use it.
+Qwen2 (``Qwen2ForCausalLM``, q/k/v bias), Qwen3 (``Qwen3ForCausalLM``, q/k
+RMSNorm), Mixtral (``MixtralForCausalLM``, mixture of experts), Qwen3-MoE
+(``Qwen3MoeForCausalLM``: q/k RMSNorm and experts) and Phi-3
+(``Phi3ForCausalLM``: fused qkv/gate-up tensors, partial rotary, longrope).
+Keys that change the math and are not implemented are refused by name
+(`pd_cluster.engine.model.config_check`). This module has no torch dependency,
+so the memory planner can use it.
 """
 
 from __future__ import annotations
@@ -12,11 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_cluster.engine.model.config_check import check_config, layer_windows, rope_dict
+from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -32,6 +43,8 @@ class ArchConfig:
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         sliding_window: attention window in tokens, or None (Mistral v0.1).
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
+        moe: the mixture-of-experts layers (`MoEConfig`), None for a dense model.
+        partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
     """
 
     architecture: str
@@ -53,6 +66,8 @@ class ArchConfig:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoEConfig | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -72,40 +87,94 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_params(self) -> int:
-        """Parameter count of the decoder (embedding, layers, final norm, head)."""
-        h, i = self.hidden_size, self.intermediate_size
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head that RoPE rotates (the first ones; all but for partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def check_tp(self, tp_size: int, expert_parallel: bool = False) -> None:
+        """Refuse a TP size that does not divide the KV heads, the dense MLP width or the experts.
+
+        Raises:
+            ValueError: naming the sizes.
+        """
+        dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        if self.num_key_value_heads % tp_size or (dense and self.intermediate_size % tp_size):
+            raise ValueError(f"--tp-size {tp_size} must divide num_key_value_heads ({self.num_key_value_heads}) "
+                             f"and intermediate_size ({self.intermediate_size})")
+        if self.moe is not None:
+            check_moe_parallel(self.moe, tp_size, expert_parallel)
+
+    def _attention_params(self) -> int:
+        h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        return attn
+
+    def _mlp_params(self, layer: int, active: bool) -> int:
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 3 * h * self.intermediate_size
+        assert self.moe is not None
+        return self.moe.active_layer_params(h) if active else self.moe.layer_params(h)
+
+    def num_params(self) -> int:
+        """Parameter count of the decoder (embedding, layers, final norm, head); every expert counted."""
+        h = self.hidden_size
+        layers = sum(self._attention_params() + self._mlp_params(i, False) + 2 * h
+                     for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * layer + h + head
+        return embed + layers + h + head
+
+    def num_active_params(self) -> int:
+        """Parameters one token multiplies through: as `num_params` but only the router, the shared experts
+        and ``top_k`` routed experts of each MoE layer (the embedding row lookup still counts its table)."""
+        h = self.hidden_size
+        layers = sum(self._attention_params() + self._mlp_params(i, True) + 2 * h
+                     for i in range(self.num_hidden_layers))
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + layers + h + head
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
         """Build from a parsed HF ``config.json``.
 
         Raises:
-            ValueError: the architecture is not a supported Llama-family one.
+            ValueError: the architecture is not a supported one, or a key that changes the math has a value
+                the engine does not implement (named; `config_check.check_config`).
         """
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        check_config(cfg, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        scaling: dict[str, Any] | None = rope_dict(cfg)
         theta = cfg.get("rope_theta")
-        if theta is None and isinstance(scaling, dict):
+        if theta is None and scaling:
             theta = scaling.get("rope_theta")
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        partial = float(scaling.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if arch == "Phi3ForCausalLM" and kind in ("su", "yarn"):  # Phi3Config's renaming
+            kind, scaling = "longrope", {**scaling, "rope_type": "longrope"}
+        if kind in ("llama3", "yarn", "longrope"):
+            # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins (Phi3Config
+            # always has one, 4096 by default); else the dict's, else max_position_embeddings
+            top = cfg.get("original_max_position_embeddings", 4096 if arch == "Phi3ForCausalLM" else None)
+            if top is not None:
+                scaling = {**scaling, "original_max_position_embeddings": int(top)}
+        elif kind == "default":
             scaling = None
         return cls(
             architecture=arch,
@@ -122,11 +191,13 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_sliding_window(cfg),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            sliding_window=layer_windows(cfg, arch)[0],
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_from_hf(cfg, arch),
+            partial_rotary_factor=partial,
         )
 
     @classmethod
@@ -157,10 +228,3 @@ def check_model_folder(path: str | Path) -> Path:
                 "pass a Hugging Face model folder (config.json, tokenizer files, *.safetensors)")
         raise FileNotFoundError(f"--model {text}: no such folder; pd-cluster loads local folders only: {hint}")
     return folder
-
-
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    window = cfg.get("sliding_window")
-    if window is None or cfg.get("use_sliding_window") is False:
-        return None
-    return int(window)

@@ -6,7 +6,9 @@
   normalised rows and the new residual (the pre-norm residual stream never
   materialises as a separate add);
 * ``rope_qk(q, k, cos, sin)``: RoPE on q and k;
-* ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output.
+* ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output;
+* ``fused_experts(x, w13, w2, weights, ids)``: a mixture-of-experts layer's routed experts
+  (`pd_cluster.engine.model.moe`; Triton: tokens sorted by expert, grouped GEMMs).
 
 `TorchLayerOps` is the reference and runs anywhere. `TritonLayerOps` launches
 one kernel per op (`pd_cluster.engine.attention.triton.fused`); the model uses it
@@ -50,6 +52,16 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, apply_weights_on_input: bool = False) -> torch.Tensor:
+        """Routed experts' output [T, H] (`pd_cluster.engine.model.moe.torch_fused_experts`: shapes, -1 ids)."""
+        from pd_cluster.engine.model.moe import torch_fused_experts  # moe imports this module
+
+        return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input)
+
+    def warm_up_experts(self, w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype) -> None:
+        """Compile what a start-up step does not (nothing to compile here)."""
+
 
 class TritonLayerOps(TorchLayerOps):
     """One Triton launch per op; float32 cos/sin (the kernel computes in float32 anyway)."""
@@ -73,6 +85,16 @@ class TritonLayerOps(TorchLayerOps):
 
     def silu_and_mul(self, x):
         return self._fused.silu_and_mul(x)
+
+    def fused_experts(self, x, w13, w2, weights, ids, apply_weights_on_input=False):
+        from pd_cluster.engine.attention.triton import fused_moe
+
+        return fused_moe.fused_experts(x, w13, w2, weights, ids, apply_weights_on_input)
+
+    def warm_up_experts(self, w13, w2, top_k, dtype):
+        from pd_cluster.engine.attention.triton import fused_moe
+
+        fused_moe.warm_up(w13, w2, top_k, dtype)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV pool.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Phi-3) over a paged KV pool.
 
 Follows the HF ``LlamaForCausalLM`` math: pre-norm RMSNorm, RoPE, GQA, SwiGLU.
 Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each q and k head before RoPE.
+Mixtral and Qwen3-MoE replace the MLP of their MoE layers by a `SparseMoE`
+block (`pd_cluster.engine.model.moe`); Phi-3 rotates the first
+``partial_rotary_factor`` of each head (and uses longrope, `rope`).
 q/k/v and gate/up projections are fused into one matrix each (fewer kernel
 launches); `pd_cluster.engine.model.loader` fills them from the HF checkpoint's separate
 tensors.
@@ -22,7 +25,8 @@ from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
-from pd_cluster.engine.model.rope import RotaryEmbedding
+from pd_cluster.engine.model.moe import SharedExperts, SparseMoE
+from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 
@@ -57,6 +61,7 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads // tp.size
         self.num_kv_heads = cfg.num_key_value_heads // tp.size
         self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -74,7 +79,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rope_qk(q, k, cos, sin)
+        if self.rotary_dim == self.head_dim:
+            q, k = self.ops.rope_qk(q, k, cos, sin)
+        else:  # partial rotary (Phi-3 family): the first rotary_dim dimensions of each head
+            r = self.rotary_dim
+            q_rot, k_rot = self.ops.rope_qk(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         return self.tp.all_reduce(self.o_proj(backend.forward(self.layer, q, k, v, pool, batch)))
 
 
@@ -97,12 +107,14 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. It carries the residual stream separately (vLLM's and SGLang's form): it takes
     (x, residual) and returns (mlp output, residual), so each residual add fuses into the next norm."""
 
-    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, rope: RotaryEmbedding, tp: TPGroup = SINGLE,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer, rope, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp: nn.Module = (SparseMoE(cfg.hidden_size, cfg.moe, tp, expert_parallel)
+                               if cfg.moe is not None and cfg.is_moe_layer(layer) else MLP(cfg, tp))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,22 +132,29 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: the architecture.
-        tp: the tensor-parallel group (embedding, norms and LM head are replicated).
+        tp: the tensor-parallel group (embedding, norms, routers and LM head are replicated).
+        expert_parallel: MoE layers hold whole experts, E / tp.size per rank, instead of a slice of each.
+        context_length: the server's context length (None: ``max_position_embeddings``); it chooses
+            longrope's short or long factors (`rope.longrope_scaling`).
 
     `forward` returns logits [len(batch.logits_indices), vocab_size] in float32.
+
+    Raises:
+        ValueError: the TP size does not divide the heads, widths or experts (`ArchConfig.check_tp`).
     """
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False,
+                 context_length: int | None = None) -> None:
         super().__init__()
-        if cfg.num_key_value_heads % tp.size or cfg.intermediate_size % tp.size:
-            raise ValueError(f"--tp-size {tp.size} must divide num_key_value_heads ({cfg.num_key_value_heads}) "
-                             f"and intermediate_size ({cfg.intermediate_size})")
+        cfg.check_tp(tp.size, expert_parallel)
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+        scaling = longrope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, context_length)
+        rope = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, scaling, cfg.max_position_embeddings)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, tp, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -148,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     def set_layer_ops(self, ops: TorchLayerOps) -> None:
         """Run the layers' norms, RoPE and activation through `ops` (`pd_cluster.engine.model.layer_ops`)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP)):
+            if isinstance(module, (RMSNorm, Attention, MLP, SparseMoE, SharedExperts)):
                 module.ops = ops
 
     @torch.inference_mode()

@@ -2,7 +2,8 @@
 
 Reads ``config.json`` and ``*.safetensors`` (single file, or sharded with
 ``model.safetensors.index.json``). HF's separate q/k/v and gate/up tensors are
-copied into the model's fused matrices. FP8 KV scales, where a checkpoint has
+copied into the model's fused matrices; experts, shared experts and Phi-3's
+pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool. ``load_format="dummy"`` fills the
 weights with seeded random values instead (vLLM's ``--load-format dummy``).
@@ -22,7 +23,9 @@ import torch
 from safetensors import safe_open
 
 from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model import weight_map
 from pd_cluster.engine.model.llama import LlamaForCausalLM
+from pd_cluster.engine.model.rope import longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -87,13 +90,15 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) -> str:
-    """A hash naming the exact model: config plus every tensor's name, shape and dtype.
+def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, rope: str = "") -> str:
+    """A hash naming the exact model: config plus every tensor's name, shape and dtype (and `rope`, the
+    longrope factor set a context length chose, so two servers that rotate keys differently never match).
 
     Dummy weights hash the seed instead of files. Used by the KV transfer
     handshake to refuse pages from a different model.
     """
     h = hashlib.sha256(json.dumps(arch.__dict__, sort_keys=True, default=str).encode())
+    h.update(rope.encode())
     if load_format == "dummy":
         h.update(f"dummy:{seed}".encode())
         return h.hexdigest()
@@ -106,7 +111,7 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) ->
 
 
 def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig,
-                  tp: TPGroup) -> tuple[list[float], list[float]]:
+                  tp: TPGroup, expert_parallel: bool = False) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
@@ -121,9 +126,11 @@ def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig,
                     continue
                 if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
                     continue
-                name = hf_name.removeprefix("model.")
+                name = weight_map.canonical(hf_name.removeprefix("model."))
+                if weight_map.copy_special(params, name, f.get_slice(hf_name), arch, tp, expert_parallel, loaded):
+                    continue
                 _copy(params, name, shard(name, f.get_slice(hf_name), tp), arch, tp, loaded)
-    missing = set(params) - loaded
+    missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
@@ -194,8 +201,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu", tp: TPGroup = SINGLE) -> LoadedModel:
-    """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism).
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False,
+               context_length: int | None = None) -> LoadedModel:
+    """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism; with
+    `expert_parallel`, whole MoE experts per rank instead of a slice of each; `context_length` chooses
+    longrope's factor set, `pd_cluster.engine.model.rope`).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -206,16 +216,23 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(arch, tp)
+        model = LlamaForCausalLM(arch, tp, expert_parallel, context_length)
     model.rope.inv_freq = model.rope.inv_freq.float()  # RoPE frequencies stay float32
     if load_format == "dummy":
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
-        k_scales, v_scales = _load_tensors(model, folder, arch, tp)
+        k_scales, v_scales = _load_tensors(model, folder, arch, tp, expert_parallel)
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    identity = model_identity(folder, arch, load_format, seed)
+    scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
+    rope = ""
+    if "use_long_factor" in scaling:
+        rope = "longrope:" + ("long" if scaling["use_long_factor"] else "short")
+        logger.info("longrope: the %s factors (context length %d, original_max_position_embeddings %d)",
+                    rope[9:], context_length or arch.max_position_embeddings,
+                    scaling["original_max_position_embeddings"])
+    identity = model_identity(folder, arch, load_format, seed, rope)
     logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
                 arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
                 arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)

@@ -8,6 +8,15 @@ Scaling types (the ``rope_type`` of HF's ``rope_scaling``):
   as a sequence grows (HF instead changes the base with the current length).
 - ``llama3``: Llama 3.1's frequency-dependent scaling (Meta's reference code).
 - ``yarn``: Peng et al., "YaRN" (2023), with its attention factor on cos/sin.
+- ``longrope``: Ding et al., "LongRoPE" (2024), as Phi-3 uses it: per-frequency ``short_factor`` and
+  ``long_factor`` divisors and the attention factor ``sqrt(1 + ln(f) / ln(L0))``. One set serves the whole
+  server, chosen by its context length as vLLM does (vllm-project/vllm#27431): the long factors when
+  ``--context-length`` (default ``max_position_embeddings``) exceeds ``original_max_position_embeddings`` (L0),
+  else the short ones. transformers switches per forward pass and, in ``generate``, recomputes the cache
+  when a sequence first passes L0; a paged cache cannot mix the two rotations (keys rotated by the short
+  factors and queries by the long ones give garbage past L0), so the set is fixed per server. The result
+  equals transformers for every sequence longer than L0 when the long set is chosen, and for every
+  sequence up to L0 when the short one is.
 
 cos/sin are computed per step from the positions, never as a table sized by
 the context length, so a 10M-token context costs nothing at start-up.
@@ -76,7 +85,8 @@ def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
     Args:
         head_dim: rotary dimension (the full head).
         base: ``rope_theta``.
-        scaling: HF ``rope_scaling`` dict or None.
+        scaling: HF ``rope_scaling`` dict or None; for ``longrope`` the engine adds ``use_long_factor``
+            (`longrope_scaling`).
         max_position_embeddings: the config's value.
 
     Returns:
@@ -99,14 +109,44 @@ def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
         return _llama3(_default_inv_freq(base, head_dim), scaling, max_position_embeddings), 1.0
     if kind == "yarn":
         return _yarn(base, head_dim, scaling, max_position_embeddings)
-    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, dynamic, llama3, yarn")
+    if kind == "longrope":
+        short, long, orig, attention_factor = longrope(base, head_dim, scaling, max_position_embeddings)
+        use_long = scaling.get("use_long_factor")
+        if use_long is None:  # the engine's default context length: max_position_embeddings
+            use_long = max_position_embeddings > orig
+        return (long if use_long else short), attention_factor
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, dynamic, llama3, yarn, longrope")
+
+
+def longrope(base: float, dim: int, p: dict[str, Any],
+             max_pos: int) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE's (short inv_freq, long inv_freq, L0, attention factor), as transformers'
+    ``_compute_longrope_parameters``: ``factor`` defaults to max_position_embeddings / L0.
+
+    Raises:
+        ValueError: the factor lists do not have `dim` / 2 entries.
+    """
+    orig = int(p.get("original_max_position_embeddings") or max_pos)
+    factor = p.get("factor") or max_pos / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    out = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(p[key], dtype=torch.float32)
+        if ext.numel() != dim // 2:
+            raise ValueError(f"longrope {key} has {ext.numel()} entries, the rotary dimension needs {dim // 2}")
+        out.append(1.0 / (ext * base ** shape))
+    return out[0], out[1], orig, float(attention_factor)
 
 
 class RotaryEmbedding(torch.nn.Module):
     """Applies RoPE to q and k at given positions.
 
     Args:
-        head_dim, base, scaling, max_position_embeddings: see `rope_parameters`.
+        head_dim, base, scaling, max_position_embeddings: see `rope_parameters` (`head_dim` is the rotary
+            dimension: the first ``partial_rotary_factor`` of a head).
     """
 
     def __init__(self, head_dim: int, base: float, scaling: dict[str, Any] | None,
@@ -129,3 +169,13 @@ class RotaryEmbedding(torch.nn.Module):
         from pd_cluster.engine.model.layer_ops import rotate_half
 
         return rotate_half(x, cos, sin)
+
+
+def longrope_scaling(scaling: dict[str, Any] | None, max_position_embeddings: int,
+                     context_length: int | None) -> dict[str, Any] | None:
+    """`scaling` with ``use_long_factor`` set for a server of `context_length` tokens (None: the model's
+    ``max_position_embeddings``) when its type is ``longrope``; unchanged otherwise (module docstring)."""
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return scaling
+    orig = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    return {**scaling, "use_long_factor": (context_length or max_position_embeddings) > orig}

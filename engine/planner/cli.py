@@ -74,9 +74,13 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         verdict += "; NOT SERVABLE by this engine"
     flops = prefill_flops(s, n)
     served_arch = next((a for a in s.architectures if a in SUPPORTED_ARCHITECTURES), "")
+    params = f"{s.num_params() / 1e9:.2f}B params"
+    if s.num_experts:
+        params += (f" ({s.active_params() / 1e9:.2f}B active: {s.experts_per_token} of {s.num_experts} experts"
+                   f"{f' + {s.shared_experts} shared' if s.shared_experts else ''} in {s.moe_layers} MoE layers)")
     rows = [
         ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} chunked), "
-                  f"{s.num_kv_heads} KV heads x {s.head_dim}, {s.num_params() / 1e9:.2f}B params"),
+                  f"{s.num_kv_heads} KV heads x {s.head_dim}, {params}"),
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
                        f"weights {inp.weight_dtype}, page_size {inp.page_size}"),

@@ -2,8 +2,9 @@
 context the model was trained for, and how long one long prefill takes.
 
 - **Engine support.** The engine's loader (`engine/model/arch.py`) accepts only the architectures
-  in ``SUPPORTED_ARCHITECTURES``, and its RoPE (`engine/model/rope.py`) only the scaling types in
-  `SUPPORTED_ROPE_TYPES`; anything else is rejected at load.
+  in ``SUPPORTED_ARCHITECTURES``, its RoPE (`engine/model/rope.py`) only the scaling types in
+  `SUPPORTED_ROPE_TYPES`, and refuses any config key it would not honour
+  (`engine/model/config_check.py`); the planner asks the loader's own check (`ModelSpec.refusal`).
 - **Context limit.** As vLLM derives ``max_model_len`` (``_get_and_verify_max_len``):
   ``max_position_embeddings``, times the RoPE ``factor`` for ``linear`` and ``dynamic`` scaling;
   for ``yarn``, ``original_max_position_embeddings * factor``; ``llama3`` (and ``longrope``)
@@ -20,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.model.config_check import ROPE_TYPES
 from pd_cluster.engine.planner.spec import ModelSpec
 
 # The rope_type values engine/model/rope.py implements (tests/engine/test_planner.py checks the two agree).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
 
 # Sustained prefill rate per GPU assumed by default, in TFLOP/s: about 40% of an H100/H200's dense BF16
 # peak (989 TFLOP/s), what long-context prefill typically sustains. A planning number, not a measurement.
@@ -36,8 +38,10 @@ def unsupported_reason(spec: ModelSpec) -> str | None:
         names = ", ".join(spec.architectures) or "no `architectures` in config.json"
         return (f"the engine cannot serve {names} (it loads {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
     kind = rope_type(spec)
-    if kind not in SUPPORTED_ROPE_TYPES:
+    if kind not in SUPPORTED_ROPE_TYPES and not (kind == "su" and "Phi3ForCausalLM" in spec.architectures):
         return f"the engine cannot apply rope_scaling type {kind!r} (it has {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if spec.refusal:
+        return f"the engine refuses this config: {spec.refusal}"
     return None
 
 

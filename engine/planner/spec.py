@@ -1,7 +1,8 @@
 """What the memory planner needs to know about a model, read from an HF ``config.json``.
 
-Torch-free. Handles dense Llama-family configs and Llama 4's mixture of
-experts with chunked ("local") attention layers, whose KV never exceeds one
+Torch-free. Handles dense Llama-family configs, the mixtures of experts the
+engine reads (Mixtral, Qwen3-MoE, DeepSeek's expert counts: `moe_config.moe_from_hf`)
+and Llama 4's, with chunked ("local") attention layers, whose KV never exceeds one
 chunk (``attention_chunk_size``); every ``no_rope_layer_interval``-th layer
 attends globally (Meta's iRoPE design).
 """
@@ -12,6 +13,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.moe_config import MoEConfig, moe_from_hf
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
@@ -28,6 +32,7 @@ class ModelSpec:
         experts_per_token: routed experts each token goes through (``num_experts_per_tok``; 0 when dense).
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
+        refusal: why the engine's loader (`ArchConfig.from_dict`) refuses this config, None when it loads.
     """
 
     name: str
@@ -50,6 +55,7 @@ class ModelSpec:
     experts_per_token: int = 0
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    refusal: str | None = field(default=None, compare=False)
 
     def _attention_params(self) -> int:
         h = self.hidden_size
@@ -77,6 +83,12 @@ class ModelSpec:
         layers = self.num_layers * (attn + 2 * h) + dense_layers * dense_mlp + self.moe_layers * moe_mlp
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + layers + h
+
+    def active_params(self) -> int:
+        """`num_params` less the routed experts a token does not use (``experts - experts_per_token`` per MoE
+        layer): the "active parameters" model cards quote (Mixtral-8x7B: 12.9B of 46.7B)."""
+        unused = max(self.num_experts - self.experts_per_token, 0) * 3 * self.hidden_size * self.expert_intermediate_size
+        return self.num_params() - self.moe_layers * unused
 
 
 def load_spec(name_or_path: str) -> ModelSpec:
@@ -109,8 +121,17 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     chunk = cfg.get("attention_chunk_size")
     interval = cfg.get("no_rope_layer_interval")
     global_layers = layers if not (chunk and interval) else layers // int(interval)
-    experts = int(cfg.get("num_local_experts", 0) or 0)
+    moe, refusal = _engine_view(cfg, architectures)
+    experts = int(cfg.get("num_local_experts", 0) or 0)  # Llama 4 (the engine does not load it)
     moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+    if moe is not None:
+        moe_fields = dict(num_experts=moe.num_experts, expert_intermediate_size=moe.intermediate_size,
+                          shared_experts=moe.shared_intermediate_size // moe.intermediate_size,
+                          moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
+    else:
+        moe_fields = dict(num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
+                          shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
+                          experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0)
     return ModelSpec(
         name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -119,8 +140,23 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         global_layers=global_layers, local_layers=layers - global_layers,
-        attention_chunk_size=int(chunk) if chunk and interval else None,
-        num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
-        shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
-        experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0,
-        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None)
+        attention_chunk_size=int(chunk) if chunk and interval else None, **moe_fields,
+        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
+        refusal=refusal)
+
+
+def _engine_view(cfg: dict, architectures: tuple[str, ...]) -> tuple[MoEConfig | None, str | None]:
+    """The MoE part as the engine reads it, and the engine loader's refusal of the config (None: it loads)."""
+    moe = None
+    for arch in architectures:
+        try:
+            moe = moe_from_hf(cfg, arch)
+        except ValueError:
+            moe = None
+        if moe is not None:
+            break
+    try:
+        ArchConfig.from_dict({**cfg, "architectures": list(architectures)})
+    except (ValueError, KeyError) as e:
+        return moe, str(e)
+    return moe, None

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -38,6 +43,33 @@ def running_cluster(num_prefill: int = 1, num_decode: int = 1, colocated: bool =
         yield cluster
     finally:
         cluster.stop()
+
+
+@contextlib.contextmanager
+def running_pd_serve(manifest: Path, argv=(), timeout: float = 240):
+    """Run the real `pd-serve` CLI (1P1D by default) with `FAST_ENGINE` + `argv`; yield (router URL, manifest
+    dict) once ready. On exit: Ctrl-C (SIGINT), exit status 0, and every worker process gone."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest",
+                             str(manifest), "--log-level", "warning", *FAST_ENGINE, *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not manifest.exists():
+            assert proc.poll() is None, "pd-serve exited during start-up"
+            assert time.monotonic() < deadline, "pd-serve not ready"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", json.loads(manifest.read_text())
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        proc.wait(60)
+    assert proc.returncode == 0
+    for w in json.loads(manifest.read_text())["workers"]:
+        try:
+            os.kill(w["pid"], 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"worker {w['pid']} outlived pd-serve")
 
 
 def worker_loads(cluster: LocalCluster) -> dict[str, dict]:

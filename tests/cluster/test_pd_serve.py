@@ -3,48 +3,22 @@ worker with overlap scheduling, as on CUDA)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import openai
 import pytest
-from cluster_util import PROMPTS, FAST_ENGINE
+from cluster_util import PROMPTS, running_pd_serve
 from engine_reference import hf_greedy
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.launch.cluster import free_port
 
 MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
 def pd_serve(tmp_path_factory):
-    manifest = tmp_path_factory.mktemp("pd") / "manifest.json"
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest", str(manifest),
-                             "--log-level", "warning", *FAST_ENGINE,
-                             # the decode worker overlaps its steps as on CUDA (the prefill role never does);
-                             # the texts must still equal the offline engine's, which does not overlap
-                             "--enable-overlap-schedule"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while not manifest.exists():
-            assert proc.poll() is None, "pd-serve exited during start-up"
-            assert time.monotonic() < deadline, "pd-serve not ready"
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", json.loads(manifest.read_text())
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        proc.wait(60)
-    assert proc.returncode == 0
-    for w in json.loads(manifest.read_text())["workers"]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(w["pid"], 0)  # every worker is gone after Ctrl-C
+    # the decode worker overlaps its steps as on CUDA (the prefill role never does); the texts must still
+    # equal the offline engine's, which does not overlap
+    with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", ["--enable-overlap-schedule"]) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -98,10 +98,32 @@ def test_llama_4_scout_is_marked_not_servable_naming_the_architecture(capsys):
     assert unsupported_reason(load_spec("llama-4-scout")) is not None
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-72b"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-72b", "mixtral-8x7b", "qwen3-30b-a3b",
+                                  "phi-3-mini-4k"])
 def test_supported_models_say_so(name, capsys):
     assert unsupported_reason(load_spec(name)) is None
     assert _row(_render("--model", name, capsys=capsys), "engine support").split()[2] == "yes"
+
+
+@pytest.mark.parametrize("name, total, active", [("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                                  ("llama-4-scout", 107.8e9, 17.2e9)])
+def test_moe_total_and_active_parameters_match_the_model_cards(name, total, active, capsys):
+    """Mistral: 46.7B total, 12.9B active; Qwen: 30.5B, 3.3B; Meta: 17B active (109B with the vision tower)."""
+    spec = load_spec(name)
+    assert abs(spec.num_params() - total) < 0.06e9 and abs(spec.active_params() - active) < 0.06e9
+    assert f"{spec.active_params() / 1e9:.2f}B active" in _row(_render("--model", name, capsys=capsys), "model")
+
+
+def test_mixtral_has_no_shared_expert_and_qwen3_moe_every_layer_sparse():
+    mixtral, qwen = load_spec("mixtral-8x7b"), load_spec("qwen3-30b-a3b")
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.shared_experts, mixtral.moe_layers) == (8, 2, 0, 32)
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.expert_intermediate_size, qwen.moe_layers) == (128, 8, 768, 48)
+
+
+def test_a_config_key_the_engine_refuses_is_not_servable(capsys):
+    cfg = json.loads(BUNDLED["mixtral-8x7b"].read_text())
+    reason = unsupported_reason(spec_from_config({**cfg, "hidden_act": "gelu"}, "x"))
+    assert reason and "hidden_act='gelu'" in reason
 
 
 def test_planner_agrees_with_the_engines_loader():
@@ -122,14 +144,15 @@ def test_planner_agrees_with_the_engines_loader():
 def test_rope_types_match_the_engines():
     from pd_cluster.engine.model.rope import rope_parameters
 
-    base = {"factor": 4.0, "original_max_position_embeddings": 1024, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    base = {"factor": 4.0, "original_max_position_embeddings": 1024, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
     for kind in SUPPORTED_ROPE_TYPES:
         rope_parameters(64, 10000.0, {**base, "rope_type": kind}, 4096)  # accepted
     with pytest.raises(ValueError, match="unsupported rope_type"):
-        rope_parameters(64, 10000.0, {**base, "rope_type": "longrope"}, 4096)
+        rope_parameters(64, 10000.0, {**base, "rope_type": "ntk-by-parts"}, 4096)
     cfg = json.loads(BUNDLED["llama-3.1-8b"].read_text())
-    cfg["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
-    assert "rope_scaling type 'longrope'" in unsupported_reason(spec_from_config(cfg, "x"))
+    cfg["rope_scaling"] = {"rope_type": "ntk-by-parts", "factor": 4.0}
+    assert "rope_scaling type 'ntk-by-parts'" in unsupported_reason(spec_from_config(cfg, "x"))
 
 
 def test_llama_3_1_8b_at_200k_is_beyond_its_context(capsys):

@@ -36,7 +36,8 @@ def test_logits_match_transformers_fp32(family, tmp_path):
     assert all_rel < 1e-4, all_rel
 
 
-@pytest.mark.parametrize("family", ["llama-gqa4", "qwen2-bias-tied"])
+@pytest.mark.parametrize("family", ["llama-gqa4", "qwen2-bias-tied", "mixtral", "qwen3-moe", "phi3",
+                                    "phi3-longrope-partial"])
 def test_fp8_kv_error_within_bound(family, tmp_path, capsys):
     hf = build(family, tmp_path)
     x = torch.tensor([PROMPT_IDS])
@@ -51,7 +52,7 @@ def test_fp8_kv_error_within_bound(family, tmp_path, capsys):
     assert 0.1 * e_noise < e_fp8 <= 1.5 * e_noise
 
 
-@pytest.mark.parametrize("family", ["llama-gqa4", "qwen2-bias-tied"])
+@pytest.mark.parametrize("family", ["llama-gqa4", "qwen2-bias-tied", "mixtral", "qwen3-moe", "phi3"])
 def test_fp8_greedy_agreement_reported(family, tmp_path, capsys):
     """Greedy agreement of FP8 vs fp32 KV over 64 tokens (reported; FP8 is not expected to be exact)."""
     build(family, tmp_path)

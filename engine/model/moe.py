@@ -1,0 +1,221 @@
+"""The mixture-of-experts block: router, routed experts, shared experts, under TP or expert parallelism.
+
+`select_experts` applies a `RoutingConfig` (see `pd_cluster.engine.model.moe_config`)
+to router logits. `torch_fused_experts` is the reference (CPU) expert
+computation: the (token, choice) pairs are sorted by expert and each expert
+runs one GEMM over its rows (a grouped GEMM in plain torch). The Triton path
+(`pd_cluster.engine.attention.triton.fused_moe`) does the same in two kernel
+launches; the layer reaches either through its layer ops
+(`TorchLayerOps.fused_experts` / `TritonLayerOps.fused_experts`).
+
+Parallelism (vLLM's ``FusedMoE``): under tensor parallelism every rank holds
+every expert with 1/N of its intermediate width (gate/up rows, down columns;
+Megatron-LM's split applied per expert); with expert parallelism rank r holds
+experts ``[r E / N, (r + 1) E / N)`` whole and skips the others. Either way
+the tokens are replicated on every rank (the attention all-reduce leaves
+them so), each rank computes a partial sum, and one all-reduce after the
+shared experts completes it: no all-to-all is needed at this scale (see
+``docs/moe.md`` for the all-to-all design across nodes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
+from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_moe_parallel
+from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+
+
+def _score(x: torch.Tensor, scoring: str) -> torch.Tensor:
+    return x.softmax(dim=-1) if scoring == "softmax" else x.sigmoid()
+
+
+def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
+                   correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens (the steps of `RoutingConfig`'s docstring).
+
+    Args:
+        logits: [T, E] router logits (any float dtype; scores are computed in float32).
+        cfg: the routing rule.
+        correction_bias: [E] float32 ``e_score_correction_bias`` when ``cfg.e_score_correction_bias``.
+
+    Returns:
+        (weights [T, top_k] float32, ids [T, top_k] int64). Ties go to the lower expert index
+        (``torch.topk``), as in transformers.
+    """
+    logits = logits.float()
+    if cfg.score_before_topk:
+        scores = _score(logits, cfg.scoring)
+        choice = scores if correction_bias is None else scores + correction_bias
+    else:
+        scores, choice = None, logits
+    if cfg.n_group > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        group_scores = (grouped.max(dim=-1).values if cfg.group_score == "max"
+                        else grouped.topk(2, dim=-1).values.sum(dim=-1))
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_group, dim=-1)[1], 1.0)
+        keep = keep.bool().unsqueeze(-1).expand(t, cfg.n_group, e // cfg.n_group).reshape(t, e)
+        # DeepSeek-V2 zeroes the dropped softmax scores, V3 sets its biased choices to -inf
+        choice = choice.masked_fill(~keep, float("-inf") if cfg.e_score_correction_bias else 0.0)
+    top_values, ids = choice.topk(cfg.top_k, dim=-1)
+    if scores is not None:
+        weights = scores.gather(1, ids)
+    else:
+        weights = _score(top_values, cfg.scoring)
+    if cfg.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + cfg.renorm_eps)
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
+
+
+def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, ops: TorchLayerOps = TORCH_OPS,
+                        apply_weights_on_input: bool = False) -> torch.Tensor:
+    """The routed experts' output: ``sum_j weights[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = ids[t, j]``.
+
+    Args:
+        x: [T, H] activations.
+        w13: [E, 2 I, H] gate rows then up rows of each (local) expert, x's dtype.
+        w2: [E, H, I] down projections.
+        weights: [T, k] float32 or x's dtype, from `select_experts`.
+        ids: [T, k] local expert indices; -1 marks a choice another rank computes (contributes 0).
+        ops: the activation (``silu_and_mul``).
+        apply_weights_on_input: scale the expert's input instead of its output (Llama 4).
+
+    Returns:
+        [T, H] in x's dtype. Each (token, choice) product is rounded to x's dtype before the k of
+        a token are summed, as transformers' ``index_add_`` does.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    out = x.new_zeros(t * k, x.shape[1])
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat >= 0], minlength=w13.shape[0]).tolist()
+    start = int((flat < 0).sum())  # the -1 entries sort first
+    w = weights.reshape(-1)
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start:start + n]
+        start += n
+        inp = x[rows // k]
+        if apply_weights_on_input:
+            inp = (inp * w[rows, None]).to(x.dtype)
+        h = F.linear(ops.silu_and_mul(F.linear(inp, w13[e])), w2[e])
+        out[rows] = h if apply_weights_on_input else (h * w[rows, None]).to(x.dtype)
+    return out.view(t, k, x.shape[1]).sum(dim=1)
+
+
+class Router(nn.Module):
+    """The gate: ``weight`` [E, H] (float32 when ``router_fp32``), optional ``bias`` and
+    ``e_score_correction_bias`` [E] float32. Replicated on every rank."""
+
+    def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dtype = torch.float32 if cfg.router_fp32 else None
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=dtype)) if cfg.router_bias else None
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32))
+                                        if cfg.e_score_correction_bias else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, ids [T, k] int64) for x [T, H]."""
+        if self.cfg.router_fp32:
+            logits = F.linear(x.float(), self.weight, self.bias)
+        else:
+            logits = F.linear(x, self.weight, self.bias)
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+
+class SharedExperts(nn.Module):
+    """Dense SwiGLU MLP that every token goes through (DeepSeek ``shared_experts``), its width split across TP
+    ranks like a dense MLP; no all-reduce of its own (the MoE block reduces once)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size // tp.size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
+        self.ops: TorchLayerOps = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class FusedExperts(nn.Module):
+    """This rank's routed experts as two stacked weights (vLLM's ``w13``/``w2`` layout).
+
+    ``w13_weight`` [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and ``w2_weight``
+    [E_local, H, I_local]. Under TP ``I_local = I / tp`` and ``E_local = E``; with expert parallelism
+    ``E_local = E / tp`` whole experts, from ``first_expert`` on.
+    """
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, tp: TPGroup, expert_parallel: bool) -> None:
+        super().__init__()
+        self.expert_parallel = expert_parallel and tp.size > 1
+        split = 1 if self.expert_parallel else tp.size
+        self.num_local_experts = cfg.num_experts // tp.size if self.expert_parallel else cfg.num_experts
+        self.first_expert = tp.rank * self.num_local_experts if self.expert_parallel else 0
+        self.intermediate_size = cfg.intermediate_size // split
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size))
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids [T, k] as this rank's indices, -1 where another rank holds the expert."""
+        if not self.expert_parallel:
+            return ids
+        local = ids - self.first_expert
+        return torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+
+
+class SparseMoE(nn.Module):
+    """One MoE MLP block: ``experts(x) + shared(x)``, reduced over the TP group once.
+
+    Args:
+        hidden_size: the model's width.
+        cfg: the MoE shape and routing.
+        tp: the tensor-parallel group.
+        expert_parallel: hold whole experts, ``E / tp.size`` per rank, instead of a slice of every expert.
+
+    `forward(x [T, H]) -> [T, H]` in x's dtype.
+
+    Raises:
+        ValueError: the TP size does not divide the expert width (TP) or the expert count (EP).
+    """
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
+        super().__init__()
+        check_moe_parallel(cfg, tp.size, expert_parallel)
+        self.cfg = cfg
+        self.tp = tp
+        self.gate = Router(hidden_size, cfg.routing)
+        self.experts = FusedExperts(hidden_size, cfg, tp, expert_parallel)
+        self.shared_experts = (SharedExperts(hidden_size, cfg.shared_intermediate_size, tp)
+                               if cfg.shared_intermediate_size else None)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.ops: TorchLayerOps = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        if self.cfg.routing.weights_in_activation_dtype:
+            weights = weights.to(x.dtype)
+        out = self.ops.fused_experts(x, self.experts.w13_weight, self.experts.w2_weight, weights,
+                                     self.experts.local_ids(ids), self.cfg.routing.apply_weights_on_input)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.tp.all_reduce(out)
+
+    def warm_up_kernels(self) -> None:
+        """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""
+        self.ops.warm_up_experts(self.experts.w13_weight, self.experts.w2_weight, self.cfg.top_k,
+                                 self.experts.w13_weight.dtype)
+

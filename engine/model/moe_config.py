@@ -1,0 +1,237 @@
+"""Mixture-of-experts shapes and routing rules, read from Hugging Face ``config.json`` dicts.
+
+Torch-free (the memory planner reads it). `RoutingConfig` is one small frozen
+record that states, step by step, how a token picks its experts and their
+weights; every family's router is a setting of it:
+
+======================  =========  ============  ======  ===========  =====================
+family                  scoring    before top-k  groups  renormalise  other
+======================  =========  ============  ======  ===========  =====================
+Mixtral                 softmax    yes           --      yes          weights kept float32
+Qwen3-MoE               softmax    yes           --      norm_topk_p  weights in act. dtype
+DeepSeek-V2             softmax    yes           max     norm_topk_p  x routed_scaling_factor
+DeepSeek-V3 / Kimi K2   sigmoid    yes           top2    norm_topk_p  + e_score_correction_bias
+gpt-oss (not loaded)    softmax    no (over k)   --      --           router bias
+Llama 4 (not loaded)    sigmoid    no (top-1)    --      --           weight on the input
+======================  =========  ============  ======  ===========  =====================
+
+Sources: transformers' ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter`` (5.24), DeepSeek-V3 technical
+report sec. 2.1.2 (auxiliary-loss-free balancing: the bias only chooses, it
+never weights), vLLM's ``FusedMoE`` routing arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["max", "top2_sum"]
+
+EXPERT_ACTIVATIONS = ("silu",)
+"""Expert activations the engine computes: ``silu`` is SwiGLU, ``silu(gate) * up``."""
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How one token chooses `top_k` of `num_experts` experts and their weights, in this order:
+
+    1. ``logits = x @ W_router.T`` (``+ b`` with `router_bias`), in float32 when `router_fp32`
+       (DeepSeek keeps its router in float32), else in the activation dtype;
+    2. with `score_before_topk`: ``scores = scoring(logits)`` over all experts, and the choice is made on
+       ``scores (+ e_score_correction_bias)``; without it the choice is made on the raw logits;
+    3. with ``n_group > 1``: the experts form `n_group` equal groups, each scored by its best choice value
+       (``max``, DeepSeek-V2) or the sum of its best two (``top2_sum``, DeepSeek-V3); only the best
+       `topk_group` groups stay eligible;
+    4. ``ids = top_k(choice)``;
+    5. weights: ``scores[ids]`` (with `score_before_topk`; the correction bias is not in them), else
+       ``scoring(logits[ids])`` (softmax over the k chosen: gpt-oss; sigmoid of each: Llama 4);
+    6. with `renormalize`: ``weights / sum(weights)`` (sigmoid scores add 1e-20 to the sum, as DeepSeek-V3);
+    7. ``weights * routed_scaling_factor``; rounded to the activation dtype when
+       `weights_in_activation_dtype` (Qwen-MoE), else kept in float32 (Mixtral, DeepSeek).
+
+    `apply_weights_on_input` multiplies the expert's input by the weight instead of its output
+    (Llama 4, top-1 only).
+
+    Raises:
+        ValueError: inconsistent sizes (top_k > experts, groups that do not divide the experts, ...).
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax"
+    score_before_topk: bool = True
+    renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: GroupScore = "max"
+    e_score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    router_fp32: bool = False
+    weights_in_activation_dtype: bool = False
+    apply_weights_on_input: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring!r}; supported: softmax, sigmoid")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds the experts of topk_group "
+                             f"({self.topk_group}) groups")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("group scores summing the best two need at least 2 experts per group")
+        if self.apply_weights_on_input and self.top_k != 1:
+            raise ValueError("weights on the expert input are defined for top-1 routing only (Llama 4)")
+
+    @property
+    def renorm_eps(self) -> float:
+        """Added to the renormalisation's denominator: 1e-20 for sigmoid scores (DeepSeek-V3), 0 for softmax."""
+        return 1e-20 if self.scoring == "sigmoid" else 0.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a model.
+
+    Attributes:
+        num_experts: routed experts per MoE layer.
+        intermediate_size: each routed expert's intermediate (SwiGLU) width.
+        routing: how tokens choose experts (`RoutingConfig`).
+        moe_layers: indices of the layers whose MLP is the MoE block; the others are dense.
+        shared_intermediate_size: width of the shared expert(s) that every token goes through, 0 for
+            none (DeepSeek: ``n_shared_experts * moe_intermediate_size``).
+        shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x @ w)`` (Qwen2-MoE).
+        activation: the experts' activation (`EXPERT_ACTIVATIONS`).
+        expert_bias: experts' projections carry biases (gpt-oss; not implemented).
+
+    Raises:
+        ValueError: an activation or expert bias the engine does not implement, named.
+    """
+
+    num_experts: int
+    intermediate_size: int
+    routing: RoutingConfig
+    moe_layers: tuple[int, ...]
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    activation: str = "silu"
+    expert_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"MoE expert activation {self.activation!r} is not implemented "
+                             f"(the engine implements {', '.join(EXPERT_ACTIVATIONS)})")
+        if self.expert_bias:
+            raise ValueError("MoE experts with biases are not implemented")
+        if self.routing.num_experts != self.num_experts:
+            raise ValueError(f"routing over {self.routing.num_experts} experts, layer has {self.num_experts}")
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def layer_params(self, hidden_size: int) -> int:
+        """Parameters of one MoE block: router, routed experts, shared experts (and their gate)."""
+        h = hidden_size
+        router = self.num_experts * h + (self.num_experts if self.routing.router_bias else 0) \
+            + (self.num_experts if self.routing.e_score_correction_bias else 0)
+        shared = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
+        return router + self.num_experts * 3 * h * self.intermediate_size + shared
+
+    def active_layer_params(self, hidden_size: int) -> int:
+        """Parameters one token multiplies through in one MoE block: router, top_k experts, shared ones."""
+        h = hidden_size
+        shared = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
+        return self.num_experts * h + self.top_k * 3 * h * self.intermediate_size + shared
+
+
+def moe_from_hf(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """The MoE part of an HF config of `architecture`, or None for a dense model.
+
+    Reads Mixtral (``num_local_experts``), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``,
+    ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``) and DeepSeek-V2/V3 (``n_routed_experts``,
+    ``n_shared_experts``, ``topk_method``, ``n_group``, ``topk_group``, ``scoring_func``,
+    ``routed_scaling_factor``, ``norm_topk_prob``, ``first_k_dense_replace``, ``moe_layer_freq``).
+
+    Raises:
+        ValueError: a routing key with a value the engine does not implement, named.
+    """
+    layers = int(cfg["num_hidden_layers"])
+    act = str(cfg.get("hidden_act", "silu"))
+    if architecture == "MixtralForCausalLM":
+        experts = int(cfg.get("num_local_experts") or 8)
+        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 2), "softmax", renormalize=True)
+        return MoEConfig(experts, int(cfg["intermediate_size"]), routing, tuple(range(layers)), activation=act)
+    if architecture == "Qwen3MoeForCausalLM":
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if not experts:
+            return None
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)  # HF's rule
+        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 8), "softmax",
+                                renormalize=bool(cfg.get("norm_topk_prob", False)),
+                                weights_in_activation_dtype=True)
+        return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, moe_layers, activation=act)
+    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return _deepseek(cfg, architecture, layers, act)
+    return None
+
+
+def _deepseek(cfg: dict[str, Any], architecture: str, layers: int, act: str) -> MoEConfig | None:
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return None
+    v3 = architecture == "DeepseekV3ForCausalLM"
+    scoring = str(cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"))
+    method = str(cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
+    known = {"greedy": False, "group_limited_greedy": True, "noaux_tc": True}
+    if method not in known:
+        raise ValueError(f"unsupported topk_method {method!r}; supported: {', '.join(known)}")
+    if method == "noaux_tc" and scoring != "sigmoid":
+        raise ValueError(f"topk_method 'noaux_tc' with scoring_func {scoring!r} is not implemented")
+    if method == "group_limited_greedy" and scoring != "softmax":
+        raise ValueError(f"topk_method 'group_limited_greedy' with scoring_func {scoring!r} is not implemented")
+    grouped = known[method]
+    routing = RoutingConfig(
+        experts, int(cfg.get("num_experts_per_tok") or 1), scoring,  # type: ignore[arg-type]
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score="top2_sum" if method == "noaux_tc" else "max",
+        e_score_correction_bias=method == "noaux_tc",
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        router_fp32=True)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    moe_layers = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)  # DeepSeek's rule
+    inter = int(cfg["moe_intermediate_size"])
+    return MoEConfig(experts, inter, routing, moe_layers,
+                     shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0), activation=act)
+
+
+def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> None:
+    """Refuse a TP size that cannot split this MoE block: the experts' width under TP, their count under
+    expert parallelism, and the shared experts' width (always TP-split).
+
+    Raises:
+        ValueError: naming the sizes.
+    """
+    if expert_parallel and cfg.num_experts % tp_size:
+        raise ValueError(f"--tp-size {tp_size} with --enable-expert-parallel must divide the number of experts "
+                         f"({cfg.num_experts})")
+    if not expert_parallel and cfg.intermediate_size % tp_size:
+        raise ValueError(f"--tp-size {tp_size} must divide the experts' intermediate size ({cfg.intermediate_size})")
+    if cfg.shared_intermediate_size % tp_size:
+        raise ValueError(f"--tp-size {tp_size} must divide the shared experts' intermediate size "
+                         f"({cfg.shared_intermediate_size})")

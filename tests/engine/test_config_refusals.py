@@ -1,0 +1,116 @@
+"""Nothing silently wrong: a config.json key that changes the math, with a value the engine does not compute,
+is refused with an error naming it, for every supported family; keys transformers ignores for a family are
+ignored here too, and values that are implemented load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from random_models import build, hf_config
+
+from pd_cluster.engine import LLM
+from pd_cluster.engine.model.arch import ArchConfig
+
+FAMILY_OF = {"llama": "llama-gqa4", "qwen2": "qwen2-bias-tied", "qwen3": "qwen3-qknorm", "mistral": "mistral",
+             "mixtral": "mixtral", "qwen3-moe": "qwen3-moe", "phi3": "phi3"}
+REFUSED = [
+    ("hidden_act", "gelu_pytorch_tanh", "hidden_act"),
+    ("hidden_act", "relu", "hidden_act"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("rope_parameters", {"rope_type": "mrope-new", "rope_theta": 10000.0}, "rope_type"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4}, "quant_method"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method"),
+    ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
+]
+
+
+def _config(family: str, **overrides) -> dict:
+    cfg = hf_config(FAMILY_OF[family]).to_dict()
+    cfg["architectures"] = [type(hf_config(FAMILY_OF[family])).__name__.replace("Config", "ForCausalLM")]
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_OF))
+def test_the_unmodified_config_loads(family):
+    arch = ArchConfig.from_dict(_config(family))
+    assert arch.architecture == _config(family)["architectures"][0]
+
+
+@pytest.mark.parametrize("key, value, named", REFUSED)
+@pytest.mark.parametrize("family", sorted(FAMILY_OF))
+def test_unimplemented_values_are_refused_by_name(family, key, value, named):
+    with pytest.raises(ValueError, match=named):
+        ArchConfig.from_dict(_config(family, **{key: value}))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "mixtral", "qwen3", "qwen3-moe"])
+def test_attention_bias_with_its_o_proj_bias_is_refused(family):
+    with pytest.raises(ValueError, match="attention_bias"):
+        ArchConfig.from_dict(_config(family, attention_bias=True))
+
+
+def test_qwen2_attention_bias_is_its_qkv_bias():
+    assert ArchConfig.from_dict(_config("qwen2", attention_bias=True)).attention_bias
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mixtral"])
+def test_partial_rotary_is_phi3s_only(family):
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ArchConfig.from_dict(_config(family, partial_rotary_factor=0.5))
+    # Phi-4-mini's config.json has it at the top level; transformers 5 writes it into rope_parameters
+    phi3 = ArchConfig.from_dict(_config("phi3", partial_rotary_factor=0.75, rope_parameters={"rope_theta": 1e4}))
+    assert phi3.partial_rotary_factor == 0.75 and phi3.rotary_dim == 6
+    phi3 = ArchConfig.from_dict(_config("phi3", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.5}))
+    assert phi3.rotary_dim == 4
+
+
+def test_phi3_refuses_rope_types_its_transformers_class_refuses():
+    for kind in ("dynamic", "llama3", "linear"):
+        with pytest.raises(ValueError, match="rope_type"):
+            ArchConfig.from_dict(_config("phi3", rope_parameters={"rope_type": kind, "factor": 2.0}))
+    su = {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}  # Phi-3's first name for longrope
+    assert ArchConfig.from_dict(_config("phi3", rope_scaling=su, rope_parameters=None)).rope_scaling["rope_type"] \
+        == "longrope"
+
+
+def test_sliding_windows_follow_each_familys_transformers_class():
+    qwen_full = _config("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=3)
+    assert ArchConfig.from_dict({**qwen_full, "layer_types": None}).sliding_window is None  # windows from layer 3
+    with pytest.raises(ValueError, match="max_window_layers"):
+        ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 1})
+    assert ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 0}).sliding_window == 32
+    assert ArchConfig.from_dict(_config("qwen3", use_sliding_window=False, sliding_window=32)).sliding_window is None
+    assert ArchConfig.from_dict(_config("mistral", sliding_window=32)).sliding_window == 32
+    assert ArchConfig.from_dict(_config("phi3", sliding_window=32)).sliding_window == 32
+    assert ArchConfig.from_dict(_config("llama", sliding_window=32)).sliding_window is None  # LlamaConfig has none
+
+
+def test_per_layer_windows_are_refused_where_transformers_reads_them():
+    mixed = ["full_attention", "sliding_attention", "full_attention"]
+    for family in ("qwen2", "qwen3"):
+        cfg = _config(family, use_sliding_window=True, sliding_window=32)
+        with pytest.raises(ValueError, match="layer_types"):
+            ArchConfig.from_dict({**cfg, "layer_types": mixed})
+        with pytest.raises(ValueError, match="layer_types"):
+            ArchConfig.from_dict({**cfg, "layer_types": ["chunked_attention"] * 3})
+        assert ArchConfig.from_dict({**cfg, "layer_types": ["sliding_attention"] * 3}).sliding_window == 32
+        assert ArchConfig.from_dict({**cfg, "use_sliding_window": False, "layer_types": mixed}).sliding_window is None
+    # Llama, Mistral, Mixtral, Qwen3-MoE and Phi-3 never read layer_types: neither does the engine
+    assert ArchConfig.from_dict(_config("mistral", sliding_window=32, layer_types=mixed)).sliding_window == 32
+
+
+def test_kv_cache_scales_alone_load():
+    quant = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
+    assert ArchConfig.from_dict(_config("llama", quantization_config=quant))
+    with pytest.raises(ValueError, match="quant_method"):
+        ArchConfig.from_dict(_config("llama", quantization_config={**quant, "config_groups": {"g": {}}}))
+
+
+def test_a_refused_checkpoint_fails_to_load_with_the_key_named(tmp_path):
+    build("qwen3-moe", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LLM(str(tmp_path))

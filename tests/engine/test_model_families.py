@@ -1,0 +1,66 @@
+"""Acceptance: tiny random Mixtral, Qwen3-MoE and Phi-3 checkpoints (and the dense Llama, Qwen2, Qwen3 and
+Mistral ones), written by transformers (`save_pretrained`: the real tensor names, sharded), generate
+transformers' own greedy tokens.
+
+The reference is a full-recompute greedy loop (`hf_greedy_full`): each token is the argmax of a fresh
+forward pass over the whole sequence. 5 prompts x 32 tokens, fp32 KV, chunked prefill of 7 tokens over
+16-token pages, so prompts span several chunks and pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_models import build, hf_greedy_full, prompt_ids
+
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.model.llama import MLP
+from pd_cluster.engine.model.moe import SparseMoE
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+# family -> the layers whose MLP is a MoE block (3 layers each; see random_models.FAMILIES)
+LAYOUT = {"mixtral": (0, 1, 2), "qwen3-moe": (0, 2), "qwen3-moe-sparse-step": (1,), "phi3": (),
+          # the dense families stay exact the same way
+          "llama-gqa4": (), "llama3-rope-scaling": (), "qwen2-bias-tied": (), "qwen2-yarn": (), "qwen3-qknorm": (),
+          "mistral": (), "mistral-window": ()}
+
+
+@pytest.mark.parametrize("family", sorted(LAYOUT))
+def test_greedy_equals_transformers_full_recompute(family, tmp_path):
+    hf = build(family, tmp_path)
+    prompts = prompt_ids(5)
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=7)
+    layers = llm.engine.loaded.model.layers
+    assert tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)) == LAYOUT[family]
+    assert all(isinstance(layer.mlp, MLP) for i, layer in enumerate(layers) if i not in LAYOUT[family])
+    outs = llm.generate(prompts, GREEDY_32)
+    for ids, out in zip(prompts, outs):
+        assert list(out.token_ids) == hf_greedy_full(hf, ids, 32), ids
+    assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+
+
+
+
+def test_phi3_longrope_short_factors_up_to_the_original_length(tmp_path):
+    """original_max_position_embeddings is 64. A server of context length 64 uses the short factors:
+    transformers' choice for sequences up to 64 tokens (20 + 32 here). A server of context length 1024 uses the
+    long ones, whose tokens differ for these sequences (the factor set matters), and says so in its identity,
+    so PD peers that rotate keys differently refuse each other's pages."""
+    hf = build("phi3-longrope-partial", tmp_path)
+    prompts = [ids[:20] for ids in prompt_ids(5)]
+    short = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=64)
+    expected = [hf_greedy_full(hf, ids, 32) for ids in prompts]
+    assert [list(o.token_ids) for o in short.generate(prompts, GREEDY_32)] == expected
+    long = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=1024)
+    assert [list(o.token_ids) for o in long.generate(prompts, GREEDY_32)] != expected
+    assert short.engine.loaded.identity != long.engine.loaded.identity
+
+
+def test_phi3_longrope_long_factors_past_the_original_length(tmp_path):
+    """Prompts of 70 tokens (past 64): transformers rotates every position by the long factors, as a server of
+    the default context length (max_position_embeddings, 1024) does."""
+    hf = build("phi3-longrope-partial", tmp_path)
+    prompts = [(ids * 8)[:70] for ids in prompt_ids(5)]
+    outs = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16).generate(prompts, GREEDY_32)
+    for ids, out in zip(prompts, outs):
+        assert list(out.token_ids) == hf_greedy_full(hf, ids, 32), ids
