@@ -80,3 +80,15 @@ def hf_greedy_recompute(model, ids: list[int], max_new_tokens: int) -> list[int]
             logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
             seq.append(int(logits.argmax()))
     return seq[len(ids):]
+
+
+class LatentDigest:
+    """A TP rank extension (`RankServer.install`): a hash of the bytes of some pages of this rank's pool."""
+
+    def __init__(self, shard, tp) -> None:
+        self.pool = shard.pool
+
+    def digest(self, pages: list[int]) -> str:
+        import hashlib
+
+        return hashlib.sha256(self.pool.read_pages(pages).numpy().tobytes()).hexdigest()
