@@ -3,7 +3,10 @@
 Torch-free. Handles dense Llama-family configs and Llama 4's mixture of
 experts with chunked ("local") attention layers, whose KV never exceeds one
 chunk (``attention_chunk_size``); every ``no_rope_layer_interval``-th layer
-attends globally (Meta's iRoPE design).
+attends globally (Meta's iRoPE design). DeepSeek-V2/V3 (and Kimi K2): multi-head
+latent attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim``
+values per token per layer, and routed plus shared experts from
+``first_k_dense_replace`` on.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class ModelSpec:
         experts_per_token: routed experts each token goes through (``num_experts_per_tok``; 0 when dense).
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
+            attention's shape (0 when the model has K and V per head; ``q_lora_rank`` 0: a direct query).
     """
 
     name: str
@@ -50,9 +55,29 @@ class ModelSpec:
     experts_per_token: int = 0
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Values cached per token per layer under MLA (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def _attention_params(self) -> int:
         h = self.hidden_size
+        if self.is_mla:  # q (direct, or low-rank with its norm), kv_a, its norm, kv_b, o
+            q_out = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+            q = h * q_out if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank * (1 + q_out)
+            kv = h * self.mla_latent_dim + self.kv_lora_rank * (1 + self.num_heads * (self.qk_nope_head_dim
+                                                                                      + self.v_head_dim))
+            return q + kv + self.num_heads * self.v_head_dim * h
         return h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
 
     def active_params_per_token(self) -> int:
@@ -69,7 +94,7 @@ class ModelSpec:
     def num_params(self) -> int:
         """Parameters of the language model (embeddings, attention, MLP/experts, norms, head)."""
         h = self.hidden_size
-        attn = h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
+        attn = self._attention_params()
         dense_mlp = 3 * h * self.intermediate_size
         moe_mlp = (self.num_experts + self.shared_experts) * 3 * h * self.expert_intermediate_size \
             + h * self.num_experts
@@ -111,6 +136,8 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     global_layers = layers if not (chunk and interval) else layers // int(interval)
     experts = int(cfg.get("num_local_experts", 0) or 0)
     moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
+    if cfg.get("kv_lora_rank"):
+        return _deepseek_spec(cfg, name, architectures, scaling)
     return ModelSpec(
         name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -124,3 +151,27 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
         experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None)
+
+
+def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling: Any) -> ModelSpec:
+    """DeepSeek-V2/V3 (and Kimi K2): MLA, and routed experts in layers ``i >= first_k_dense_replace`` with
+    ``i % moe_layer_freq == 0``. The multi-token-prediction layers (``num_nextn_predict_layers``) are left out:
+    the engine does not load them (nor does transformers)."""
+    heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("n_routed_experts") or 0)
+    first_dense, freq = int(cfg.get("first_k_dense_replace") or 0), int(cfg.get("moe_layer_freq") or 1)
+    moe_layers = sum(1 for i in range(first_dense, layers) if i % freq == 0) if experts else 0
+    return ModelSpec(
+        name=name, hidden_size=int(cfg["hidden_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), vocab_size=int(cfg["vocab_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), global_layers=layers,
+        num_experts=experts, expert_intermediate_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+        shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0, moe_layers=moe_layers,
+        experts_per_token=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]))
