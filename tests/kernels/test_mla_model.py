@@ -83,3 +83,34 @@ def test_triton_mla_greedy_equals_reference_and_transformers(deepseek_v3, kv_dty
     if kv_dtype == "fp32":  # rounded latents are not expected to give transformers' tokens
         assert got == [hf_greedy_recompute(hf, p, MAX_NEW) for p in prompts]
         torch.testing.assert_close(tri_pool.kv[1:], ref_pool.kv[1:], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_warm_up_covers_every_mla_variant_serving_hits(deepseek_v3):
+    """No compile stalls for MLA either: the start-up warm-up step launches every variant that decode-only,
+    prefill-only and mixed steps of other sizes, widths and split counts ask for; it writes nothing."""
+    from test_kernel_variants import _step
+
+    from pd_cluster.engine.attention.triton.variants import VariantRecorder
+    from pd_cluster.engine.graph import warm_up_kernels
+
+    _, loaded = deepseek_v3
+    pool = _pool(loaded, "fp8_e4m3", 16, 64)
+    backend = _backends(loaded)[1]
+    loaded.model.set_layer_ops(TritonLayerOps())
+    try:
+        before = pool.kv.clone()
+        warm = VariantRecorder()
+        with warm:
+            warm_up_kernels(loaded.model, pool, backend)
+        assert torch.equal(pool.kv, before)
+        kernels = {v.kernel for v in warm.variants}
+        assert {"_store_kv_kernel", "_mla_decode_stage1_kernel", "_decode_stage2_kernel"} <= kernels
+        serving = VariantRecorder()
+        with serving, torch.inference_mode():
+            for decodes, prefills, width in [([5], [], 1), ([17, 3, 40], [], 3), ([], [(0, 9)], 1),
+                                             ([4] * 16, [(0, 3)], 16), ([33, 2], [(32, 17)], 4)]:
+                assert torch.isfinite(loaded.model(_step(decodes, prefills, width), pool, backend)).all()
+        assert serving.variants <= warm.variants, sorted(serving.variants - warm.variants, key=str)
+    finally:
+        loaded.model.set_layer_ops(TORCH_OPS)
