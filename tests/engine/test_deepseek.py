@@ -142,3 +142,18 @@ def test_configs_it_cannot_run_are_refused_by_name(tmp_path, key, value, needle)
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM") as e:
         LLM(str(tmp_path))
     assert needle in str(e.value)
+
+
+def test_host_tier_spills_and_loads_back_latent_pages(checkpoint):
+    """HiCache on latent pages: a device pool of 24 pages (96 tokens, two requests) evicts; pages spill to the host and load back on the
+    second round; every token is still transformers'."""
+    _, path, _, refs = checkpoint
+    llm = LLM(str(path), kv_cache_dtype="fp32", page_size=4, num_pages=24, max_running_requests=1,
+              enable_hierarchical_cache=True, hicache_ratio=4.0)
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == refs
+    host = llm.engine.host_tier
+    assert host.backup_pages_total > 0 and host.load_back_pages_total > 0
+    assert host.copier.kv.shape[1:] == llm.engine.pool.kv.shape[1:]  # the host pages are latent pages
+    assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
