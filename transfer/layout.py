@@ -9,9 +9,10 @@ of its registered regions. A peer loads it once per agent incarnation.
 `LayoutMismatchError` naming both sides' values. The fields and their class:
 
 * fatal: protocol version, model identity, number of layers, head_dim, KV
-  dtype, FP8 scales, in-page order, and KV heads when the TP size is the same.
+  dtype, FP8 scales, in-page order, KV format (``mha``: K and V per head;
+  ``mla``: one latent per token), and KV heads when the TP size is the same.
   Pages from such a peer would decode to different numbers; no conversion
-  keeps them exact.
+  keeps them exact. A peer that names no KV format (an older version) is ``mha``.
 * convertible by a later version: page size (re-paging into token runs) and
   TP size / rank (slicing heads; the heads per rank then differ as well).
   This version refuses them too, rather than move bytes that mean something else.
@@ -31,7 +32,8 @@ from pd_cluster.transfer.errors import LayoutMismatchError, Mismatch
 
 PROTOCOL_VERSION = 1
 
-_FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "kv_cache_dtype", "k_scales", "v_scales", "order")
+_FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "kv_cache_dtype", "k_scales", "v_scales", "order",
+          "kv_format")
 _TP = ("tp_size", "tp_rank")
 
 
@@ -182,5 +184,6 @@ def _view(info: AgentInfo) -> dict:
         "tp_size": int(lay.get("tp_size", 1)),
         "tp_rank": int(lay.get("tp_rank", 0)),
         "order": str(lay.get("order", "")),
+        "kv_format": str(lay.get("kv_format", "mha")),
         "page_nbytes": int(lay["page_nbytes"]),
     }

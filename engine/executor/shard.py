@@ -26,6 +26,7 @@ from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs, warm_up_kernels
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
+from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 from pd_cluster.engine.packed_step import build_step, unpack_step
@@ -87,24 +88,29 @@ class Shard:
 
 
 def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False) -> None:
-    """Refuse a TP size that does not divide the KV heads, the MLP width or the experts (before any rank starts).
+    """Refuse a TP size that does not divide the KV heads (MLA: the attention heads), the MLP width or the
+    experts (before any rank starts).
 
     Raises:
         ValueError: naming the sizes (`ArchConfig.check_tp`).
     """
-    from pd_cluster.engine.model.arch import ArchConfig
-
     ArchConfig.from_pretrained(model_path).check_tp(tp_size, expert_parallel)
 
 
 def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayout:
-    """The pool layout of this rank (``num_kv_heads / tp_size`` heads)."""
+    """The pool layout of this rank (``num_kv_heads / tp_size`` heads; MLA: the whole latent on every rank,
+    as vLLM and SGLang keep it: it cannot be split by heads)."""
     arch = loaded.arch
     kv_dtype = config.cache.kv_cache_dtype
     if kv_dtype == "auto":
         kv_dtype = _KV_DTYPE_OF[loaded.dtype]
     fp8 = kv_dtype == "fp8_e4m3"
     ones = (1.0,) * arch.num_hidden_layers
+    if arch.mla is not None:
+        return KVLayout(num_layers=arch.num_hidden_layers, num_kv_heads=1, head_dim=arch.mla.latent_dim,
+                        page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
+                        k_scales=tuple(loaded.k_scales) if fp8 else ones, v_scales=ones,
+                        tp_size=tp.size, tp_rank=tp.rank, kv_format="mla")
     return KVLayout(num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads // tp.size,
                     head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
                     k_scales=tuple(loaded.k_scales) if fp8 else ones, v_scales=tuple(loaded.v_scales) if fp8 else ones,
@@ -124,6 +130,18 @@ def check_triton(device: torch.device) -> None:
     check_triton_runtime(device)
     logger.info("Triton self-check passed on %s in %.2f s (TRITON_CACHE_DIR=%s)", device,
                 time.perf_counter() - started, os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache"))
+
+
+def _mla_backend(name: str, arch: ArchConfig, tp: TPGroup):
+    """The MLA backend for the resolved ``--attention-backend`` `name` (`mla_backend_name`), logged."""
+    from pd_cluster.engine.attention.mla import get_mla_backend, mla_backend_name
+
+    m = arch.mla
+    logger.info("MLA attention: %s backend (attention backend %s), %d heads per rank, latent %d",
+                mla_backend_name(name), name, arch.num_attention_heads // tp.size, m.latent_dim)
+    return get_mla_backend(name, num_heads=arch.num_attention_heads // tp.size, kv_lora_rank=m.kv_lora_rank,
+                           qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                           v_head_dim=m.v_head_dim, scale=m.softmax_scale)
 
 
 def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shard:
@@ -146,9 +164,12 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     pool = KVPool(layout, plan.num_pages, device, loaded.dtype)
     arch = loaded.arch
     name = resolve_backend_name(config.device.attention_backend, device)
-    backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
-                          num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim, scale=arch.head_dim ** -0.5,
-                          sliding_window=arch.sliding_window)
+    if arch.mla is not None:
+        backend = _mla_backend(name, arch, tp)
+    else:
+        backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
+                              num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim,
+                              scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
     if name == "triton":  # the GPU path: fused norm/RoPE/activation kernels beside the attention kernels
         check_triton(device)
         loaded.model.set_layer_ops(layer_ops("triton"))

@@ -1,11 +1,16 @@
-"""The paged KV pool: one tensor that holds every layer's K and V pages.
+"""The paged KV pool: one tensor that holds every layer's K and V pages (or MLA latents).
 
 Layout (page-major, heads-then-tokens inside a page)::
 
-    kv[num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim]
+    kv[num_pages + 1, num_layers, 2, num_kv_heads, page_size, head_dim]      # kv_format "mha"
+    kv[num_pages + 1, num_layers, 1, 1, page_size, latent_dim]               # kv_format "mla"
 
 Index 0 of the first axis is the null page (see `allocator.NULL_PAGE`); index
-2 is K (0) or V (1). A page therefore holds all layers of `page_size` tokens in
+2 is K (0) or V (1). Multi-head latent attention (DeepSeek-V2/V3) caches one
+latent per token per layer instead (``kv_lora_rank + qk_rope_head_dim`` values,
+576 for DeepSeek-V3; vLLM's and SGLang's MLA pools), written by `store_latent`
+and read by `gather_latent` / `latent_cache`: the same page-major tensor with
+one plane and one "head". A page therefore holds all layers of `page_size` tokens in
 one contiguous block of `page_nbytes` bytes: the whole pool is one region to
 register with NIXL, and one request's KV is one descriptor per run of
 consecutive pages. Inside a page, one KV head's `page_size x head_dim` tile is
@@ -14,7 +19,8 @@ contiguous, which is what the attention kernels load.
 The pool owns quantisation (`store_kv`) and dequantisation (`gather`): for
 ``fp8_e4m3`` the storage is uint8 holding float8_e4m3fn bits, with one float32
 scale per layer for K and one for V (``x_fp8 = clamp(x / scale, -448, 448)``,
-clamped before the cast because PyTorch's cast does not saturate). Callers never
+clamped before the cast because PyTorch's cast does not saturate); an MLA latent
+uses the layer's K scale (vLLM's rule; its V scale stays 1.0). Callers never
 see uint8 views or scales unless they ask for them (`layer_cache`, `scales`).
 """
 
@@ -36,6 +42,7 @@ _STORAGE = {
     "fp8_e4m3": torch.uint8,
 }
 _ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8_e4m3": 1}
+KV_FORMATS = ("mha", "mla")  # K and V per KV head; one latent per token (multi-head latent attention)
 
 
 @dataclass(frozen=True)
@@ -45,9 +52,14 @@ class KVLayout:
     Attributes:
         num_layers, num_kv_heads (per TP rank), head_dim, page_size: the shape.
         kv_cache_dtype: ``bf16``, ``fp16``, ``fp32`` or ``fp8_e4m3``.
-        k_scales, v_scales: per-layer FP8 scales (1.0 when not FP8).
-        tp_size, tp_rank: which slice of the KV heads this pool holds.
+        k_scales, v_scales: per-layer FP8 scales (1.0 when not FP8; an MLA latent uses `k_scales`).
+        tp_size, tp_rank: which slice of the KV heads this pool holds (MLA: every rank holds the same latent).
+        kv_format: ``mha`` (K and V per KV head) or ``mla`` (one latent per token: ``num_kv_heads`` 1,
+            ``head_dim`` the latent's width, one plane instead of K and V).
         page_nbytes: bytes of one page (all layers, K and V).
+
+    Raises:
+        ValueError: an unknown `kv_format`, or ``mla`` with more than one KV head.
     """
 
     num_layers: int
@@ -60,6 +72,22 @@ class KVLayout:
     tp_size: int = 1
     tp_rank: int = 0
     order: str = "page,layer,kv,head,token,dim"
+    kv_format: str = "mha"
+
+    def __post_init__(self) -> None:
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
+        if self.kv_format == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA pool holds one latent per token (num_kv_heads 1), got {self.num_kv_heads}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_format == "mla"
+
+    @property
+    def num_planes(self) -> int:
+        """2 (K and V) for ``mha``, 1 (the latent) for ``mla``."""
+        return 1 if self.is_mla else 2
 
     @property
     def element_size(self) -> int:
@@ -67,7 +95,8 @@ class KVLayout:
 
     @cached_property
     def page_nbytes(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.page_size * self.head_dim * self.element_size
+        return (self.num_layers * self.num_planes * self.num_kv_heads * self.page_size * self.head_dim
+                * self.element_size)
 
     @property
     def bytes_per_token(self) -> int:
@@ -104,7 +133,8 @@ class KVPool:
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.is_fp8 = layout.kv_cache_dtype == "fp8_e4m3"
-        shape = (num_pages + 1, layout.num_layers, 2, layout.num_kv_heads, layout.page_size, layout.head_dim)
+        shape = (num_pages + 1, layout.num_layers, layout.num_planes, layout.num_kv_heads, layout.page_size,
+                 layout.head_dim)
         self.kv = torch.zeros(shape, dtype=_STORAGE[layout.kv_cache_dtype], device=self.device)
         self.scales = torch.tensor([layout.k_scales, layout.v_scales], dtype=torch.float32,
                                    device=self.device).t().contiguous()  # [num_layers, 2]
@@ -113,7 +143,7 @@ class KVPool:
         # The pool as rows of head_dim elements, for index_copy_ writes (see store_kv).
         self._rows_view = self.kv.view(-1, layout.head_dim)
         self._kv_rows = layout.num_kv_heads * layout.page_size      # K -> V of one layer
-        self._layer_rows = 2 * self._kv_rows                         # one layer -> the next
+        self._layer_rows = layout.num_planes * self._kv_rows        # one layer -> the next
         self._rows_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- sizes -------------------------------------------------------------
@@ -139,7 +169,12 @@ class KVPool:
             slot_mapping: [num_tokens] int64, ``page * page_size + offset``;
                 -1 marks a padded token whose write is discarded (it lands in the
                 null page, which is never read unmasked).
+
+        Raises:
+            ValueError: an MLA pool (use `store_latent`).
         """
+        if self.layout.is_mla:
+            raise ValueError("an MLA pool stores latents (store_latent), not K and V")
         rows = self._rows_for(slot_mapping) + layer * self._layer_rows
         d = self.layout.head_dim
         self._rows_view.index_copy_(0, rows.reshape(-1), self._quantize(k, self._k_scale[layer]).reshape(-1, d))
@@ -157,9 +192,25 @@ class KVPool:
         lay = self.layout
         pages, offsets = slots // lay.page_size, slots % lay.page_size
         heads = torch.arange(lay.num_kv_heads, device=slots.device) * lay.page_size
-        rows = (pages * (lay.num_layers * 2 * lay.num_kv_heads * lay.page_size) + offsets)[:, None] + heads[None, :]
+        page_rows = lay.num_layers * lay.num_planes * lay.num_kv_heads * lay.page_size
+        rows = (pages * page_rows + offsets)[:, None] + heads[None, :]
         self._rows_cache = (slot_mapping, rows)
         return rows
+
+    def store_latent(self, layer: int, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write one layer's MLA latents of a step into their slots (FP8: the layer's K scale).
+
+        Args:
+            latent: [num_tokens, latent_dim] (``c`` then ``k_pe``), any float dtype.
+            slot_mapping: as `store_kv` (-1: padding, discarded).
+
+        Raises:
+            ValueError: not an MLA pool.
+        """
+        if not self.layout.is_mla:
+            raise ValueError("store_latent needs an MLA pool (kv_format 'mla')")
+        rows = self._rows_for(slot_mapping)[:, 0] + layer * self._layer_rows
+        self._rows_view.index_copy_(0, rows, self._quantize(latent, self._k_scale[layer]))
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.is_fp8:
@@ -185,6 +236,19 @@ class KVPool:
         pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h, n * ps, d)
         return self._dequantize(pages[0], self._k_scale[layer]), self._dequantize(pages[1], self._v_scale[layer])
 
+    def gather_latent(self, layer: int, block_tables: torch.Tensor) -> torch.Tensor:
+        """Dequantised MLA latents of whole pages, for the reference attention.
+
+        Args:
+            block_tables: [batch, num_pages_per_seq] int page ids (pad with 0).
+
+        Returns:
+            [batch, num_pages_per_seq * page_size, latent_dim] in `compute_dtype`.
+        """
+        pages = self.kv[block_tables.long(), layer, 0, 0]  # [B, n, ps, D]
+        b, n, ps, d = pages.shape
+        return self._dequantize(pages.reshape(b, n * ps, d), self._k_scale[layer])
+
     def _dequantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.is_fp8:
             return x.to(self.compute_dtype)
@@ -198,6 +262,12 @@ class KVPool:
         if self.is_fp8:
             k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
         return k, v
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        """Raw view for kernels of an MLA pool: the latents of `layer`, [num_pages + 1, page_size, latent_dim],
+        in the storage dtype (float8_e4m3fn for FP8), strided over the page axis."""
+        c = self.kv[:, layer, 0, 0]
+        return c.view(torch.float8_e4m3fn) if self.is_fp8 else c
 
     def layer_scales(self, layer: int) -> tuple[float, float]:
         """The FP8 (k_scale, v_scale) of `layer`; (1.0, 1.0) for other dtypes."""

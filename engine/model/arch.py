@@ -3,8 +3,10 @@
 Supported: Llama 2/3 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``),
 Qwen2 (``Qwen2ForCausalLM``, q/k/v bias), Qwen3 (``Qwen3ForCausalLM``, q/k
 RMSNorm), Mixtral (``MixtralForCausalLM``, mixture of experts), Qwen3-MoE
-(``Qwen3MoeForCausalLM``: q/k RMSNorm and experts) and Phi-3
-(``Phi3ForCausalLM``: fused qkv/gate-up tensors, partial rotary, longrope).
+(``Qwen3MoeForCausalLM``: q/k RMSNorm and experts), Phi-3
+(``Phi3ForCausalLM``: fused qkv/gate-up tensors, partial rotary, longrope) and
+DeepSeek-V2/V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, also Kimi
+K2's shape) with multi-head latent attention (`MLAConfig`).
 Keys that change the math and are not implemented are refused by name
 (`pd_cluster.engine.model.config_check`). This module has no torch dependency,
 so the memory planner can use it.
@@ -13,6 +15,7 @@ so the memory planner can use it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,14 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+
+# Architectures whose mixture-of-experts layers this build cannot construct yet: a config of theirs that has
+# MoE layers is refused by name (`ArchConfig.from_dict`, and pd-plan's "engine support"); one whose layers are
+# all dense (``first_k_dense_replace >= num_hidden_layers``) loads.
+ARCHITECTURES_WITHOUT_MOE_LAYER = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class ArchConfig:
         rope_scaling: HF ``rope_scaling`` / ``rope_parameters`` dict, or None for
             plain RoPE. Keys as in HF (``rope_type``, ``factor``, ...).
         attention_bias: q/k/v projections carry a bias (Qwen2).
+        mla: the latent attention's shape (DeepSeek-V2/V3), or None for K/V per head.
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         sliding_window: attention window in tokens, or None (Mistral v0.1).
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
@@ -68,6 +79,7 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -96,14 +108,17 @@ class ArchConfig:
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
     def check_tp(self, tp_size: int, expert_parallel: bool = False) -> None:
-        """Refuse a TP size that does not divide the KV heads, the dense MLP width or the experts.
+        """Refuse a TP size that does not divide the KV heads (MLA: the attention heads; the latent is
+        replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`).
 
         Raises:
             ValueError: naming the sizes.
         """
         dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        if self.num_key_value_heads % tp_size or (dense and self.intermediate_size % tp_size):
-            raise ValueError(f"--tp-size {tp_size} must divide num_key_value_heads ({self.num_key_value_heads}) "
+        heads, what = ((self.num_attention_heads, "num_attention_heads") if self.mla is not None
+                       else (self.num_key_value_heads, "num_key_value_heads"))
+        if heads % tp_size or (dense and self.intermediate_size % tp_size):
+            raise ValueError(f"--tp-size {tp_size} must divide {what} ({heads}) "
                              f"and intermediate_size ({self.intermediate_size})")
         if self.moe is not None:
             check_moe_parallel(self.moe, tp_size, expert_parallel)
@@ -111,6 +126,8 @@ class ArchConfig:
     def _attention_params(self) -> int:
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.mla is not None:
+            attn = self.mla.num_params(h, self.num_attention_heads)
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
@@ -176,6 +193,7 @@ class ArchConfig:
                 scaling = {**scaling, "original_max_position_embeddings": int(top)}
         elif kind == "default":
             scaling = None
+        mla = MLAConfig.from_dict(cfg, arch, scaling) if arch in MLA_ARCHITECTURES else None
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -196,8 +214,9 @@ class ArchConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=moe_from_hf(cfg, arch),
+            moe=_checked_moe(cfg, arch),
             partial_rotary_factor=partial,
+            mla=mla,
         )
 
     @classmethod
@@ -228,3 +247,90 @@ def check_model_folder(path: str | Path) -> Path:
                 "pass a Hugging Face model folder (config.json, tokenizer files, *.safetensors)")
         raise FileNotFoundError(f"--model {text}: no such folder; pd-cluster loads local folders only: {hint}")
     return folder
+
+
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-AI, "DeepSeek-V2", 2024, sec. 2.1): one layer's shapes.
+
+    Each token caches one latent of `latent_dim` = ``kv_lora_rank + qk_rope_head_dim`` values per layer
+    (576 for DeepSeek-V3): the normalised compressed KV ``c`` and the shared RoPE key ``k_pe``.
+
+    Attributes:
+        kv_lora_rank: width of the compressed KV ``c`` (512 in V2/V3).
+        q_lora_rank: width of the compressed query, or None: the query is one projection (V2-Lite).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per head, the query/key part without RoPE, the part
+            with RoPE (shared by all heads on the key side), and the value.
+        rope_interleave: the checkpoint's RoPE dimensions are interleaved pairs ``(x0, x1), (x2, x3), ...``
+            (DeepSeek's layout: V2 always; V3 unless ``rope_interleave`` is false). The loader permutes those
+            weight rows into the rotate-half order once, so the engine's one RoPE op serves both.
+        softmax_scale: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` with YaRN
+            (DeepSeek's and transformers' ``yarn_apply_mscale``).
+    """
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def num_params(self, hidden: int, heads: int) -> int:
+        """Parameters of one attention layer: q (direct or low-rank with its norm), kv_a, its norm, kv_b, o."""
+        q_out = heads * self.qk_head_dim
+        q = hidden * q_out if self.q_lora_rank is None else \
+            hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_out
+        kv = hidden * self.latent_dim + self.kv_lora_rank + \
+            self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * hidden
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], arch: str, scaling: dict[str, Any] | None) -> "MLAConfig":
+        """Read a DeepSeek config (its keys that change the math were checked by `config_check.check_config`)."""
+        nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+        scale = (nope + rope) ** -0.5
+        if scaling and scaling.get("mscale_all_dim"):
+            m = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+            scale *= m * m
+        q_lora = cfg.get("q_lora_rank")
+        return cls(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(q_lora) if q_lora else None,
+                   qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(cfg["v_head_dim"]),
+                   rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
+                   softmax_scale=scale)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _checked_moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """`moe_from_hf`, None when it places no MoE layer (a DeepSeek config with ``first_k_dense_replace >=
+    num_hidden_layers`` is a dense model), refusing MoE layers of the architectures in
+    `ARCHITECTURES_WITHOUT_MOE_LAYER`.
+
+    Raises:
+        ValueError: there are some, named with the keys that place them.
+    """
+    moe = moe_from_hf(cfg, arch)
+    if moe is not None and not moe.moe_layers:
+        return None
+    if moe is not None and moe.moe_layers and arch in ARCHITECTURES_WITHOUT_MOE_LAYER:
+        raise ValueError(
+            f"{arch}: layers {moe.moe_layers[0]}..{moe.moe_layers[-1]} are mixture-of-experts layers "
+            f"(first_k_dense_replace={cfg.get('first_k_dense_replace')}, n_routed_experts="
+            f"{cfg.get('n_routed_experts')}), and this build has no MoE layer for this architecture yet; "
+            "checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) load")
+    return moe

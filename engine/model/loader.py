@@ -1,11 +1,15 @@
-"""Load a Llama-family HF checkpoint folder into `LlamaForCausalLM`.
+"""Load an HF checkpoint folder into `LlamaForCausalLM` (Llama family) or `DeepseekForCausalLM` (MLA).
 
 Reads ``config.json`` and ``*.safetensors`` (single file, or sharded with
 ``model.safetensors.index.json``). HF's separate q/k/v and gate/up tensors are
 copied into the model's fused matrices; experts, shared experts and Phi-3's
 pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
-ModelOpt), are returned for the KV pool. ``load_format="dummy"`` fills the
+ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
+A model class may name its own fused tensors (``FUSED``) and adapt a tensor
+(``checkpoint_tensor(name, tensor)``: DeepSeek's interleaved RoPE rows).
+Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
+are skipped, as transformers does. ``load_format="dummy"`` fills the
 weights with seeded random values instead (vLLM's ``--load-format dummy``).
 """
 
@@ -24,6 +28,7 @@ from safetensors import safe_open
 
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model import weight_map
+from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
 from pd_cluster.engine.model.llama import LlamaForCausalLM
 from pd_cluster.engine.model.rope import longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
@@ -39,9 +44,11 @@ _FUSED = {  # HF name part -> (fused name part, shard index)
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
-_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # column-parallel: split output rows
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",  # column-parallel: split output rows
+              "q_b_proj", "kv_b_proj")
 _COL_SPLIT = ("o_proj", "down_proj")                                 # row-parallel: split input columns
 _SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:(k|v)_proj\.output_scale|(k|v)_scale)$")
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -57,7 +64,7 @@ class LoadedModel:
         weights_nbytes: bytes of parameters.
     """
 
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | DeepseekForCausalLM
     arch: ArchConfig
     dtype: torch.dtype
     k_scales: list[float]
@@ -110,9 +117,11 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, ro
     return h.hexdigest()
 
 
-def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig,
+def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arch: ArchConfig,
                   tp: TPGroup, expert_parallel: bool = False) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
+    fused = getattr(model, "FUSED", _FUSED)
+    adapt = getattr(model, "checkpoint_tensor", None)
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
     loaded: set[str] = set()
@@ -126,10 +135,14 @@ def _load_tensors(model: LlamaForCausalLM, path: Path, arch: ArchConfig,
                     continue
                 if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
                     continue
+                layer = _LAYER_RE.match(hf_name)
+                if layer and int(layer.group(1)) >= arch.num_hidden_layers:
+                    continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
                 name = weight_map.canonical(hf_name.removeprefix("model."))
                 if weight_map.copy_special(params, name, f.get_slice(hf_name), arch, tp, expert_parallel, loaded):
                     continue
-                _copy(params, name, shard(name, f.get_slice(hf_name), tp), arch, tp, loaded)
+                tensor = shard(name, f.get_slice(hf_name), tp)
+                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded, fused)
     missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -158,11 +171,12 @@ def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str]) -> None:
+def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str],
+          fused_names: dict = _FUSED) -> None:
     parts = name.split(".")
     for i, part in enumerate(parts):
-        if part in _FUSED:
-            fused, index = _FUSED[part]
+        if part in fused_names:
+            fused, index = fused_names[part]
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
             param = params[target]
             if fused == "qkv_proj":
@@ -181,7 +195,7 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
     loaded.add(name)
 
 
-def _init_dummy(model: LlamaForCausalLM, seed: int, device: torch.device) -> None:
+def _init_dummy(model: LlamaForCausalLM | DeepseekForCausalLM, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -216,7 +230,8 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(arch, tp, expert_parallel, context_length)
+        model = (DeepseekForCausalLM(arch, tp, expert_parallel) if arch.mla is not None
+                 else LlamaForCausalLM(arch, tp, expert_parallel, context_length))
     model.rope.inv_freq = model.rope.inv_freq.float()  # RoPE frequencies stay float32
     if load_format == "dummy":
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
@@ -233,7 +248,13 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
                     rope[9:], context_length or arch.max_position_embeddings,
                     scaling["original_max_position_embeddings"])
     identity = model_identity(folder, arch, load_format, seed, rope)
-    logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
-                arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
-                arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+    if arch.mla is not None:
+        logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, MLA latent=%d (kv_lora_rank %d"
+                    " + qk_rope_head_dim %d), heads=%d", arch.architecture, str(dtype).removeprefix("torch."),
+                    nbytes / 2**20, arch.num_hidden_layers, arch.mla.latent_dim, arch.mla.kv_lora_rank,
+                    arch.mla.qk_rope_head_dim, arch.num_attention_heads)
+    else:
+        logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
+                    arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
+                    arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
     return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes)

@@ -74,13 +74,15 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         verdict += "; NOT SERVABLE by this engine"
     flops = prefill_flops(s, n)
     served_arch = next((a for a in s.architectures if a in SUPPORTED_ARCHITECTURES), "")
+    kv_shape = (f"MLA latent {s.mla_latent_dim} (kv_lora_rank {s.kv_lora_rank} + qk_rope_head_dim "
+                f"{s.qk_rope_head_dim})" if s.is_mla else f"{s.num_kv_heads} KV heads x {s.head_dim}")
     params = f"{s.num_params() / 1e9:.2f}B params"
     if s.num_experts:
         params += (f" ({s.active_params() / 1e9:.2f}B active: {s.experts_per_token} of {s.num_experts} experts"
                    f"{f' + {s.shared_experts} shared' if s.shared_experts else ''} in {s.moe_layers} MoE layers)")
     rows = [
         ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} chunked), "
-                  f"{s.num_kv_heads} KV heads x {s.head_dim}, {params}"),
+                  f"{kv_shape}, {params}"),
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
                        f"weights {inp.weight_dtype}, page_size {inp.page_size}"),
@@ -88,8 +90,9 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
          f"yes ({served_arch}, rope {rope_type(s)})"),
         ("model context limit", f"{limit.tokens:,} tokens ({limit.derivation})"),
         ("KV bytes/token (model)", f"{plan.kv_bytes_per_token:,} B"),
-        ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ({plan.kv_heads_per_gpu} KV head(s)"
-                                     f" x {s.global_layers} global layers)"),
+        ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ("
+                                     + (f"one latent x {s.global_layers} layers, the same on every GPU)" if s.is_mla
+                                        else f"{plan.kv_heads_per_gpu} KV head(s) x {s.global_layers} global layers)")),
         ("weights per GPU", _gib(plan.weights_per_gpu)),
         ("KV pool per GPU", _gib(plan.pool_per_gpu)),
         ("pool tokens per GPU / instance", f"{plan.tokens_per_instance:,}"),

@@ -49,8 +49,8 @@ class Plan:
 
     spec: ModelSpec
     inp: PlanInput
-    kv_heads_per_gpu: int
-    kv_bytes_per_token: int          # whole model, all layers, K and V
+    kv_heads_per_gpu: int            # MLA: 1 (the latent, on every GPU)
+    kv_bytes_per_token: int          # whole model, all layers, K and V (MLA: the latent)
     kv_bytes_per_token_per_gpu: int  # global layers only, this GPU's heads
     local_kv_bytes_per_gpu: int      # chunked-attention layers at a full chunk
     weights_per_gpu: int
@@ -103,7 +103,10 @@ def make_plan(spec: ModelSpec, inp: PlanInput) -> Plan:
     # KV heads split across TP ranks; with more ranks than KV heads each rank keeps one (replicated).
     heads_per_gpu = max(spec.num_kv_heads // inp.tp_size, 1)
     per_layer_token = spec.head_dim * 2 * kvb
-    kv_total = spec.num_layers * spec.num_kv_heads * per_layer_token
+    kv_heads = spec.num_kv_heads
+    if spec.is_mla:  # one latent per token per layer, the same on every TP rank (it cannot be split by heads)
+        heads_per_gpu, kv_heads, per_layer_token = 1, 1, spec.mla_latent_dim * kvb
+    kv_total = spec.num_layers * kv_heads * per_layer_token
     kv_gpu = spec.global_layers * heads_per_gpu * per_layer_token
     local_gpu = spec.local_layers * heads_per_gpu * per_layer_token * (spec.attention_chunk_size or 0)
     weights = spec.num_params() * WEIGHT_BYTES[inp.weight_dtype] // inp.tp_size

@@ -4,7 +4,10 @@ Torch-free. Handles dense Llama-family configs, the mixtures of experts the
 engine reads (Mixtral, Qwen3-MoE, DeepSeek's expert counts: `moe_config.moe_from_hf`)
 and Llama 4's, with chunked ("local") attention layers, whose KV never exceeds one
 chunk (``attention_chunk_size``); every ``no_rope_layer_interval``-th layer
-attends globally (Meta's iRoPE design).
+attends globally (Meta's iRoPE design). DeepSeek-V2/V3 (and Kimi K2): multi-head
+latent attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim``
+values per token per layer, and routed plus shared experts from
+``first_k_dense_replace`` on.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class ModelSpec:
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
         refusal: why the engine's loader (`ArchConfig.from_dict`) refuses this config, None when it loads.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
+            attention's shape (0 when the model has K and V per head; ``q_lora_rank`` 0: a direct query).
     """
 
     name: str
@@ -56,9 +61,29 @@ class ModelSpec:
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     refusal: str | None = field(default=None, compare=False)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """Values cached per token per layer under MLA (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     def _attention_params(self) -> int:
         h = self.hidden_size
+        if self.is_mla:  # q (direct, or low-rank with its norm), kv_a, its norm, kv_b, o
+            q_out = self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+            q = h * q_out if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank * (1 + q_out)
+            kv = h * self.mla_latent_dim + self.kv_lora_rank * (1 + self.num_heads * (self.qk_nope_head_dim
+                                                                                      + self.v_head_dim))
+            return q + kv + self.num_heads * self.v_head_dim * h
         return h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
 
     def active_params_per_token(self) -> int:
@@ -75,7 +100,7 @@ class ModelSpec:
     def num_params(self) -> int:
         """Parameters of the language model (embeddings, attention, MLP/experts, norms, head)."""
         h = self.hidden_size
-        attn = h * self.head_dim * (self.num_heads + 2 * self.num_kv_heads) + self.num_heads * self.head_dim * h
+        attn = self._attention_params()
         dense_mlp = 3 * h * self.intermediate_size
         moe_mlp = (self.num_experts + self.shared_experts) * 3 * h * self.expert_intermediate_size \
             + h * self.num_experts
@@ -122,12 +147,12 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     interval = cfg.get("no_rope_layer_interval")
     global_layers = layers if not (chunk and interval) else layers // int(interval)
     moe, refusal = _engine_view(cfg, architectures)
+    if cfg.get("kv_lora_rank"):
+        return _deepseek_spec(cfg, name, architectures, scaling, moe, refusal)
     experts = int(cfg.get("num_local_experts", 0) or 0)  # Llama 4 (the engine does not load it)
     moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
     if moe is not None:
-        moe_fields = dict(num_experts=moe.num_experts, expert_intermediate_size=moe.intermediate_size,
-                          shared_experts=moe.shared_intermediate_size // moe.intermediate_size,
-                          moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
+        moe_fields = _moe_fields(moe)
     else:
         moe_fields = dict(num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
                           shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
@@ -145,6 +170,15 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         refusal=refusal)
 
 
+def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
+    """`ModelSpec`'s MoE fields from the engine's reading of the config (all 0 for a dense model)."""
+    if moe is None or not moe.moe_layers:
+        return dict(num_experts=0, expert_intermediate_size=0, shared_experts=0, moe_layers=0, experts_per_token=0)
+    return dict(num_experts=moe.num_experts, expert_intermediate_size=moe.intermediate_size,
+                shared_experts=moe.shared_intermediate_size // moe.intermediate_size,
+                moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
+
+
 def _engine_view(cfg: dict, architectures: tuple[str, ...]) -> tuple[MoEConfig | None, str | None]:
     """The MoE part as the engine reads it, and the engine loader's refusal of the config (None: it loads)."""
     moe = None
@@ -160,3 +194,23 @@ def _engine_view(cfg: dict, architectures: tuple[str, ...]) -> tuple[MoEConfig |
     except (ValueError, KeyError) as e:
         return moe, str(e)
     return moe, None
+
+
+def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling: Any, moe: MoEConfig | None,
+                   refusal: str | None) -> ModelSpec:
+    """DeepSeek-V2/V3 (and Kimi K2): MLA, and routed experts in layers ``i >= first_k_dense_replace`` with
+    ``i % moe_layer_freq == 0`` (`moe_from_hf`). The multi-token-prediction layers
+    (``num_nextn_predict_layers``) are left out: the engine does not load them (nor does transformers)."""
+    heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    return ModelSpec(
+        name=name, hidden_size=int(cfg["hidden_size"]), num_layers=layers, num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), vocab_size=int(cfg["vocab_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), global_layers=layers,
+        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
+        refusal=refusal, **_moe_fields(moe),
+        kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]))

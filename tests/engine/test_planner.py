@@ -137,7 +137,7 @@ def test_planner_agrees_with_the_engines_loader():
         if unsupported_reason(load_spec(name)) is None:
             ArchConfig.from_dict(cfg)
         else:
-            with pytest.raises(ValueError, match="unsupported architectures"):
+            with pytest.raises(ValueError, match="unsupported architectures|mixture-of-experts layers|is not implemented"):
                 ArchConfig.from_dict(cfg)
 
 
@@ -239,3 +239,40 @@ def test_host_tier_capacity_by_hand(capsys):
     assert "BEYOND the node's 1,024.00 GiB" in out
     main(["--model", "llama-3.1-8b"])
     assert "host tier tokens" not in capsys.readouterr().out
+
+
+def test_deepseek_v3_mla_bytes_and_parameters_by_hand(capsys):
+    spec = load_spec("deepseek-v3")
+    fp8 = make_plan(spec, PlanInput(tp_size=8, kv_cache_dtype="fp8_e4m3"))
+    assert fp8.kv_bytes_per_token == 61 * 576 == 35_136  # one latent (512 + 64) per layer, not K and V per head
+    assert fp8.kv_bytes_per_token_per_gpu == 35_136 and fp8.kv_heads_per_gpu == 1  # the same on every TP rank
+    assert make_plan(spec, PlanInput(kv_cache_dtype="bf16")).kv_bytes_per_token == 61 * 576 * 2
+    # attention per layer: q_a 7168x1536 (+ norm), q_b 1536x128x192, kv_a 7168x576 (+ norm), kv_b 512x128x256,
+    # o 128x128x7168; 3 dense MLPs of 18432; 58 MoE layers of 256 + 1 shared experts of 2048 and a 256-way router
+    attn = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    moe = (256 + 1) * 3 * 7168 * 2048 + 7168 * 256
+    total = 2 * 129280 * 7168 + 61 * (attn + 2 * 7168) + 3 * 3 * 7168 * 18432 + 58 * moe + 7168
+    assert spec.num_params() == total and abs(total - 671e9) < 1e9  # DeepSeek's 671B (the MTP module aside)
+    active = 61 * (attn + 2 * 7168) + 3 * 3 * 7168 * 18432 + 58 * ((8 + 1) * 3 * 7168 * 2048 + 7168 * 256)
+    assert spec.active_params_per_token() == active  # 35.7B: DeepSeek's 37B with the embeddings and LM head
+    text = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
+    assert spec.active_params() == total - 58 * (256 - 8) * 3 * 7168 * 2048  # with the embeddings and LM head
+    assert "MLA latent 576" in _row(text, "model")
+    assert "37.55B active: 8 of 256 experts + 1 shared in 58 MoE layers" in _row(text, "model")
+    assert _row(text, "KV bytes/token (model)").endswith("35,136 B")
+
+
+def test_deepseek_engine_support_follows_its_moe_layers(capsys):
+    """The engine loads DeepSeek configs whose layers are all dense; the MoE layers it has none for are named."""
+    from pd_cluster.engine.model.arch import ARCHITECTURES_WITHOUT_MOE_LAYER, ArchConfig
+
+    cfg = json.loads(BUNDLED["deepseek-v3"].read_text())
+    reason = unsupported_reason(spec_from_config(cfg, "deepseek-v3"))
+    if "DeepseekV3ForCausalLM" in ARCHITECTURES_WITHOUT_MOE_LAYER:
+        assert "no mixture-of-experts layer for DeepseekV3ForCausalLM" in reason and "58 MoE layers" in reason
+    else:
+        assert reason is None
+    dense = {**cfg, "first_k_dense_replace": 61}
+    del dense["quantization_config"]  # block-FP8 weights: refused by config_check on their own
+    assert unsupported_reason(spec_from_config(dense, "dense")) is None
+    ArchConfig.from_dict(dense)  # the engine's loader agrees

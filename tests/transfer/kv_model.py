@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.attention.mla import MLAAttentionBackend, TorchMLABackend
 from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
 from pd_cluster.engine.batch import build_forward_batch
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
@@ -25,7 +26,7 @@ class ModelPool:
 
     lm: LoadedModel
     pool: KVPool
-    backend: TorchAttentionBackend
+    backend: TorchAttentionBackend | MLAAttentionBackend
 
     @property
     def page_size(self) -> int:
@@ -43,6 +44,13 @@ def make(kv_cache_dtype: str, page_size: int, num_pages: int, model: str | None 
     a = lm.arch
     fp8 = kv_cache_dtype == "fp8_e4m3"
     ones = (1.0,) * a.num_hidden_layers
+    if a.mla is not None:  # DeepSeek: a latent pool and the torch MLA backend
+        m = a.mla
+        layout = KVLayout(a.num_hidden_layers, 1, m.latent_dim, page_size, kv_cache_dtype,
+                          tuple(lm.k_scales) if fp8 else ones, ones, kv_format="mla")
+        backend = TorchMLABackend(a.num_attention_heads, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
+                                  m.v_head_dim, m.softmax_scale)
+        return ModelPool(lm, KVPool(layout, num_pages, device, torch.float32), backend)
     layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, page_size, kv_cache_dtype,
                       tuple(lm.k_scales) if fp8 else ones, tuple(lm.v_scales) if fp8 else ones)
     pool = KVPool(layout, num_pages, device, torch.float32)

@@ -251,3 +251,11 @@ def test_ucx_protocol_tables_are_parsed():
 [1.3] [vm:1:0]   | 0..inf | zero-copy   | cma/memory  |
 """
     assert put_protocols(text) == ["0..inf bytes: zero-copy over cma/memory (init intra-node cfg#1)"]
+
+
+def test_kv_format_mismatch_is_fatal_and_an_unnamed_format_is_mha():
+    assert compare(info("p-h-1-tp0-a"), info(kv_format="mha")) == []  # an older peer names no format
+    ms = compare(info("p-h-1-tp0-a"), info(kv_format="mla"))
+    assert [(m.field, m.convertible) for m in ms] == [("kv_format", False)]
+    with pytest.raises(LayoutMismatchError, match="kv_format: local='mha' remote='mla'"):
+        check_compatible(info("p-h-1-tp0-a"), info(kv_format="mla"))
