@@ -60,7 +60,7 @@ class LLMEngine:
         self.role = config.role
         self.tp_driver = None
         if config.parallel.tp_size > 1:
-            check_tp_size(config.model.path, config.parallel.tp_size)
+            check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel)
             self.tp_driver = TPDriver(config)
         try:
             self._build(config)

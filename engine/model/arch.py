@@ -35,11 +35,6 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
-# Architectures whose mixture-of-experts layers this build cannot construct yet: a config of theirs that has
-# MoE layers is refused by name (`ArchConfig.from_dict`, and pd-plan's "engine support"); one whose layers are
-# all dense (``first_k_dense_replace >= num_hidden_layers``) loads.
-ARCHITECTURES_WITHOUT_MOE_LAYER = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
-
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -214,7 +209,7 @@ class ArchConfig:
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            moe=_checked_moe(cfg, arch),
+            moe=_moe(cfg, arch),
             partial_rotary_factor=partial,
             mla=mla,
         )
@@ -316,21 +311,8 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _checked_moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
-    """`moe_from_hf`, None when it places no MoE layer (a DeepSeek config with ``first_k_dense_replace >=
-    num_hidden_layers`` is a dense model), refusing MoE layers of the architectures in
-    `ARCHITECTURES_WITHOUT_MOE_LAYER`.
-
-    Raises:
-        ValueError: there are some, named with the keys that place them.
-    """
+def _moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """`moe_from_hf`, or None when it places no MoE layer (a DeepSeek config with ``first_k_dense_replace >=
+    num_hidden_layers`` is a dense model: its unused expert widths are not checked against the TP size)."""
     moe = moe_from_hf(cfg, arch)
-    if moe is not None and not moe.moe_layers:
-        return None
-    if moe is not None and moe.moe_layers and arch in ARCHITECTURES_WITHOUT_MOE_LAYER:
-        raise ValueError(
-            f"{arch}: layers {moe.moe_layers[0]}..{moe.moe_layers[-1]} are mixture-of-experts layers "
-            f"(first_k_dense_replace={cfg.get('first_k_dense_replace')}, n_routed_experts="
-            f"{cfg.get('n_routed_experts')}), and this build has no MoE layer for this architecture yet; "
-            "checkpoints whose layers are all dense (first_k_dense_replace >= num_hidden_layers) load")
-    return moe
+    return moe if moe is not None and moe.moe_layers else None

@@ -1,16 +1,22 @@
 """DeepSeek-V2/V3 decoder (and Kimi K2's shape) with multi-head latent attention over a latent KV pool.
 
 Follows transformers' ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``:
-pre-norm RMSNorm blocks, MLA attention (`MLAAttention`), SwiGLU MLPs, an
-untied or tied LM head. The attention caches one latent per token per layer
+pre-norm RMSNorm blocks, MLA attention (`MLAAttention`), dense SwiGLU or
+mixture-of-experts MLPs, an untied or tied LM head. The attention caches one latent per token per layer
 (`pd_cluster.engine.kv.pool`, kv_format ``mla``) and runs through an
 `MLAAttentionBackend`: expanded for prefill chunks, absorbed for decodes
 (`pd_cluster.engine.attention.mla`).
 
-The MLP of each layer comes from `build_mlp`: dense SwiGLU for the layers
-before ``first_k_dense_replace`` (and for every layer of a config without
-routed experts); a mixture-of-experts layer plugs in there for the others.
-Until one does, `ArchConfig` refuses configs that have MoE layers, by name.
+The MLP of each layer comes from `build_mlp`: dense SwiGLU (``intermediate_size``)
+for the layers before ``first_k_dense_replace`` (and for every layer of a config
+without routed experts), and the shared MoE block `pd_cluster.engine.model.moe.SparseMoE`
+for the others (``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0``, as
+DeepSeek's reference code and vLLM place them; transformers 5.24 ignores
+``moe_layer_freq``, which is 1 in every released checkpoint). Its routing is
+`moe_config.moe_from_hf`'s: DeepSeek-V2's softmax with greedy or group-limited
+top-k, DeepSeek-V3's sigmoid scores with ``e_score_correction_bias`` and the
+grouped top-k (``n_group``, ``topk_group``), ``routed_scaling_factor``, and the
+shared experts every token goes through.
 
 RoPE: DeepSeek checkpoints lay the rotary dimensions out in interleaved pairs.
 The loader permutes those rows of ``q_proj``/``q_b_proj`` and
@@ -24,6 +30,9 @@ query projections (``q_proj`` or ``q_b_proj``), ``kv_b_proj`` and the MLP's
 gate/up are cut by output rows (heads), ``o_proj`` and ``down_proj`` by input
 columns with an all-reduce after them; ``q_a_proj``, ``kv_a_proj_with_mqa`` and
 their norms are replicated, so every rank computes and caches the same latent.
+MoE layers split each expert's width (and the shared experts'), or with expert
+parallelism hold ``n_routed_experts / tp`` whole experts per rank; the router is
+replicated (`pd_cluster.engine.model.moe`).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.llama import MLP, RMSNorm
+from pd_cluster.engine.model.moe import SparseMoE
 from pd_cluster.engine.model.rope import RotaryEmbedding
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
@@ -78,27 +88,27 @@ class MLAAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out))
 
 
-def build_mlp(cfg: ArchConfig, layer: int, tp: TPGroup) -> nn.Module:
-    """The MLP of `layer`: dense SwiGLU (``intermediate_size``). This is where a mixture-of-experts layer plugs
-    in for the layers where ``cfg.is_moe_layer``.
+def build_mlp(cfg: ArchConfig, layer: int, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
+    """The MLP of `layer`: a `SparseMoE` block (routed experts of ``moe_intermediate_size`` plus the shared
+    experts) where ``cfg.is_moe_layer(layer)``, else dense SwiGLU of ``intermediate_size``.
 
     Raises:
-        ValueError: `layer` is a MoE layer (`ArchConfig.from_dict` refuses such configs first, by name).
+        ValueError: the TP size does not divide the expert width (or, with `expert_parallel`, their count).
     """
-    if cfg.is_moe_layer(layer):
-        raise ValueError(f"{cfg.architecture}: layer {layer} is a mixture-of-experts layer; this build has none")
+    if cfg.moe is not None and cfg.is_moe_layer(layer):
+        return SparseMoE(cfg.hidden_size, cfg.moe, tp, expert_parallel)
     return MLP(cfg, tp)
 
 
 class DeepseekDecoderLayer(nn.Module):
     """Pre-norm block carrying the residual stream separately, like `llama.DecoderLayer`."""
 
-    def __init__(self, cfg: ArchConfig, layer: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg, layer, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = build_mlp(cfg, layer, tp)
+        self.mlp = build_mlp(cfg, layer, tp, expert_parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, pool: KVPool, backend: MLAAttentionBackend
@@ -118,14 +128,17 @@ class DeepseekForCausalLM(nn.Module):
     Args:
         cfg: the architecture (``cfg.mla`` set).
         tp: the tensor-parallel group.
+        expert_parallel: MoE layers hold whole experts, ``n_routed_experts / tp.size`` per rank, instead of a
+            slice of each.
 
     `forward(batch, pool, backend)` returns logits [len(batch.logits_indices), vocab_size] in float32.
 
     Raises:
-        ValueError: the TP size does not divide the heads or the MLP width.
+        ValueError: the TP size does not divide the heads, the MLP widths or the experts (`ArchConfig.check_tp`).
     """
 
-    # HF name part -> (fused name part, shard index): only the dense MLP's gate/up are fused
+    # HF name part -> (fused name part, shard index): only the dense MLP's gate/up are fused here (the experts'
+    # and shared experts' go through weight_map)
     FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
@@ -137,7 +150,8 @@ class DeepseekForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rope = RotaryEmbedding(cfg.mla.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     cfg.max_position_embeddings)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -4,8 +4,7 @@ context the model was trained for, and how long one long prefill takes.
 - **Engine support.** The engine's loader (`engine/model/arch.py`) accepts only the architectures
   in ``SUPPORTED_ARCHITECTURES``, its RoPE (`engine/model/rope.py`) only the scaling types in
   `SUPPORTED_ROPE_TYPES`, and refuses any config key it would not honour
-  (`engine/model/config_check.py`) and the MoE layers of the architectures in
-  ``ARCHITECTURES_WITHOUT_MOE_LAYER``; the planner asks the loader's own check (`ModelSpec.refusal`).
+  (`engine/model/config_check.py`); the planner asks the loader's own check (`ModelSpec.refusal`).
 - **Context limit.** As vLLM derives ``max_model_len`` (``_get_and_verify_max_len``):
   ``max_position_embeddings``, times the RoPE ``factor`` for ``linear`` and ``dynamic`` scaling;
   for ``yarn``, ``original_max_position_embeddings * factor``; ``llama3`` (and ``longrope``)
@@ -22,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_cluster.engine.model.arch import ARCHITECTURES_WITHOUT_MOE_LAYER, SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
 from pd_cluster.engine.model.config_check import ROPE_TYPES
 from pd_cluster.engine.planner.spec import ModelSpec
 
@@ -39,10 +38,6 @@ def unsupported_reason(spec: ModelSpec) -> str | None:
     if not any(a in SUPPORTED_ARCHITECTURES for a in spec.architectures):
         names = ", ".join(spec.architectures) or "no `architectures` in config.json"
         return (f"the engine cannot serve {names} (it loads {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
-    no_moe = [a for a in spec.architectures if a in ARCHITECTURES_WITHOUT_MOE_LAYER]
-    if spec.moe_layers and no_moe:
-        return (f"the engine has no mixture-of-experts layer for {no_moe[0]} yet ({spec.moe_layers} MoE layers); "
-                "its configs whose layers are all dense load")
     kind = rope_type(spec)
     if kind not in SUPPORTED_ROPE_TYPES and not (kind == "su" and "Phi3ForCausalLM" in spec.architectures):
         return f"the engine cannot apply rope_scaling type {kind!r} (it has {', '.join(SUPPORTED_ROPE_TYPES)})"

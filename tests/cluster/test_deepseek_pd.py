@@ -1,5 +1,6 @@
-"""Acceptance: `pd-serve` at 1P1D serves a tiny DeepSeek-V3 (MLA, q_lora_rank, YaRN with mscale) built with
-transformers: the prefill worker pushes latent pages over NIXL, and the real `openai` client gets transformers'
+"""Acceptance: `pd-serve` at 1P1D serves a tiny DeepSeek-V3 (MLA, q_lora_rank, YaRN with mscale; a dense layer then
+a MoE layer: sigmoid routing with e_score_correction_bias, grouped top-k, routed_scaling_factor, a shared expert)
+built with transformers: the prefill worker pushes latent pages over NIXL, and the real `openai` client gets transformers'
 greedy tokens (full recompute) for every prompt; a repeated prompt's pages come from decode's own prefix cache
 (latent pages are pages like any other); no page leaks on either side.
 

@@ -1,5 +1,7 @@
-"""Acceptance: tiny random DeepSeek-V2 (no q_lora_rank) and DeepSeek-V3 (q_lora_rank, YaRN with mscale)
-checkpoints built with transformers give transformers' greedy tokens, over a latent KV pool.
+"""Acceptance: tiny random DeepSeek-V2 (no q_lora_rank; softmax, group-limited greedy routing) and DeepSeek-V3
+(q_lora_rank, YaRN with mscale; sigmoid routing with e_score_correction_bias, grouped top-k, routed_scaling_factor,
+a shared expert) checkpoints built with transformers, a dense layer then MoE layers (`deepseek_models`), give
+transformers' greedy tokens, over a latent KV pool.
 
 The reference is transformers' own greedy loop by full recompute (no cache).
 Prefill runs MLA's expanded form, decode its absorbed form; chunked prefill and
@@ -77,6 +79,23 @@ def test_greedy_equals_transformers(checkpoint, engine_args):
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_these_checkpoints_tokens_depend_on_the_routing_details(family, tmp_path):
+    """The greedy tests can fail: without the group limit (and V3's correction bias) transformers' own tokens
+    change, and the engine's layers 1.. are MoE blocks."""
+    hf = build(family, tmp_path)
+    ids = prompt_ids(PROMPTS[0])
+    ref = hf_greedy_recompute(hf, ids, MAX_NEW)
+    for layer in hf.model.layers[1:]:
+        layer.mlp.gate.topk_group = layer.mlp.gate.num_group
+        if hasattr(layer.mlp.gate, "e_score_correction_bias"):
+            assert layer.mlp.gate.e_score_correction_bias.abs().min() > 0
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    assert hf_greedy_recompute(hf, ids, MAX_NEW) != ref
+    layers = load_model(str(tmp_path)).model.layers
+    assert [type(layer.mlp).__name__ for layer in layers] == ["MLP"] + ["SparseMoE"] * (len(layers) - 1)
+
+
 def test_one_at_a_time_and_prefix_cache_hits_on_latent_pages(checkpoint):
     _, path, _, refs = checkpoint
     llm = LLM(str(path), kv_cache_dtype="fp32", page_size=4)
@@ -130,7 +149,8 @@ def test_fp8_greedy_agreement_reported(checkpoint, capsys):
 
 
 @pytest.mark.parametrize("key,value,needle", [
-    ("first_k_dense_replace", 1, "layers 1..1 are mixture-of-experts layers"),
+    ("topk_method", "sinkhorn", "unsupported topk_method 'sinkhorn'"),
+    ("scoring_func", "softmax", "topk_method 'noaux_tc' with scoring_func 'softmax' is not implemented"),
     ("hidden_act", "gelu", "hidden_act='gelu' is not implemented"),
     ("attention_bias", True, "attention_bias=True is not implemented (DeepseekV3ForCausalLM without attention"),
     ("mlp_bias", True, "mlp_bias=True is not implemented"),

@@ -262,17 +262,16 @@ def test_deepseek_v3_mla_bytes_and_parameters_by_hand(capsys):
     assert _row(text, "KV bytes/token (model)").endswith("35,136 B")
 
 
-def test_deepseek_engine_support_follows_its_moe_layers(capsys):
-    """The engine loads DeepSeek configs whose layers are all dense; the MoE layers it has none for are named."""
-    from pd_cluster.engine.model.arch import ARCHITECTURES_WITHOUT_MOE_LAYER, ArchConfig
+def test_deepseek_engine_support_covers_its_moe_layers():
+    """DeepSeek configs with MoE layers (and all-dense ones) load in the engine, and the planner agrees."""
+    from pd_cluster.engine.model.arch import ArchConfig
 
     cfg = json.loads(BUNDLED["deepseek-v3"].read_text())
-    reason = unsupported_reason(spec_from_config(cfg, "deepseek-v3"))
-    if "DeepseekV3ForCausalLM" in ARCHITECTURES_WITHOUT_MOE_LAYER:
-        assert "no mixture-of-experts layer for DeepseekV3ForCausalLM" in reason and "58 MoE layers" in reason
-    else:
-        assert reason is None
+    del cfg["quantization_config"]  # the same model in bf16
+    assert unsupported_reason(spec_from_config(cfg, "deepseek-v3-bf16")) is None
+    arch = ArchConfig.from_dict(cfg)
+    assert arch.moe.moe_layers == tuple(range(3, 61)) and arch.moe.routing.e_score_correction_bias
+    assert arch.num_params() == load_spec("deepseek-v3").num_params() + 58 * 256  # + the correction biases
     dense = {**cfg, "first_k_dense_replace": 61}
-    del dense["quantization_config"]  # block-FP8 weights: refused by config_check on their own
     assert unsupported_reason(spec_from_config(dense, "dense")) is None
-    ArchConfig.from_dict(dense)  # the engine's loader agrees
+    assert ArchConfig.from_dict(dense).moe is None  # no MoE layer placed: a dense model
