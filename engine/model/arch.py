@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_cluster.engine.model.config_check import check_config, layer_windows, rope_dict
+from pd_cluster.engine.model.config_check import check_config, fp8_weight_block, layer_windows, rope_dict
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
 
 SUPPORTED_ARCHITECTURES = {
@@ -51,6 +51,8 @@ class ArchConfig:
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
         moe: the mixture-of-experts layers (`MoEConfig`), None for a dense model.
         partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
+        fp8_weight_block: the checkpoint's linear weights are block-quantised FP8 in blocks of this
+            (rows, columns), dequantised on load (`fp8_weights`); None for unquantised weights.
     """
 
     architecture: str
@@ -75,6 +77,7 @@ class ArchConfig:
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None
+    fp8_weight_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -212,6 +215,7 @@ class ArchConfig:
             moe=_moe(cfg, arch),
             partial_rotary_factor=partial,
             mla=mla,
+            fp8_weight_block=_fp8_weight_block(cfg),
         )
 
     @classmethod
@@ -309,6 +313,11 @@ class MLAConfig:
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _fp8_weight_block(cfg: dict[str, Any]) -> tuple[int, int] | None:
+    quant = cfg.get("quantization_config")
+    return fp8_weight_block(quant) if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
 
 
 def _moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:

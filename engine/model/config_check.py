@@ -21,7 +21,8 @@ from typing import Any
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 PHI3_ROPE_TYPES = ("default", "longrope", "su", "yarn")  # Phi3Config renames su and yarn to longrope
-QUANT_METHODS: tuple[str, ...] = ()  # weight quantisation schemes the loader dequantises (none yet)
+# Weight quantisation schemes the loader dequantises: block-FP8 (DeepSeek-V3's format; `fp8_weights`)
+QUANT_METHODS: tuple[str, ...] = ("fp8",)
 
 # Keys of other model families that change the math, none implemented: refused when set (not None),
 # when true, or when a multiplier other than 1.
@@ -137,3 +138,26 @@ def _quantization(cfg: dict[str, Any]) -> None:
     if method not in QUANT_METHODS and not kv_only:
         raise refuse("quantization_config.quant_method", method,
                      "unquantised weights" + (f" or {', '.join(QUANT_METHODS)}" if QUANT_METHODS else ""))
+    if method == "fp8":
+        fp8_weight_block(quant)
+
+
+def fp8_weight_block(quant: dict[str, Any]) -> tuple[int, int]:
+    """The ``weight_block_size`` of a ``quant_method: fp8`` config (block-quantised E4M3 weights with
+    ``weight_scale_inv``, dequantised on load by `pd_cluster.engine.model.fp8_weights`).
+
+    Raises:
+        ValueError: a per-tensor FP8 config (no ``weight_block_size``), another ``fmt`` than e4m3, or static
+            activation scales, named.
+    """
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                        for b in block)):
+        raise refuse("quantization_config.weight_block_size", block,
+                     "fp8 weights in blocks, [rows, columns] with a weight_scale_inv per block (DeepSeek-V3's)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise refuse("quantization_config.fmt", quant.get("fmt"), "e4m3 FP8 weights")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise refuse("quantization_config.activation_scheme", quant.get("activation_scheme"),
+                     "dynamic (the weights are dequantised; no static activation scales are applied)")
+    return int(block[0]), int(block[1])

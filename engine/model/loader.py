@@ -6,6 +6,8 @@ copied into the model's fused matrices; experts, shared experts and Phi-3's
 pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
+Block-quantised FP8 weights (``quant_method: fp8``, ``weight_scale_inv``: DeepSeek-V3's
+release) are dequantised into the model's dtype as they are read (`pd_cluster.engine.model.fp8_weights`).
 A model class may name its own fused tensors (``FUSED``) and adapt a tensor
 (``checkpoint_tensor(name, tensor)``: DeepSeek's interleaved RoPE rows).
 Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
@@ -27,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from pd_cluster.engine.model.arch import ArchConfig
-from pd_cluster.engine.model import weight_map
+from pd_cluster.engine.model import fp8_weights, weight_map
 from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
 from pd_cluster.engine.model.llama import LlamaForCausalLM
 from pd_cluster.engine.model.rope import longrope_scaling
@@ -125,7 +127,9 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
     loaded: set[str] = set()
-    for file in _weight_files(path):
+    files = _weight_files(path)
+    scale_of = _tensor_reader(path, files)
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 m = _SCALE_RE.match(hf_name)
@@ -139,9 +143,10 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
                 if layer and int(layer.group(1)) >= arch.num_hidden_layers:
                     continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
                 name = weight_map.canonical(hf_name.removeprefix("model."))
-                if weight_map.copy_special(params, name, f.get_slice(hf_name), arch, tp, expert_parallel, loaded):
+                values = fp8_weights.block_fp8_slice(hf_name, f.get_slice(hf_name), scale_of, arch.fp8_weight_block)
+                if weight_map.copy_special(params, name, values, arch, tp, expert_parallel, loaded):
                     continue
-                tensor = shard(name, f.get_slice(hf_name), tp)
+                tensor = shard(name, values, tp)
                 _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded, fused)
     missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
@@ -149,6 +154,26 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
     return k_scales, v_scales
+
+
+def _tensor_reader(path: Path, files: list[Path]):
+    """``read(name)``: checkpoint tensor `name` from whichever file holds it, None when none does."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            where = {name: path / file for name, file in json.load(f)["weight_map"].items()}
+    else:
+        where = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                where.update(dict.fromkeys(f.keys(), file))
+
+    def read(name: str) -> torch.Tensor | None:
+        if name not in where:
+            return None
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+    return read
 
 
 def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:

@@ -87,7 +87,9 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
                        f"weights {inp.weight_dtype}, page_size {inp.page_size}"),
         ("engine support", f"NO: {refused}" if refused else
-         f"yes ({served_arch}, rope {rope_type(s)})"),
+         f"yes ({served_arch}, rope {rope_type(s)}"
+         + (f"; FP8 weights in {s.fp8_weight_block[0]}x{s.fp8_weight_block[1]} blocks, dequantised to the model "
+            "dtype on load" if s.fp8_weight_block else "") + ")"),
         ("model context limit", f"{limit.tokens:,} tokens ({limit.derivation})"),
         ("KV bytes/token (model)", f"{plan.kv_bytes_per_token:,} B"),
         ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ("

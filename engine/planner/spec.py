@@ -36,6 +36,8 @@ class ModelSpec:
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
         refusal: why the engine's loader (`ArchConfig.from_dict`) refuses this config, None when it loads.
+        fp8_weight_block: the checkpoint's weights are block-quantised FP8 (``weight_block_size``); the engine
+            dequantises them on load, so they take the ``--dtype`` bytes in memory.
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
             attention's shape (0 when the model has K and V per head; ``q_lora_rank`` 0: a direct query).
     """
@@ -61,6 +63,7 @@ class ModelSpec:
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     refusal: str | None = field(default=None, compare=False)
+    fp8_weight_block: tuple[int, int] | None = None
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -167,7 +170,13 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         global_layers=global_layers, local_layers=layers - global_layers,
         attention_chunk_size=int(chunk) if chunk and interval else None, **moe_fields,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal)
+        refusal=refusal, fp8_weight_block=_fp8_block(cfg))
+
+
+def _fp8_block(cfg: dict) -> tuple[int, int] | None:
+    quant = cfg.get("quantization_config")
+    block = quant.get("weight_block_size") if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
+    return (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
 
 
 def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
@@ -210,7 +219,7 @@ def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), global_layers=layers,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, **_moe_fields(moe),
+        refusal=refusal, fp8_weight_block=_fp8_block(cfg), **_moe_fields(moe),
         kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]))

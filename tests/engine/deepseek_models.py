@@ -103,3 +103,74 @@ class LatentDigest:
         import hashlib
 
         return hashlib.sha256(self.pool.read_pages(pages).numpy().tobytes()).hexdigest()
+
+
+# Linear weights DeepSeek-V3's FP8 release stores block-quantised: attention and MLP projections (experts and
+# shared experts too); the router (mlp.gate), norms, embeddings and the LM head stay as they are.
+def _is_fp8_weight(name: str) -> bool:
+    return ".layers." in name and name.endswith(("proj.weight", "proj_with_mqa.weight"))
+
+
+def write_block_fp8(src: Path, fp8_dir: Path, dequantized_dir: Path, block: tuple[int, int]) -> int:
+    """From the checkpoint in `src`, write the same model in DeepSeek-V3's block-FP8 format to `fp8_dir`
+    (``float8_e4m3fn`` weights, ``<name>_scale_inv`` float32 per `block`, ``quantization_config``) and its exact
+    dequantised values as an ordinary checkpoint to `dequantized_dir` (transformers' reference). Returns the
+    number of weights quantised.
+
+    Each block's scale is its max |w| / 448, so every block uses the FP8 range; the scale tensor sits in the
+    shard after its weight's (the index maps it), as a sharded release may place it.
+    """
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for out in (fp8_dir, dequantized_dir):
+        shutil.copytree(src, out)
+    index_path = fp8_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    files = sorted({f for f in index["weight_map"].values()})
+    count = 0
+    for i, file in enumerate(files):
+        tensors = load_file(str(src / file))
+        fp8, deq, scales = {}, {}, {}
+        for name, w in tensors.items():
+            if not _is_fp8_weight(name):
+                fp8[name] = deq[name] = w
+                continue
+            q, scale_inv = _quantize_blocks(w.float(), block)
+            fp8[name] = q
+            deq[name] = (q.float() * scale_inv.repeat_interleave(block[0], 0)[:w.shape[0]]
+                         .repeat_interleave(block[1], 1)[:, :w.shape[1]]).to(w.dtype)
+            scales[name + "_scale_inv"] = scale_inv
+            count += 1
+        target = files[(i + 1) % len(files)]  # the next shard holds this one's scales
+        save_file(fp8, str(fp8_dir / file), metadata={"format": "pt"})
+        save_file(deq, str(dequantized_dir / file), metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(scales, target))
+        extra = fp8_dir / f"scales-{target}"
+        save_file(scales, str(extra), metadata={"format": "pt"})
+    for file in files:  # merge each shard's incoming scales into it
+        extra = fp8_dir / f"scales-{file}"
+        merged = {**load_file(str(fp8_dir / file)), **load_file(str(extra))}
+        save_file(merged, str(fp8_dir / file), metadata={"format": "pt"})
+        extra.unlink()
+    index_path.write_text(json.dumps(index, indent=2))
+    cfg = json.loads((fp8_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return count
+
+
+def _quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] float32) with ``w ~ q * scale_inv``."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w
+    tiles = padded.view(rows, bn, cols, bk)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (tiles / scale[:, None, :, None]).clamp(-448, 448).view(rows * bn, cols * bk)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale

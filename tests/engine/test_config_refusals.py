@@ -20,7 +20,9 @@ REFUSED = [
     ("mlp_bias", True, "mlp_bias"),
     ("rope_parameters", {"rope_type": "mrope-new", "rope_theta": 10000.0}, "rope_type"),
     ("quantization_config", {"quant_method": "awq", "bits": 4}, "quant_method"),
-    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method"),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "activation_scheme"),
     ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
 ]
 

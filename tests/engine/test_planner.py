@@ -99,7 +99,7 @@ def test_llama_4_scout_is_marked_not_servable_naming_the_architecture(capsys):
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-72b", "mixtral-8x7b", "qwen3-30b-a3b",
-                                  "phi-3-mini-4k"])
+                                  "phi-3-mini-4k", "deepseek-v3"])
 def test_supported_models_say_so(name, capsys):
     assert unsupported_reason(load_spec(name)) is None
     assert _row(_render("--model", name, capsys=capsys), "engine support").split()[2] == "yes"
@@ -260,6 +260,9 @@ def test_deepseek_v3_mla_bytes_and_parameters_by_hand(capsys):
     assert "MLA latent 576" in _row(text, "model")
     assert "37.55B active: 8 of 256 experts + 1 shared in 58 MoE layers" in _row(text, "model")
     assert _row(text, "KV bytes/token (model)").endswith("35,136 B")
+    assert _row(text, "engine support").endswith("FP8 weights in 128x128 blocks, dequantised to the model dtype "
+                                                  "on load)")
+    assert _row(text, "weights per GPU").endswith(f"{total * 2 / 8 / 2**30:.2f} GiB")  # bf16 in memory
 
 
 def test_deepseek_engine_support_covers_its_moe_layers():
@@ -267,10 +270,10 @@ def test_deepseek_engine_support_covers_its_moe_layers():
     from pd_cluster.engine.model.arch import ArchConfig
 
     cfg = json.loads(BUNDLED["deepseek-v3"].read_text())
-    del cfg["quantization_config"]  # the same model in bf16
-    assert unsupported_reason(spec_from_config(cfg, "deepseek-v3-bf16")) is None
+    assert unsupported_reason(spec_from_config(cfg, "deepseek-v3")) is None
     arch = ArchConfig.from_dict(cfg)
     assert arch.moe.moe_layers == tuple(range(3, 61)) and arch.moe.routing.e_score_correction_bias
+    assert arch.fp8_weight_block == (128, 128)  # its FP8 release: dequantised on load
     assert arch.num_params() == load_spec("deepseek-v3").num_params() + 58 * 256  # + the correction biases
     dense = {**cfg, "first_k_dense_replace": 61}
     assert unsupported_reason(spec_from_config(dense, "dense")) is None
