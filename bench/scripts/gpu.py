@@ -18,10 +18,14 @@ It measures, in one run and on the device itself:
 4. prefill of an 8k-token chunk on Llama-3.1-8B: TFLOP/s against the matrix
    rate, with the top kernels by time;
 5. NIXL VRAM-to-VRAM WRITE between two processes on the one GPU;
-6. the 8k-token prefill kernel alone (launch-settings sweep);
-7. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
+6. the fused MoE kernel at Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3 (one TP-8
+   rank) shapes (`moe_bench.fused_moe_table`) and the paged MLA decode kernel at
+   DeepSeek-V3's shapes (`mla_decode.mla_decode_section`), each checked against
+   the torch path before it is timed;
+7. the 8k-token prefill kernel alone (launch-settings sweep);
+8. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
    against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
-8. a sweep of the decode kernel's launch settings and split sizing at several
+9. a sweep of the decode kernel's launch settings and split sizing at several
    (batch, context) points (`gpu_attention.decode_sweep`).
 
 Prints a markdown table per part and writes them, with the device, date and
@@ -46,7 +50,7 @@ import torch
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
-PARTS = ("decode", "decode_step", "prefill", "nixl", "prefill_kernel", "layout", "decode_sweep")
+PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "mla", "prefill_kernel", "layout", "decode_sweep")
 
 
 def device_info(device: torch.device) -> str:
@@ -127,6 +131,16 @@ def run(args: argparse.Namespace, emit=None) -> list[Section]:
         _free(device)
     if "nixl" not in skip:
         add(gpu_nixl.nixl_table(ceil.copy_gbps, device.type == "cuda", args.smoke))
+    if "moe" not in skip:
+        from pd_cluster.bench.scripts.moe_bench import fused_moe_table
+
+        add(fused_moe_table(device, args.smoke, ceil))
+        _free(device)
+    if "mla" not in skip:
+        from pd_cluster.bench.scripts.mla_decode import mla_decode_section
+
+        add(mla_decode_section(device, ceil.copy_gbps, args.smoke))
+        _free(device)
     if "prefill_kernel" not in skip:
         _, sec = gpu_attention.prefill_kernel_table(device, ceil, args.smoke)
         add(sec)
