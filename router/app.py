@@ -46,7 +46,9 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.tokenizer: RouterTokenizer | None = None
         if self.selector.needs_tokens:
-            self.tokenizer = RouterTokenizer(config.policy.kv.tokenizer_path, config.policy.kv.max_prompt_chars)
+            kv = config.policy.kv
+            self.tokenizer = RouterTokenizer(kv.tokenizer_path, kv.max_prompt_chars, kv.tokenizer_threads,
+                                             kv.tokenizer_cache_tokens)
         self.models = ModelNames(config.served_model_names, self.registry)
         self.upstreams = Upstreams(lim, config.security.internal_api_key)
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
@@ -58,7 +60,8 @@ class RouterApp:
         self.metrics.attach_state(StateCollector(
             self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
-            tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded))
+            tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded,
+            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None))
         self.kv_poller: KvEventsPoller | None = None
         if self.selector.index is not None and self.tokenizer is not None:
             self.kv_poller = KvEventsPoller(self.registry, self.upstreams, self.selector.index, config.policy.kv,

@@ -136,10 +136,12 @@ class StateCollector(Collector):
     def __init__(self, workers: WorkerRegistry, queue_depth: Callable[[], int],
                  running: Callable[[], int], policies: dict[str, Policy],
                  clock: Callable[[], float] = time.monotonic, kv_index: KvIndex | None = None,
-                 tokenizer_loaded: Callable[[], bool] = lambda: False) -> None:
+                 tokenizer_loaded: Callable[[], bool] = lambda: False,
+                 tokenizer_counts: Callable[[], dict[str, int]] | None = None) -> None:
         self._workers = workers
         self._kv_index = kv_index
         self._tokenizer_loaded = tokenizer_loaded
+        self._tokenizer_counts = tokenizer_counts
         self._queue_depth = queue_depth
         self._running = running
         self._policies = policies
@@ -168,6 +170,10 @@ class StateCollector(Collector):
                                  labels=labels)
         usage = GaugeMetricFamily("pd_router_worker_token_usage",
                                   "Last reported KV usage, 0..1.", labels=labels)
+        busy = GaugeMetricFamily("pd_router_worker_busy", "1 while the worker is left alone after refusing a "
+                                 "request for capacity.", labels=labels)
+        slow = CounterMetricFamily("pd_router_worker_slow_probes", "Probes that timed out while the worker kept "
+                                   "sending (busy, not counted as failures).", labels=labels)
         for w in self._workers.all():
             lv = [w.role.value, w.url]
             healthy.add_metric(lv, 1.0 if w.healthy else 0.0)
@@ -176,7 +182,9 @@ class StateCollector(Collector):
             load.add_metric(lv, effective_load(w))
             if w.load is not None:
                 usage.add_metric(lv, w.load.token_usage)
-        yield from (healthy, circuit, inflight, load, usage)
+            busy.add_metric(lv, 1.0 if w.busy_until > now else 0.0)
+            slow.add_metric(lv, w.slow_checks)
+        yield from (healthy, circuit, inflight, load, usage, busy, slow)
 
     def _cache_families(self) -> Iterator:
         decisions = CounterMetricFamily(
@@ -212,4 +220,11 @@ class StateCollector(Collector):
         synced.add_metric([], index.num_synced())
         tok = GaugeMetricFamily("pd_router_tokenizer_loaded", "1 once the router's tokenizer has loaded.")
         tok.add_metric([], 1.0 if self._tokenizer_loaded() else 0.0)
+        if self._tokenizer_counts is not None:
+            prompts = CounterMetricFamily("pd_router_tokenizer_prompts", "Prompts given token ids, by source: cache "
+                                          "(seen before), reused (a chat's earlier turn), encoded (whole).",
+                                          labels=["source"])
+            for source, count in sorted(self._tokenizer_counts().items()):
+                prompts.add_metric([source], count)
+            yield prompts
         yield from (received, resyncs, synced, tok)
