@@ -161,7 +161,8 @@ class GenerateHandler:
             if ex.client_gone:
                 raise asyncio.CancelledError()
             try:
-                await self.limiter.acquire()
+                if not self.limiter.try_acquire():
+                    await self.limiter.acquire()
             except Overloaded as exc:
                 return self._reject(ex, 429, exc.reason, "too many requests in flight; retry later",
                                     state.request_id, _RETRY_AFTER)

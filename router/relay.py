@@ -126,8 +126,10 @@ class Relay:
         sink = _StreamSink(self, state, ex, pair) if stream else None
         reply = Reply(asyncio.get_running_loop(), sink.on_head if sink is not None else _release_prefill(pair))
         try:
+            request = pool.frame((path or state.path).encode(), headers, data)
             try:
-                await pool.send(pool.frame((path or state.path).encode(), headers, data), reply)
+                if not pool.send_pooled(request, reply):
+                    await pool.send(request, reply)
             except UpstreamError as exc:
                 return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started,
                                       detail=str(exc))

@@ -233,6 +233,14 @@ class UpstreamPool:
         return b"".join((b"POST ", path, b" HTTP/1.1\r\n", self.head_lines, headers,
                          b"content-length: %d\r\n\r\n" % len(body), body))
 
+    def send_pooled(self, request: bytes, reply: Reply) -> bool:
+        """Write ``request`` (see `frame`) on a pooled connection if one is idle; False: call `send`."""
+        conn = self._take()
+        if conn is None:
+            return False
+        conn.begin(reply, request)
+        return True
+
     async def send(self, request: bytes, reply: Reply) -> None:
         """Write ``request`` (see `frame`) on a pooled or a new connection; its answer goes to ``reply``.
 
