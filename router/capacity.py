@@ -7,9 +7,9 @@ A worker has **room** for one more request when it is not marked busy and its lo
 - load: :func:`~router.policies.base.live_load` when its load is polled (the last report's running and
   queued requests plus this router's requests sent since that are still in flight), else, or when the
   last report is older than `STALE_LOAD_SECS`, this router's in-flight requests to it;
-- busy: the worker refused a request for capacity (429, or 503 ``overloaded``; a decode worker relays its
-  prefill's refusal as 502 ``overloaded``): it is left alone for its ``Retry-After`` (1 s when absent), so a
-  retry never goes back to the worker that just refused while another has room.
+- busy: the worker refused a request for capacity (429, or a 503, which ``router.blame`` reads as overload; a
+  decode worker relays its prefill's refusal as 502 ``overloaded``): it is left alone for its ``Retry-After``
+  (1 s when absent), so a retry never goes back to the worker that just refused while another has room.
 
 Requests that find a usable pair but no room wait in the router, in arrival order (`CapacityGate`), until a
 worker has room or their deadline passes; the caller then refuses them with 429 and ``Retry-After``. The

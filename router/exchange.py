@@ -75,8 +75,8 @@ class Exchange:
     ``on_lost``: called once if the client disconnects before the response ended.
     """
 
-    __slots__ = ("conn", "method", "path", "query", "headers", "body", "too_large", "arrived", "keep_alive",
-                 "http11", "started", "finished", "chunked", "on_lost", "task")
+    __slots__ = ("conn", "method", "path", "query", "headers", "body", "too_large", "refusal", "arrived",
+                 "keep_alive", "http11", "started", "finished", "chunked", "on_lost", "task")
 
     def __init__(self, conn: "HttpConnection", method: str, path: bytes, query: bytes, headers: Headers,
                  body: bytes | None, keep_alive: bool, http11: bool) -> None:
@@ -87,6 +87,7 @@ class Exchange:
         self.headers = headers
         self.body = body
         self.too_large = False
+        self.refusal: tuple[int, str] | None = None  # the server answers it itself (431)
         self.arrived = time.perf_counter()
         self.keep_alive = keep_alive
         self.http11 = http11

@@ -27,7 +27,7 @@ import httptools
 
 from pd_cluster.router.asgi_bridge import run_asgi
 from pd_cluster.router.errors import error_body
-from pd_cluster.router.exchange import Exchange, Headers
+from pd_cluster.router.exchange import Exchange, Headers, status_line
 
 log = logging.getLogger("pd_cluster.router.http_server")
 
@@ -60,6 +60,7 @@ class HttpConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._too_large = False
+        self._refusal: tuple[int, str] | None = None  # answered by the server itself (431)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -100,33 +101,44 @@ class HttpConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > self.server.limits.max_header_bytes:
+            self._refuse(414, "the request target is longer than the header limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_bytes += len(name) + len(value)
+        if self._header_bytes > 2 * self.server.limits.max_header_bytes + 65536:
+            self._refuse(431, "request headers far past the limit")  # stop buffering before they end
+            return
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         lim = self.server.limits
         headers = self._headers
+        idle = self.current is None and not self.pending  # else answers go out in order, after the body
         if len(headers) > lim.max_header_count or self._header_bytes > lim.max_header_bytes:
             why = (f"{len(headers)} request headers; at most {lim.max_header_count} are accepted"
                    if len(headers) > lim.max_header_count else
                    f"request headers of {self._header_bytes} bytes; at most {lim.max_header_bytes} are accepted")
             self.server.on_rejected("header_too_large")
-            self._answer_early(self._new_exchange(None), 431, why)
+            self._too_large = True  # read no body
+            self._refusal = (431, why)
+            if idle:
+                ex = self._early = self._new_exchange(None)
+                ex.keep_alive = False
+                ex.respond(431, error_body(431, why))
             return
         length = _content_length(headers)
         if length is not None and length > lim.max_payload_size:
-            ex = self._new_exchange(None)
-            ex.too_large = True
-            ex.keep_alive = False
-            self._early = ex
             self._too_large = True
-            self.server.dispatch(ex)  # the handler answers 413 (and counts it)
+            if idle:  # answered before the body is read; the connection closes after it
+                ex = self._early = self._new_exchange(None)
+                ex.too_large, ex.keep_alive = True, False
+                self.server.dispatch(ex)  # the handler answers 413 (and counts it)
             return
-        for name, value in headers:
-            if name == b"expect" and value.lower() == b"100-continue":
-                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if idle:
+            for name, value in headers:
+                if name == b"expect" and value.lower() == b"100-continue":
+                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         if self._too_large:
@@ -148,6 +160,8 @@ class HttpConnection(asyncio.Protocol):
         ex = self._new_exchange(body)
         if self._too_large:
             ex.too_large, ex.body = True, None
+        if self._refusal is not None:
+            ex.refusal, ex.keep_alive = self._refusal, False
         if self.current is None:
             self._start(ex)
         else:
@@ -169,17 +183,11 @@ class HttpConnection(asyncio.Protocol):
         self.current = ex
         self.server.dispatch(ex)
 
-    def _answer_early(self, ex: Exchange, status: int, message: str) -> None:
-        ex.keep_alive = False
-        self._early = ex
-        self._too_large = True  # read no body
-        ex.respond(status, error_body(status, message))
-
     def _refuse(self, status: int, message: str) -> None:
         if self.current is None and self.transport is not None and not self.closed:
             body = error_body(status, message)
-            self.write(b"HTTP/1.1 %d Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                       b"connection: close\r\n\r\n%b" % (status, len(body), body))
+            self.write(status_line(status) + b"content-type: application/json\r\ncontent-length: %d\r\n"
+                       b"connection: close\r\n\r\n%b" % (len(body), body))
         self.close()
 
     def exchange_done(self, ex: Exchange) -> None:
@@ -261,6 +269,9 @@ class HttpServer:
         return self._servers[0].sockets[0].getsockname()[1]
 
     def dispatch(self, ex: Exchange) -> None:
+        if ex.refusal is not None:
+            ex.respond(ex.refusal[0], error_body(*ex.refusal))
+            return
         loop = self._loop or asyncio.get_running_loop()
         if ex.method == "POST" and ex.path in GENERATE_PATHS:
             ex.task = loop.create_task(self.generate(ex))

@@ -10,7 +10,7 @@ connection, so the worker aborts it and frees its pages.
 is at capacity, the request waits in the router, in arrival order, until one has room or
 ``--queue-timeout-secs`` have passed since it arrived, and is then refused with 429 and ``Retry-After``
 before anything was sent to the client; at most ``--queue-size`` requests wait (past it, an immediate
-429). A worker that refuses a request for capacity (429, 503 ``overloaded``) costs the request no attempt:
+429). A worker that refuses a request for capacity (429 or 503, ``router.capacity``) costs the request no attempt:
 the worker is left alone for its ``Retry-After`` and the request goes to one that has room, or waits.
 A stream that already started is never refused for load: it waits for room up to its request timeout.
 """

@@ -167,6 +167,9 @@ class Relay:
         status = reply.status
         if sink is not None and sink.relaying:
             return sink.finish()
+        if status == 429:  # a refusal for capacity: another worker with room, or a wait (router.capacity)
+            return AttemptFailure("status_429", None, status, reply.body(), after_start=state.response_started,
+                                  overloaded=True, retry_after=_retry_after(reply.header(b"retry-after")))
         if is_retriable_status(status):
             raw = reply.body()
             blame = blame_status(status, raw, _text(reply.header(_FAILED_PEER)), pair.prefill is not None)

@@ -179,3 +179,17 @@ def test_a_pooled_connection_closed_by_the_worker_gets_the_request_again():
     # requests 2 and 3 went out on the pooled connection, which the worker closed unanswered; each was sent
     # again on a fresh connection (no retry: they are off), and each was answered once
     assert worker.dropped == 2 and worker.completions == ["stale-0", "stale-1", "stale-2"]
+
+
+def test_refusals_for_size_keep_the_order_of_pipelined_answers(router):
+    many = "".join(f"x-h{i}: v\r\n" for i in range(300))  # past 256 header fields
+    with socket.create_connection(("127.0.0.1", router.port)) as s:
+        s.sendall(post("first", BODY) + post("second", BODY, extra=many))
+        (head1, body1), (head2, body2) = read_responses(s, 2)
+    assert head1.startswith(b"HTTP/1.1 200") and b"x-request-id: first" in head1
+    assert head2.startswith(b"HTTP/1.1 431") and json.loads(body2)["error"]["code"] == \
+        "request_header_fields_too_large"
+    with socket.create_connection(("127.0.0.1", router.port)) as s:
+        s.sendall(b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\nhost: r\r\n\r\n")
+        (head, body), = read_responses(s, 1)
+    assert head.startswith(b"HTTP/1.1 414") and json.loads(body)["error"]["type"] == "invalid_request_error"
