@@ -148,7 +148,8 @@ class StateCollector(Collector):
         self._clock = clock
 
     def collect(self) -> Iterator:
-        yield GaugeMetricFamily("pd_router_queue_depth", "Requests waiting for a router slot.",
+        yield GaugeMetricFamily("pd_router_queue_depth", "Requests waiting in the router (for a slot or for "
+                                "a worker with room).",
                                 value=self._queue_depth())
         yield GaugeMetricFamily("pd_router_running_requests", "Requests holding a router slot.",
                                 value=self._running())
