@@ -24,6 +24,8 @@ class FakeServerConfig:
     max_total_num_tokens: int = 65536
     context_length: int = 512
     max_running_requests: int = 256
+    max_queued_requests: int | None = None
+    probe_delay_at_capacity_ms: float = 0.0
     early_headers: bool = False
     realtime: bool = False
     fail_status: int = 503
@@ -58,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
     p.add_argument("--max-total-num-tokens", type=int, default=65536)
     p.add_argument("--context-length", type=int, default=512)
     p.add_argument("--max-running-requests", type=int, default=256)
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="enforce --max-running-requests: this many wait, the rest get 503 overloaded")
+    p.add_argument("--probe-delay-at-capacity-ms", type=float, default=0.0,
+                   help="/health and /get_load answer this late while every slot is taken")
     p.add_argument("--early-headers", action="store_true", help="send headers on arrival (vLLM style)")
     p.add_argument("--fail-status", type=int, default=503)
     p.add_argument("--fail-every", type=int, default=0, help="fail every N-th OpenAI request (0: never)")

@@ -31,6 +31,13 @@ got it) so the delays stay exact on a busy machine.
 Fault injection: ``--fail-status 503 --fail-every N`` answers every N-th OpenAI
 request with that status and an OpenAI error body; ``--die-after N`` makes the
 process exit abruptly half-way through streaming the N-th request.
+
+Capacity: with ``--max-queued-requests N`` at most ``--max-running-requests``
+requests run at once, N more wait (their TTFT counts from admission), and the
+rest are refused with 503 ``overloaded`` and ``Retry-After: 1``
+(``bench/fake_capacity.py``); ``--probe-delay-at-capacity-ms D`` makes
+``/health`` and ``/get_load`` answer D ms late while every slot is taken, as a
+worker whose HTTP loop lags behind a full batch.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from collections import deque
 from typing import Any, Callable
 
 from pd_cluster.bench.fake_cache import FakePrefixCache
+from pd_cluster.bench.fake_capacity import FakeCapacity
 from pd_cluster.bench.fake_config import FakeServerConfig, parse_args
 from pd_cluster.bench.fake_format import ChunkFormat, Job
 from pd_cluster.bench.fake_metrics import FakeMetrics
@@ -73,6 +81,8 @@ class FakeServer:
         self._num_openai = 0
         self._running = 0
         self._queued = 0
+        self.capacity = FakeCapacity(config.max_running_requests, config.max_queued_requests) \
+            if config.max_queued_requests is not None else None
         self._transferring = 0
         self._used_pages = 0
         self._generated_total = 0
@@ -107,7 +117,12 @@ class FakeServer:
         await route(req, resp)
 
     # small endpoints ---------------------------------------------------------------------
+    async def _probe_delay(self) -> None:
+        if self.capacity is not None and self.capacity.full and self.config.probe_delay_at_capacity_ms:
+            await asyncio.sleep(self.config.probe_delay_at_capacity_ms / 1000.0)
+
     async def _health(self, req: Request, resp: Responder) -> None:
+        await self._probe_delay()
         resp.send(200, b'{"status": "ok"}', [JSON])
 
     async def _models(self, req: Request, resp: Responder) -> None:
@@ -117,12 +132,14 @@ class FakeServer:
         resp.send(200, json.dumps({"object": "list", "data": [card]}).encode(), [JSON])
 
     async def _get_load(self, req: Request, resp: Responder) -> None:
+        await self._probe_delay()
         resp.send(200, json.dumps(self.load()).encode(), [JSON])
 
     def load(self) -> dict[str, Any]:
         """The ``/get_load`` body of the contract."""
         c = self.config
-        return {"role": c.role, "num_running_reqs": self._running, "num_queue_reqs": self._queued,
+        queued = self._queued + (self.capacity.queued if self.capacity is not None else 0)
+        return {"role": c.role, "num_running_reqs": self._running, "num_queue_reqs": queued,
                 "token_usage": self.token_usage(), "num_free_pages": self._total_pages - self._used_pages,
                 "num_total_pages": self._total_pages, "max_running_requests": c.max_running_requests,
                 "num_prefill_bootstrap_queue_reqs": 0, "num_prefill_inflight_queue_reqs": 0,
@@ -184,6 +201,14 @@ class FakeServer:
             entry["status"] = exc.status
             _error(resp, exc.status, str(exc), "BadRequestError", hdrs)
             return
+        if self.capacity is not None:
+            if not await self.capacity.admit():
+                entry["status"] = 503
+                body = {"error": {"message": "the admission queue is full", "type": "server_error",
+                                  "param": None, "code": "overloaded"}}
+                resp.send(503, json.dumps(body).encode(), hdrs + [JSON, ("retry-after", "1")])
+                return
+            req.arrival = time.monotonic()  # its TTFT counts from admission
         entry["status"] = 200
         die_at = job.n_tokens // 2 if c.die_after and number == c.die_after else -1
         self._running += 1
@@ -193,6 +218,8 @@ class FakeServer:
         finally:
             self._running -= 1
             self._used_pages -= job.pages
+            if self.capacity is not None:
+                self.capacity.release()
 
     def _parse(self, req: Request, rid: str) -> Job:
         try:

@@ -1,10 +1,10 @@
-"""The router as one ASGI application.
+"""The router's parts, wired together: registry, policies, health, relay, control plane.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions`` go to the raw-ASGI
-:class:`router.proxy.GenerateHandler`; every other path goes to the FastAPI
-control plane. The ASGI lifespan opens the upstream sessions, registers the
-static workers and checks them once, then starts the health, load, eviction
-and discovery loops; shutdown stops them in reverse.
+``POST /v1/completions`` and ``POST /v1/chat/completions`` go to :class:`router.proxy.GenerateHandler`;
+every other path goes to the FastAPI control plane. :meth:`RouterApp.server` builds the HTTP server that
+dispatches between them (``router.http_server``); ``router.main`` runs it. :meth:`RouterApp.startup` opens
+the upstream connections, registers the static workers and checks them once, then starts the health, load,
+eviction and discovery loops; :meth:`RouterApp.shutdown` stops them in reverse.
 """
 
 from __future__ import annotations
@@ -13,17 +13,16 @@ import asyncio
 import logging
 import time
 
-from pd_cluster.router.asgi import Receive, Scope, Send, oversized_headers, send_bytes
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.control import ControlPlane
-from pd_cluster.router.errors import error_body
 from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
 from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.http_server import HttpServer
 from pd_cluster.router.kv_events import KvEventsPoller
 from pd_cluster.router.limiter import ConcurrencyLimiter
 from pd_cluster.router.metrics import RouterMetrics, StateCollector
 from pd_cluster.router.models import ModelNames
-from pd_cluster.router.proxy import ENDPOINTS, GenerateHandler
+from pd_cluster.router.proxy import GenerateHandler
 from pd_cluster.router.relay import AttemptFailure
 from pd_cluster.router.selection import PairSelector
 from pd_cluster.router.tokenizer import RouterTokenizer
@@ -34,7 +33,7 @@ log = logging.getLogger("pd_cluster.router.app")
 
 
 class RouterApp:
-    """ASGI callable; build with a :class:`RouterConfig`, serve with uvicorn."""
+    """The router of one :class:`RouterConfig`; serve it with :func:`router.main.run`."""
 
     def __init__(self, config: RouterConfig,
                  sources: list[tuple[str, DiscoverySource]] | None = None) -> None:
@@ -47,19 +46,22 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.tokenizer: RouterTokenizer | None = None
         if self.selector.needs_tokens:
-            self.tokenizer = RouterTokenizer(config.policy.kv.tokenizer_path, config.policy.kv.max_prompt_chars)
-        self.metrics.attach_state(StateCollector(
-            self.registry, lambda: self.limiter.queued, lambda: self.limiter.running,
-            {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
-            tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded))
+            kv = config.policy.kv
+            self.tokenizer = RouterTokenizer(kv.tokenizer_path, kv.max_prompt_chars, kv.tokenizer_threads,
+                                             kv.tokenizer_cache_tokens)
         self.models = ModelNames(config.served_model_names, self.registry)
         self.upstreams = Upstreams(lim, config.security.internal_api_key)
-        self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
-                                     self.selector.needs_load)
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
                                         self.models, self.upstreams)
-        self.generate.on_failure = self._on_attempt_failure
+        self.generate.outcomes.on_failure = self._on_attempt_failure
         self.generate.tokenizer = self.tokenizer
+        self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
+                                     self.selector.needs_load, on_room=self.generate.gate.notify)
+        self.metrics.attach_state(StateCollector(
+            self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
+            {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
+            tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded,
+            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None))
         self.kv_poller: KvEventsPoller | None = None
         if self.selector.index is not None and self.tokenizer is not None:
             self.kv_poller = KvEventsPoller(self.registry, self.upstreams, self.selector.index, config.policy.kv,
@@ -97,39 +99,10 @@ class RouterApp:
             log.warning("failing in-flight requests of an unhealthy worker", extra={
                 "worker": worker.url, "role": worker.role.value, "requests": count})
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            lim = self.config.limits
-            too_large = oversized_headers(scope, lim.max_header_bytes, lim.max_header_count)
-            if too_large is not None:
-                self.metrics.rejected.labels("header_too_large").inc()
-                await send_bytes(send, 431, error_body(431, too_large), b"application/json")
-                return
-            if scope["method"] == "POST" and scope["path"] in ENDPOINTS:
-                await self.generate(scope, receive, send)
-            else:
-                await self.control(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-        else:
-            await self.control(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:  # reported to uvicorn, which exits
-                    log.exception("router startup failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    def server(self) -> HttpServer:
+        """The HTTP server of this router (``router.http_server``); listen with ``await server.listen(...)``."""
+        return HttpServer(self.generate, self.control, self.config.limits,
+                          on_rejected=lambda reason: self.metrics.rejected.labels(reason).inc())
 
     def _add_static(self) -> None:
         cfg = self.config
@@ -179,6 +152,7 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.monitor.close()
+        self.generate.gate.close()
         if self.kv_poller is not None:
             await self.kv_poller.close()
         if self.tokenizer is not None:

@@ -69,6 +69,10 @@ KV_FLAGS: tuple[Flag, ...] = (
     Flag("--kv-events-stale-secs", "policy.kv.stale_secs", float,
          "an index not refreshed for this long is not used (the approximate tree is)"),
     Flag("--kv-index-max-pages", "policy.kv.max_pages", int, "pages indexed per worker at most"),
+    Flag("--tokenizer-threads", "policy.kv.tokenizer_threads", int,
+         "threads tokenizing prompts (each encodes every prompt waiting in one batch)"),
+    Flag("--tokenizer-cache-max-tokens", "policy.kv.tokenizer_cache_tokens", int,
+         "token ids of recent prompts kept to answer repeats and later turns of a chat (0: no cache)"),
 )
 RETRY_FLAGS: tuple[Flag, ...] = (
     Flag("--retry-max-retries", "retry.max_attempts", int,

@@ -63,7 +63,9 @@ class KvRoutingConfig:
     ``stale_secs``: an index whose last good poll is older is not used. ``overlap_score_weight``: the weight
     of the uncached fraction of the prompt against the load in requests (Dynamo's ``--kv-overlap-score-weight``).
     ``max_pages``: per-worker bound of the index. ``max_prompt_chars``: longer prompts are tokenized only up to
-    this many characters (the pages near the cut are not hashed).
+    this many characters (the pages near the cut are not hashed). ``tokenizer_threads``: threads encoding
+    prompts (``router.tokenizer``). ``tokenizer_cache_tokens``: token ids the router's prompt cache holds at
+    most (0: no cache).
     """
 
     tokenizer_path: str | None = None
@@ -73,8 +75,12 @@ class KvRoutingConfig:
     overlap_score_weight: float = 1.0
     max_pages: int = 1 << 21
     max_prompt_chars: int = 1 << 18
+    tokenizer_threads: int = 2
+    tokenizer_cache_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
+        if self.tokenizer_threads < 1 or self.tokenizer_cache_tokens < 0:
+            raise ValueError("tokenizer threads must be >= 1 and its cache size >= 0")
         if self.poll_interval_secs <= 0 or self.stale_secs <= 0:
             raise ValueError("kv events poll interval and staleness must be > 0")
         if self.overlap_score_weight < 0:

@@ -9,8 +9,18 @@ load periods rather than a few health periods. Turning healthy closes the
 worker's circuit breaker: the check just proved it answers.
 
 On turning healthy the router reads ``/server_info``: the served model name,
-and the role, which must match the role the worker was registered with (a
-decode worker registered as prefill is never used, and an error is logged).
+the role, which must match the role the worker was registered with (a
+decode worker registered as prefill is never used, and an error is logged),
+and ``max_running_requests`` (its capacity, ``router.capacity``).
+
+**Busy is not dead.** Liveness is read apart from load: a check or a load poll
+that times out counts as a failure only if the worker sent nothing since it
+began. A worker that is slow to answer a probe but still streams tokens to
+this router (any byte on its data-path connections, ``router.upstream``), or
+answers another probe meanwhile, is busy: the timeout is counted in
+``slow_checks`` and nothing else happens, so its in-flight requests are never
+failed because it is loaded. A refused connection, a reset or a non-200
+answer still count at once.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ class HealthMonitor:
     """Runs the check and poll loops over the registry's current workers."""
 
     def __init__(self, registry: WorkerRegistry, upstreams: Upstreams, config: HealthConfig,
-                 polled_roles: Callable[[Role], bool]) -> None:
+                 polled_roles: Callable[[Role], bool], on_room: Callable[[], None] = lambda: None) -> None:
         self.registry = registry
         self.upstreams = upstreams
         self.config = config
@@ -45,6 +55,7 @@ class HealthMonitor:
         self._timeout = aiohttp.ClientTimeout(total=config.timeout_secs)
         self._tasks: set[asyncio.Task] = set()
         self.on_unhealthy: list[Callable[[Worker], None]] = []
+        self.on_room = on_room  # a load report or a health change may have made room (``CapacityGate``)
 
     async def _get_json(self, worker: Worker, path: str) -> tuple[int, object]:
         async with self.upstreams.control.get(worker.url + path, timeout=self._timeout) as resp:
@@ -64,6 +75,7 @@ class HealthMonitor:
                 worker.checked = True
                 worker.breaker.reset()
                 log.info("worker healthy", extra={"worker": worker.url, "role": worker.role.value})
+                self.on_room()
         else:
             worker.fail_streak += 1
             worker.ok_streak = 0
@@ -82,11 +94,19 @@ class HealthMonitor:
         self._checking.add(worker.url)
         try:
             was_healthy = worker.healthy
+            started = time.monotonic()
             try:
                 status, _ = await self._get_json(worker, self.config.endpoint)
                 ok = status == 200
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            except asyncio.TimeoutError:
+                if self._alive_since(worker, started):
+                    self._slow(worker, "health check")
+                    return worker.healthy
                 ok = False
+            except (aiohttp.ClientError, OSError, ValueError):
+                ok = False
+            if ok:
+                worker.probe_seen = time.monotonic()
             if ok and not was_healthy and not await self._learn_info(worker):
                 ok = False
             self.apply(worker, ok)
@@ -108,25 +128,48 @@ class HealthMonitor:
                 "worker": worker.url, "registered_role": worker.role.value, "reported_role": role})
             return False
         name = info.get("served_model_name") or info.get("model")
-        if isinstance(name, str):
+        if isinstance(name, str) and name != worker.served_model_name:
             worker.served_model_name = name
+            self.registry.touch()
         incarnation = info.get("incarnation")
         if incarnation is not None:
             worker.incarnation = str(incarnation)
+        cap = info.get("max_running_requests")
+        if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0:
+            worker.max_running = cap
         return True
+
+    def _alive_since(self, worker: Worker, started: float) -> bool:
+        """The worker sent a byte (data path, or another probe's answer) since ``started``: it is alive."""
+        return max(self.upstreams.last_seen(worker.url), worker.probe_seen) >= started
+
+    def _slow(self, worker: Worker, what: str) -> None:
+        worker.slow_checks += 1
+        if worker.slow_checks == 1 or worker.slow_checks % 100 == 0:
+            log.info("worker busy: a probe timed out while it keeps sending; not counted as a failure", extra={
+                "worker": worker.url, "role": worker.role.value, "probe": what, "slow_checks": worker.slow_checks})
 
     async def poll_load(self, worker: Worker) -> None:
         """One ``/get_load`` poll; a failure counts as a failed health check."""
         if worker.url in self._polling:
             return
         self._polling.add(worker.url)
+        started = time.monotonic()
         try:
             status, body = await self._get_json(worker, "/get_load")
             if status == 200 and isinstance(body, dict):
-                worker.set_load(LoadReport.from_json(body, time.monotonic()))
+                now = time.monotonic()
+                worker.set_load(LoadReport.from_json(body, now))
+                worker.probe_seen = now
+                self.on_room()
             else:
                 self.apply(worker, False)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+        except asyncio.TimeoutError:
+            if self._alive_since(worker, started):
+                self._slow(worker, "load poll")
+            else:
+                self.apply(worker, False)
+        except (aiohttp.ClientError, OSError, ValueError):
             self.apply(worker, False)
         finally:
             self._polling.discard(worker.url)

@@ -44,11 +44,12 @@ def page_hash(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def page_hashes(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
+def page_hashes(token_ids: Sequence[int], page_size: int, known: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Chained hashes of the full pages of ``token_ids[:-1]`` (an engine always computes a prompt's last token,
-    so no page holding it is ever a cache hit)."""
-    out, parent = [], ROOT_HASH
-    for start in range(0, (len(token_ids) - 1) // page_size * page_size, page_size):
+    so no page holding it is ever a cache hit). ``known``: the hashes of the first pages, already computed
+    (from a prompt with the same leading tokens); hashing goes on after them."""
+    out, parent = list(known), known[-1] if known else ROOT_HASH
+    for start in range(len(known) * page_size, (len(token_ids) - 1) // page_size * page_size, page_size):
         parent = page_hash(parent, token_ids[start:start + page_size])
         out.append(parent)
     return tuple(out)
@@ -56,15 +57,25 @@ def page_hashes(token_ids: Sequence[int], page_size: int) -> tuple[int, ...]:
 
 @dataclass
 class PromptTokens:
-    """A prompt's token ids, as the workers tokenize it, and its page hashes per page size (computed once)."""
+    """A prompt's token ids, as the workers tokenize it, and its page hashes per page size (computed once).
+
+    ``prefix``/``shared``: another prompt whose first ``shared`` token ids are this one's too (a conversation's
+    earlier turn): the hashes of the pages within them are taken from it, and only the rest are computed.
+    """
 
     token_ids: tuple[int, ...]
     _hashes: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    prefix: "PromptTokens | None" = field(default=None, repr=False)
+    shared: int = 0
 
     def hashes(self, page_size: int) -> tuple[int, ...]:
         got = self._hashes.get(page_size)
         if got is None:
-            got = self._hashes[page_size] = page_hashes(self.token_ids, page_size)
+            known: tuple[int, ...] = ()
+            if self.prefix is not None:
+                full = (len(self.token_ids) - 1) // page_size
+                known = self.prefix.hashes(page_size)[:min(self.shared // page_size, full)]
+            got = self._hashes[page_size] = page_hashes(self.token_ids, page_size, known)
         return got
 
 

@@ -35,10 +35,16 @@ class ConcurrencyLimiter:
         """Requests waiting for a slot."""
         return len(self._waiters)
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in the queue if needed. Raises :class:`Overloaded`."""
+    def try_acquire(self) -> bool:
+        """Take a free slot at once if there is one (nobody queued before); False: call `acquire`."""
         if self.max_running <= 0 or (self.running < self.max_running and not self._waiters):
             self.running += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        """Take a slot, waiting in the queue if needed. Raises :class:`Overloaded`."""
+        if self.try_acquire():
             return
         if len(self._waiters) >= self.queue_size:
             raise Overloaded("queue_full")

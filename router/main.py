@@ -1,17 +1,19 @@
-"""``pd-router``: parse flags, build the app, serve it with uvicorn.
+"""``pd-router``: parse flags, build the app, serve it on the router's own HTTP server (uvloop).
 
 SIGTERM/SIGINT start a graceful shutdown: the router stops accepting
 connections, answers 503 to new requests on open connections, and lets
 in-flight requests (streams included) finish for up to
-``--shutdown-grace-period-secs`` before cancelling them.
+``--shutdown-grace-period-secs`` before cancelling them; then it exits 0.
+A second signal ends it at once (exit 1).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 from collections.abc import Sequence
-
-import uvicorn
 
 from pd_cluster.router.app import RouterApp
 from pd_cluster.router.args import parse_config
@@ -37,54 +39,56 @@ def build_sources(config: RouterConfig) -> list[tuple[str, DiscoverySource]]:
     return sources
 
 
-class RouterServer(uvicorn.Server):
-    """uvicorn server that tells the app to drain as soon as a stop signal arrives, and exits 0 once drained
-    (uvicorn re-raises the captured signal after its shutdown: a KeyboardInterrupt traceback for SIGINT)."""
+async def run(config: RouterConfig, app: RouterApp) -> int:
+    """Serve until a stop signal, then drain; returns the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = []
 
-    def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
-        super().__init__(config)
-        self.router_app = app
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig)
+        if len(signals) == 1:
+            app.begin_drain()
+            stop.set()
+        else:
+            log.warning("second stop signal: exiting without draining")
+            os._exit(1)
 
-    def handle_exit(self, sig, frame) -> None:
-        self.router_app.begin_drain()
-        super().handle_exit(sig, frame)
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()  # the drain is the answer to the signal
-
-
-def _loop_and_http() -> tuple[str, str]:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await app.startup()
+    server = app.server()
     try:
-        import uvloop  # noqa: F401
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    try:
-        import httptools  # noqa: F401
-        http = "httptools"
-    except ImportError:
-        http = "h11"
-    return loop, http
-
-
-def serve(config: RouterConfig) -> None:
-    """Run the router until stopped."""
-    app = RouterApp(config, build_sources(config))
-    loop, http = _loop_and_http()
-    uv_config = uvicorn.Config(
-        app, host=config.host, port=config.port, loop=loop, http=http, lifespan="on",
-        access_log=False, log_config=None, log_level=config.log_level,
-        timeout_graceful_shutdown=max(1, int(config.limits.shutdown_grace_period_secs)),
-        timeout_keep_alive=75, backlog=4096, server_header=False, proxy_headers=False)
+        await server.listen(config.host, config.port, backlog=4096)
+    except OSError as exc:
+        log.error("cannot listen", extra={"host": config.host, "port": config.port, "reason": str(exc)})
+        await app.shutdown()
+        return 1
     log.info("pd-router listening", extra={"host": config.host, "port": config.port,
-                                           "loop": loop, "http": http})
-    RouterServer(uv_config, app).run()
+                                           "loop": type(loop).__module__.split(".")[0]})
+    await stop.wait()
+    server.stop_accepting()
+    cancelled = await server.drain(config.limits.shutdown_grace_period_secs)
+    if cancelled:
+        log.warning("grace period over: in-flight requests cancelled", extra={"requests": cancelled})
+    await app.shutdown()
+    return 0
+
+
+def serve(config: RouterConfig) -> int:
+    """Run the router until stopped; returns the exit code."""
+    app = RouterApp(config, build_sources(config))
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency on Linux and macOS; plain asyncio elsewhere
+        return asyncio.run(run(config, app))
+    return uvloop.run(run(config, app))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
-    serve(config)
+    raise SystemExit(serve(config))
 
 
 if __name__ == "__main__":

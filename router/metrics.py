@@ -1,19 +1,23 @@
 """Prometheus metrics of the router, prefix ``pd_router_`` (listed in ``docs/router.md``).
 
-Request counters and latency histograms are updated on the request path;
-per-worker state (health, circuit, load, in-flight), the queue depth and the
-cache-aware decisions are read from live objects at scrape time by a custom
-collector, so they cost nothing per request. Each router owns its own
-``CollectorRegistry`` (no process-global state).
+The metrics touched by every request (the request counter, the per-worker choice counter and the TTFT,
+ITL and end-to-end histograms) are plain integers and lists updated in place and turned into Prometheus
+families at scrape time (`HotCollector`): a ``prometheus_client`` counter or histogram takes a lock and
+walks its buckets on every update, a cost paid per token for the ITL. Per-worker state (health, circuit,
+load, in-flight), the queue depth and the cache-aware decisions are read from live objects at scrape time
+by `StateCollector`, so they cost nothing per request. Rare events (retries, migrations, failures,
+rejections) are ordinary ``prometheus_client`` counters. Each router owns its own ``CollectorRegistry`` (no
+process-global state).
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from pd_cluster.router.circuit import STATE_CODES
@@ -30,23 +34,69 @@ E2E_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0,
                5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
 
+class FastHistogram:
+    """A histogram of seconds: one list slot per bucket (``le`` upper bounds, +Inf last) and a sum.
+
+    Same exposition as ``prometheus_client.Histogram`` (cumulative ``_bucket``, ``_count``, ``_sum``).
+    """
+
+    __slots__ = ("name", "doc", "bounds", "counts", "total")
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc = name, doc
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            running += count
+            cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.total)
+
+
+class HotCollector(Collector):
+    """Scrape-time families of the per-request metrics of `RouterMetrics`."""
+
+    def __init__(self, metrics: "RouterMetrics") -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator:
+        m = self._m
+        requests = CounterMetricFamily("pd_router_requests", "Requests answered, by endpoint and status.",
+                                       labels=["endpoint", "status"])
+        for (endpoint, status), count in sorted(m.request_counts.items()):
+            requests.add_metric([endpoint, str(status)], count)
+        chosen = CounterMetricFamily("pd_router_worker_requests", "Requests routed to each worker, by role.",
+                                     labels=["role", "worker"])
+        for (role, worker), count in sorted(m.worker_counts.items()):
+            chosen.add_metric([role, worker], count)
+        yield requests
+        yield chosen
+        for histogram in (m.ttft, m.itl, m.e2e):
+            yield histogram.family()
+
+
 class RouterMetrics:
     """Metric objects of one router; ``render()`` gives the exposition text."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pd_router_requests", "Requests answered, by endpoint and status.",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("pd_router_time_to_first_token_seconds",
-                              "Arrival at the router to the first streamed chunk relayed.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pd_router_inter_token_latency_seconds",
-                             "Time between consecutive streamed events relayed.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pd_router_e2e_request_latency_seconds",
-                             "Arrival at the router to the end of the response.",
-                             buckets=E2E_BUCKETS, registry=r)
+        self.request_counts: dict[tuple[str, int], int] = {}
+        self.worker_counts: dict[tuple[str, str], int] = {}
+        self.ttft = FastHistogram("pd_router_time_to_first_token_seconds",
+                                  "Arrival at the router to the first streamed chunk relayed.", TTFT_BUCKETS)
+        self.itl = FastHistogram("pd_router_inter_token_latency_seconds",
+                                 "Time between consecutive streamed events relayed.", ITL_BUCKETS)
+        self.e2e = FastHistogram("pd_router_e2e_request_latency_seconds",
+                                 "Arrival at the router to the end of the response.", E2E_BUCKETS)
+        r.register(HotCollector(self))
         self.retries = Counter("pd_router_retries", "Retries on a fresh pair, by reason.",
                                ["reason"], registry=r)
         self.migrations = Counter(
@@ -55,21 +105,23 @@ class RouterMetrics:
         self.upstream_failures = Counter(
             "pd_router_upstream_failures", "Failed attempts, by blamed role and reason.",
             ["role", "reason"], registry=r)
-        self.worker_requests = Counter(
-            "pd_router_worker_requests", "Requests routed to each worker, by role.",
-            ["role", "worker"], registry=r)
         self.rejected = Counter("pd_router_rejected_requests",
                                 "Requests refused by the router itself, by reason.",
                                 ["reason"], registry=r)
-        self._requests_cache: dict[tuple[str, int], Callable[[], None]] = {}
 
     def count_request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
-        inc = self._requests_cache.get(key)
-        if inc is None:
-            inc = self.requests.labels(endpoint, str(status)).inc
-            self._requests_cache[key] = inc
-        inc()
+        counts = self.request_counts
+        counts[key] = counts.get(key, 0) + 1
+
+    def count_choice(self, role: str, worker: str) -> None:
+        key = (role, worker)
+        counts = self.worker_counts
+        counts[key] = counts.get(key, 0) + 1
+
+    def forget_worker(self, role: str, worker: str) -> None:
+        """Drop the per-worker series of a worker that left the registry."""
+        self.worker_counts.pop((role, worker), None)
 
     def attach_state(self, collector: "StateCollector") -> None:
         self.registry.register(collector)
@@ -84,17 +136,20 @@ class StateCollector(Collector):
     def __init__(self, workers: WorkerRegistry, queue_depth: Callable[[], int],
                  running: Callable[[], int], policies: dict[str, Policy],
                  clock: Callable[[], float] = time.monotonic, kv_index: KvIndex | None = None,
-                 tokenizer_loaded: Callable[[], bool] = lambda: False) -> None:
+                 tokenizer_loaded: Callable[[], bool] = lambda: False,
+                 tokenizer_counts: Callable[[], dict[str, int]] | None = None) -> None:
         self._workers = workers
         self._kv_index = kv_index
         self._tokenizer_loaded = tokenizer_loaded
+        self._tokenizer_counts = tokenizer_counts
         self._queue_depth = queue_depth
         self._running = running
         self._policies = policies
         self._clock = clock
 
     def collect(self) -> Iterator:
-        yield GaugeMetricFamily("pd_router_queue_depth", "Requests waiting for a router slot.",
+        yield GaugeMetricFamily("pd_router_queue_depth", "Requests waiting in the router (for a slot or for "
+                                "a worker with room).",
                                 value=self._queue_depth())
         yield GaugeMetricFamily("pd_router_running_requests", "Requests holding a router slot.",
                                 value=self._running())
@@ -116,6 +171,10 @@ class StateCollector(Collector):
                                  labels=labels)
         usage = GaugeMetricFamily("pd_router_worker_token_usage",
                                   "Last reported KV usage, 0..1.", labels=labels)
+        busy = GaugeMetricFamily("pd_router_worker_busy", "1 while the worker is left alone after refusing a "
+                                 "request for capacity.", labels=labels)
+        slow = CounterMetricFamily("pd_router_worker_slow_probes", "Probes that timed out while the worker kept "
+                                   "sending (busy, not counted as failures).", labels=labels)
         for w in self._workers.all():
             lv = [w.role.value, w.url]
             healthy.add_metric(lv, 1.0 if w.healthy else 0.0)
@@ -124,7 +183,9 @@ class StateCollector(Collector):
             load.add_metric(lv, effective_load(w))
             if w.load is not None:
                 usage.add_metric(lv, w.load.token_usage)
-        yield from (healthy, circuit, inflight, load, usage)
+            busy.add_metric(lv, 1.0 if w.busy_until > now else 0.0)
+            slow.add_metric(lv, w.slow_checks)
+        yield from (healthy, circuit, inflight, load, usage, busy, slow)
 
     def _cache_families(self) -> Iterator:
         decisions = CounterMetricFamily(
@@ -160,4 +221,11 @@ class StateCollector(Collector):
         synced.add_metric([], index.num_synced())
         tok = GaugeMetricFamily("pd_router_tokenizer_loaded", "1 once the router's tokenizer has loaded.")
         tok.add_metric([], 1.0 if self._tokenizer_loaded() else 0.0)
+        if self._tokenizer_counts is not None:
+            prompts = CounterMetricFamily("pd_router_tokenizer_prompts", "Prompts given token ids, by source: cache "
+                                          "(seen before), reused (a chat's earlier turn), encoded (whole).",
+                                          labels=["source"])
+            for source, count in sorted(self._tokenizer_counts().items()):
+                prompts.add_metric([source], count)
+            yield prompts
         yield from (received, resyncs, synced, tok)

@@ -29,10 +29,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-def plan_body(data: dict[str, Any], chat: bool) -> tuple[bytes, "StreamTracker"] | None:
+def plan_body(data: dict[str, Any], chat: bool, raw: bytes | None = None) -> tuple[bytes, "StreamTracker"] | None:
     """The body to send a worker for a migratable streamed request, and its tracker.
 
-    ``None`` when the request cannot be migrated (it is then forwarded unchanged).
+    ``raw``: the client's body as received (``data`` parsed): the router's one field is put in front of it
+    instead of writing the whole body again. ``None`` when the request cannot be migrated (it is then
+    forwarded unchanged).
     """
     if not data.get("stream") or data.get("n", 1) not in (1, None):
         return None
@@ -43,8 +45,12 @@ def plan_body(data: dict[str, Any], chat: bool) -> tuple[bytes, "StreamTracker"]
     opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
     tracker = StreamTracker(data=data, chat=chat, client_wants_ids=client_ids,
                             client_wants_usage=bool(opts.get("include_usage")))
+    brace = len(raw) - len(raw.lstrip(b" \t\r\n")) if raw is not None else -1
+    if raw is not None and "return_token_ids" not in data and raw[brace:brace + 1] == b"{" \
+            and raw[brace + 1:brace + 2] != b"\x00":  # a UTF-8 object, not empty ("stream" is in it)
+        return raw[:brace + 1] + b'"return_token_ids":true,' + raw[brace + 1:], tracker
     if client_ids:
-        return json.dumps(data, separators=(",", ":")).encode(), tracker
+        return raw if raw is not None else json.dumps(data, separators=(",", ":")).encode(), tracker
     return json.dumps(dict(data, return_token_ids=True), separators=(",", ":")).encode(), tracker
 
 
@@ -122,6 +128,10 @@ class StreamTracker:
         if payload.strip() == b"[DONE]":
             self.done = True
             return b"data: [DONE]\n\n"
+        if self.prompt_ids is not None and not self.continuing:
+            fast = self._scan(payload)
+            if fast is not None:
+                return fast
         try:
             event = json.loads(payload)
         except ValueError:
@@ -136,6 +146,55 @@ class StreamTracker:
         else:
             self._learn(event)
         return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+    def _scan(self, payload: bytes) -> bytes | None:
+        """`feed` without parsing the JSON, for the events after the first of an undisturbed stream: the
+        token ids are read from the bytes (``"token_ids":[...]``) and cut out unless the client asked for
+        them. None when the event is not in the one shape read this way (compact JSON, one choice, no
+        error, no prompt ids): the caller parses it then."""
+        if b'"error"' in payload or b"prompt_token_ids" in payload:
+            return None
+        start = payload.find(b'"token_ids":[')
+        if start < 0:
+            if b'"token_ids"' in payload:
+                return None
+            ids = None
+        else:
+            if payload.find(b'"token_ids"', start + 12) >= 0:
+                return None  # several choices
+            end = payload.find(b"]", start + 13)
+            if end < 0:
+                return None
+            inner = payload[start + 13:end]
+            try:
+                ids = [int(t) for t in inner.split(b",")] if inner.strip() else []
+            except ValueError:
+                return None
+        finished = False
+        at = payload.find(b'"finish_reason":')
+        if at >= 0:
+            value = payload[at + 16:at + 17]
+            if value == b'"':
+                finished = True
+            elif value != b"n":
+                return None
+        elif b'"finish_reason"' in payload:
+            return None
+        if ids is None or self.client_wants_ids:
+            out = b"data: " + payload + b"\n\n"
+        else:
+            end += 1
+            if payload[start - 1:start] == b",":
+                start -= 1
+            elif payload[end:end + 1] == b",":
+                end += 1
+            else:
+                return None
+            out = b"data: " + payload[:start] + payload[end:] + b"\n\n"
+        if ids:
+            self.generated.extend(ids)
+        self.finished = self.finished or finished
+        return out
 
     def _learn(self, event: dict[str, Any]) -> None:
         if self.stream_id is None:

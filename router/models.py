@@ -16,6 +16,8 @@ class ModelNames:
     def __init__(self, configured: tuple[str, ...], registry: WorkerRegistry) -> None:
         self._configured = frozenset(configured)
         self._registry = registry
+        self._learned: frozenset[str] = frozenset()
+        self._version = -1
 
     def names(self) -> list[str]:
         """Configured names, else the names reported by the workers (sorted)."""
@@ -26,5 +28,8 @@ class ModelNames:
     def accepts(self, model: str) -> bool:
         if self._configured:
             return model in self._configured
-        learned = {w.served_model_name for w in self._registry.all() if w.served_model_name}
-        return not learned or model in learned
+        version = self._registry.version
+        if version != self._version:  # recomputed only when a worker came, went or reported its name
+            self._learned = frozenset(w.served_model_name for w in self._registry.all() if w.served_model_name)
+            self._version = version
+        return not self._learned or model in self._learned

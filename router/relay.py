@@ -1,16 +1,19 @@
-"""One attempt on one pair: send the body to the decode (or mixed) worker and relay.
+"""One attempt on one pair: send the body to the decode (or mixed) worker and relay its answer.
 
-The body goes to the same path on the worker, with ``X-PD-Prefill-Url`` (PD
-only) and ``X-Request-Id``. Workers send the status only once the first token
-exists (``docs/worker-api.md``), so every failure seen before the response
-starts, a retriable status (502/503/504), a connection error or a worker that
-stays silent past ``--upstream-first-byte-timeout-secs`` (streams), is returned as an
-:class:`AttemptFailure` for the caller to retry on a fresh pair. A
-non-streamed body that breaks while being read is also retriable: nothing has
-reached the client yet. A stream that breaks, or stays silent past
-``--upstream-idle-timeout-secs``, after it started is returned as an
-:class:`AttemptFailure` with ``after_start`` set: the caller migrates it
-(``router.migration``) or ends it with an error event.
+The body goes to the same path on the worker, with ``X-PD-Prefill-Url`` (PD only) and ``X-Request-Id``,
+over the worker's connection pool (``router.upstream``). Workers send the status only once the first
+token exists (``docs/worker-api.md``), so every failure seen before the response starts, a retriable status
+(502/503/504), a connection error or a worker that stays silent past ``--upstream-first-byte-timeout-secs``
+(streams), is returned as an :class:`AttemptFailure` for the caller to retry on a fresh pair. A
+non-streamed body that breaks while being read is also retriable: nothing has reached the client yet. A
+stream that breaks, or stays silent past ``--upstream-idle-timeout-secs``, after it started is returned as
+an :class:`AttemptFailure` with ``after_start`` set: the caller migrates it (``router.migration``) or ends it
+with an error event.
+
+A streamed answer is relayed from the connection's callbacks: each piece of the body the worker sends is
+written to the client as it arrives, as bytes, without parsing it, unless the stream may migrate (then its
+events go through the :class:`~router.migration.StreamTracker`, which reads the token ids). When the client
+reads slower than the worker writes, reading from the worker stops until the client catches up.
 """
 
 from __future__ import annotations
@@ -19,21 +22,20 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-import aiohttp
-
-from pd_cluster.router.asgi import Send
 from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status, error_param
 from pd_cluster.router.config import LimitsConfig, Role
+from pd_cluster.router.exchange import Exchange
+from pd_cluster.router.kv_index import PromptTokens
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.migration import StreamTracker
-from pd_cluster.router.kv_index import PromptTokens
 from pd_cluster.router.request import ParsedRequest
 from pd_cluster.router.retry import is_retriable_status
 from pd_cluster.router.selection import Pair
 from pd_cluster.router.supervisor import Supervised
+from pd_cluster.router.upstream import Reply, UpstreamError, Upstreams
 
-_PASS_HEADERS = ("content-type", "cache-control")
-_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+_PASS_HEADERS = (b"content-type", b"cache-control")
+_FAILED_PEER = FAILED_PEER_HEADER.encode()
 
 
 @dataclass
@@ -48,7 +50,6 @@ class RequestState:
     supervised: Supervised | None = None
     response_started: bool = False
     finished: bool = False
-    stream_broken: str | None = None
     prefill_url: str | None = None   # the pair of the last attempt, for the request log
     decode_url: str | None = None
     attempts: int = 0
@@ -72,6 +73,7 @@ class AttemptFailure:
 
     ``blame``: the role whose circuit breaker counts it (``None``: overload or
     not known). ``status``/``body``: the worker's answer, when it gave one.
+    ``retry_after``: the worker's ``Retry-After`` (seconds) on a refusal for capacity.
 
     ``ambiguous``: no breaker counts it, both workers get a health check now
     (``router.blame``). ``after_start``: the client's response had started.
@@ -84,6 +86,8 @@ class AttemptFailure:
     detail: str = ""
     ambiguous: bool = False
     after_start: bool = False
+    overloaded: bool = False
+    retry_after: float | None = None
 
 
 class Relay:
@@ -94,31 +98,42 @@ class Relay:
         self._first_byte = limits.upstream_first_byte_timeout_secs
         self._idle = limits.upstream_idle_timeout_secs
 
-    async def attempt(self, session: aiohttp.ClientSession, state: RequestState, pair: Pair,
-                      send: Send, path: str | None = None,
-                      body: bytes | None = None) -> int | AttemptFailure:
+    async def attempt(self, upstreams: Upstreams, state: RequestState, pair: Pair, ex: Exchange,
+                      path: str | None = None, body: bytes | None = None) -> int | AttemptFailure:
         """Try ``pair``; the relayed HTTP status, or the failure to retry or migrate.
 
-        ``path``/``body``: what to send (default: the request's own; a
-        migration sends the request again with ``resume_token_ids``).
+        ``path``/``body``: what to send (default: the request's own; a migration sends the request again
+        with ``resume_token_ids``).
         """
         rid = state.request_id
         if state.tracker is not None and state.tracker.migrations:
             rid = f"{rid}:m{state.tracker.migrations}"  # a fresh id at the workers
-        headers = {"content-type": "application/json", "x-request-id": rid}
+        headers = b"content-type: application/json\r\nx-request-id: " + rid.encode() + b"\r\n"
         if pair.prefill is not None:
-            headers["x-pd-prefill-url"] = pair.prefill.url
+            headers += b"x-pd-prefill-url: " + pair.prefill.url.encode() + b"\r\n"
         sup = state.supervised
+        stream = state.parsed.stream
         if sup is not None:
             sup.upstream, sup.stall, sup.answered = pair.decode.url, None, False
             # A non-streamed answer is silent until it is complete: only the health check
             # and the request timeout bound it.
-            sup.idle_limit = self._first_byte if state.parsed.stream else float("inf")
+            sup.idle_limit = self._first_byte if stream else float("inf")
             sup.last_byte = time.monotonic()
         data = body if body is not None else (state.upstream_body or state.body)
+        pool = pair.decode.pool
+        if pool is None or pool.closed:
+            pool = pair.decode.pool = upstreams.pool(pair.decode.url)
+        sink = _StreamSink(self, state, ex, pair) if stream else None
+        reply = Reply(asyncio.get_running_loop(), sink.on_head if sink is not None else _release_prefill(pair))
         try:
-            return await self._attempt(session, state, pair, send, path or state.path, data,
-                                       headers)
+            request = pool.frame((path or state.path).encode(), headers, data)
+            try:
+                if not pool.send_pooled(request, reply):
+                    await pool.send(request, reply)
+            except UpstreamError as exc:
+                return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started,
+                                      detail=str(exc))
+            return await self._outcome(state, pair, reply, sink, ex)
         except asyncio.CancelledError:
             if sup is None or sup.stall is None or sup.timed_out or sup.client_gone:
                 raise
@@ -133,112 +148,139 @@ class Relay:
                                   detail=f"no byte for {sup.idle_limit:g} s" if
                                   sup.stall == "idle_timeout" else "the health check found it dead")
         finally:
+            reply.abort()  # a no-op once complete; else the worker sees the connection close and aborts
             if sup is not None:
                 sup.upstream, sup.idle_limit, sup.stall = None, float("inf"), None
 
-    async def _attempt(self, session: aiohttp.ClientSession, state: RequestState, pair: Pair,
-                       send: Send, path: str, data: bytes,
-                       headers: dict[str, str]) -> int | AttemptFailure:
+    async def _outcome(self, state: RequestState, pair: Pair, reply: Reply, sink: "_StreamSink | None",
+                       ex: Exchange) -> int | AttemptFailure:
         try:
-            resp = await session.post(pair.decode.url_for(path), data=data, headers=headers)
-        except _ERRORS as exc:
-            return AttemptFailure("decode_unreachable", Role.DECODE,
-                                  after_start=state.response_started,
-                                  detail=f"{type(exc).__name__}: {exc}")
-        pair.release_prefill()  # a response exists: the prefill's part is over
-        try:
-            if is_retriable_status(resp.status):
-                raw = await _read_quietly(resp)
-                blame = blame_status(resp.status, raw, resp.headers.get(FAILED_PEER_HEADER),
-                                     pair.prefill is not None)
-                return AttemptFailure(f"status_{resp.status}", blame.role, resp.status, raw,
-                                      detail=blame.code or "", ambiguous=blame.ambiguous,
-                                      after_start=state.response_started)
-            if state.parsed.stream and resp.status == 200:
-                return await self._relay_stream(state, resp, send)
-            if state.response_started:  # a continuation refused (4xx): nothing more to relay
-                raw = await _read_quietly(resp)
-                return AttemptFailure(f"status_{resp.status}", None, resp.status, raw,
-                                      after_start=True)
-            return await self._relay_whole(state, resp, send)
-        except BaseException:
-            resp.close()
-            raise
-        finally:
-            resp.release()
+            await reply.done
+        except UpstreamError as exc:
+            if not reply.status:
+                return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started,
+                                      detail=str(exc))
+            if sink is not None and sink.relaying:
+                return AttemptFailure("stream_broken", Role.DECODE, after_start=True, detail=str(exc))
+            return AttemptFailure("decode_disconnected", Role.DECODE, after_start=state.response_started,
+                                  detail=str(exc))
+        status = reply.status
+        if sink is not None and sink.relaying:
+            return sink.finish()
+        if status == 429:  # a refusal for capacity: another worker with room, or a wait (router.capacity)
+            return AttemptFailure("status_429", None, status, reply.body(), after_start=state.response_started,
+                                  overloaded=True, retry_after=_retry_after(reply.header(b"retry-after")))
+        if is_retriable_status(status):
+            raw = reply.body()
+            blame = blame_status(status, raw, _text(reply.header(_FAILED_PEER)), pair.prefill is not None)
+            overloaded = blame.role is None and not blame.ambiguous and (status == 503 or blame.code == "overloaded")
+            return AttemptFailure(f"status_{status}", blame.role, status, raw, detail=blame.code or "",
+                                  ambiguous=blame.ambiguous, after_start=state.response_started,
+                                  overloaded=overloaded, retry_after=_retry_after(reply.header(b"retry-after")))
+        if state.response_started:  # a continuation refused (4xx): nothing more to relay
+            return AttemptFailure(f"status_{status}", None, status, reply.body(), after_start=True)
+        return self._relay_whole(state, reply, ex)
 
-    async def _relay_whole(self, state: RequestState, resp: aiohttp.ClientResponse,
-                           send: Send) -> int | AttemptFailure:
-        try:
-            data = await resp.read()
-        except _ERRORS as exc:
-            return AttemptFailure("decode_disconnected", Role.DECODE,
-                                  detail=f"{type(exc).__name__}: {exc}")
-        if (resp.status == 400 and state.tracker is not None
-                and not state.tracker.client_wants_ids and b"return_token_ids" in data
-                and error_param(data) == "return_token_ids"):
+    @staticmethod
+    def _relay_whole(state: RequestState, reply: Reply, ex: Exchange) -> int | AttemptFailure:
+        data = reply.body()
+        if (reply.status == 400 and state.tracker is not None and not state.tracker.client_wants_ids
+                and b"return_token_ids" in data and error_param(data) == "return_token_ids"):
             # the router asked for token ids and this worker refuses the field: not the client's
             # error; the caller resends the client's own body
             return AttemptFailure("token_ids_refused", None, 400, data)
-        ctype = resp.headers.get("content-type", "application/json").encode()
         state.mark_finished()
         state.response_started = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": [
-            (b"content-type", ctype), (b"content-length", str(len(data)).encode()),
-            (b"x-request-id", state.request_id.encode())]})
-        await send({"type": "http.response.body", "body": data})
-        return resp.status
+        ex.respond(reply.status, data, reply.header(b"content-type") or b"application/json",
+                   ((b"x-request-id", state.request_id.encode()),))
+        return reply.status
 
-    async def _relay_stream(self, state: RequestState, resp: aiohttp.ClientResponse,
-                            send: Send) -> int | AttemptFailure:
+
+class _StreamSink:
+    """Relays a streamed answer from the connection's callbacks: raw bytes, or events through the tracker."""
+
+    __slots__ = ("relay", "state", "ex", "pair", "reply", "relaying", "pending")
+
+    def __init__(self, relay: Relay, state: RequestState, ex: Exchange, pair: Pair) -> None:
+        self.relay, self.state, self.ex, self.pair = relay, state, ex, pair
+        self.reply: Reply | None = None
+        self.relaying = False
+        self.pending = b""
+
+    def on_head(self, reply: Reply) -> None:
+        self.pair.release_prefill()  # a response exists: the prefill's part is over
+        if reply.status != 200:
+            return
+        state, ex = self.state, self.ex
+        self.reply, self.relaying = reply, True
         if not state.response_started:
             headers = [(b"x-request-id", state.request_id.encode())]
             for name in _PASS_HEADERS:
-                value = resp.headers.get(name)
+                value = reply.header(name)
                 if value is not None:
-                    headers.append((name.encode(), value.encode()))
-            await send({"type": "http.response.start", "status": resp.status,
-                        "headers": headers})
+                    headers.append((name, value))
+            ex.start(200, headers)
             state.response_started = True
         sup = state.supervised
         if sup is not None:
-            sup.idle_limit, sup.last_byte, sup.answered = self._idle, time.monotonic(), True
-        ttft, itl = self._metrics.ttft, self._metrics.itl
+            sup.idle_limit, sup.last_byte, sup.answered = self.relay._idle, time.monotonic(), True
+        reply.on_chunk = self.on_chunk
+
+    def on_chunk(self, chunk: bytes) -> None:
+        state, ex = self.state, self.ex
+        now = time.perf_counter()
+        metrics = self.relay._metrics
+        if state.last_chunk_at:
+            metrics.itl.observe(now - state.last_chunk_at)
+        else:
+            metrics.ttft.observe(now - state.arrived)
+        state.last_chunk_at = now
         tracker = state.tracker
-        pending = b""
-        last = state.last_chunk_at
-        try:
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                if last:
-                    itl.observe(now - last)
-                else:
-                    ttft.observe(now - state.arrived)
-                last = state.last_chunk_at = now
-                if tracker is None:
-                    state.clean = chunk.endswith(b"\n\n")
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                else:
-                    pending += chunk
-                    out, pending = _events(tracker, pending)
-                    if tracker.no_ids:  # a worker without token ids: relay raw from here on
-                        state.tracker = tracker = None
-                        out += pending
-                        state.clean = not pending or pending.endswith(b"\n\n")
-                    if out:
-                        await send({"type": "http.response.body", "body": out,
-                                    "more_body": True})
-                if sup is not None:  # after the send: a slow client is not a silent worker
-                    sup.last_byte = time.monotonic()
-        except _ERRORS as exc:
-            return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
-                                  detail=f"{type(exc).__name__}: {exc}")
+        if tracker is None:
+            state.clean = chunk.endswith(b"\n\n")
+            ex.write(chunk)
+        else:
+            out, self.pending = _events(tracker, self.pending + chunk)
+            if tracker.no_ids:  # a worker without token ids: relay raw from here on
+                state.tracker = None
+                out += self.pending
+                state.clean = not self.pending or self.pending.endswith(b"\n\n")
+                self.pending = b""
+            ex.write(out)
+        sup = state.supervised
+        if sup is not None:  # after the write: a slow client is not a silent worker
+            sup.last_byte = time.monotonic()
+        if ex.paused and self.reply is not None and self.reply.conn is not None:
+            conn = self.reply.conn
+            conn.pause()
+            ex.on_resume(conn.resume)
+
+    def finish(self) -> int | AttemptFailure:
+        state = self.state
+        tracker = state.tracker
         if tracker is not None and not tracker.ended:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail="the stream ended without [DONE]")
         state.mark_finished()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return resp.status
+        self.ex.end()
+        return 200
+
+
+def _release_prefill(pair: Pair):
+    def on_head(reply: Reply) -> None:
+        pair.release_prefill()  # a response exists: the prefill's part is over
+    return on_head
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
+
+
+def _retry_after(value: bytes | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
 
 
 def _events(tracker: StreamTracker, pending: bytes) -> tuple[bytes, bytes]:
@@ -254,10 +296,5 @@ def _events(tracker: StreamTracker, pending: bytes) -> tuple[bytes, bytes]:
                 relayed = tracker.feed(line[5:].lstrip())
                 if relayed is not None:
                     out.append(relayed)
-
-
-async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes | None:
-    try:
-        return await resp.read()
-    except _ERRORS:
-        return None
+        if tracker.no_ids:  # the rest goes out raw (the caller appends it)
+            return b"".join(out), pending

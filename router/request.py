@@ -3,13 +3,14 @@
 The body is forwarded unchanged; the worker validates sampling parameters,
 applies the chat template and detokenizes (``docs/worker-api.md``). The router
 only checks that the body is a JSON object, reads ``model`` and ``stream``,
-and turns the prompt into text for the ``cache_aware`` policy.
+checks the types of ``prompt`` / ``messages``, and turns the prompt into text
+when a policy asks for it (``cache_aware``'s tree; computed on first use, so
+the other policies never pay for it).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -23,14 +24,24 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
-@dataclass(frozen=True)
 class ParsedRequest:
-    """``model`` (``None`` when absent), ``stream``, and the prompt as routing text."""
+    """``model`` (``None`` when absent), ``stream``, the body as parsed (``data``), and the prompt as routing
+    text (``text``, computed on first use)."""
 
-    model: str | None
-    stream: bool
-    text: str
-    data: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    __slots__ = ("model", "stream", "data", "chat", "_text")
+
+    def __init__(self, model: str | None, stream: bool, data: dict[str, Any], chat: bool) -> None:
+        self.model = model
+        self.stream = stream
+        self.data = data
+        self.chat = chat
+        self._text: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = chat_text(self.data["messages"]) if self.chat else prompt_text(self.data["prompt"])
+        return self._text
 
 
 def _content_text(content: Any) -> str:
@@ -92,11 +103,17 @@ def parse_request(body: bytes, chat: bool) -> ParsedRequest:
     if not isinstance(stream, bool):
         raise InvalidRequest("'stream' must be a boolean", "stream")
     if chat:
-        if "messages" not in data:
+        messages = data.get("messages", _MISSING)
+        if messages is _MISSING:
             raise InvalidRequest("'messages' is required", "messages", "missing_required_parameter")
-        text = chat_text(data["messages"])
-    else:
-        if "prompt" not in data:
-            raise InvalidRequest("'prompt' is required", "prompt", "missing_required_parameter")
-        text = prompt_text(data["prompt"])
-    return ParsedRequest(model=model, stream=stream, text=text, data=data)
+        if not isinstance(messages, list):
+            raise InvalidRequest("'messages' must be a list", "messages")
+        for m in messages:
+            if not isinstance(m, dict):
+                raise InvalidRequest("each message must be an object", "messages")
+    elif "prompt" not in data:
+        raise InvalidRequest("'prompt' is required", "prompt", "missing_required_parameter")
+    return ParsedRequest(model, stream, data, chat)
+
+
+_MISSING = object()

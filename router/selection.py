@@ -2,9 +2,11 @@
 
 Policies are chosen per role (``--prefill-policy``, ``--decode-policy``,
 ``--policy`` for mixed workers). PD pairs are preferred when both roles have
-usable workers; otherwise a mixed worker serves the request alone. A retry
-excludes every worker already tried by the request when others are usable,
-so each retry goes to a fresh pair.
+usable workers; otherwise a mixed worker serves the request alone. Only
+workers with room are candidates (``router.capacity``): when every usable
+worker of a role is at capacity there is no pair, and the request waits in the
+router. A retry excludes every worker already tried by the request when others
+are usable, so each retry goes to a fresh pair.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pd_cluster.router.capacity import has_room
 from pd_cluster.router.config import PolicyConfig, Role
 from pd_cluster.router.kv_index import KvIndex
 from pd_cluster.router.policies import CacheAware, Policy, RouteRequest, make_policy
@@ -36,12 +39,16 @@ class Pair:
     on_prefill_done: Callable[[], None] | None = field(default=None, repr=False)
     on_decode_done: Callable[[], None] | None = field(default=None, repr=False)
 
+    on_release: Callable[[], None] | None = field(default=None, repr=False)
+
     def release_prefill(self) -> None:
         if self.prefill is not None and self._prefill_held:
             self._prefill_held = False
             self.prefill.inflight -= 1
             if self.on_prefill_done is not None:
                 self.on_prefill_done()
+            if self.on_release is not None:
+                self.on_release()
 
     def release(self) -> None:
         self.release_prefill()
@@ -50,6 +57,8 @@ class Pair:
             self.decode.inflight -= 1
             if self.on_decode_done is not None:
                 self.on_decode_done()
+            if self.on_release is not None:
+                self.on_release()
 
     def urls(self) -> tuple[str, ...]:
         return (self.decode.url,) if self.prefill is None else (self.decode.url, self.prefill.url)
@@ -72,6 +81,8 @@ class PairSelector:
             role: make_policy(name, config.cache_aware, rng, clock, self.index, kv)
             for role, name in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode),
                                (Role.MIXED, config.mixed))}
+        self.on_release: Callable[[], None] | None = None  # room may have appeared (``CapacityGate.notify``)
+        self._clock = clock
         registry.subscribe(on_removed=self._forget)
 
     def _forget(self, worker: Worker) -> None:
@@ -85,6 +96,11 @@ class PairSelector:
         return self.index is not None and isinstance(self.policies[role], CacheAware)
 
     @property
+    def needs_text(self) -> bool:
+        """True when some role routes by ``cache_aware``'s tree, which reads each prompt's text."""
+        return any(isinstance(p, CacheAware) for p in self.policies.values())
+
+    @property
     def needs_tokens(self) -> bool:
         """True when some role routes on KV events, which needs each prompt's token ids."""
         return any(self.uses_kv_events(role) for role in Role)
@@ -93,8 +109,17 @@ class PairSelector:
         usable = self.registry.usable(role)
         if not usable:
             return None
-        fresh = [w for w in usable if w.url not in tried] or usable
-        return self.policies[role].select(fresh, request)
+        now = self._clock()
+        roomy = [w for w in usable if has_room(w, now)]
+        if not roomy:
+            return None
+        fresh = [w for w in roomy if w.url not in tried] if tried else roomy
+        return self.policies[role].select(fresh or roomy, request)
+
+    def can_pair(self) -> bool:
+        """True when a prefill+decode pair or a mixed worker is usable, room or not."""
+        usable = self.registry.usable
+        return bool((usable(Role.PREFILL) and usable(Role.DECODE)) or usable(Role.MIXED))
 
     def choose(self, request: RouteRequest, tried: set[str]) -> Pair | None:
         """A pair for ``request`` avoiding ``tried`` URLs when possible; ``None`` if none usable."""
@@ -114,6 +139,7 @@ class PairSelector:
         pair.on_decode_done = self.policies[pair.decode.role].track(pair.decode, request)
         if pair.prefill is not None:
             pair.on_prefill_done = self.policies[Role.PREFILL].track(pair.prefill, request)
+        pair.on_release = self.on_release
         return pair
 
     def evict(self) -> None:

@@ -1,13 +1,10 @@
-"""Per-request deadlines and client-disconnect watching, off the hot path.
+"""Per-request deadlines, upstream silence and client disconnects, off the hot path.
 
-A per-request ``asyncio.timeout`` and a per-request disconnect-watcher task
-together cost about as much as the rest of the router's own work on a short
-request. Instead one supervisor task ticks every ``tick_secs``: it cancels the
-task of each request past its deadline (``--request-timeout-secs``), and gives
-a disconnect watcher only to requests that have run longer than
-``watch_after_secs``. Short requests never pay for either; a request's
-timeout fires at most one tick late, and a client that leaves is noticed at
-most ``watch_after_secs + tick_secs`` after the request began.
+A per-request ``asyncio.timeout`` costs about as much as the rest of the router's own work on a short
+request. Instead one supervisor task ticks every ``tick_secs`` and cancels the task of each request past
+its deadline (``--request-timeout-secs``); a request's timeout fires at most one tick late. A client that
+disconnects is seen at once by its connection (``router.http_server``), which calls
+:meth:`Supervisor.client_lost`: no watcher task per request either.
 
 The same tick enforces the upstream timeouts of the attempt in progress: no
 byte from the worker for ``idle_limit`` seconds (``--upstream-first-byte-timeout-secs``
@@ -22,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-
-from pd_cluster.router.asgi import Receive
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)
@@ -32,7 +27,6 @@ class Supervised:
     """One request's task, deadline and flags; created by :meth:`Supervisor.enter`."""
 
     task: asyncio.Task
-    receive: Receive
     started: float
     deadline: float
     finished: bool = False
@@ -43,28 +37,26 @@ class Supervised:
     last_byte: float = 0.0           # time.monotonic() of the last byte (or of the attempt's start)
     stall: str | None = None         # why the attempt was cancelled: idle_timeout, worker_dead
     answered: bool = False           # the attempt in progress has its worker's first byte
-    watcher: asyncio.Task | None = field(default=None, repr=False)
 
 
 class Supervisor:
     """Deadline and disconnect supervision of all in-flight requests."""
 
-    def __init__(self, tick_secs: float = 0.1, watch_after_secs: float = 0.2) -> None:
+    def __init__(self, tick_secs: float = 0.1) -> None:
         self.tick_secs = tick_secs
-        self.watch_after_secs = watch_after_secs
         self._live: dict[int, Supervised] = {}
         self._next_id = 0
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def enter(self, receive: Receive, timeout_secs: float) -> tuple[int, Supervised]:
+    def enter(self, timeout_secs: float) -> tuple[int, Supervised]:
         """Start supervising the current task."""
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("Supervisor.enter needs a running task")
         now = time.monotonic()
-        entry = Supervised(task, receive, now, now + timeout_secs)
+        entry = Supervised(task, now, now + timeout_secs)
         self._next_id += 1
         self._live[self._next_id] = entry
         return self._next_id, entry
@@ -74,12 +66,16 @@ class Supervisor:
         entry = self._live.pop(key, None)
         if entry is not None:
             entry.finished = True
-            if entry.watcher is not None:
-                entry.watcher.cancel()
+
+    @staticmethod
+    def client_lost(entry: Supervised) -> None:
+        """The client disconnected: cancel its request (unless it already ended)."""
+        if not entry.finished and not entry.timed_out and not entry.client_gone:
+            entry.client_gone = True
+            entry.task.cancel()
 
     def tick(self, now: float) -> None:
-        """One pass: cancel overdue requests, attach watchers to long ones."""
-        watch_before = now - self.watch_after_secs
+        """One pass: cancel overdue requests and attempts on silent workers."""
         for entry in list(self._live.values()):
             if entry.finished or entry.timed_out or entry.client_gone:
                 continue
@@ -89,8 +85,6 @@ class Supervisor:
             elif entry.stall is None and now - entry.last_byte > entry.idle_limit:
                 entry.stall = "idle_timeout"
                 entry.task.cancel()
-            elif entry.watcher is None and entry.started <= watch_before:
-                entry.watcher = asyncio.ensure_future(_watch(entry))
 
     def fail_upstream(self, url: str) -> int:
         """Cancel every attempt in progress on worker ``url`` (found dead); returns how many."""
@@ -109,13 +103,3 @@ class Supervisor:
             await asyncio.sleep(self.tick_secs)
             self.tick(time.monotonic())
 
-
-async def _watch(entry: Supervised) -> None:
-    """Cancel the request's task when its client disconnects before the end."""
-    while True:
-        message = await entry.receive()
-        if message["type"] == "http.disconnect":
-            break
-    if not entry.finished and not entry.timed_out:
-        entry.client_gone = True
-        entry.task.cancel()

@@ -49,7 +49,12 @@ class Worker:
 
     ``inflight``: this router's requests using it now (a prefill until the
     first token, a decode until the end). ``sent_since_report``: requests
-    routed to it since its last ``/get_load`` report.
+    routed to it since its last ``/get_load`` report. ``max_running``: its
+    ``max_running_requests`` from ``/server_info`` (0: unknown). ``busy_until``:
+    ``time.monotonic()`` until which it is left alone after refusing a request
+    for capacity (``router.capacity``). ``slow_checks``: probes that timed out
+    while it kept sending bytes (busy, not dead; ``router.health``).
+    ``pool``: its data-path connections (``router.upstream``).
     """
 
     url: str
@@ -65,6 +70,11 @@ class Worker:
     sent_since_report: int = 0
     served_model_name: str | None = None
     incarnation: str | None = None
+    max_running: int = 0
+    busy_until: float = 0.0
+    slow_checks: int = 0
+    probe_seen: float = float("-inf")
+    pool: Any = field(default=None, repr=False)
     added_at: float = field(default_factory=time.monotonic)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
@@ -89,6 +99,7 @@ class Worker:
         return {
             "url": self.url, "role": self.role.value, "source": self.source,
             "healthy": self.healthy, "circuit_state": self.breaker.state(now).value,
+            "busy": self.busy_until > now, "slow_checks": self.slow_checks,
             "inflight": self.inflight, "served_model_name": self.served_model_name,
             "load": None if load is None else {
                 "num_running_reqs": load.num_running_reqs, "num_queue_reqs": load.num_queue_reqs,
@@ -113,6 +124,11 @@ class WorkerRegistry:
         self._by_role: dict[Role, list[Worker]] = {r: [] for r in Role}
         self._on_added: list[Listener] = []
         self._on_removed: list[Listener] = []
+        self.version = 0  # bumped on every change of membership or of what a worker reported (`touch`)
+
+    def touch(self) -> None:
+        """A worker's reported facts (served model name) changed."""
+        self.version += 1
 
     def subscribe(self, on_added: Listener | None = None,
                   on_removed: Listener | None = None) -> None:
@@ -138,6 +154,7 @@ class WorkerRegistry:
                         breaker=CircuitBreaker(self._circuit, url, role.value), healthy=healthy, checked=healthy)
         self._workers[url] = worker
         self._by_role[role].append(worker)
+        self.version += 1
         for fn in self._on_added:
             fn(worker)
         return worker
@@ -150,6 +167,7 @@ class WorkerRegistry:
             return None
         del self._workers[url]
         self._by_role[worker.role].remove(worker)
+        self.version += 1
         for fn in self._on_removed:
             fn(worker)
         return worker

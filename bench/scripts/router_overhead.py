@@ -1,353 +1,407 @@
-"""The router's added latency and its sustained requests/s on one core.
+"""CPU per request of ``pd-router`` against a peer router, side by side on one fake worker.
 
-Starts a fast fake prefill and decode worker (``pd_cluster.bench.fake_server``, zero
-delays) and ``pd-router`` in front of them, pins the router to one CPU and
-the fake workers and the load generator to the others, then measures with a
-lean closed-loop HTTP/1.1 keep-alive client (raw asyncio streams, so the
-client is not the bottleneck):
+Both routers front the same fast fake worker (``pd_cluster.bench.fake_server``: zero TTFT and ITL,
+8 tokens per streamed reply). The fake and the load generator (`wrk`, HTTP/1.1 keep-alive) are
+pinned to one CPU and each router in turn to another (`--router-cpu`). For every cell (case x
+connections) the routers run one after the other, in alternating order from round to round
+(interleaved A/B), so slow drifts of a shared machine hit both alike. A router's CPU time is read
+from ``/proc/<pid>/stat`` (user + system, all threads and child processes) before and after the
+`wrk` run and divided by the requests `wrk` completed. Each run also records the machine's
+1-minute load average and the CPU that other processes took meanwhile (``/proc/stat`` busy time
+minus the router's, the fake's and wrk's), so a reader can tell a quiet run from a contended one.
 
-* added latency: one request at a time, direct to the decode worker versus
-  through the router; p50/p99 of the difference;
-* throughput: ``--concurrency`` connections through the router for
-  ``--seconds``; requests/s, latency and the router's CPU use.
+Cases:
 
-Both for short non-streamed requests (``max_tokens`` 1) and streamed ones
-(``--stream-tokens`` SSE events). Prints one table per measurement.
+* ``plain``: non-streamed completions, ``max_tokens`` 1, policy ``round_robin`` on both;
+* ``stream``: streamed completions of 8 token events, ``round_robin``;
+* ``tokenizer``: a non-streamed completion whose prompt is ``--prompt-tokens`` (682) tokens long,
+  pd-router with ``--tokenizer-path`` (precise ``cache_aware`` on KV events) against the peer's
+  ``cache_aware``; every request sends the same prompt;
+* ``tokenizer_unique``: the same, but each request's prompt starts with a different number, so
+  no two prompts share their tokens (the router's prompt cache never hits).
 
-    python -m pd_cluster.bench.scripts.router_overhead --seconds 10 --concurrency 16 64
+The peer is ``sglang_router.launch_router`` (sglang-router, Rust) when it is installed; without it
+only pd-router is measured. ``--base-tree DIR`` adds a third router: pd-router run from another source
+tree (for example ``git archive <commit> | tar -x -C DIR``), to compare two versions in the same run.
+
+    python -m pd_cluster.bench.scripts.router_overhead --seconds 10 --rounds 3 --concurrency 16 64
+    python -m pd_cluster.bench.scripts.router_overhead --poll-cost 32 --seconds 10
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
 import json
 import os
+import re
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 
+from pd_cluster.bench.fake_process import FakeServerProcess
 from pd_cluster.engine.net import free_port
 
-from pd_cluster.bench.fake_process import FakeServerProcess
-
 MODEL = "stories260K"
+CASES = ("plain", "stream", "tokenizer", "tokenizer_unique")
+WRK_SCRIPT = """
+local counter = 0
+local head = os.getenv("BENCH_HEAD")
+local tail = os.getenv("BENCH_TAIL")
+local unique = os.getenv("BENCH_UNIQUE") == "1"
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = head .. tail
+if unique then
+  request = function()
+    counter = counter + 1
+    return wrk.format(nil, nil, nil, head .. counter .. " " .. tail)
+  end
+end
+"""
 
 
-@dataclass
-class Result:
-    requests: int
-    seconds: float
-    latencies: list[float]
-    errors: int
-
-    def pct(self, q: float) -> float:
-        lat = sorted(self.latencies)
-        return lat[min(len(lat) - 1, int(q / 100 * len(lat)))] * 1e3 if lat else float("nan")
-
-
-def build_request(host: str, stream: bool, tokens: int) -> bytes:
-    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": tokens,
-                       "stream": stream}).encode()
-    return (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode() + body
-
-
-async def read_response(reader: asyncio.StreamReader) -> int:
-    """Read one response (Content-Length or chunked); returns the status."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    lower = head.lower()
-    i = lower.find(b"content-length:")
-    if i >= 0:
-        await reader.readexactly(int(lower[i + 15:lower.index(b"\r\n", i)]))
-        return status
-    while True:  # chunked
-        size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-        await reader.readexactly(size + 2)
-        if size == 0:
-            return status
-
-
-async def closed_loop(port: int, request: bytes, concurrency: int, seconds: float,
-                      warmup: float) -> Result:
-    latencies: list[float] = []
-    errors = 0
-    start = time.perf_counter() + warmup
-    stop = start + seconds
-
-    async def conn() -> int:
-        nonlocal errors
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        done = 0
-        try:
-            while (now := time.perf_counter()) < stop:
-                writer.write(request)
-                status = await read_response(reader)
-                end = time.perf_counter()
-                if now >= start:
-                    done += 1
-                    if status == 200:
-                        latencies.append(end - now)
-                    else:
-                        errors += 1
-        finally:
-            writer.close()
-        return done
-
-    counts = await asyncio.gather(*(conn() for _ in range(concurrency)))
-    return Result(sum(counts), seconds, latencies, errors)
-
-
-def baseline_app(kind: str, upstream: str):
-    """A minimal forwarding proxy (no routing logic) to show what the stack costs.
-
-    ``raw_aiohttp``: raw ASGI + aiohttp client (the router's stack);
-    ``fastapi_aiohttp``: a FastAPI route + aiohttp; ``raw_httpx``: raw ASGI + httpx.
-    """
-    state: dict = {}
-
-    async def client():
-        if "c" not in state:
-            if kind.endswith("httpx"):
-                state["c"] = httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
-            else:
-                import aiohttp
-
-                state["c"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return state["c"]
-
-    async def forward(path: str, body: bytes) -> tuple[int, bytes]:
-        c = await client()
-        if kind.endswith("httpx"):
-            r = await c.post(upstream + path, content=body,
-                             headers={"content-type": "application/json"})
-            return r.status_code, r.content
-        async with c.post(upstream + path, data=body,
-                          headers={"content-type": "application/json"}) as r:
-            return r.status, await r.read()
-
-    if kind == "fastapi_aiohttp":
-        from fastapi import FastAPI
-        from fastapi.responses import Response
-
-        app = FastAPI()
-
-        async def completions(request) -> Response:
-            status, data = await forward("/v1/completions", await request.body())
-            return Response(data, status_code=status, media_type="application/json")
-
-        from fastapi import Request
-
-        completions.__annotations__ = {"request": Request, "return": Response}
-        app.post("/v1/completions")(completions)
-        return app
-
-    async def raw(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            m = await receive()
-            body += m.get("body", b"")
-            if not m.get("more_body"):
-                break
-        status, data = await forward(scope["path"], body)
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
-
-    return raw
-
-
-def start_baseline(kind: str, port: int, upstream: str, cpu: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pd_cluster.bench.scripts.router_overhead", "--serve-baseline", kind,
-           "--port", str(port), "--upstream", upstream]
-    proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
-    wait_port(port, proc)
-    return proc
-
-
-def wait_port(port: int, proc: subprocess.Popen) -> None:
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"nothing listens on {port}")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
+# ---- processes and /proc ----------------------------------------------------------------------------------
 def pinned(cpus: set[int]):
     return lambda: os.sched_setaffinity(0, cpus)
 
 
-def start_router(port: int, prefill: list[str], decode: list[str], cpu: int,
-                 extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1", "--port", str(port),
-           "--prefill", *prefill, "--decode", *decode, "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, preexec_fn=pinned({cpu}))
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(entry))
+    return out
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks of ``pid`` (all its threads) and of its live descendants."""
+    tree, todo, total = _children(), [pid], 0
+    while todo:
+        p = todo.pop()
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readiness", timeout=1).status_code == 200:
-                return proc
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+        todo.extend(tree.get(p, ()))
+    return total
+
+
+def busy_ticks() -> int:
+    """Busy clock ticks of the whole machine, all CPUs (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    return sum(values) - values[3] - values[4]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the router exited with {proc.returncode}")
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=2,
+                           json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
+            if r.status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("router did not become ready")
+    raise RuntimeError(f"{url} did not answer a completion within {timeout} s")
 
 
-def table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def start(cmd: list[str], cpu: int, log: Path, env: dict | None = None) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, preexec_fn=pinned({cpu}), stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def tree_env(tree: str, scratch: Path) -> dict:
+    """An environment whose ``import pd_cluster`` loads the source tree ``tree``."""
+    link = scratch / "base-tree" / "pd_cluster"
+    link.parent.mkdir(exist_ok=True)
+    if not link.exists():
+        link.symlink_to(Path(tree).resolve())
+    return dict(os.environ, PYTHONPATH=str(link.parent))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+# ---- the routers --------------------------------------------------------------------------------------------
+def pd_router_cmd(port: int, worker: str, case: str, a: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1", "--port", str(port),
+           "--worker", worker, "--log-level", "warning"]
+    if case.startswith("tokenizer"):
+        cmd += ["--policy", "cache_aware", "--tokenizer-path", a.tokenizer_path]
+    else:
+        cmd += ["--policy", "round_robin"]
+    return cmd + a.router_args
+
+
+def peer_cmd(port: int, worker: str, case: str, a: argparse.Namespace) -> list[str]:
+    policy = "cache_aware" if case.startswith("tokenizer") else "round_robin"
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", worker, "--policy", policy, "--log-level", "warn"]
+
+
+# ---- wrk ------------------------------------------------------------------------------------------------------
+_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "m": 60e6}
+
+
+def _micros(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text.strip())
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+
+
+@dataclass
+class Run:
+    router: str
+    case: str
+    conns: int
+    round: int
+    requests: int
+    seconds: float
+    p50_us: float
+    p99_us: float
+    non_2xx: int
+    socket_errors: int
+    cpu_s: float
+    others_cpu_s: float
+    load1: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def us_per_req(self) -> float:
+        return self.cpu_s / self.requests * 1e6 if self.requests else float("nan")
+
+
+def parse_wrk(out: str) -> dict:
+    got = {"requests": 0, "seconds": 0.0, "p50_us": float("nan"), "p99_us": float("nan"),
+           "non_2xx": 0, "socket_errors": 0}
+    m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
+    if m:
+        got["requests"] = int(m.group(1))
+        got["seconds"] = _micros(m.group(2) + m.group(3)) / 1e6
+    for q, key in (("50%", "p50_us"), ("99%", "p99_us")):
+        m = re.search(rf"^\s+{q}\s+(\S+)", out, re.M)
+        if m:
+            got[key] = _micros(m.group(1))
+    m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if m:
+        got["non_2xx"] = int(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if m:
+        got["socket_errors"] = sum(int(g) for g in m.groups())
+    return got
+
+
+def body_parts(case: str, prompt: str) -> tuple[str, str]:
+    """The request body as (head, tail): ``tokenizer_unique`` puts a counter between them."""
+    stream = case == "stream"
+    tokens = 8 if stream else 1
+    text = prompt if case.startswith("tokenizer") else "Once upon a time"
+    tail = json.dumps(text)[1:] + f', "max_tokens": {tokens}, "stream": {json.dumps(stream)}}}'
+    return f'{{"model": "{MODEL}", "prompt": "', tail
+
+
+def run_wrk(port: int, conns: int, seconds: float, script: Path, env: dict, cpu: int) -> str:
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "--latency", "--timeout", "10s", "-s", str(script),
+           f"http://127.0.0.1:{port}/v1/completions"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=pinned({cpu}),
+                          timeout=seconds + 60).stdout
+
+
+def measure(name: str, proc: subprocess.Popen, port: int, case: str, conns: int, rnd: int,
+            a: argparse.Namespace, env: dict, script: Path, fake_pid: int) -> Run:
+    t0, own0, fake0, busy0 = time.monotonic(), cpu_ticks(proc.pid), cpu_ticks(fake_pid), busy_ticks()
+    wrk_before = os.times()
+    out = run_wrk(port, conns, a.seconds, script, env, a.client_cpu)
+    wrk_after = os.times()
+    own1, fake1, busy1 = cpu_ticks(proc.pid), cpu_ticks(fake_pid), busy_ticks()
+    tick = os.sysconf("SC_CLK_TCK")
+    wrk_cpu = (wrk_after.children_user + wrk_after.children_system
+               - wrk_before.children_user - wrk_before.children_system)
+    others = (busy1 - busy0 - (own1 - own0) - (fake1 - fake0)) / tick - wrk_cpu
+    w = parse_wrk(out)
+    if not w["requests"]:
+        print(out, file=sys.stderr)
+    return Run(name, case, conns, rnd, w["requests"], w["seconds"] or time.monotonic() - t0, w["p50_us"],
+               w["p99_us"], w["non_2xx"], w["socket_errors"], (own1 - own0) / tick, max(0.0, others),
+               os.getloadavg()[0])
+
+
+def make_prompt(path: str, tokens: int) -> str:
+    """Story text cut to exactly ``tokens`` tokens of ``path``'s tokenizer (special tokens included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    words = ("Once upon a time there was a little girl named Lily who loved to play in the park with her "
+             "dog Max . One day they found a shiny red ball under a big tree and ").split()
+    text, i = "", 0
+    while len(tok(text).input_ids) < tokens:
+        text += (" " if text else "") + words[i % len(words)]
+        i += 1
+    while len(tok(text).input_ids) > tokens:
+        text = text[:-1]
+    return text
+
+
+# ---- the comparison -------------------------------------------------------------------------------------------
+def compare(a: argparse.Namespace) -> list[Run]:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is needed (apt-get install wrk)")
+    logs = Path(tempfile.mkdtemp(prefix="router-overhead-"))
+    routers = {"pd-router": (pd_router_cmd, None)}
+    if a.base_tree:
+        routers["pd-router@base"] = (pd_router_cmd, tree_env(a.base_tree, logs))
+    if importlib.util.find_spec("sglang_router") is not None and not a.no_peer:
+        routers["sglang-router"] = (peer_cmd, None)
+    script = logs / "bench.lua"
+    script.write_text(WRK_SCRIPT)
+    os.sched_setaffinity(0, {a.client_cpu})
+    prompt = make_prompt(a.tokenizer_path, a.prompt_tokens) if any(c.startswith("tokenizer") for c in a.cases) \
+        else ""
+    runs: list[Run] = []
+    print(f"machine: {os.cpu_count()} CPUs; routers on CPU {a.router_cpu}, wrk and the fake on CPU "
+          f"{a.client_cpu}; load average {os.getloadavg()}; logs in {logs}", flush=True)
+    with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", "8"]) as fake:
+        os.sched_setaffinity(fake.proc.pid, {a.client_cpu})
+        for case in a.cases:
+            head, tail = body_parts(case, prompt)
+            env = dict(os.environ, BENCH_HEAD=head, BENCH_TAIL=tail,
+                       BENCH_UNIQUE="1" if case == "tokenizer_unique" else "0")
+            procs = {}
+            try:
+                for name, (cmd, router_env) in routers.items():
+                    port = free_port()
+                    proc = start(cmd(port, fake.url, case, a), a.router_cpu, logs / f"{name}-{case}.log", router_env)
+                    procs[name] = (proc, port)
+                    wait_ready(f"http://127.0.0.1:{port}", proc)
+                for rnd in range(a.rounds):
+                    for conns in a.concurrency:
+                        order = list(procs) if rnd % 2 == 0 else list(reversed(procs))
+                        for name in order:
+                            proc, port = procs[name]
+                            run = measure(name, proc, port, case, conns, rnd, a, env, script, fake.proc.pid)
+                            runs.append(run)
+                            print(f"  {case:16s} c={conns:3d} round {rnd} {name:13s} {run.requests / run.seconds:8.0f}"
+                                  f" req/s {run.us_per_req:7.1f} us/req  non-2xx {run.non_2xx} socket errors "
+                                  f"{run.socket_errors}  others {run.others_cpu_s / run.seconds:4.2f} CPU  "
+                                  f"load {run.load1:.2f}", flush=True)
+            finally:
+                for proc, _ in procs.values():
+                    stop(proc)
+    return runs
+
+
+def report(runs: list[Run], a: argparse.Namespace) -> None:
+    header = ["case", "conns", "router", "req/s", "p50 ms", "p99 ms", "non-2xx", "sock err",
+              "CPU us/req (median)", "min-max", "ratio to peer", "others CPU", "load1"]
+    rows = []
+    cells = sorted({(r.case, r.conns) for r in runs}, key=lambda k: (CASES.index(k[0]), k[1]))
+    for case, conns in cells:
+        mine = [r for r in runs if r.case == case and r.conns == conns]
+        names = list(dict.fromkeys(r.router for r in mine))
+        for name in names:
+            rs = [r for r in mine if r.router == name]
+            us = [r.us_per_req for r in rs]
+            ratio = "-"
+            if name.startswith("pd-router") and "sglang-router" in names:
+                peer = {r.round: r.us_per_req for r in mine if r.router == "sglang-router"}
+                ratio = f"{statistics.median(r.us_per_req / peer[r.round] for r in rs if r.round in peer):.2f}x"
+            rows.append([case, str(conns), name,
+                         f"{statistics.median(r.requests / r.seconds for r in rs):.0f}",
+                         f"{statistics.median(r.p50_us for r in rs) / 1e3:.2f}",
+                         f"{statistics.median(r.p99_us for r in rs) / 1e3:.2f}",
+                         str(sum(r.non_2xx for r in rs)), str(sum(r.socket_errors for r in rs)),
+                         f"{statistics.median(us):.0f}", f"{min(us):.0f}-{max(us):.0f}", ratio,
+                         f"{statistics.median(r.others_cpu_s / r.seconds for r in rs):.2f}",
+                         f"{statistics.median(r.load1 for r in rs):.2f}"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"\n{title}")
+    print(f"\nCPU per request, {a.rounds} interleaved round(s) of {a.seconds:g} s per router and cell "
+          f"(medians; 'ratio to peer' is the median of the per-round ratios)")
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for r in rows:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
-def run(a: argparse.Namespace) -> None:
-    ncpu = os.cpu_count() or 1
-    router_cpu = a.router_cpu
-    others = {c for c in range(ncpu) if c != router_cpu} or {router_cpu}
-    os.sched_setaffinity(0, others)  # the load generator and (inherited) the fakes
-    fake = ["--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", str(a.stream_tokens)]
-    print(f"CPUs: {ncpu}; router on CPU {router_cpu}, client and fakes on {sorted(others)}; "
-          f"load average before: {os.getloadavg()[0]:.2f}")
-    with FakeServerProcess(["--role", "prefill"]) as prefill, \
-            FakeServerProcess(["--role", "decode", *fake]) as decode:
-        port = free_port()
-        router = start_router(port, [prefill.url], [decode.url], router_cpu, a.router_args)
-        try:
-            direct_port = int(decode.url.rsplit(":", 1)[1])
-            latency_rows, tput_rows = [], []
-            for stream in (False, True):
-                kind = "streamed" if stream else "non-streamed"
-                tokens = a.stream_tokens if stream else 1
-                req = build_request("x", stream, tokens)
-                run_loop = lambda p, c, s: asyncio.run(closed_loop(p, req, c, s, a.warmup))  # noqa
-                direct = run_loop(direct_port, 1, a.seconds)
-                routed = run_loop(port, 1, a.seconds)
-                latency_rows.append([
-                    kind, f"{direct.pct(50):.3f}", f"{direct.pct(99):.3f}",
-                    f"{routed.pct(50):.3f}", f"{routed.pct(99):.3f}",
-                    f"{routed.pct(50) - direct.pct(50):.3f}",
-                    f"{routed.pct(99) - direct.pct(99):.3f}"])
-                for c in a.concurrency:
-                    cpu0 = cpu_seconds(router.pid)
-                    t0 = time.perf_counter()
-                    res = run_loop(port, c, a.seconds)
-                    cpu = cpu_seconds(router.pid) - cpu0
-                    wall = time.perf_counter() - t0
-                    sent = res.requests * (a.seconds + a.warmup) / a.seconds
-                    tput_rows.append([kind, str(c), f"{res.requests / res.seconds:.0f}",
-                                      f"{res.pct(50):.2f}", f"{res.pct(99):.2f}",
-                                      str(res.errors), f"{cpu / wall * 100:.0f}",
-                                      f"{cpu / sent * 1e6:.0f}", f"{sent / cpu:.0f}"])
-                direct_tput = run_loop(direct_port, max(a.concurrency), a.seconds)
-                tput_rows.append([kind + " (direct)", str(max(a.concurrency)),
-                                  f"{direct_tput.requests / direct_tput.seconds:.0f}",
-                                  f"{direct_tput.pct(50):.2f}", f"{direct_tput.pct(99):.2f}",
-                                  str(direct_tput.errors), "-", "-", "-"])
-            for kind in a.baselines:
-                bport = free_port()
-                proc = start_baseline(kind, bport, decode.url, router_cpu)
-                try:
-                    req = build_request("x", False, 1)
-                    c = max(a.concurrency)
-                    cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                    res = asyncio.run(closed_loop(bport, req, c, a.seconds, a.warmup))
-                    cpu, wall = cpu_seconds(proc.pid) - cpu0, time.perf_counter() - t0
-                    sent = res.requests * (a.seconds + a.warmup) / a.seconds
-                    tput_rows.append([f"baseline {kind}", str(c),
-                                      f"{res.requests / res.seconds:.0f}", f"{res.pct(50):.2f}",
-                                      f"{res.pct(99):.2f}", str(res.errors),
-                                      f"{cpu / wall * 100:.0f}", f"{cpu / sent * 1e6:.0f}",
-                                      f"{sent / cpu:.0f}"])
-                finally:
-                    proc.terminate()
-                    proc.wait(timeout=30)
-        finally:
-            router.terminate()
-            router.wait(timeout=30)
-    table("Added latency, one request at a time (ms)",
-          ["request", "direct p50", "direct p99", "router p50", "router p99", "added p50",
-           "added p99"], latency_rows)
-    table(f"Throughput through the router on one core ({a.seconds:g} s per row)",
-          ["request", "conns", "req/s", "p50 ms", "p99 ms", "errors", "router CPU %",
-           "CPU us/req", "req/CPU-s"], tput_rows)
-    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
-
-
 def poll_cost(a: argparse.Namespace) -> None:
     """Idle router CPU spent polling ``--poll-cost`` workers' ``/get_load`` (and health)."""
-    n = a.poll_cost
-    # One fake per role, reached through n/2 loopback aliases each (127.0.0.1..): the router
-    # sees n distinct workers; the fakes answer cheaply from counters.
+    n = a.poll_cost // 2
     with FakeServerProcess(["--role", "prefill", "--host", "0.0.0.0"]) as prefill, \
             FakeServerProcess(["--role", "decode", "--host", "0.0.0.0"]) as decode:
-        def aliases(url: str) -> list[str]:
+        def aliases(url: str) -> list[str]:  # n loopback aliases per fake: the router sees 2n workers
             port = url.rsplit(":", 1)[1]
-            return [f"http://127.0.0.{i}:{port}" for i in range(1, n // 2 + 1)]
+            return [f"http://127.0.0.{i}:{port}" for i in range(1, n + 1)]
 
         port = free_port()
-        router = start_router(port, aliases(prefill.url), aliases(decode.url), a.router_cpu,
-                              a.router_args)
+        cmd = [sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1", "--port", str(port),
+               "--prefill", *aliases(prefill.url), "--decode", *aliases(decode.url), "--log-level", "warning",
+               *a.router_args]
+        router = start(cmd, a.router_cpu, Path(tempfile.mkstemp(suffix=".log")[1]))
         try:
-            cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
+            time.sleep(5)
+            cpu0, t0 = cpu_ticks(router.pid), time.perf_counter()
             time.sleep(a.seconds)
-            cpu, wall = cpu_seconds(router.pid) - cpu0, time.perf_counter() - t0
+            cpu, wall = (cpu_ticks(router.pid) - cpu0) / os.sysconf("SC_CLK_TCK"), time.perf_counter() - t0
         finally:
-            router.terminate()
-            router.wait(timeout=30)
-    polls = 2 * (n // 2) * wall / 0.1
-    table(f"Idle router polling {2 * (n // 2)} workers every 100 ms ({a.seconds:g} s)",
-          ["workers", "router CPU %", "CPU us/poll"],
-          [[str(2 * (n // 2)), f"{cpu / wall * 100:.1f}", f"{cpu / polls * 1e6:.0f}"]])
+            stop(router)
+    polls = 2 * n * wall / 0.1
+    print(f"\nIdle router polling {2 * n} workers every 100 ms ({a.seconds:g} s): "
+          f"{cpu / wall * 100:.1f}% of a CPU, {cpu / polls * 1e6:.0f} us per poll")
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=10.0, help="measuring time per row")
-    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--seconds", type=float, default=10.0, help="length of one wrk run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved A/B rounds per cell")
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--stream-tokens", type=int, default=8, help="SSE events per streamed reply")
-    p.add_argument("--router-cpu", type=int, default=0)
-    p.add_argument("--baselines", nargs="*", default=["raw_aiohttp", "fastapi_aiohttp",
-                                                       "raw_httpx"],
-                   help="minimal proxies to compare with (non-streamed, most connections)")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--router-cpu", type=int, default=1)
+    p.add_argument("--client-cpu", type=int, default=0, help="CPU of wrk and the fake worker")
+    p.add_argument("--tokenizer-path", default=DEFAULT_MODEL,
+                   help="tokenizer of the tokenizer cases (default: the embedded stories260K model)")
+    p.add_argument("--prompt-tokens", type=int, default=682)
+    p.add_argument("--no-peer", action="store_true", help="measure pd-router only")
+    p.add_argument("--base-tree", default=None, help="also run pd-router from this source tree")
+    p.add_argument("--json", default=None, help="also write every run to this file")
     p.add_argument("--poll-cost", type=int, default=0, metavar="N",
                    help="instead: idle router CPU with N workers polled (loopback aliases)")
-    p.add_argument("--serve-baseline", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--upstream", default="", help=argparse.SUPPRESS)
     p.add_argument("--router-args", nargs=argparse.REMAINDER, default=[],
                    help="extra pd-router flags (last on the line)")
     a = p.parse_args(argv)
-    if a.serve_baseline:
-        import uvicorn
-
-        uvicorn.run(baseline_app(a.serve_baseline, a.upstream), host="127.0.0.1", port=a.port,
-                    loop="uvloop", http="httptools", access_log=False, log_level="warning")
-        return
     if a.poll_cost:
         poll_cost(a)
         return
-    run(a)
+    runs = compare(a)
+    report(runs, a)
+    print(f"\nload average after: {os.getloadavg()}")
+    if a.json:
+        Path(a.json).write_text(json.dumps([dict(asdict(r), us_per_req=r.us_per_req) for r in runs], indent=1))
 
 
 if __name__ == "__main__":

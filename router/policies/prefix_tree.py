@@ -66,18 +66,19 @@ class ApproxPrefixTree:
         blocks; ``(set(), 0)`` when none matches the first block.
         """
         alive = set(tenants)
-        best: set[str] = set()
+        nodes = self._nodes
         depth = 0
         for h in hashes:
-            node = self._nodes.get(h)
+            node = nodes.get(h)
             if node is None:
                 break
-            alive &= node
-            if not alive:
-                break
-            best = set(alive)
+            if not alive <= node:  # the set narrows here (a new set: the deeper match's is kept intact)
+                narrowed = alive & node
+                if not narrowed:
+                    break
+                alive = narrowed
             depth += 1
-        return best, depth
+        return (alive if depth else set()), depth
 
     def insert(self, hashes: list[int], tenant: str) -> None:
         """Record that ``tenant`` was sent the prompt with these block hashes."""
@@ -86,13 +87,10 @@ class ApproxPrefixTree:
         added = 0
         for h in reversed(hashes):
             key = (h, tenant)
-            if key in lru:
-                lru.move_to_end(key)
-                lru[key] = now
-            else:
-                lru[key] = now
+            if lru.pop(key, None) is None:
                 nodes.setdefault(h, set()).add(tenant)
                 added += 1
+            lru[key] = now  # at the end: most recently used
         if added:
             self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + added
         while len(lru) > self.max_entries:

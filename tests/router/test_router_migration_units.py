@@ -159,7 +159,7 @@ def test_supervisor_cancels_a_silent_attempt_and_a_dead_worker_attempt():
         out = {}
 
         async def request(name, url, idle):
-            _, entry = sup.enter(_never_receive, 60)
+            _, entry = sup.enter(60)
             entry.upstream, entry.idle_limit, entry.last_byte = url, idle, 0.0
             try:
                 await asyncio.sleep(10)
@@ -179,10 +179,6 @@ def test_supervisor_cancels_a_silent_attempt_and_a_dead_worker_attempt():
     assert asyncio.run(main()) == {"silent": "idle_timeout", "dead": "worker_dead"}
 
 
-async def _never_receive():
-    await asyncio.sleep(3600)
-
-
 def test_a_worker_without_token_ids_turns_tracking_off():
     _, t = plan_body({"messages": [{"role": "user", "content": "q"}], "stream": True}, chat=True)
     role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
@@ -190,3 +186,40 @@ def test_a_worker_without_token_ids_turns_tracking_off():
     assert not t.no_ids  # the role chunk carries no token
     t.feed(ev({"id": "c", "choices": [{"index": 0, "delta": {"content": "A"}}]}))
     assert t.no_ids and not t.can_migrate
+
+
+def _compact(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_events_read_from_the_bytes_equal_the_parsed_path(chat, client_ids):
+    """After a stream's first event the tracker reads token ids and the finish from the bytes: what it relays
+    and learns equals what parsing each event gives, compact JSON (our workers, vLLM) or not."""
+    body = {"stream": True, "max_tokens": 9, "return_token_ids": client_ids, "n": 1}
+    body.update({"messages": [{"role": "user", "content": "q"}]} if chat else {"prompt": "q"})
+    events = [chunk("A", [5], prompt=[1, 2, 3], chat=chat), chunk(' "x" \\"token_ids\\":[9]', [6, 7], chat=chat),
+              chunk("", [], chat=chat), chunk("Z", [8], finish="length", chat=chat),
+              {"id": "c1", "object": "x", "created": 7, "model": "m", "choices": [],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}]
+    for encode in (_compact, ev):  # ev: json.dumps' default ", " / ": " separators go the parsed way
+        fast, slow = plan_body(dict(body), chat)[1], plan_body(dict(body), chat)[1]
+        for e in events:
+            got = fast.feed(encode(e))
+            slow._scan = lambda payload: None  # noqa: B023 - this one always parses
+            want = slow.feed(encode(e))
+            assert json.loads(got[6:]) == json.loads(want[6:]), (got, want)
+        assert fast.generated == slow.generated == [5, 6, 7, 8]
+        assert fast.finished and slow.finished and fast.prompt_ids == [1, 2, 3]
+        assert fast.feed(b"[DONE]") == b"data: [DONE]\n\n" and fast.ended
+
+
+def test_plan_puts_its_field_in_front_of_the_clients_bytes():
+    raw = b' {"prompt": "x",  "stream": true, "seed": 12345678901234567890123}'
+    data = json.loads(raw)
+    body, _ = plan_body(data, chat=False, raw=raw)
+    assert body == b' {"return_token_ids":true,"prompt": "x",  "stream": true, "seed": 12345678901234567890123}'
+    assert json.loads(body) == dict(data, return_token_ids=True)
+    own = b'{"prompt": "x", "stream": true, "return_token_ids": true}'
+    assert plan_body(json.loads(own), chat=False, raw=own)[0] == own  # the client asked: its body as it came

@@ -205,18 +205,14 @@ def test_bad_flags_are_refused():
 
 
 @pytest.mark.asyncio
-async def test_supervisor_cancels_overdue_requests_and_watches_only_long_ones():
+async def test_supervisor_cancels_overdue_requests_and_requests_whose_client_left():
     from pd_cluster.router.supervisor import Supervisor
 
-    sup = Supervisor(tick_secs=0.01, watch_after_secs=0.05)
-    disconnect = asyncio.Event()
+    sup = Supervisor(tick_secs=0.01)
 
-    async def receive():
-        await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def request(timeout: float, work: float):
-        key, entry = sup.enter(receive, timeout)
+    async def request(timeout: float, work: float, box: list):
+        key, entry = sup.enter(timeout)
+        box.append(entry)
         try:
             await asyncio.sleep(work)
             return "done", entry
@@ -228,14 +224,15 @@ async def test_supervisor_cancels_overdue_requests_and_watches_only_long_ones():
 
     ticker = asyncio.create_task(sup.run())
     try:
-        short, overdue = await asyncio.gather(request(5.0, 0.01), request(0.1, 5.0))
-        assert short[0] == "done" and short[1].watcher is None
-        assert overdue[0] == "timed_out"
-        long_task = asyncio.create_task(request(5.0, 5.0))
-        await asyncio.sleep(0.2)
-        disconnect.set()
+        short, overdue = await asyncio.gather(request(5.0, 0.01, []), request(0.1, 5.0, []))
+        assert short[0] == "done" and overdue[0] == "timed_out"
+        box: list = []
+        long_task = asyncio.create_task(request(5.0, 5.0, box))
+        await asyncio.sleep(0.05)
+        Supervisor.client_lost(box[0])  # what the client's connection calls when it closes
         outcome, entry = await asyncio.wait_for(long_task, 2)
-        assert outcome == "client_gone" and entry.watcher is not None
+        assert outcome == "client_gone" and entry.client_gone
+        Supervisor.client_lost(entry)  # after the end: nothing to cancel
         assert len(sup) == 0
     finally:
         ticker.cancel()

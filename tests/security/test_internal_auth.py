@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse
 from pd_cluster.launch import worker as launch_worker
 from pd_cluster.router.args import parse_config
 from pd_cluster.router.config import LimitsConfig
-from pd_cluster.router.upstream import Upstreams
+from pd_cluster.router.upstream import Reply, Upstreams
 from pd_cluster.serving.worker_app import InternalAuth, key_matches
 from pd_cluster.transfer import ucx_env
 from pd_cluster.transfer.config import TransferConfig
@@ -93,9 +93,13 @@ def test_router_sends_the_internal_key_to_workers(monkeypatch):
                 if server.started:
                     break
                 await asyncio.sleep(0.05)
-            for session in (up.data, up.control):
-                async with session.get(f"http://127.0.0.1:{port}/get_load") as r:
-                    assert r.status == 200
+            async with up.control.get(f"http://127.0.0.1:{port}/get_load") as r:  # probes
+                assert r.status == 200
+            pool = up.pool(f"http://127.0.0.1:{port}")  # generate requests
+            reply = Reply(asyncio.get_running_loop())
+            await pool.send(pool.frame(b"/v1/completions", b"content-type: application/json\r\n", b"{}"), reply)
+            await reply.done
+            assert reply.status == 200
         finally:
             await up.close()
             server.should_exit = True

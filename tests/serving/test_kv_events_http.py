@@ -104,7 +104,7 @@ def test_the_router_tokenizes_as_the_worker_does():
     assert tok.chat_ids({"messages": chat, "tools": [{"type": "function"}]}) is None  # the tree routes these
     assert tok.completion_ids({"prompt": ["a", "b"]}) is None
     cut = RouterTokenizer(DEFAULT_MODEL, max_chars=400)
-    cut._tokenizer = tok._tokenizer
+    cut._tokenizer, cut._backend, cut._added = tok._tokenizer, tok._backend, tok._added
     full = tok.completion_ids({"prompt": PROMPT * 20})
     short = cut.completion_ids({"prompt": PROMPT * 20})
     assert short == full[:len(short)] and 40 < len(short) < len(full)  # a cut prompt hashes a prefix
