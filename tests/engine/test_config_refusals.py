@@ -75,30 +75,32 @@ def test_phi3_refuses_rope_types_its_transformers_class_refuses():
         == "longrope"
 
 
+def _windows(cfg: dict) -> list[int | None]:
+    return [a.window for a in ArchConfig.from_dict(cfg).layer_attention]
+
+
 def test_sliding_windows_follow_each_familys_transformers_class():
     qwen_full = _config("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=3)
-    assert ArchConfig.from_dict({**qwen_full, "layer_types": None}).sliding_window is None  # windows from layer 3
-    with pytest.raises(ValueError, match="max_window_layers"):
-        ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 1})
-    assert ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 0}).sliding_window == 32
-    assert ArchConfig.from_dict(_config("qwen3", use_sliding_window=False, sliding_window=32)).sliding_window is None
-    assert ArchConfig.from_dict(_config("mistral", sliding_window=32)).sliding_window == 32
-    assert ArchConfig.from_dict(_config("phi3", sliding_window=32)).sliding_window == 32
-    assert ArchConfig.from_dict(_config("llama", sliding_window=32)).sliding_window is None  # LlamaConfig has none
+    assert _windows({**qwen_full, "layer_types": None}) == [None] * 3  # windows from layer 3 on: none of 3 layers
+    assert _windows({**qwen_full, "layer_types": None, "max_window_layers": 1}) == [None, 32, 32]
+    assert _windows({**qwen_full, "layer_types": None, "max_window_layers": 0}) == [32] * 3
+    assert _windows(_config("qwen3", use_sliding_window=False, sliding_window=32)) == [None] * 3
+    assert _windows(_config("mistral", sliding_window=32)) == [32] * 3
+    assert _windows(_config("phi3", sliding_window=32)) == [32] * 3
+    assert _windows(_config("llama", sliding_window=32)) == [None] * 3  # LlamaConfig has none
 
 
-def test_per_layer_windows_are_refused_where_transformers_reads_them():
+def test_per_layer_windows_follow_layer_types_where_transformers_reads_them():
     mixed = ["full_attention", "sliding_attention", "full_attention"]
     for family in ("qwen2", "qwen3"):
         cfg = _config(family, use_sliding_window=True, sliding_window=32)
-        with pytest.raises(ValueError, match="layer_types"):
-            ArchConfig.from_dict({**cfg, "layer_types": mixed})
+        assert _windows({**cfg, "layer_types": mixed}) == [None, 32, None]
         with pytest.raises(ValueError, match="layer_types"):
             ArchConfig.from_dict({**cfg, "layer_types": ["chunked_attention"] * 3})
-        assert ArchConfig.from_dict({**cfg, "layer_types": ["sliding_attention"] * 3}).sliding_window == 32
-        assert ArchConfig.from_dict({**cfg, "use_sliding_window": False, "layer_types": mixed}).sliding_window is None
+        assert _windows({**cfg, "layer_types": ["sliding_attention"] * 3}) == [32] * 3
+        assert _windows({**cfg, "use_sliding_window": False, "layer_types": mixed}) == [None] * 3
     # Llama, Mistral, Mixtral, Qwen3-MoE and Phi-3 never read layer_types: neither does the engine
-    assert ArchConfig.from_dict(_config("mistral", sliding_window=32, layer_types=mixed)).sliding_window == 32
+    assert _windows(_config("mistral", sliding_window=32, layer_types=mixed)) == [32] * 3
 
 
 def test_kv_cache_scales_alone_load():
