@@ -141,8 +141,8 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         if HAS_BIAS:  # rounded to the activation dtype first, as the reference's x @ W + b
-            bias = tl.load(BIAS + tl.maximum(expert, 0) * stride_bias_e + cols, mask=col_mask & (expert >= 0),
-                           other=0.0).to(tl.float32)
+            bias = tl.load(BIAS + tl.maximum(expert, 0) * stride_bias_e + cols, mask=col_mask, other=0.0)
+            bias = tl.where(expert >= 0, bias.to(tl.float32), 0.0)  # the -1 run stays zero
             acc = acc.to(C.dtype.element_ty).to(tl.float32) + bias[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
