@@ -6,7 +6,7 @@ pool. Reading the current chunk back from the pool too (rather than using the
 fresh full-precision K/V) means chunked and unchunked prefill, and prefill on
 another worker followed by a KV transfer, see exactly the same KV values.
 
-Each layer attends as its `LayerAttention` says (`pd_cluster.engine.model.layer_attention`): over the whole
+Each layer attends as its `LayerAttention` says (`pd_cluster.engine.layer_attention`): over the whole
 context, a sliding window or its own chunk; with attention sinks; with soft-capped logits. A backend holds
 one per layer (`AttentionBackend.layers`); the layers' KV stays in the pool either way (a window is a mask
 here, not a page rule).
@@ -24,7 +24,7 @@ import torch
 
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
-from pd_cluster.engine.model.layer_attention import LayerAttention
+from pd_cluster.engine.layer_attention import LayerAttention
 
 FULL = LayerAttention()
 

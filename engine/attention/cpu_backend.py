@@ -70,7 +70,7 @@ def _library() -> ctypes.CDLL:
                     os.unlink(path)
     so = ctypes.CDLL(str(lib))
     so.pd_paged_decode.restype = ctypes.c_int
-    so.pd_paged_decode.argtypes = ([_P, _P, ctypes.c_int, _P, _P, _P, _P, _F32, _P] + [_I64] * 8 + [_F32] * 3
+    so.pd_paged_decode.argtypes = ([_P, _P, ctypes.c_int, _P, _P, _P, _P, _P, _F32, _P] + [_I64] * 8 + [_F32] * 3
                                    + [_P, ctypes.c_int])
     so.pd_scratch_floats.restype = _I64
     so.pd_scratch_floats.argtypes = [_I64] * 4
@@ -90,13 +90,15 @@ def available() -> bool:
 
 def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  scale: float, starts: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, owners: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one query per request, straight from the pool.
 
     Args:
         q: [B, num_heads, head_dim] float32, contiguous.
-        block_tables: [B, max_pages] int32, contiguous (padding: the null page).
+        block_tables: [R, max_pages] int32, contiguous (padding: the null page): row b's table is row b, or
+            row ``owners[b]``.
         seq_lens: [B] int32 context lengths (the current token included).
+        owners: [B] int32 each row's table row (a prefill chunk's tokens share their request's), or None.
         starts: [B] int32 first visible key position of each row (a window or chunk), contiguous; None: 0.
         sinks: [num_heads] float32 sink logits (gpt-oss), contiguous, or None.
         softcap: scores become ``softcap * tanh(s / softcap)`` (Gemma 2), or None.
@@ -111,10 +113,12 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.
     lib = _library()
     threads = max(torch.get_num_threads(), 1)
     per_thread = lib.pd_scratch_floats(hq // hkv, block_tables.shape[1], ps, d)
+    if owners is not None and (owners.numel() != b or int(owners.max()) >= block_tables.shape[0]):
+        raise ValueError(f"owners {tuple(owners.shape)} do not index the {block_tables.shape[0]} table rows")
     scratch = torch.empty(per_thread * threads, dtype=torch.float32)
     k_scale, v_scale = pool.layer_scales(layer)
     rc = lib.pd_paged_decode(q.data_ptr(), kv.data_ptr(), _DTYPE_CODE[kv.dtype], block_tables.data_ptr(),
-                             seq_lens.data_ptr(), None if starts is None else starts.data_ptr(),
+                             None if owners is None else owners.data_ptr(), seq_lens.data_ptr(), None if starts is None else starts.data_ptr(),
                              None if sinks is None else sinks.data_ptr(), float(softcap or 0.0),
                              out.data_ptr(), b, hq, hkv, d, ps, num_layers, layer,
                              block_tables.shape[1], scale, k_scale, v_scale, scratch.data_ptr(), threads)
@@ -146,18 +150,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
         A prefill token at position p attends to positions 0..p, exactly what a decode query with
         ``seq_len = p + 1`` does, so the whole step (decodes and prefill chunks) is one kernel call per layer.
-        Each distinct window or chunk gets its rows' first visible positions, once per step.
+        Each distinct window or chunk gets its rows' first visible positions, once per step. A row names its
+        request's table row (``owners``), so a chunk's tokens share one table: no ``tokens x pages`` copy.
         """
         if pool.kv.device.type != "cpu":
             return super().prepare(batch, pool)
         self._prepared_for = batch
         self._groups = []
-        if batch.is_decode_only:
-            self._tables = batch.block_tables.to(torch.int32).contiguous()
-        else:
+        self._tables = batch.block_tables.to(torch.int32).contiguous()
+        self._owners = None
+        if not batch.is_decode_only:
             lens = torch.tensor(batch.query_lens_cpu, dtype=torch.long)
-            owner = torch.repeat_interleave(torch.arange(len(lens)), lens)
-            self._tables = batch.block_tables.to(torch.int32)[owner].contiguous()
+            self._owners = torch.repeat_interleave(torch.arange(len(lens)), lens).to(torch.int32).contiguous()
         self._lens = (batch.positions + 1).to(torch.int32).contiguous()
         self._starts: dict[tuple[str, int], torch.Tensor | None] = {}
         for spec in self.specs:
@@ -175,5 +179,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         pool.store_kv(layer, k, v, batch.slot_mapping)
         sink_logits = sinks.float().contiguous() if sinks is not None and spec.sinks else None
         out = paged_decode(q.float().contiguous(), pool, layer, self._tables, self._lens, self.scale,
-                           self._starts[spec.mask_key], sink_logits, spec.logit_softcap)
+                           self._starts[spec.mask_key], sink_logits, spec.logit_softcap, self._owners)
         return out.to(q.dtype).view(q.shape[0], -1)

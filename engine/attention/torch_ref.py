@@ -32,7 +32,7 @@ import torch
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
-from pd_cluster.engine.model.layer_attention import LayerAttention
+from pd_cluster.engine.layer_attention import LayerAttention
 
 MAX_DECODE_GROUPS = 4
 MIN_GROUP_ROWS = 16

@@ -16,7 +16,7 @@ L2 q/k norms, a top-1 sigmoid MoE with a shared expert); and
 DeepSeek-V2/V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, also Kimi
 K2's shape) with multi-head latent attention (`MLAConfig`).
 Each layer's attention type is `ArchConfig.layer_attention`
-(`pd_cluster.engine.model.layer_attention`).
+(`pd_cluster.engine.layer_attention`).
 Keys that change the math and are not implemented are refused by name
 (`pd_cluster.engine.model.config_check`). This module has no torch dependency,
 so the memory planner can use it.
@@ -32,7 +32,7 @@ from typing import Any
 
 from pd_cluster.engine.model.config_check import check_config, rope_dict
 from pd_cluster.engine.model.family_config import family_fields, language_model_config
-from pd_cluster.engine.model.layer_attention import LayerAttention, gemma3_rope, layer_attention_from_hf, uniform
+from pd_cluster.engine.layer_attention import LayerAttention, gemma3_rope, layer_attention_from_hf, uniform
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
 
 SUPPORTED_ARCHITECTURES = {

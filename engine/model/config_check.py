@@ -4,7 +4,7 @@ implement. Torch-free.
 A key is in one of three sets:
 
 * read and honoured (sizes, ``rope_*``, the per-layer attention keys of
-  `pd_cluster.engine.model.layer_attention` (``sliding_window``, ``layer_types``, ``max_window_layers``,
+  `pd_cluster.engine.layer_attention` (``sliding_window``, ``layer_types``, ``max_window_layers``,
   ``attention_chunk_size``, ``no_rope_layers``, ...), ``tie_word_embeddings``, the MoE keys of
   `pd_cluster.engine.model.moe_config`, each family's own keys in `FAMILY_KEYS`, ...): its value is used;
 * without effect at inference (``*_dropout``, ``*_pdrop``, ``initializer_range``,
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from pd_cluster.engine.model.family_config import GEMMA, LLAMA4
-from pd_cluster.engine.model.layer_attention import gemma3_rope, layer_attention_from_hf, refuse
+from pd_cluster.engine.layer_attention import gemma3_rope, layer_attention_from_hf, refuse
 
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU: gelu with the tanh approximation

@@ -30,7 +30,7 @@ from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
-from pd_cluster.engine.model.layer_attention import rope_key
+from pd_cluster.engine.layer_attention import rope_key
 from pd_cluster.engine.model.layer_ops import TorchLayerOps
 from pd_cluster.engine.model.layers import MLP, Attention, RMSNorm
 from pd_cluster.engine.model.moe import SharedExperts, SparseMoE
@@ -99,6 +99,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Gemma: sqrt(hidden_size), applied rounded to the activation dtype (a buffer: no host copy per step)
+        self.register_buffer("embed_scale", torch.tensor(cfg.embedding_scale or 1.0, dtype=torch.float32),
+                             persistent=False)
         keys: list[str] = []
         ropes: list[RotaryEmbedding] = []
         self.layer_rope: list[int] = []  # index into self.ropes, -1 for a NoPE layer
@@ -142,8 +145,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        if self.cfg.embedding_scale is not None:  # Gemma: sqrt(hidden_size), rounded to the weights' dtype
-            x = x * torch.tensor(self.cfg.embedding_scale, dtype=x.dtype, device=x.device)
+        if self.cfg.embedding_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         dtype = self.layer_ops.cos_sin_dtype(x.dtype)
         tables = [rope.cos_sin(batch.positions, dtype) for rope in self.ropes]
         backend.prepare(batch, pool)

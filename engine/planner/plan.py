@@ -21,7 +21,7 @@ from pd_cluster.engine.planner.spec import ModelSpec
 
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 # Whether the engine's KV pool frees the pages a sliding-window or chunked layer will not read again. It does not:
-# every layer keeps every page of a request (engine/model/layer_attention.py describes the layers that could).
+# every layer keeps every page of a request (engine/layer_attention.py describes the layers that could).
 ENGINE_FREES_WINDOW_PAGES = False
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -106,7 +106,7 @@ def test_cpu_kernel_mixed_decode_and_prefill_chunks_equal_reference(kv_dtype, pa
 # --- per-layer attention types: windows, chunks, sinks, softcapping ---------------------------------------
 
 def _types():
-    from pd_cluster.engine.model.layer_attention import LayerAttention
+    from pd_cluster.engine.layer_attention import LayerAttention
 
     return {"window": LayerAttention("sliding", window=11), "chunk": LayerAttention("chunked", chunk_size=16),
             "sinks": LayerAttention("full", sinks=True), "softcap": LayerAttention("full", logit_softcap=1.5),

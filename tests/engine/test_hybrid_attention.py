@@ -60,7 +60,7 @@ def test_the_windows_and_chunks_change_the_tokens(family_model):
     ignored, as an engine without per-layer types would), the same engine leaves transformers' tokens."""
     import dataclasses
 
-    from pd_cluster.engine.model.layer_attention import LayerAttention
+    from pd_cluster.engine.layer_attention import LayerAttention
 
     family, folder, prompts, expected = family_model
     llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=7, attention_backend="cpu")

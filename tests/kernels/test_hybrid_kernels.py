@@ -15,7 +15,7 @@ from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig, Decode
 from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention
 from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 from pd_cluster.engine.kv.pool import KVPool
-from pd_cluster.engine.model.layer_attention import LayerAttention
+from pd_cluster.engine.layer_attention import LayerAttention
 from kernel_cases import REL_ERR_BOUND, device, make_batch, make_pool, random_q, reference_attention, rel_err
 
 HKV, D = 2, 32

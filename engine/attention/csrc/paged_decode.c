@@ -129,14 +129,15 @@ static inline void pv(const float* v, int64_t rows, int64_t hd, const float* p, 
   }
 }
 #endif
-/* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [B, max_pages] int32; seq_lens [B] int32.
+/* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [R, max_pages] int32, row b's table is
+ * owners[b] (owners may be NULL: row b); seq_lens [B] int32.
  * scratch: num_threads * pd_scratch_floats(...) floats. Returns 0, or -1 on a bad argument. */
 int64_t pd_scratch_floats(int64_t group, int64_t max_pages, int64_t page_size, int64_t head_dim) {
   return group * max_pages * page_size + page_size * head_dim + group * head_dim;
 }
 
-int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* seq_lens,
-                    const int32_t* starts, const float* sinks, float softcap,
+int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* owners,
+                    const int32_t* seq_lens, const int32_t* starts, const float* sinks, float softcap,
                     float* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t page_size, int64_t num_layers, int64_t layer, int64_t max_pages, float scale,
                     float k_scale, float v_scale, float* scratch, int num_threads) {
@@ -162,10 +163,11 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
       const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
       const int64_t len = seq_lens[b], n_pages = (len + page_size - 1) / page_size;
       const int64_t first = starts ? starts[b] : 0, p0 = first / page_size;
+      const int32_t* table = block_tables + (owners ? owners[b] : b) * max_pages;
       const float* qb = q + (b * num_heads + h * group) * head_dim;
       const int64_t base = layer * layer_stride + h * head_stride;
       for (int64_t p = p0; p < n_pages; p++) { /* scores = q . k for every visible page's tokens */
-        const float* k = tile(kv, block_tables[b * max_pages + p] * page_stride + base, dtype, tile_n, buf);
+        const float* k = tile(kv, table[p] * page_stride + base, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
         int64_t r0 = 0;
 #ifdef PD_AVX2
@@ -199,7 +201,7 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
       }
       memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
       for (int64_t p = p0; p < n_pages; p++) { /* out = sum_t p_t v_t */
-        const float* v = tile(kv, block_tables[b * max_pages + p] * page_stride + base + kv_stride, dtype, tile_n, buf);
+        const float* v = tile(kv, table[p] * page_stride + base + kv_stride, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
 #ifdef PD_AVX2
         if (head_dim % 8 == 0) {

@@ -21,7 +21,7 @@ depends only on the batch size, and programs past a request's split count
 exit at once. The per-tensor FP8 scales are folded into the softmax scale (K)
 and the final output (V). A request with ``seq_len == 0`` gets a zero output.
 
-Per-layer attention types (`pd_cluster.engine.model.layer_attention`): a
+Per-layer attention types (`pd_cluster.engine.layer_attention`): a
 sliding window or a chunk (Llama 4's chunked local attention: the query sees
 only its own chunk of ``chunk_size`` tokens) moves the first key read; soft-capped
 logits (Gemma 2) pass through ``cap * tanh(s / cap)`` in stage 1; attention sinks
