@@ -190,7 +190,7 @@ def _decode_stage1_kernel(
 def softcap_log2(s, softcap_l2):
     """Soft-capped scores in log2 units: ``s`` is ``logit * log2(e)``, `softcap_l2` is ``cap * log2(e)``;
     returns ``cap * tanh(logit / cap) * log2(e)``, with ``tanh(x) = 1 - 2 / (exp(2x) + 1)``."""
-    x = s / softcap_l2
+    x = tl.minimum(s / softcap_l2, 20.0)  # tanh(20) is 1 in fp32; exp stays finite
     return softcap_l2 * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
 
 

@@ -152,7 +152,7 @@ def _act_and_mul_kernel(X, Y, stride_x, stride_y, alpha, limit, N: tl.constexpr,
         out = (u + 1.0).to(Y.dtype.element_ty).to(tl.float32) * glu
     else:
         if ACT == 1:  # gelu, tanh form: 0.5 g (1 + tanh(c (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (exp(2z) + 1)
-            z = GELU_TANH_C * (gate + 0.044715 * gate * gate * gate)
+            z = tl.minimum(GELU_TANH_C * (gate + 0.044715 * gate * gate * gate), 20.0)  # tanh(20) is 1 in fp32
             act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
         else:
             act = gate / (1.0 + tl.exp(-gate))
