@@ -210,6 +210,10 @@ class CompletionRequest(_Common):
         return "max_tokens"
 
 
+MEDIA_PARTS = ("image_url", "input_image", "input_audio", "video_url", "file")
+"""Chat content part types that carry media (OpenAI's and vLLM's names): refused by name."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -238,6 +242,11 @@ class ChatMessage(BaseModel):
             return self.content
         parts = []
         for j, part in enumerate(self.content):
+            if part.get("type") in MEDIA_PARTS:
+                raise RequestRejected(f"messages[{index}].content[{j}]: {part['type']} input is not supported: the "
+                                      f"server runs a language model on text (a multimodal checkpoint's language "
+                                      f"model alone); send parts of type 'text'",
+                                      param=f"messages[{index}].content[{j}]", code="unsupported_parameter")
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestRejected(f"messages[{index}].content[{j}]: only parts of type 'text' with a string "
                                       f"'text' are supported", param=f"messages[{index}].content[{j}]",

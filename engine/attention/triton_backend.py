@@ -72,18 +72,26 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention in Triton (see the module docstring and the base-class contract).
 
     Args:
-        num_heads, num_kv_heads, head_dim, scale, sliding_window: as `AttentionBackend`.
+        num_heads, num_kv_heads, head_dim, scale, sliding_window, layers: as `AttentionBackend`.
         config: kernel settings; defaults suit Hopper GPUs.
+
+    Each layer's window or chunk, sinks and softcapping are constexpr or arguments of the same two kernel
+    families (one compiled variant per distinct layer type). The decode split counts are computed once per step
+    for the widest layer type (a windowed layer's extra splits are empty).
     """
 
     name = "triton"
     supports_cuda_graph = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, config: TritonAttentionConfig | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+                 sliding_window: int | None = None, config: TritonAttentionConfig | None = None,
+                 layers=None) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, layers)
+        kinds = self.specs
+        # split counts need only cover the widest layer: one shared window, else the whole context
+        self._split_window = kinds[0].window if len(kinds) == 1 and kinds[0].kind == "sliding" else None
         self.config = config or TritonAttentionConfig()
         self._num_sms: int | None = self.config.num_sms
         self._static: _StaticWorkspace | None = None
@@ -98,17 +106,19 @@ class TritonAttentionBackend(AttentionBackend):
         self._plan = _StepPlan(batch, decode_ws, nr - nd, max_q_len)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                pool: KVPool, batch: ForwardBatch) -> torch.Tensor:
+                pool: KVPool, batch: ForwardBatch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = pool.layer_cache(layer)
         k_scale, v_scale = pool.layer_scales(layer)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale, self.config.store_num_warps)
-        return self.attend(layer, q, pool, batch)
+        return self.attend(layer, q, pool, batch, sinks)
 
-    def attend(self, layer: int, q: torch.Tensor, pool: KVPool, batch: ForwardBatch) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, pool: KVPool, batch: ForwardBatch,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention only, over what the pool holds (the step's K/V must already be stored).
 
         Args:
             q: [T, num_heads, head_dim] float16/bfloat16/float32, last dim contiguous.
+            sinks: [num_heads] sink logits, used when the layer's spec has sinks.
 
         Returns:
             [T, num_heads * head_dim] in q's dtype.
@@ -120,13 +130,16 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale, v_scale = pool.layer_scales(layer)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = batch.num_decodes
+        spec = self.spec(layer)
+        mask = dict(sliding_window=spec.window, chunk_size=spec.chunk_size,
+                    sinks=sinks if spec.sinks else None, softcap=spec.logit_softcap)
         if plan.decode_ws is not None:
             decode_attention(q[:nd], k_cache, v_cache, batch.block_tables[:nd], batch.seq_lens[:nd], out[:nd],
-                             plan.decode_ws, self.scale, k_scale, v_scale, self.config.decode, self.sliding_window)
+                             plan.decode_ws, self.scale, k_scale, v_scale, self.config.decode, **mask)
         if plan.num_prefills:
             extend_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, out,
                              nd, plan.num_prefills, plan.max_q_len, self.scale, k_scale, v_scale,
-                             self.config.extend, self.sliding_window)
+                             self.config.extend, **mask)
         return out.view(q.shape[0], -1)
 
     # ---- CUDA graphs ---------------------------------------------------------
@@ -168,10 +181,10 @@ class TritonAttentionBackend(AttentionBackend):
         h, d = self.num_heads, self.head_dim
         static = self._static
         if static is not None and nd <= static.max_bs and static.mid.device == seq_lens.device:
-            splits = num_kv_splits(seq_lens, s, self.config.decode, self.sliding_window, out=static.num_splits[:nd])
+            splits = num_kv_splits(seq_lens, s, self.config.decode, self._split_window, out=static.num_splits[:nd])
             mid = static.mid[: nd * h * s * (d + 1)]
         else:
-            splits = num_kv_splits(seq_lens, s, self.config.decode, self.sliding_window)
+            splits = num_kv_splits(seq_lens, s, self.config.decode, self._split_window)
             mid = torch.empty(nd * h * s * (d + 1), dtype=torch.float32, device=seq_lens.device)
         mid_o = mid[: nd * h * s * d].view(nd, h, s, d)
         mid_lse = mid[nd * h * s * d:].view(nd, h, s)

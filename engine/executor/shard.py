@@ -169,7 +169,7 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     else:
         backend = get_backend(name, device, num_heads=arch.num_attention_heads // tp.size,
                               num_kv_heads=layout.num_kv_heads, head_dim=arch.head_dim,
-                              scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+                              scale=arch.softmax_scale, layers=arch.layer_attention)
     if name == "triton":  # the GPU path: fused norm/RoPE/activation kernels beside the attention kernels
         check_triton(device)
         loaded.model.set_layer_ops(layer_ops("triton"))

@@ -4,9 +4,19 @@ Supported: Llama 2/3 (``LlamaForCausalLM``), Mistral (``MistralForCausalLM``),
 Qwen2 (``Qwen2ForCausalLM``, q/k/v bias), Qwen3 (``Qwen3ForCausalLM``, q/k
 RMSNorm), Mixtral (``MixtralForCausalLM``, mixture of experts), Qwen3-MoE
 (``Qwen3MoeForCausalLM``: q/k RMSNorm and experts), Phi-3
-(``Phi3ForCausalLM``: fused qkv/gate-up tensors, partial rotary, longrope) and
+(``Phi3ForCausalLM``: fused qkv/gate-up tensors, partial rotary, longrope),
+Gemma 2 (``Gemma2ForCausalLM``) and Gemma 3's text model (``Gemma3ForCausalLM``):
+GeGLU, the ``(1 + w)`` RMSNorm, four norms per layer, embeddings scaled by
+``sqrt(hidden_size)``, ``query_pre_attn_scalar``, logit softcapping (Gemma 3:
+q/k norms, its local RoPE base); gpt-oss (``GptOssForCausalLM``: attention sinks,
+biases everywhere, experts with a clamped SwiGLU); Llama 4's text model
+(``Llama4ForCausalLM``, and the language model of ``Llama4ForConditionalGeneration``:
+chunked local attention, NoPE global layers with attention temperature tuning,
+L2 q/k norms, a top-1 sigmoid MoE with a shared expert); and
 DeepSeek-V2/V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, also Kimi
 K2's shape) with multi-head latent attention (`MLAConfig`).
+Each layer's attention type is `ArchConfig.layer_attention`
+(`pd_cluster.engine.layer_attention`).
 Keys that change the math and are not implemented are refused by name
 (`pd_cluster.engine.model.config_check`). This module has no torch dependency,
 so the memory planner can use it.
@@ -20,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_cluster.engine.model.config_check import check_config, fp8_weight_block, layer_windows, rope_dict
+from pd_cluster.engine.model.config_check import check_config, fp8_weight_block, rope_dict
+from pd_cluster.engine.model.family_config import family_fields, language_model_config
+from pd_cluster.engine.layer_attention import LayerAttention, gemma3_rope, layer_attention_from_hf, uniform
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
 
 SUPPORTED_ARCHITECTURES = {
@@ -33,7 +45,16 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",
 }
+# Multimodal checkpoints whose language model the engine serves (text input only): its config is the
+# ``text_config``, its tensors carry this prefix, and tensors under the other prefixes (the vision tower) are
+# not read.
+LANGUAGE_MODEL_OF = {"Llama4ForConditionalGeneration": ("language_model.", ("vision_model.", "multi_modal_projector."))}
 
 
 @dataclass(frozen=True)
@@ -44,15 +65,32 @@ class ArchConfig:
         architecture: HF class name, e.g. ``LlamaForCausalLM``.
         rope_scaling: HF ``rope_scaling`` / ``rope_parameters`` dict, or None for
             plain RoPE. Keys as in HF (``rope_type``, ``factor``, ...).
-        attention_bias: q/k/v projections carry a bias (Qwen2).
+        attention_bias: q/k/v projections carry a bias (Qwen2, gpt-oss; Gemma and Llama 4 when set).
+        o_proj_bias: the output projection carries a bias too (gpt-oss; Gemma and Llama 4 with attention_bias).
         mla: the latent attention's shape (DeepSeek-V2/V3), or None for K/V per head.
-        qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
-        sliding_window: attention window in tokens, or None (Mistral v0.1).
+        qk_norm: per-head norm on q and k: ``""`` none, ``rms`` RMSNorm before RoPE (Qwen3), ``gemma`` the
+            ``(1 + w)`` RMSNorm before RoPE (Gemma 3), ``l2`` a weightless RMSNorm after RoPE on RoPE layers only
+            (Llama 4's ``use_qk_norm``).
+        layer_attention: each layer's attention type (`LayerAttention`: full, sliding window or chunked;
+            RoPE or NoPE and its base; sinks; logit softcapping). One entry per layer.
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
         moe: the mixture-of-experts layers (`MoEConfig`), None for a dense model.
         partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
         fp8_weight_block: the checkpoint's linear weights are block-quantised FP8 in blocks of this
             (rows, columns), dequantised on load (`fp8_weights`); None for unquantised weights.
+        hidden_act: the dense MLP's gate activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
+        norm_style: how an RMSNorm applies its weight: ``llama`` (``w * round(x_normed)``), ``gemma``
+            (``round((1 + w) * x_normed)`` in float32) or ``float`` (``round(w * x_normed)`` in float32, gpt-oss).
+        sandwich_norms: norms after attention and around the MLP (Gemma's post_attention, pre_feedforward and
+            post_feedforward layernorms).
+        embedding_scale: embeddings multiplied by this (Gemma: ``sqrt(hidden_size)``, rounded to the weights'
+            dtype), None for none.
+        final_logit_softcap: logits ``l`` become ``cap * tanh(l / cap)`` (Gemma 2), None for none.
+        attention_scale: the softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``.
+        attn_temperature: Llama 4's temperature tuning of NoPE layers, ``(attn_scale, floor_scale)``: a query at
+            position ``p`` is multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``; None off.
+        rope_interleaved: the checkpoint rotates (x0, x1), (x2, x3), ... pairs (Llama 4); the loader permutes
+            q and k rows into the rotate-half order, which leaves every q.k unchanged.
     """
 
     architecture: str
@@ -69,8 +107,8 @@ class ArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
+    qk_norm: str = ""
+    layer_attention: tuple[LayerAttention, ...] = ()
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -78,12 +116,38 @@ class ArchConfig:
     partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None
     fp8_weight_block: tuple[int, int] | None = None
+    o_proj_bias: bool = False
+    hidden_act: str = "silu"
+    norm_style: str = "llama"
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    final_logit_softcap: float | None = None
+    attention_scale: float | None = None
+    attn_temperature: tuple[float, float] | None = None
+    rope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.layer_attention:
+            object.__setattr__(self, "layer_attention", uniform(self.num_hidden_layers, None, self.rope_theta,
+                                                                self.rope_scaling))
+        if len(self.layer_attention) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.layer_attention)} layer attention types for {self.num_hidden_layers} layers")
+        if self.qk_norm not in ("", "rms", "gemma", "l2") or self.norm_style not in ("llama", "gemma", "float"):
+            raise ValueError(f"unknown qk_norm {self.qk_norm!r} or norm_style {self.norm_style!r}")
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention softmax scale (`attention_scale`, default ``head_dim ** -0.5``)."""
+        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Layers attend to different key ranges (some windowed or chunked, some not, or different sizes)."""
+        return len({a.mask_key for a in self.layer_attention}) > 1
 
     @property
     def family(self) -> str:
@@ -121,16 +185,23 @@ class ArchConfig:
         if self.moe is not None:
             check_moe_parallel(self.moe, tp_size, expert_parallel)
 
-    def _attention_params(self) -> int:
+    def _attention_params(self, layer: int = 0) -> int:
         h = self.hidden_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.mla is not None:
             attn = self.mla.num_params(h, self.num_attention_heads)
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
+        if self.o_proj_bias:
+            attn += h
+        if self.qk_norm in ("rms", "gemma"):
             attn += 2 * self.head_dim
+        if self.layer_attention[layer].sinks:
+            attn += self.num_attention_heads
         return attn
+
+    def _norm_params(self) -> int:
+        return (4 if self.sandwich_norms else 2) * self.hidden_size
 
     def _mlp_params(self, layer: int, active: bool) -> int:
         h = self.hidden_size
@@ -142,7 +213,7 @@ class ArchConfig:
     def num_params(self) -> int:
         """Parameter count of the decoder (embedding, layers, final norm, head); every expert counted."""
         h = self.hidden_size
-        layers = sum(self._attention_params() + self._mlp_params(i, False) + 2 * h
+        layers = sum(self._attention_params(i) + self._mlp_params(i, False) + self._norm_params()
                      for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
@@ -152,7 +223,7 @@ class ArchConfig:
         """Parameters one token multiplies through: as `num_params` but only the router, the shared experts
         and ``top_k`` routed experts of each MoE layer (the embedding row lookup still counts its table)."""
         h = self.hidden_size
-        layers = sum(self._attention_params() + self._mlp_params(i, True) + 2 * h
+        layers = sum(self._attention_params(i) + self._mlp_params(i, True) + self._norm_params()
                      for i in range(self.num_hidden_layers))
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + layers + h + head
@@ -170,6 +241,7 @@ class ArchConfig:
         if arch is None:
             raise ValueError(
                 f"unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        cfg = language_model_config(cfg, arch)
         check_config(cfg, arch)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
@@ -191,24 +263,25 @@ class ArchConfig:
                 scaling = {**scaling, "original_max_position_embeddings": int(top)}
         elif kind == "default":
             scaling = None
+        if arch == "Gemma3ForCausalLM":  # the model-wide RoPE is the global layers' (each layer has its own)
+            theta, scaling = gemma3_rope(cfg, "full")
+        theta = float(theta if theta is not None else 10000.0)
         mla = MLAConfig.from_dict(cfg, arch, scaling) if arch in MLA_ARCHITECTURES else None
+        fields = family_fields(cfg, arch)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta if theta is not None else 10000.0),
+            rope_theta=theta,
             rope_scaling=dict(scaling) if scaling else None,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            sliding_window=layer_windows(cfg, arch)[0],
+            layer_attention=layer_attention_from_hf(cfg, arch, theta, dict(scaling) if scaling else None),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -216,6 +289,7 @@ class ArchConfig:
             partial_rotary_factor=partial,
             mla=mla,
             fp8_weight_block=_fp8_weight_block(cfg),
+            **fields,
         )
 
     @classmethod

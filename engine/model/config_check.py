@@ -3,39 +3,52 @@ implement. Torch-free.
 
 A key is in one of three sets:
 
-* read and honoured (sizes, ``rope_*``, ``sliding_window``, ``tie_word_embeddings``, the MoE keys of
-  `pd_cluster.engine.model.moe_config`, ...): its value is used;
+* read and honoured (sizes, ``rope_*``, the per-layer attention keys of
+  `pd_cluster.engine.layer_attention` (``sliding_window``, ``layer_types``, ``max_window_layers``,
+  ``attention_chunk_size``, ``no_rope_layers``, ...), ``tie_word_embeddings``, the MoE keys of
+  `pd_cluster.engine.model.moe_config`, each family's own keys in `FAMILY_KEYS`, ...): its value is used;
 * without effect at inference (``*_dropout``, ``*_pdrop``, ``initializer_range``,
   ``router_aux_loss_coef``, ``router_jitter_noise``, ``use_cache``, ...): ignored;
 * changing the math, with values the engine does not compute: refused here with a `ValueError` naming the
   key, its value and what is supported. The rules are below, one function per rule.
 
 transformers decides what a key means per model class; the rules follow its classes (5.24): e.g. Qwen2 and
-Qwen3 apply ``sliding_window`` only to layers ``>= max_window_layers``, while Mistral applies it to every layer.
+Qwen3 apply ``sliding_window`` only to layers ``>= max_window_layers``, while Mistral applies it to every layer;
+Gemma 3's class never applies ``attn_logit_softcapping`` (Gemma 2's does), so a Gemma 3 config that sets it is
+refused rather than guessed at.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pd_cluster.engine.model.family_config import GEMMA, LLAMA4
+from pd_cluster.engine.layer_attention import gemma3_rope, layer_attention_from_hf, refuse
+
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
+GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU: gelu with the tanh approximation
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 PHI3_ROPE_TYPES = ("default", "longrope", "su", "yarn")  # Phi3Config renames su and yarn to longrope
 # Weight quantisation schemes the loader dequantises: block-FP8 (DeepSeek-V3's format; `fp8_weights`)
 QUANT_METHODS: tuple[str, ...] = ("fp8",)
 
-# Keys of other model families that change the math, none implemented: refused when set (not None),
-# when true, or when a multiplier other than 1.
+# Keys of other model families that change the math: refused when set (not None), when true, or when a
+# multiplier other than 1, unless the family reads them (`FAMILY_KEYS`).
 FOREIGN_VALUES = ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "clip_qkv",
                   "swiglu_limit")
-FOREIGN_FLAGS = ("use_qk_norm", "alibi", "parallel_attn", "use_parallel_residual")
+FOREIGN_FLAGS = ("use_qk_norm", "alibi", "parallel_attn", "use_parallel_residual", "use_bidirectional_attention")
 FOREIGN_SCALES = ("logit_scale", "logits_scaling", "embedding_multiplier", "residual_multiplier",
                   "attention_multiplier")
-
-
-def refuse(key: str, value: Any, supported: str) -> ValueError:
-    return ValueError(f"config.json: {key}={value!r} is not implemented ({supported}); refusing to load a model "
-                      f"that would run with different math")
+# The foreign keys each family's transformers class reads, and the engine honours for it.
+FAMILY_KEYS = {
+    "Gemma2ForCausalLM": ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"),
+    "Gemma3ForCausalLM": ("final_logit_softcapping", "query_pre_attn_scalar"),
+    "GptOssForCausalLM": ("swiglu_limit",),
+    "Llama4ForCausalLM": ("use_qk_norm",),
+    "Llama4ForConditionalGeneration": ("use_qk_norm",),
+}
+# Families whose every attention projection (q, k, v and o) carries a bias when attention_bias is set.
+O_BIAS_FAMILIES = GEMMA + LLAMA4 + ("GptOssForCausalLM",)
 
 
 def check_config(cfg: dict[str, Any], architecture: str) -> None:
@@ -44,19 +57,29 @@ def check_config(cfg: dict[str, Any], architecture: str) -> None:
     Raises:
         ValueError: naming the key and its value.
     """
-    _activation(cfg)
+    _activation(cfg, architecture)
     _biases(cfg, architecture)
     _rope(cfg, architecture)
-    _layer_types(cfg, architecture)
+    layer_attention_from_hf(cfg, architecture, 10000.0, None)  # an unknown layer type is refused by name
     _quantization(cfg)
+    _family(cfg, architecture)
+    own = FAMILY_KEYS.get(architecture, ())
     for key in FOREIGN_VALUES + FOREIGN_FLAGS + FOREIGN_SCALES:
         value = cfg.get(key)
-        if (value is not None if key in FOREIGN_VALUES else bool(value) if key in FOREIGN_FLAGS
-                else value not in (None, 1, 1.0)):
-            raise refuse(key, value, f"{architecture} as the engine builds it has no such key")
+        if key not in own and (value is not None if key in FOREIGN_VALUES else bool(value) if key in FOREIGN_FLAGS
+                               else value not in (None, 1, 1.0)):
+            why = (f"{architecture} as the engine builds it has no such key" if architecture != "Gemma3ForCausalLM"
+                   else "transformers' Gemma3ForCausalLM does not apply it")
+            raise refuse(key, value, why)
 
 
-def _activation(cfg: dict[str, Any]) -> None:
+def _activation(cfg: dict[str, Any], architecture: str) -> None:
+    if architecture == "GptOssForCausalLM":
+        return  # its experts' clamped SwiGLU does not read hidden_act (`moe_config.swiglu_clamped`)
+    if architecture in GEMMA:  # Gemma's MLP reads hidden_activation only
+        if cfg.get("hidden_activation", GELU_TANH[0]) not in GELU_TANH:
+            raise refuse("hidden_activation", cfg["hidden_activation"], f"{architecture}: {', '.join(GELU_TANH)}")
+        return
     for key in ("hidden_act", "hidden_activation"):
         if key in cfg and cfg[key] not in ACTIVATIONS:
             raise refuse(key, cfg[key], f"the engine computes SwiGLU with {' / '.join(ACTIVATIONS)}")
@@ -65,8 +88,9 @@ def _activation(cfg: dict[str, Any]) -> None:
 def _biases(cfg: dict[str, Any], architecture: str) -> None:
     if cfg.get("mlp_bias"):
         raise refuse("mlp_bias", cfg["mlp_bias"], "MLP projections without bias")
-    # Llama, Mistral, Mixtral and Qwen3 put attention_bias on o_proj too; only Qwen2's q/k/v bias is built
-    if cfg.get("attention_bias") and architecture != "Qwen2ForCausalLM":
+    # Llama, Mistral, Mixtral and Qwen3 put attention_bias on o_proj too; Qwen2's q/k/v bias and the o_proj bias
+    # of the families in O_BIAS_FAMILIES are built
+    if cfg.get("attention_bias") and architecture not in ("Qwen2ForCausalLM",) + O_BIAS_FAMILIES:
         raise refuse("attention_bias", cfg["attention_bias"], f"{architecture} without attention biases")
 
 
@@ -80,6 +104,12 @@ def _rope(cfg: dict[str, Any], architecture: str) -> None:
     scaling = rope_dict(cfg)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     allowed = PHI3_ROPE_TYPES if architecture == "Phi3ForCausalLM" else ROPE_TYPES
+    if architecture == "Gemma3ForCausalLM":  # a RoPE per layer type
+        for layer_kind in ("full", "sliding"):
+            per_layer = gemma3_rope(cfg, layer_kind)[1] or {}
+            if per_layer.get("rope_type", "default") not in ROPE_TYPES:
+                raise refuse("rope_type", per_layer["rope_type"], f"{architecture}: {', '.join(ROPE_TYPES)}")
+        return
     if kind not in allowed:
         raise refuse("rope_type", kind, f"{architecture}: {', '.join(allowed)}")
     if kind == "longrope" and not {"short_factor", "long_factor"} <= set(scaling):
@@ -89,43 +119,6 @@ def _rope(cfg: dict[str, Any], architecture: str) -> None:
         raise refuse("partial_rotary_factor", factor, f"rotary over the whole head for {architecture}")
     if "mrope_section" in scaling or scaling.get("mrope_interleaved"):
         raise refuse("rope_scaling.mrope_section", scaling.get("mrope_section"), "1-D positions only")
-
-
-def layer_windows(cfg: dict[str, Any], architecture: str) -> list[int | None]:
-    """Each layer's attention window as transformers applies it (None: full attention).
-
-    Qwen2/Qwen3: ``layer_types`` (sliding layers get ``sliding_window`` if ``use_sliding_window``), else sliding
-    from layer ``max_window_layers`` on when ``use_sliding_window``;
-    Qwen3-MoE: every layer when ``use_sliding_window``; Mistral, Mixtral, Phi-3: every layer when
-    ``sliding_window`` is set; Llama: never (``LlamaConfig`` has no window).
-    """
-    layers = int(cfg["num_hidden_layers"])
-    window = None if architecture == "LlamaForCausalLM" else cfg.get("sliding_window")
-    qwen = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-    if qwen and not cfg.get("use_sliding_window", False):
-        window = None
-    per_layer = architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # the classes that read layer_types
-    types = cfg.get("layer_types") if per_layer else None
-    if types is None:
-        if per_layer and window is not None:
-            first = int(cfg.get("max_window_layers", 28))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        else:
-            types = ["full_attention" if window is None else "sliding_attention"] * layers
-    out: list[int | None] = []
-    for t in types:
-        if t not in ("full_attention", "sliding_attention"):
-            raise refuse("layer_types", t, "full_attention, sliding_attention")
-        out.append(int(window) if t == "sliding_attention" and window is not None else None)
-    return out
-
-
-def _layer_types(cfg: dict[str, Any], architecture: str) -> None:
-    windows = layer_windows(cfg, architecture)
-    if len(set(windows)) > 1:
-        key = "layer_types" if cfg.get("layer_types") is not None else "max_window_layers"
-        raise refuse(key, cfg.get(key), "the same attention window on every layer (sliding on some layers only "
-                                        "is not implemented)")
 
 
 def _quantization(cfg: dict[str, Any]) -> None:
@@ -161,3 +154,12 @@ def fp8_weight_block(quant: dict[str, Any]) -> tuple[int, int]:
         raise refuse("quantization_config.activation_scheme", quant.get("activation_scheme"),
                      "dynamic (the weights are dequantised; no static activation scales are applied)")
     return int(block[0]), int(block[1])
+
+
+def _family(cfg: dict[str, Any], architecture: str) -> None:
+    """Family keys with values outside what the engine builds."""
+    if architecture in LLAMA4:
+        top_k = int(cfg.get("num_experts_per_tok") or 1)
+        if top_k != 1 and int(cfg.get("num_local_experts") or 0):
+            raise refuse("num_experts_per_tok", top_k, "Llama 4's routed experts scale their input by the router "
+                                                       "score, which the engine builds for top-1 routing only")

@@ -1,13 +1,14 @@
 """The element-wise ops of a decoder layer, behind one small interface: torch (the reference) or fused Triton.
 
-`LayerOps` has three ops, each the unit vLLM and SGLang fuse into one kernel:
+`LayerOps` has these ops, each the unit vLLM and SGLang fuse into one kernel:
 
-* ``rms_norm(x, weight, eps, residual)``: RMSNorm of ``x + residual``; returns the
+* ``rms_norm(x, weight, eps, residual, style)``: RMSNorm of ``x + residual``; returns the
   normalised rows and the new residual (the pre-norm residual stream never
-  materialises as a separate add);
+  materialises as a separate add); `style` is how the weight applies (`ArchConfig.norm_style`);
 * ``rope_qk(q, k, cos, sin)``: RoPE on q and k;
-* ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output;
-* ``fused_experts(x, w13, w2, weights, ids)``: a mixture-of-experts layer's routed experts
+* ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output; ``gelu_tanh_and_mul(x)``
+  Gemma's GeGLU; ``swiglu_clamped(x, alpha, limit)`` gpt-oss's experts' clamped SwiGLU;
+* ``fused_experts(x, w13, w2, weights, ids, ...)``: a mixture-of-experts layer's routed experts
   (`pd_cluster.engine.model.moe`; Triton: tokens sorted by expert, grouped GEMMs).
 
 `TorchLayerOps` is the reference and runs anywhere. `TritonLayerOps` launches
@@ -31,15 +32,24 @@ class TorchLayerOps:
         """The dtype of the step's cos/sin table: the activation dtype, as HF Llama does."""
         return act_dtype
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(``weight * normalize(x + residual)``, ``x + residual`` or None); x [T, N], computed in float32."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 style: str = "llama") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(``weight * normalize(x + residual)``, ``x + residual`` or None); x [T, N], computed in float32.
+
+        `style`: ``llama`` rounds the normalised rows to x's dtype, then multiplies by the weight (HF Llama);
+        ``gemma`` multiplies by ``1 + weight`` in float32 and rounds once (Gemma); ``float`` multiplies by the
+        weight in float32 and rounds once (gpt-oss; with a weight of ones, Llama 4's L2 norm).
+        """
         if residual is not None:
             x = x + residual
             residual = x
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if style == "gemma":
+            return (h * (1.0 + weight.float())).to(dtype), residual
+        if style == "float":
+            return (weight.float() * h).to(dtype), residual
         return weight * h.to(dtype), residual
 
     def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -52,14 +62,38 @@ class TorchLayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu_tanh(x[:, :N]) * x[:, N:]`` for x [T, 2N] (GeGLU, Shazeer 2020; transformers'
+        ``gelu_pytorch_tanh``)."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def swiglu_clamped(self, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's expert activation for x [T, 2N] (gate half, up half): ``g = min(gate, limit)``,
+        ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)`` (``GptOssExperts._apply_gate``)."""
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, apply_weights_on_input: bool = False) -> torch.Tensor:
-        """Routed experts' output [T, H] (`pd_cluster.engine.model.moe.torch_fused_experts`: shapes, -1 ids)."""
+                      ids: torch.Tensor, apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
+        """Routed experts' output [T, H] (`pd_cluster.engine.model.moe.torch_fused_experts`: shapes, -1 ids,
+        biases, activation)."""
         from pd_cluster.engine.model.moe import torch_fused_experts  # moe imports this module
 
-        return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input)
+        return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input, b13, b2, activation)
 
-    def warm_up_experts(self, w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype) -> None:
+    def activation(self, x: torch.Tensor, activation: tuple) -> torch.Tensor:
+        """An expert activation named by `activation`: ``("silu",)`` or ``("swiglu_clamped", alpha, limit)``."""
+        if activation[0] == "swiglu_clamped":
+            return self.swiglu_clamped(x, activation[1], activation[2])
+        return self.silu_and_mul(x)
+
+    def warm_up_experts(self, w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype,
+                        b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                        activation: tuple = ("silu",)) -> None:
         """Compile what a start-up step does not (nothing to compile here)."""
 
 
@@ -76,8 +110,8 @@ class TritonLayerOps(TorchLayerOps):
     def cos_sin_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         return torch.float32
 
-    def rms_norm(self, x, weight, eps, residual=None):
-        return self._fused.rms_norm(x, weight, eps, residual)
+    def rms_norm(self, x, weight, eps, residual=None, style="llama"):
+        return self._fused.rms_norm(x, weight, eps, residual, style)
 
     def rope_qk(self, q, k, cos, sin):
         self._fused.rope_qk(q, k, cos, sin)  # in place (q and k are views of this step's qkv output)
@@ -86,15 +120,23 @@ class TritonLayerOps(TorchLayerOps):
     def silu_and_mul(self, x):
         return self._fused.silu_and_mul(x)
 
-    def fused_experts(self, x, w13, w2, weights, ids, apply_weights_on_input=False):
+    def gelu_tanh_and_mul(self, x):
+        return self._fused.gelu_tanh_and_mul(x)
+
+    def swiglu_clamped(self, x, alpha, limit):
+        return self._fused.swiglu_clamped(x, alpha, limit)
+
+    def fused_experts(self, x, w13, w2, weights, ids, apply_weights_on_input=False, b13=None, b2=None,
+                      activation=("silu",)):
         from pd_cluster.engine.attention.triton import fused_moe
 
-        return fused_moe.fused_experts(x, w13, w2, weights, ids, apply_weights_on_input)
+        return fused_moe.fused_experts(x, w13, w2, weights, ids, apply_weights_on_input, b13=b13, b2=b2,
+                                       activation=activation)
 
-    def warm_up_experts(self, w13, w2, top_k, dtype):
+    def warm_up_experts(self, w13, w2, top_k, dtype, b13=None, b2=None, activation=("silu",)):
         from pd_cluster.engine.attention.triton import fused_moe
 
-        fused_moe.warm_up(w13, w2, top_k, dtype)
+        fused_moe.warm_up(w13, w2, top_k, dtype, b13, b2, activation)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

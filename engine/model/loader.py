@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.arch import LANGUAGE_MODEL_OF, ArchConfig
 from pd_cluster.engine.model import fp8_weights, weight_map
 from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
 from pd_cluster.engine.model.llama import LlamaForCausalLM
-from pd_cluster.engine.model.rope import longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -129,13 +129,18 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
     loaded: set[str] = set()
     files = _weight_files(path)
     scale_of = _tensor_reader(path, files)
+    prefix, other_parts = LANGUAGE_MODEL_OF.get(arch.architecture, ("", ()))
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
+            for stored_name in f.keys():
+                if other_parts and stored_name.startswith(other_parts):
+                    continue  # a multimodal checkpoint's vision tower: the engine serves its language model
+                hf_name = stored_name.removeprefix(prefix)
                 m = _SCALE_RE.match(hf_name)
                 if m:
                     which = m.group(2) or m.group(3)
-                    (k_scales if which == "k" else v_scales)[int(m.group(1))] = float(f.get_tensor(hf_name).float().item())
+                    (k_scales if which == "k" else v_scales)[int(m.group(1))] = float(
+                        f.get_tensor(stored_name).float().item())
                     continue
                 if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
                     continue
@@ -143,7 +148,8 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
                 if layer and int(layer.group(1)) >= arch.num_hidden_layers:
                     continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
                 name = weight_map.canonical(hf_name.removeprefix("model."))
-                values = fp8_weights.block_fp8_slice(hf_name, f.get_slice(hf_name), scale_of, arch.fp8_weight_block)
+                values = fp8_weights.block_fp8_slice(stored_name, f.get_slice(stored_name), scale_of,
+                                                     arch.fp8_weight_block)
                 if weight_map.copy_special(params, name, values, arch, tp, expert_parallel, loaded):
                     continue
                 tensor = shard(name, values, tp)
@@ -179,13 +185,17 @@ def _tensor_reader(path: Path, files: list[Path]):
 def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
     """This rank's part of a checkpoint tensor (read from a safetensors slice, so only that part is read).
 
-    q/k/v and gate/up weights and biases: rows ``[rank * n / size, (rank + 1) * n / size)``; o and down
-    weights: the same range of columns; everything else whole (Megatron-LM's split).
+    q/k/v and gate/up weights and biases, and attention sinks: rows ``[rank * n / size, (rank + 1) * n / size)``;
+    o and down weights: the same range of columns; everything else whole (Megatron-LM's split; an o_proj bias is
+    added once, after the all-reduce).
     """
     shape = tensor_slice.get_shape()
     parts = name.split(".")
     if tp.size == 1 or len(parts) < 2:
         return tensor_slice[:]
+    if parts[-1] == "sinks":  # one per query head (gpt-oss): this rank's heads
+        n = shape[0] // tp.size
+        return tensor_slice[tp.rank * n:(tp.rank + 1) * n]
     owner = parts[-2]
     if owner in _ROW_SPLIT:
         n = shape[0] // tp.size
@@ -257,7 +267,9 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     with torch.device(device), _default_dtype(dtype):
         model = (DeepseekForCausalLM(arch, tp, expert_parallel) if arch.mla is not None
                  else LlamaForCausalLM(arch, tp, expert_parallel, context_length))
-    model.rope.inv_freq = model.rope.inv_freq.float()  # RoPE frequencies stay float32
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = module.inv_freq.float()  # RoPE frequencies stay float32
     if load_format == "dummy":
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers

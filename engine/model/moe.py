@@ -75,7 +75,8 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
 
 def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                         ids: torch.Tensor, ops: TorchLayerOps = TORCH_OPS,
-                        apply_weights_on_input: bool = False) -> torch.Tensor:
+                        apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
     """The routed experts' output: ``sum_j weights[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = ids[t, j]``.
 
     Args:
@@ -84,8 +85,10 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         w2: [E, H, I] down projections.
         weights: [T, k] float32 or x's dtype, from `select_experts`.
         ids: [T, k] local expert indices; -1 marks a choice another rank computes (contributes 0).
-        ops: the activation (``silu_and_mul``).
+        ops: the activation (``silu_and_mul``, ``swiglu_clamped``).
         apply_weights_on_input: scale the expert's input instead of its output (Llama 4).
+        b13, b2: [E, 2 I] and [E, H] biases of the two projections (gpt-oss), added after each product, or None.
+        activation: ``("silu",)`` or ``("swiglu_clamped", alpha, limit)`` (`LayerOps.activation`).
 
     Returns:
         [T, H] in x's dtype. Each (token, choice) product is rounded to x's dtype before the k of
@@ -106,7 +109,12 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         inp = x[rows // k]
         if apply_weights_on_input:
             inp = (inp * w[rows, None]).to(x.dtype)
-        h = F.linear(ops.silu_and_mul(F.linear(inp, w13[e])), w2[e])
+        h = F.linear(inp, w13[e])
+        if b13 is not None:  # transformers adds the biases after the products (x @ W + b)
+            h = h + b13[e]
+        h = F.linear(ops.activation(h, activation), w2[e])
+        if b2 is not None:
+            h = h + b2[e]
         out[rows] = h if apply_weights_on_input else (h * w[rows, None]).to(x.dtype)
     return out.view(t, k, x.shape[1]).sum(dim=1)
 
@@ -153,7 +161,9 @@ class FusedExperts(nn.Module):
 
     ``w13_weight`` [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and ``w2_weight``
     [E_local, H, I_local]. Under TP ``I_local = I / tp`` and ``E_local = E``; with expert parallelism
-    ``E_local = E / tp`` whole experts, from ``first_expert`` on.
+    ``E_local = E / tp`` whole experts, from ``first_expert`` on. With ``expert_bias`` (gpt-oss) also
+    ``w13_bias`` [E_local, 2 I_local] and ``w2_bias`` [E_local, H] (whole on every rank: under TP only rank 0
+    adds it, so the all-reduce counts it once).
     """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, tp: TPGroup, expert_parallel: bool) -> None:
@@ -165,6 +175,12 @@ class FusedExperts(nn.Module):
         self.intermediate_size = cfg.intermediate_size // split
         self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size))
+        if cfg.expert_bias:
+            self.w13_bias = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size))
+            self.w2_bias = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size))
+        else:
+            self.w13_bias = self.w2_bias = None
+        self.adds_down_bias = self.expert_parallel or tp.rank == 0
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids [T, k] as this rank's indices, -1 where another rank holds the expert."""
@@ -199,14 +215,18 @@ class SparseMoE(nn.Module):
         self.shared_experts = (SharedExperts(hidden_size, cfg.shared_intermediate_size, tp)
                                if cfg.shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.activation = ((cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.activation == "swiglu_clamped"
+                           else ("silu",))
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.cfg.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
-        out = self.ops.fused_experts(x, self.experts.w13_weight, self.experts.w2_weight, weights,
-                                     self.experts.local_ids(ids), self.cfg.routing.apply_weights_on_input)
+        ex = self.experts
+        out = self.ops.fused_experts(x, ex.w13_weight, ex.w2_weight, weights, ex.local_ids(ids),
+                                     self.cfg.routing.apply_weights_on_input, ex.w13_bias,
+                                     ex.w2_bias if ex.adds_down_bias else None, self.activation)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -216,6 +236,7 @@ class SparseMoE(nn.Module):
 
     def warm_up_kernels(self) -> None:
         """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""
-        self.ops.warm_up_experts(self.experts.w13_weight, self.experts.w2_weight, self.cfg.top_k,
-                                 self.experts.w13_weight.dtype)
+        ex = self.experts
+        self.ops.warm_up_experts(ex.w13_weight, ex.w2_weight, self.cfg.top_k, ex.w13_weight.dtype, ex.w13_bias,
+                                 ex.w2_bias, self.activation)
 

@@ -11,12 +11,12 @@ Mixtral                 softmax    yes           --      yes          weights ke
 Qwen3-MoE               softmax    yes           --      norm_topk_p  weights in act. dtype
 DeepSeek-V2             softmax    yes           max     norm_topk_p  x routed_scaling_factor
 DeepSeek-V3 / Kimi K2   sigmoid    yes           top2    norm_topk_p  + e_score_correction_bias
-gpt-oss (not loaded)    softmax    no (over k)   --      --           router bias
-Llama 4 (not loaded)    sigmoid    no (top-1)    --      --           weight on the input
+gpt-oss                 softmax    no (over k)   --      --           router bias
+Llama 4                 sigmoid    no (top-1)    --      --           weight on the input
 ======================  =========  ============  ======  ===========  =====================
 
 Sources: transformers' ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter`` (5.24), DeepSeek-V3 technical
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``, ``Llama4Router`` (5.24), DeepSeek-V3 technical
 report sec. 2.1.2 (auxiliary-loss-free balancing: the bias only chooses, it
 never weights), vLLM's ``FusedMoE`` routing arguments.
 """
@@ -29,8 +29,10 @@ from typing import Any, Literal
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
 
-EXPERT_ACTIVATIONS = ("silu",)
-"""Expert activations the engine computes: ``silu`` is SwiGLU, ``silu(gate) * up``."""
+EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
+"""Expert activations the engine computes: ``silu`` is SwiGLU, ``silu(gate) * up``; ``swiglu_clamped`` is
+gpt-oss's: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``
+(``GptOssExperts._apply_gate``; `MoEConfig.swiglu_alpha`, `MoEConfig.swiglu_limit`)."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,12 @@ class MoEConfig:
             none (DeepSeek: ``n_shared_experts * moe_intermediate_size``).
         shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x @ w)`` (Qwen2-MoE).
         activation: the experts' activation (`EXPERT_ACTIVATIONS`).
-        expert_bias: experts' projections carry biases (gpt-oss; not implemented).
+        expert_bias: experts' gate/up and down projections carry biases (gpt-oss), added before the
+            activation and before the routing weight.
+        swiglu_alpha, swiglu_limit: ``swiglu_clamped``'s sigmoid gain and clamp (gpt-oss: 1.702, 7.0).
 
     Raises:
-        ValueError: an activation or expert bias the engine does not implement, named.
+        ValueError: an activation the engine does not implement, named.
     """
 
     num_experts: int
@@ -123,13 +127,13 @@ class MoEConfig:
     shared_expert_gate: bool = False
     activation: str = "silu"
     expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"MoE expert activation {self.activation!r} is not implemented "
                              f"(the engine implements {', '.join(EXPERT_ACTIVATIONS)})")
-        if self.expert_bias:
-            raise ValueError("MoE experts with biases are not implemented")
         if self.routing.num_experts != self.num_experts:
             raise ValueError(f"routing over {self.routing.num_experts} experts, layer has {self.num_experts}")
 
@@ -146,19 +150,23 @@ class MoEConfig:
         router = self.num_experts * h + (self.num_experts if self.routing.router_bias else 0) \
             + (self.num_experts if self.routing.e_score_correction_bias else 0)
         shared = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
-        return router + self.num_experts * 3 * h * self.intermediate_size + shared
+        return router + self.num_experts * self._expert_params(h) + shared
+
+    def _expert_params(self, h: int) -> int:
+        return 3 * h * self.intermediate_size + ((2 * self.intermediate_size + h) if self.expert_bias else 0)
 
     def active_layer_params(self, hidden_size: int) -> int:
         """Parameters one token multiplies through in one MoE block: router, top_k experts, shared ones."""
         h = hidden_size
         shared = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
-        return self.num_experts * h + self.top_k * 3 * h * self.intermediate_size + shared
+        router = self.num_experts * h + (self.num_experts if self.routing.router_bias else 0)
+        return router + self.top_k * self._expert_params(h) + shared
 
 
 def moe_from_hf(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
     """The MoE part of an HF config of `architecture`, or None for a dense model.
 
-    Reads Mixtral (``num_local_experts``), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``,
+    Reads gpt-oss, Llama 4, Mixtral (``num_local_experts``), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``,
     ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``) and DeepSeek-V2/V3 (``n_routed_experts``,
     ``n_shared_experts``, ``topk_method``, ``n_group``, ``topk_group``, ``scoring_func``,
     ``routed_scaling_factor``, ``norm_topk_prob``, ``first_k_dense_replace``, ``moe_layer_freq``).
@@ -185,7 +193,31 @@ def moe_from_hf(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
         return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, moe_layers, activation=act)
     if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         return _deepseek(cfg, architecture, layers, act)
+    if architecture == "GptOssForCausalLM":  # every layer; top-k on the biased logits, softmax over the k
+        experts = int(cfg.get("num_local_experts") or 128)
+        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 4), "softmax",
+                                score_before_topk=False, router_bias=True)
+        return MoEConfig(experts, int(cfg["intermediate_size"]), routing, tuple(range(layers)),
+                         activation="swiglu_clamped", expert_bias=True,
+                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+    if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
+        return _llama4(cfg, layers, act)
     return None
+
+
+def _llama4(cfg: dict[str, Any], layers: int, act: str) -> MoEConfig | None:
+    """Llama 4: ``moe_layers``, else every ``interleave_moe_layer_step``-th layer from step - 1
+    (``Llama4TextConfig``); a top-1 sigmoid router whose score scales the expert's input, and a shared expert
+    of the experts' width (``Llama4TextMoe``)."""
+    experts = int(cfg.get("num_local_experts") or 16)
+    given = cfg.get("moe_layers")
+    step = int(cfg.get("interleave_moe_layer_step") or 1)
+    moe_layers = tuple(int(i) for i in given) if given is not None else tuple(range(step - 1, layers, step))
+    inter = int(cfg["intermediate_size"])
+    routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 1), "sigmoid", score_before_topk=False,
+                            apply_weights_on_input=True, weights_in_activation_dtype=True)
+    return MoEConfig(experts, inter, routing, moe_layers, shared_intermediate_size=inter, activation=act)
 
 
 def _deepseek(cfg: dict[str, Any], architecture: str, layers: int, act: str) -> MoEConfig | None:

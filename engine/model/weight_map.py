@@ -7,6 +7,12 @@
 * DeepSeek's ``mlp.shared_experts.gate_proj/up_proj/down_proj`` go into the shared experts' fused matrices.
 * Phi-3 stores q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``); under TP each rank reads
   its rows of each part.
+* gpt-oss and Llama 4 store each layer's experts stacked: ``mlp.experts.gate_up_proj`` [E, H, 2 I] (x @ W
+  form; gpt-oss interleaves gate and up columns, ``0::2`` and ``1::2``, Llama 4 has gate then up) and
+  ``mlp.experts.down_proj`` [E, I, H]; gpt-oss adds ``gate_up_proj_bias`` [E, 2 I] (interleaved likewise) and
+  ``down_proj_bias`` [E, H]. They are transposed into ``w13``/``w2`` (and ``w13_bias``/``w2_bias``).
+  Llama 4's ``feed_forward`` is the model's ``mlp``, its ``router`` the ``gate``, its ``shared_expert`` the
+  ``shared_experts``; gpt-oss's ``router`` is the ``gate`` too.
 
 Under TP every slice is read from the safetensors file directly (only this rank's bytes): gate/up rows and
 down columns of each expert (Megatron-LM's split per expert, vLLM's default); with expert parallelism the
@@ -25,12 +31,19 @@ from pd_cluster.engine.parallel.group import TPGroup
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
                         r"\.weight$")
 _SHARED_RE = re.compile(r"layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_RE = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_RENAMES = ((".block_sparse_moe.", ".mlp."), (".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."),
+            (".mlp.shared_expert.", ".mlp.shared_experts."))
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
 def canonical(name: str) -> str:
-    """The model's name for a checkpoint name without its ``model.`` prefix (Mixtral's block is ``mlp``)."""
-    return name.replace(".block_sparse_moe.", ".mlp.")
+    """The model's name for a checkpoint name without its ``model.`` prefix (Mixtral's ``block_sparse_moe`` and
+    Llama 4's ``feed_forward`` are ``mlp``; gpt-oss's and Llama 4's ``router`` is ``gate``; Llama 4's
+    ``shared_expert`` is ``shared_experts``)."""
+    for old, new in _RENAMES:
+        name = name.replace(old, new)
+    return name
 
 
 def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch: ArchConfig, tp: TPGroup,
@@ -47,6 +60,11 @@ def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch:
     if m:
         _copy_expert(params, int(m.group(1)), int(m.group(2)), _PART[m.group(3)], tensor_slice, tp,
                      expert_parallel and tp.size > 1, loaded)
+        return True
+    m = _STACKED_RE.match(name)
+    if m:
+        _copy_stacked(params, int(m.group(1)), m.group(2), bool(m.group(3)), tensor_slice, arch, tp,
+                      expert_parallel and tp.size > 1, loaded)
         return True
     m = _SHARED_RE.match(name)
     if m:
@@ -90,6 +108,44 @@ def _copy_expert(params, layer: int, expert: int, part: str, tensor_slice, tp: T
         w13[local, offset:offset + inter].copy_(tensor_slice[rows])
         loaded.add(f"layers.{layer}.mlp.experts.w13_weight")
     loaded.add(f"layers.{layer}.mlp.experts[{local}].{part}")
+
+
+def _copy_stacked(params, layer: int, part: str, bias: bool, tensor_slice, arch: ArchConfig, tp: TPGroup,
+                  expert_parallel: bool, loaded: set[str]) -> None:
+    """One stacked expert tensor of a layer (module docstring): this rank's experts, and of each this rank's
+    share of the intermediate width (all of it with expert parallelism)."""
+    prefix = f"layers.{layer}.mlp.experts"
+    w2 = _param(params, f"{prefix}.w2_weight")
+    local_experts, inter = w2.shape[0], w2.shape[2]
+    first = tp.rank * local_experts if expert_parallel else 0
+    t = tensor_slice[first:first + local_experts]
+    cols = slice(0, None) if expert_parallel else slice(tp.rank * inter, (tp.rank + 1) * inter)
+    if part == "gate_up_proj":
+        half = t.shape[-1] // 2
+        if arch.architecture == "GptOssForCausalLM":
+            gate, up = t[..., 0::2], t[..., 1::2]
+        else:
+            gate, up = t[..., :half], t[..., half:]
+        gate, up = gate[..., cols], up[..., cols]
+        if bias:
+            target = _param(params, f"{prefix}.w13_bias")
+            target[:, :inter].copy_(gate)
+            target[:, inter:].copy_(up)
+            loaded.add(f"{prefix}.w13_bias")
+            return
+        w13 = _param(params, f"{prefix}.w13_weight")
+        w13[:, :inter].copy_(gate.transpose(1, 2))
+        w13[:, inter:].copy_(up.transpose(1, 2))
+        loaded.add(f"{prefix}.w13_weight")
+        loaded.update(f"{prefix}[{e}].{p}" for e in range(local_experts) for p in ("gate", "up"))
+        return
+    if bias:
+        _param(params, f"{prefix}.w2_bias").copy_(t)
+        loaded.add(f"{prefix}.w2_bias")
+        return
+    w2.copy_(t[:, cols, :].transpose(1, 2))
+    loaded.add(f"{prefix}.w2_weight")
+    loaded.update(f"{prefix}[{e}].down" for e in range(local_experts))
 
 
 def _copy_dense(params, target: str, part: str, tensor_slice, tp: TPGroup, loaded: set[str]) -> None:

@@ -61,6 +61,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h"
 
 
+def _kv_layers(plan: Plan) -> str:
+    s = plan.spec
+    if plan.window_kv:
+        return f"{s.global_layers} global layers"
+    if s.local_layers:
+        return (f"all {s.num_layers} layers: the engine keeps every token's KV in its {s.local_layers} "
+                f"{s.local_kind} layers too, their windows are attention masks")
+    return f"{s.num_layers} layers"
+
+
 def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     s, inp = plan.spec, plan.inp
     refused = unsupported_reason(s)
@@ -81,7 +91,8 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         params += (f" ({s.active_params() / 1e9:.2f}B active: {s.experts_per_token} of {s.num_experts} experts"
                    f"{f' + {s.shared_experts} shared' if s.shared_experts else ''} in {s.moe_layers} MoE layers)")
     rows = [
-        ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} chunked), "
+        ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} "
+                  f"{s.local_kind or 'local'}), "
                   f"{kv_shape}, {params}"),
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
@@ -94,7 +105,7 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         ("KV bytes/token (model)", f"{plan.kv_bytes_per_token:,} B"),
         ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ("
                                      + (f"one latent x {s.global_layers} layers, the same on every GPU)" if s.is_mla
-                                        else f"{plan.kv_heads_per_gpu} KV head(s) x {s.global_layers} global layers)")),
+                                        else f"{plan.kv_heads_per_gpu} KV head(s) x {_kv_layers(plan)})")),
         ("weights per GPU", _gib(plan.weights_per_gpu)),
         ("KV pool per GPU", _gib(plan.pool_per_gpu)),
         ("pool tokens per GPU / instance", f"{plan.tokens_per_instance:,}"),
@@ -118,9 +129,16 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         rows.insert(11, ("host tier DRAM per node", f"{_gib(per_node)}: "
                                                     f"{'within' if per_node <= inp.host_memory_per_node else 'BEYOND'}"
                                                     f" the node's {_gib(inp.host_memory_per_node)}"))
-    if s.local_layers:
-        rows.insert(6, ("chunked-attention KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
-                                                         f"(capped at {s.attention_chunk_size:,} tokens)"))
+    if s.local_layers and plan.window_kv:
+        rows.insert(6, (f"{s.local_kind} KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
+                                                       f"(capped at {s.local_span:,} tokens)"))
+    elif s.local_layers:
+        w = make_plan(s, inp, window_kv=True)
+        rows.insert(6, ("if local layers kept only their window", (
+            f"{w.kv_bytes_per_token_per_gpu:,} B/token per GPU ({s.global_layers} global layers) + "
+            f"{_gib(w.local_kv_bytes_per_gpu)} for the {s.local_layers} {s.local_kind} layers' last "
+            f"{s.local_span:,} tokens: {w.tokens_per_instance:,} tokens per instance, asked context "
+            f"{'fits' if w.fits else 'does NOT fit'} (a design, not built: the engine keeps every page)")))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if beyond:

@@ -12,7 +12,7 @@ context the model was trained for, and how long one long prefill takes.
 - **Prefill time.** FLOPs of one causal prefill of ``L`` tokens: ``2 * P_active * L`` for the
   matrix multiplies (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", sec. 2.1)
   plus attention, ``2 * H * d * L^2`` per global layer (QK^T and AV, halved by the causal mask)
-  and ``2 * H * d * L * C`` per chunked-attention layer of chunk ``C``; divided by an assumed
+  and ``2 * H * d * L * C`` per local layer of window or chunk ``C``; divided by an assumed
   sustained rate per GPU times the TP size. Under MLA prefill runs the expanded form, so ``d`` is the
   mean of the query-key and value head widths (``(qk_nope + qk_rope + v_head_dim) / 2``).
 """
@@ -80,7 +80,7 @@ def prefill_flops(spec: ModelSpec, num_tokens: int) -> float:
     L, hd = float(num_tokens), float(spec.num_heads * spec.head_dim)
     if spec.is_mla:
         hd = spec.num_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim + spec.v_head_dim) / 2
-    chunk = float(min(num_tokens, spec.attention_chunk_size or num_tokens))
+    chunk = float(min(num_tokens, spec.local_span or num_tokens))
     attention = 2 * hd * L * L * spec.global_layers + 2 * hd * L * chunk * spec.local_layers
     return 2.0 * spec.active_params_per_token() * L + attention
 

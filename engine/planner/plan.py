@@ -3,6 +3,14 @@
 SGLang's sizing rule: a GPU gives ``mem_fraction_static`` of its memory to
 weights plus KV pool; the pool is what the weights leave of it. The context
 length plays no part in sizing; it only caps what one request may ask for.
+
+Local (sliding-window or chunked) layers: the engine's pool holds every layer's
+K and V for every token of a request; a window or a chunk is an attention mask,
+not a page rule (`ENGINE_FREES_WINDOW_PAGES`). So a request's KV per token counts
+every layer. `make_plan(..., window_kv=True)` gives the arithmetic of a pool whose
+local layers hold only their last window or chunk (vLLM's hybrid KV cache manager,
+SGLang's SWA pool); `pd-plan` prints it beside the engine's as what that design
+would give.
 """
 
 from __future__ import annotations
@@ -12,6 +20,9 @@ from dataclasses import dataclass, replace
 from pd_cluster.engine.planner.spec import ModelSpec
 
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+# Whether the engine's KV pool frees the pages a sliding-window or chunked layer will not read again. It does not:
+# every layer keeps every page of a request (engine/layer_attention.py describes the layers that could).
+ENGINE_FREES_WINDOW_PAGES = False
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -51,12 +62,13 @@ class Plan:
     inp: PlanInput
     kv_heads_per_gpu: int            # MLA: 1 (the latent, on every GPU)
     kv_bytes_per_token: int          # whole model, all layers, K and V (MLA: the latent)
-    kv_bytes_per_token_per_gpu: int  # global layers only, this GPU's heads
-    local_kv_bytes_per_gpu: int      # chunked-attention layers at a full chunk
+    kv_bytes_per_token_per_gpu: int  # this GPU's heads; every layer (window_kv: global layers only)
+    local_kv_bytes_per_gpu: int      # window_kv: local layers at a full window or chunk; else 0
     weights_per_gpu: int
     pool_per_gpu: int
     tokens_per_instance: int
     instances_per_node: int
+    window_kv: bool = ENGINE_FREES_WINDOW_PAGES  # local layers hold only their window or chunk
 
     @property
     def tokens_per_node(self) -> int:
@@ -92,13 +104,15 @@ class Plan:
     def kv_bytes_for(self, num_tokens: int) -> int:
         """KV bytes on one GPU for one request of `num_tokens` tokens."""
         s = self.spec
+        if not self.window_kv:
+            return num_tokens * self.kv_bytes_per_token_per_gpu
         local = s.local_layers * self.kv_heads_per_gpu * s.head_dim * 2 * KV_BYTES[self.inp.kv_cache_dtype]
-        chunk = min(num_tokens, s.attention_chunk_size or 0)
-        return num_tokens * self.kv_bytes_per_token_per_gpu + chunk * local
+        return num_tokens * self.kv_bytes_per_token_per_gpu + min(num_tokens, s.local_span or 0) * local
 
 
-def make_plan(spec: ModelSpec, inp: PlanInput) -> Plan:
-    """Compute a `Plan` for `spec` deployed as `inp`."""
+def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool = ENGINE_FREES_WINDOW_PAGES) -> Plan:
+    """Compute a `Plan` for `spec` deployed as `inp`; with `window_kv`, local layers hold only their window or
+    chunk (module docstring)."""
     kvb = KV_BYTES[inp.kv_cache_dtype]
     # KV heads split across TP ranks; with more ranks than KV heads each rank keeps one (replicated).
     heads_per_gpu = max(spec.num_kv_heads // inp.tp_size, 1)
@@ -107,14 +121,15 @@ def make_plan(spec: ModelSpec, inp: PlanInput) -> Plan:
     if spec.is_mla:  # one latent per token per layer, the same on every TP rank (it cannot be split by heads)
         heads_per_gpu, kv_heads, per_layer_token = 1, 1, spec.mla_latent_dim * kvb
     kv_total = spec.num_layers * kv_heads * per_layer_token
-    kv_gpu = spec.global_layers * heads_per_gpu * per_layer_token
-    local_gpu = spec.local_layers * heads_per_gpu * per_layer_token * (spec.attention_chunk_size or 0)
+    window_kv = window_kv and spec.local_layers > 0
+    kv_gpu = (spec.global_layers if window_kv else spec.num_layers) * heads_per_gpu * per_layer_token
+    local_gpu = spec.local_layers * heads_per_gpu * per_layer_token * (spec.local_span or 0) if window_kv else 0
     weights = spec.num_params() * WEIGHT_BYTES[inp.weight_dtype] // inp.tp_size
     pool = int(inp.gpu_memory * inp.mem_fraction_static) - weights
     usable = max(pool - local_gpu, 0)
     tokens = usable // max(kv_gpu, 1) // inp.page_size * inp.page_size
     return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, local_gpu, weights, pool, int(tokens),
-                inp.gpus_per_node // inp.tp_size)
+                inp.gpus_per_node // inp.tp_size, window_kv)
 
 
 def suggestions(plan: Plan) -> list[str]:
@@ -124,11 +139,11 @@ def suggestions(plan: Plan) -> list[str]:
     s, inp = plan.spec, plan.inp
     out = []
     if inp.tp_size < inp.gpus_per_node:
-        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
+        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node), plan.window_kv)
         verdict = "fits" if full.fits else "still does not fit"
         out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
     if inp.kv_cache_dtype != "fp8_e4m3":
-        fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"))
+        fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"), plan.window_kv)
         verdict = "fits" if fp8.fits else "still does not fit"
         out.append(f"FP8 KV: --kv-cache-dtype fp8_e4m3 gives {fp8.tokens_per_instance:,} tokens ({verdict})")
     need = plan.kv_bytes_for(inp.context_length) * inp.tp_size

@@ -1,13 +1,16 @@
 """What the memory planner needs to know about a model, read from an HF ``config.json``.
 
 Torch-free. Handles dense Llama-family configs, the mixtures of experts the
-engine reads (Mixtral, Qwen3-MoE, DeepSeek's expert counts: `moe_config.moe_from_hf`)
-and Llama 4's, with chunked ("local") attention layers, whose KV never exceeds one
-chunk (``attention_chunk_size``); every ``no_rope_layer_interval``-th layer
-attends globally (Meta's iRoPE design). DeepSeek-V2/V3 (and Kimi K2): multi-head
-latent attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim``
-values per token per layer, and routed plus shared experts from
-``first_k_dense_replace`` on.
+engine reads (Mixtral, Qwen3-MoE, gpt-oss, Llama 4, DeepSeek's expert counts:
+`moe_config.moe_from_hf`), and local attention layers: sliding windows (Mistral,
+Qwen2's upper layers, Gemma 2/3, gpt-oss) and chunks (Llama 4, Meta's iRoPE design:
+every ``no_rope_layer_interval``-th layer attends globally), whose queries never see
+more than `ModelSpec.local_span` tokens. Where the engine's loader accepts a config,
+the layer counts come from its own per-layer description (`ArchConfig.layer_attention`)
+and the parameter counts from `ArchConfig.num_params` (every family's norms, biases,
+sinks and expert biases counted). DeepSeek-V2/V3 (and Kimi K2): multi-head latent
+attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per
+token per layer, and routed plus shared experts from ``first_k_dense_replace`` on.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ class ModelSpec:
     """Sizes that decide weights and KV bytes.
 
     Attributes:
-        global_layers: layers whose KV grows with the context.
-        local_layers: chunked-attention layers, KV capped at `attention_chunk_size` tokens.
+        global_layers: layers whose queries see the whole context.
+        local_layers: sliding-window or chunked layers, whose queries see at most `local_span` tokens.
+        local_span: the most tokens a local layer's query sees (the largest window or chunk), None without one.
+        local_kind: ``sliding`` or ``chunked`` (``""`` without local layers).
+        params_total, params_active: the engine's own parameter counts (`ArchConfig.num_params`,
+            `ArchConfig.num_active_params`), 0 when its loader refuses the config (then computed here).
         num_experts, expert_intermediate_size, shared_experts, moe_layers: MoE shape (0 when dense).
         experts_per_token: routed experts each token goes through (``num_experts_per_tok``; 0 when dense).
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
@@ -54,7 +61,10 @@ class ModelSpec:
     max_position_embeddings: int
     global_layers: int
     local_layers: int = 0
-    attention_chunk_size: int | None = None
+    local_span: int | None = None
+    local_kind: str = ""
+    params_total: int = 0
+    params_active: int = 0
     num_experts: int = 0
     expert_intermediate_size: int = 0
     shared_experts: int = 0
@@ -102,6 +112,8 @@ class ModelSpec:
 
     def num_params(self) -> int:
         """Parameters of the language model (embeddings, attention, MLP/experts, norms, head)."""
+        if self.params_total:
+            return self.params_total
         h = self.hidden_size
         attn = self._attention_params()
         dense_mlp = 3 * h * self.intermediate_size
@@ -115,6 +127,8 @@ class ModelSpec:
     def active_params(self) -> int:
         """`num_params` less the routed experts a token does not use (``experts - experts_per_token`` per MoE
         layer): the "active parameters" model cards quote (Mixtral-8x7B: 12.9B of 46.7B)."""
+        if self.params_active:
+            return self.params_active
         unused = max(self.num_experts - self.experts_per_token, 0) * 3 * self.hidden_size * self.expert_intermediate_size
         return self.num_params() - self.moe_layers * unused
 
@@ -146,10 +160,8 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     layers = int(cfg["num_hidden_layers"])
-    chunk = cfg.get("attention_chunk_size")
-    interval = cfg.get("no_rope_layer_interval")
-    global_layers = layers if not (chunk and interval) else layers // int(interval)
-    moe, refusal = _engine_view(cfg, architectures)
+    moe, refusal, arch = _engine_view(cfg, architectures)
+    local = _local_layers(cfg, layers, arch)
     if cfg.get("kv_lora_rank"):
         return _deepseek_spec(cfg, name, architectures, scaling, moe, refusal)
     experts = int(cfg.get("num_local_experts", 0) or 0)  # Llama 4 (the engine does not load it)
@@ -167,16 +179,32 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        global_layers=global_layers, local_layers=layers - global_layers,
-        attention_chunk_size=int(chunk) if chunk and interval else None, **moe_fields,
+        **local, **moe_fields,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, fp8_weight_block=_fp8_block(cfg))
+        refusal=refusal, fp8_weight_block=_fp8_block(cfg), params_total=arch.num_params() if arch else 0,
+        params_active=arch.num_active_params() if arch else 0)
 
 
 def _fp8_block(cfg: dict) -> tuple[int, int] | None:
     quant = cfg.get("quantization_config")
     block = quant.get("weight_block_size") if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
     return (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
+
+
+def _local_layers(cfg: dict, layers: int, arch: ArchConfig | None) -> dict[str, Any]:
+    """`ModelSpec`'s layer fields: from the engine's per-layer description when it reads the config, else from
+    Llama 4's chunk keys (``attention_chunk_size`` with ``no_rope_layer_interval``)."""
+    if arch is not None:
+        local = [a for a in arch.layer_attention if a.kind != "full"]
+        return dict(global_layers=layers - len(local), local_layers=len(local),
+                    local_span=max((a.max_visible for a in local), default=None),
+                    local_kind=local[0].kind if local else "")
+    chunk, interval = cfg.get("attention_chunk_size"), cfg.get("no_rope_layer_interval")
+    if not (chunk and interval):
+        return dict(global_layers=layers)
+    global_layers = layers // int(interval)
+    return dict(global_layers=global_layers, local_layers=layers - global_layers, local_span=int(chunk),
+                local_kind="chunked")
 
 
 def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
@@ -188,8 +216,10 @@ def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
                 moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
 
 
-def _engine_view(cfg: dict, architectures: tuple[str, ...]) -> tuple[MoEConfig | None, str | None]:
-    """The MoE part as the engine reads it, and the engine loader's refusal of the config (None: it loads)."""
+def _engine_view(cfg: dict, architectures: tuple[str, ...]
+                 ) -> tuple[MoEConfig | None, str | None, ArchConfig | None]:
+    """The MoE part as the engine reads it, the engine loader's refusal of the config (None: it loads), and the
+    loader's `ArchConfig` (when it loads, or when only the weights' quantisation is refused: `_shape_only`)."""
     moe = None
     for arch in architectures:
         try:
@@ -198,11 +228,23 @@ def _engine_view(cfg: dict, architectures: tuple[str, ...]) -> tuple[MoEConfig |
             moe = None
         if moe is not None:
             break
+    full = {**cfg, "architectures": list(architectures)}
     try:
-        ArchConfig.from_dict({**cfg, "architectures": list(architectures)})
+        arch = ArchConfig.from_dict(full)
     except (ValueError, KeyError) as e:
-        return moe, str(e)
-    return moe, None
+        return moe, str(e), _shape_only(full)
+    return moe, None, arch
+
+
+def _shape_only(cfg: dict) -> ArchConfig | None:
+    """The loader's `ArchConfig` of a config it refuses for its weights' quantisation alone (gpt-oss's released
+    MXFP4 experts): the layers and parameter counts do not depend on how the weights are stored. None otherwise."""
+    if "quantization_config" not in cfg:
+        return None
+    try:
+        return ArchConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+    except (ValueError, KeyError):
+        return None
 
 
 def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling: Any, moe: MoEConfig | None,

@@ -77,30 +77,32 @@ def test_phi3_refuses_rope_types_its_transformers_class_refuses():
         == "longrope"
 
 
+def _windows(cfg: dict) -> list[int | None]:
+    return [a.window for a in ArchConfig.from_dict(cfg).layer_attention]
+
+
 def test_sliding_windows_follow_each_familys_transformers_class():
     qwen_full = _config("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=3)
-    assert ArchConfig.from_dict({**qwen_full, "layer_types": None}).sliding_window is None  # windows from layer 3
-    with pytest.raises(ValueError, match="max_window_layers"):
-        ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 1})
-    assert ArchConfig.from_dict({**qwen_full, "layer_types": None, "max_window_layers": 0}).sliding_window == 32
-    assert ArchConfig.from_dict(_config("qwen3", use_sliding_window=False, sliding_window=32)).sliding_window is None
-    assert ArchConfig.from_dict(_config("mistral", sliding_window=32)).sliding_window == 32
-    assert ArchConfig.from_dict(_config("phi3", sliding_window=32)).sliding_window == 32
-    assert ArchConfig.from_dict(_config("llama", sliding_window=32)).sliding_window is None  # LlamaConfig has none
+    assert _windows({**qwen_full, "layer_types": None}) == [None] * 3  # windows from layer 3 on: none of 3 layers
+    assert _windows({**qwen_full, "layer_types": None, "max_window_layers": 1}) == [None, 32, 32]
+    assert _windows({**qwen_full, "layer_types": None, "max_window_layers": 0}) == [32] * 3
+    assert _windows(_config("qwen3", use_sliding_window=False, sliding_window=32)) == [None] * 3
+    assert _windows(_config("mistral", sliding_window=32)) == [32] * 3
+    assert _windows(_config("phi3", sliding_window=32)) == [32] * 3
+    assert _windows(_config("llama", sliding_window=32)) == [None] * 3  # LlamaConfig has none
 
 
-def test_per_layer_windows_are_refused_where_transformers_reads_them():
+def test_per_layer_windows_follow_layer_types_where_transformers_reads_them():
     mixed = ["full_attention", "sliding_attention", "full_attention"]
     for family in ("qwen2", "qwen3"):
         cfg = _config(family, use_sliding_window=True, sliding_window=32)
-        with pytest.raises(ValueError, match="layer_types"):
-            ArchConfig.from_dict({**cfg, "layer_types": mixed})
+        assert _windows({**cfg, "layer_types": mixed}) == [None, 32, None]
         with pytest.raises(ValueError, match="layer_types"):
             ArchConfig.from_dict({**cfg, "layer_types": ["chunked_attention"] * 3})
-        assert ArchConfig.from_dict({**cfg, "layer_types": ["sliding_attention"] * 3}).sliding_window == 32
-        assert ArchConfig.from_dict({**cfg, "use_sliding_window": False, "layer_types": mixed}).sliding_window is None
+        assert _windows({**cfg, "layer_types": ["sliding_attention"] * 3}) == [32] * 3
+        assert _windows({**cfg, "use_sliding_window": False, "layer_types": mixed}) == [None] * 3
     # Llama, Mistral, Mixtral, Qwen3-MoE and Phi-3 never read layer_types: neither does the engine
-    assert ArchConfig.from_dict(_config("mistral", sliding_window=32, layer_types=mixed)).sliding_window == 32
+    assert _windows(_config("mistral", sliding_window=32, layer_types=mixed)) == [32] * 3
 
 
 def test_kv_cache_scales_alone_load():
@@ -116,3 +118,65 @@ def test_a_refused_checkpoint_fails_to_load_with_the_key_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         LLM(str(tmp_path))
+
+
+# --- the hybrid-attention families ---------------------------------------------------------------------
+
+HYBRID_ARCH = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "gpt-oss": "GptOssForCausalLM",
+               "llama4": "Llama4ForCausalLM"}
+
+
+def _hybrid(family: str, **overrides) -> dict:
+    cfg = hf_config(family).to_dict()
+    return {**cfg, "architectures": [HYBRID_ARCH[family]], **overrides}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_ARCH))
+def test_hybrid_configs_load_and_foreign_keys_are_refused(family):
+    assert ArchConfig.from_dict(_hybrid(family)).architecture == HYBRID_ARCH[family]
+    with pytest.raises(ValueError, match="clip_qkv"):
+        ArchConfig.from_dict(_hybrid(family, clip_qkv=8.0))
+    with pytest.raises(ValueError, match="layer_types"):
+        ArchConfig.from_dict(_hybrid(family, layer_types=["mamba"] * 6))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        ArchConfig.from_dict(_hybrid(family, use_bidirectional_attention=True))
+
+
+@pytest.mark.parametrize("key, value, family", [
+    ("attn_logit_softcapping", 50.0, "gemma3"),  # transformers' Gemma3ForCausalLM does not apply it
+    ("hidden_activation", "gelu", "gemma2"),
+    ("hidden_activation", "silu", "gemma3"),
+    ("num_experts_per_tok", 2, "llama4"),        # Llama 4's experts scale their input: top-1 only
+    ("attn_logit_softcapping", 30.0, "llama4"),
+    ("query_pre_attn_scalar", 64, "gpt-oss"),
+    ("use_qk_norm", True, "gemma2"),
+    ("quantization_config", {"quant_method": "mxfp4"}, "gpt-oss"),  # gpt-oss's released weights
+])
+def test_hybrid_family_values_outside_the_build_are_refused_by_name(key, value, family):
+    with pytest.raises(ValueError, match=key if key != "quantization_config" else "quant_method"):
+        ArchConfig.from_dict(_hybrid(family, **{key: value}))
+
+
+def test_each_familys_keys_reach_the_layer_description():
+    g2 = ArchConfig.from_dict(_hybrid("gemma2", attn_logit_softcapping=25.0))
+    assert {a.logit_softcap for a in g2.layer_attention} == {25.0} and g2.final_logit_softcap == 30.0
+    assert g2.softmax_scale == 32 ** -0.5 and g2.embedding_scale == 8.0
+    g3 = ArchConfig.from_dict(_hybrid("gemma3"))
+    assert [(a.rope_theta, (a.rope_scaling or {}).get("factor")) for a in g3.layer_attention] == \
+        [(10000.0, None)] * 5 + [(1e6, 2.0)]
+    # a Hub-style Gemma 3 config (transformers 4): rope_theta, rope_local_base_freq, rope_scaling, a pattern
+    old = {k: v for k, v in _hybrid("gemma3").items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=5e5, rope_local_base_freq=2e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               sliding_window_pattern=3)
+    layers = ArchConfig.from_dict(old).layer_attention
+    assert [a.kind for a in layers] == ["sliding", "sliding", "full"] * 2
+    assert [a.rope_theta for a in layers[:3]] == [2e4, 2e4, 5e5] and layers[2].rope_scaling["factor"] == 8.0
+    oss = ArchConfig.from_dict(_hybrid("gpt-oss"))
+    assert all(a.sinks for a in oss.layer_attention) and oss.o_proj_bias and oss.moe.expert_bias
+    assert (oss.moe.swiglu_alpha, oss.moe.swiglu_limit) == (1.702, 1.5)
+    l4 = ArchConfig.from_dict(_hybrid("llama4", no_rope_layers=[1, 1, 1, 0], layer_types=None))
+    assert [(a.kind, a.rope) for a in l4.layer_attention] == [("chunked", True)] * 3 + [("full", False)]
+    assert l4.attn_temperature == (0.1, 8.0) and l4.qk_norm == "l2" and l4.intermediate_size == 128
+    assert ArchConfig.from_dict(_hybrid("llama4", attn_temperature_tuning=False)).attn_temperature is None
+    no_chunk = ArchConfig.from_dict(_hybrid("llama4", attention_chunk_size=None, layer_types=None))
+    assert {a.kind for a in no_chunk.layer_attention} == {"full"}

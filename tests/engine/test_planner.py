@@ -43,13 +43,21 @@ def test_tp_beyond_kv_heads_replicates():
 
 
 def test_llama_4_scout_10m_context_on_one_h200_node():
+    """Every layer keeps every page in the engine's pool (a chunk is a mask), so its KV per token counts all 48
+    layers and 10M tokens do not fit one TP-8 H200 instance; a pool whose chunked layers held only their chunk
+    (the window_kv design) would hold them."""
     spec = load_spec("llama-4-scout")
-    assert (spec.global_layers, spec.local_layers, spec.attention_chunk_size) == (12, 36, 8192)
+    assert (spec.global_layers, spec.local_layers, spec.local_span, spec.local_kind) == (12, 36, 8192, "chunked")
     assert abs(spec.num_params() - 108e9) < 2e9  # 109B total with the vision tower
-    plan = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, kv_cache_dtype="fp8_e4m3"))
+    inp = PlanInput(tp_size=8, context_length=10_000_000, kv_cache_dtype="fp8_e4m3")
+    plan = make_plan(spec, inp)
     assert plan.kv_bytes_per_token == 48 * 8 * 128 * 2 == 98_304
-    assert plan.kv_bytes_per_token_per_gpu == 12 * 1 * 128 * 2 == 3_072
-    assert plan.fits and plan.tokens_per_instance > 10_000_000
+    assert plan.kv_bytes_per_token_per_gpu == 48 * 1 * 128 * 2 == 12_288 and plan.local_kv_bytes_per_gpu == 0
+    assert not plan.fits and 8_000_000 < plan.tokens_per_instance < 10_000_000
+    design = make_plan(spec, inp, window_kv=True)
+    assert design.kv_bytes_per_token_per_gpu == 12 * 1 * 128 * 2 == 3_072
+    assert design.local_kv_bytes_per_gpu == 36 * 128 * 2 * 8192
+    assert design.fits and design.tokens_per_instance > 10_000_000
 
 
 @pytest.mark.parametrize("name", sorted(BUNDLED))
@@ -91,15 +99,46 @@ def _row(text: str, name: str) -> str:
     return next(line for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_llama_4_scout_is_marked_not_servable_naming_the_architecture(capsys):
+def test_llama_4_scout_is_servable_and_says_what_its_pool_holds(capsys):
     text = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000", capsys=capsys)
-    assert "NO: the engine cannot serve Llama4ForConditionalGeneration" in _row(text, "engine support")
-    assert _row(text, "asked context").endswith("fits one TP-8 instance; NOT SERVABLE by this engine")
-    assert unsupported_reason(load_spec("llama-4-scout")) is not None
+    assert _row(text, "engine support").split()[2:4] == ["yes", "(Llama4ForConditionalGeneration,"]
+    assert "all 48 layers: the engine keeps every token's KV in its 36 chunked layers too" in \
+        _row(text, "KV bytes/token (per GPU)")
+    assert _row(text, "asked context").endswith("does NOT fit one TP-8 instance")
+    design = _row(text, "if local layers kept only their window")
+    assert "3,072 B/token per GPU (12 global layers)" in design and "asked context fits (a design, not built" in design
+    assert unsupported_reason(load_spec("llama-4-scout")) is None
+
+
+@pytest.mark.parametrize("name, layers, total, active", [
+    ("gemma-2-9b", (21, 21, 4096, "sliding"), 9.2417e9, None),   # Google: 9.24B
+    ("gemma-3-1b", (4, 22, 512, "sliding"), 0.9999e9, None),     # Google: 1B (999.9M)
+    ("gpt-oss-120b", (18, 18, 128, "sliding"), 116.83e9, 5.13e9),  # OpenAI: 116.83B total, 5.13B active
+])
+def test_hybrid_families_layers_and_parameters(name, layers, total, active, capsys):
+    """The layer counts come from the loader's own per-layer description; the parameter counts from its
+    ArchConfig (Gemma's four norms and q/k norms, gpt-oss's biases, sinks and expert biases counted)."""
+    spec = load_spec(name)
+    assert (spec.global_layers, spec.local_layers, spec.local_span, spec.local_kind) == layers
+    assert abs(spec.num_params() - total) < 0.005e9, spec.num_params()
+    if active:  # OpenAI counts the unembedding, not the embedding table (a lookup)
+        assert abs(spec.active_params() - spec.vocab_size * spec.hidden_size - active) < 0.01e9
+    plan = make_plan(spec, PlanInput(tp_size=8))
+    assert plan.kv_bytes_per_token_per_gpu == spec.num_layers * max(spec.num_kv_heads // 8, 1) * spec.head_dim * 2
+    text = _render("--model", name, "--tp-size", "8", capsys=capsys)
+    assert f"{layers[1]} sliding" in _row(text, "model")
+
+
+def test_gpt_oss_released_weights_are_refused_by_name(capsys):
+    text = _render("--model", "gpt-oss-120b", "--tp-size", "8", capsys=capsys)
+    assert "quant_method='mxfp4' is not implemented" in _row(text, "engine support")
+    cfg = json.loads(BUNDLED["gpt-oss-120b"].read_text())
+    del cfg["quantization_config"]  # the same model with unquantised (e.g. bf16) weights loads
+    assert unsupported_reason(spec_from_config(cfg, "gpt-oss-120b-bf16")) is None
 
 
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-72b", "mixtral-8x7b", "qwen3-30b-a3b",
-                                  "phi-3-mini-4k", "deepseek-v3"])
+                                  "phi-3-mini-4k", "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "llama-4-scout"])
 def test_supported_models_say_so(name, capsys):
     assert unsupported_reason(load_spec(name)) is None
     assert _row(_render("--model", name, capsys=capsys), "engine support").split()[2] == "yes"

@@ -108,8 +108,12 @@ def make_batch(specs: list[tuple[int, int]], num_decodes: int, page_size: int, n
 
 def reference_attention(pool: KVPool, layer: int, q: torch.Tensor, batch: ForwardBatch, num_heads: int,
                         num_kv_heads: int, head_dim: int, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, spec=None, sinks: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """The torch reference backend's attention over `pool`'s current bytes, in float64.
+
+    `spec` (a `LayerAttention`: window or chunk, sinks, softcapping) replaces `sliding_window` for every layer;
+    `sinks` [num_heads] are the sink logits when the spec has sinks.
 
     The pool bytes are copied into a float64-compute pool; the reference's own
     store is pointed at the null page (slots -1), which no request attends to.
@@ -119,11 +123,13 @@ def reference_attention(pool: KVPool, layer: int, q: torch.Tensor, batch: Forwar
     """
     ref_pool = KVPool(pool.layout, pool.num_pages, pool.device, torch.float64)
     ref_pool.kv.copy_(pool.kv)
-    ref = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+    layers = None if spec is None else (spec,) * pool.layout.num_layers
+    ref = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, scale, sliding_window, layers=layers)
     t = q.shape[0]
     dummy = torch.zeros(t, num_kv_heads, head_dim, dtype=torch.float64, device=q.device)
     no_store = dataclasses.replace(batch, slot_mapping=torch.full_like(batch.slot_mapping, -1))
-    return ref.forward(layer, q.double(), dummy, dummy, ref_pool, no_store)
+    return ref.forward(layer, q.double(), dummy, dummy, ref_pool, no_store,
+                       sinks=None if sinks is None else sinks.double())
 
 
 def random_q(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -102,3 +102,22 @@ def test_warm_up_runs_the_large_batch_tiles(monkeypatch):
     _, w13, w2, _, _ = _case(1, 4, 2, 64, 32, torch.float32, seed=0)
     fused_moe.warm_up(w13, w2, 2, torch.float32)
     assert seen and all(cfg == fused_moe.default_config(fused_moe.LARGE_BATCH_PAIRS + 1) for cfg in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpt_oss_biases_and_clamped_swiglu(dtype):
+    """gpt-oss's experts: a bias after each product and the clamped SwiGLU (limit 1.5, inside the gate/up range
+    here, so the clamps act); choices of other ranks (-1) still contribute nothing, bias included."""
+    x, w13, w2, weights, ids = _case(37, 4, 2, 64, 32, dtype, seed=5, drop=0.3)
+    ids[0] = -1
+    gen = torch.Generator().manual_seed(9)
+    b13 = torch.randn(4, 64, generator=gen).to(DEVICE, dtype)
+    b2 = torch.randn(4, 64, generator=gen).to(DEVICE, dtype)
+    act = ("swiglu_clamped", 1.702, 1.5)
+    ref = torch_fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids, b13=b13.double(),
+                              b2=b2.double(), activation=act)
+    out = fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2, activation=act)
+    assert (out[0] == 0).all()
+    plain = torch_fused_experts(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    assert (plain - ref).norm() > 0.1 * ref.norm()  # the biases and the activation matter here
+    _check(out, ref, dtype)

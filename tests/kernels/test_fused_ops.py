@@ -137,3 +137,43 @@ def test_strided_inputs_are_handled():
     assert rel_err(out, REF.rms_norm(x.double(), w.double(), 1e-5)[0]) <= REL_ERR_BOUND[torch.float32]
     g = _randn(128, 3, dtype=torch.float32, gen=gen).t()
     assert rel_err(fused.silu_and_mul(g), REF.silu_and_mul(g.double())) <= REL_ERR_BOUND[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("style", ["gemma", "float"])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_styles(dtype, style, with_residual):
+    """Gemma's ``(1 + w)`` norm and gpt-oss's float32 product (Llama 4's L2 norm is the latter with ones)."""
+    gen = torch.Generator().manual_seed(len(style))
+    x = _randn(5, 200, dtype=dtype, gen=gen, scale=3.0)
+    res = _randn(5, 200, dtype=dtype, gen=gen) if with_residual else None
+    w = _randn(200, dtype=dtype, gen=gen, scale=0.3)
+    out, new_res = fused.rms_norm(x, w, 1e-6, res, style)
+    want, _ = REF.rms_norm(x.double(), w.double(), 1e-6, None if res is None else res.double(), style)
+    assert rel_err(out, want) <= REL_ERR_BOUND[dtype]
+    if style == "gemma":  # the offset matters (the float style differs from Llama's by a rounding only)
+        llama, _ = REF.rms_norm(x.double(), w.double(), 1e-6, None if res is None else res.double())
+        assert rel_err(llama, want) > 0.1
+    if with_residual:
+        assert torch.equal(new_res, x + res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (7, 172), (4, 1500)])
+def test_gelu_tanh_and_mul(dtype, tokens, inter):
+    gen = torch.Generator().manual_seed(tokens * inter + 1)
+    x = _randn(tokens, 2 * inter, dtype=dtype, gen=gen, scale=4.0)
+    out = fused.gelu_tanh_and_mul(x)
+    assert out.shape == (tokens, inter) and out.dtype == dtype
+    assert rel_err(out, REF.gelu_tanh_and_mul(x.double())) <= REL_ERR_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_clamped(dtype):
+    """gpt-oss's activation, with values on both sides of the clamp (limit 7, inputs up to ~12)."""
+    gen = torch.Generator().manual_seed(2)
+    x = _randn(9, 2 * 300, dtype=dtype, gen=gen, scale=4.0)
+    out = fused.swiglu_clamped(x, 1.702, 7.0)
+    want = REF.swiglu_clamped(x.double(), 1.702, 7.0)
+    assert rel_err(out, want) <= REL_ERR_BOUND[dtype]
+    assert rel_err(REF.swiglu_clamped(x.double(), 1.702, 1e9), want) > 0.01  # the clamp acts on these inputs

@@ -40,7 +40,7 @@ NUM_PAGES = 64
 # The variants a stories260K worker (fp16 activations, FP8 pool whose layer 0 has scale 1.0) compiles:
 # one per kernel, except the KV store (scaled and unscaled layers) and RMSNorm (with and without the residual).
 WARM_VARIANTS = {"_store_kv_kernel": 2, "_decode_stage1_kernel": 1, "_decode_stage2_kernel": 1, "_extend_kernel": 1,
-                 "_rms_norm_kernel": 2, "_rope_qk_kernel": 1, "_silu_and_mul_kernel": 1}
+                 "_rms_norm_kernel": 2, "_rope_qk_kernel": 1, "_act_and_mul_kernel": 1}
 
 
 @pytest.fixture(scope="module")

@@ -136,7 +136,7 @@ def test_fused_decode_step_launches_at_most_12_kernels_per_layer(llama_8b_two_la
     detail = {i: dict(sorted(c.items())) for i, c in per_layer.items()}
     assert max(counts.values()) <= MAX_LAUNCHES_PER_LAYER, detail
     assert second["triton._rms_norm_kernel"] == 2 and second["triton._rope_qk_kernel"] == 1, detail
-    assert second["triton._silu_and_mul_kernel"] == 1 and second["triton._store_kv_kernel"] == 1, detail
+    assert second["triton._act_and_mul_kernel"] == 1 and second["triton._store_kv_kernel"] == 1, detail
     assert sum(n for k, n in second.items() if k.startswith("triton._decode")) == 2, detail  # split + merge
     matmuls = sum(second[f"aten.{op}"] for op in ("linear", "mm", "addmm"))
     assert matmuls == 4, detail  # qkv, o, gate_up, down

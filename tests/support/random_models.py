@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (AutoTokenizer, DynamicCache, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, Llama4Config, Llama4ForCausalLM,
+                          Llama4ForConditionalGeneration, Llama4TextConfig, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
@@ -55,9 +58,53 @@ FAMILIES = {
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen3-moe-sparse-step")
 
 
+def _llama4_text(**kw) -> dict:
+    """A tiny Llama 4 text config: chunked RoPE layers (chunk 16) and NoPE global ones (every 2nd), MoE on every
+    2nd layer (4 experts of width 32, a shared expert, top-1), dense MLPs 128 wide; floor_scale 8 so that the
+    NoPE layers' temperature tuning changes the queries within a short prompt."""
+    return dict(num_key_value_heads=2, head_dim=16, intermediate_size=32, intermediate_size_mlp=128,
+                num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=16,
+                no_rope_layer_interval=2, floor_scale=8, attn_scale=0.1, **kw)
+
+
+def _llama4_multimodal(**kw) -> Llama4Config:
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+                  patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64)
+    return Llama4Config(text_config={**COMMON, "num_hidden_layers": 4, **_llama4_text(), **kw}, vision_config=vision)
+
+
+# Hybrid attention: every layer type appears; windows and chunks of 16 tokens, prompts of 40 to 80 (`long_prompt_ids`)
+HYBRID_FAMILIES = {
+    # Gemma 2: sliding / full alternating, softcapping (attention 50, final 30), GeGLU, (1 + w) norms
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config, dict(num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                                     query_pre_attn_scalar=32, num_hidden_layers=4)),
+    # Gemma 3: 5 local (base 10,000) to 1 global (base 1e6, linear RoPE scaling x2), q/k norms
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig, dict(num_key_value_heads=2, head_dim=16, sliding_window=16,
+                                                         query_pre_attn_scalar=32, num_hidden_layers=6,
+                                                         final_logit_softcapping=20.0,
+                                                         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # gpt-oss: sliding / full alternating, sinks, biases, 4 experts (2 per token) with the clamped SwiGLU, YaRN
+    "gpt-oss": (GptOssForCausalLM, GptOssConfig, dict(
+        num_key_value_heads=2, head_dim=16, sliding_window=16, num_hidden_layers=4, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 256, "rope_theta": 150000.0})),
+    "llama4": (Llama4ForCausalLM, Llama4TextConfig, dict(num_hidden_layers=4, **_llama4_text())),
+    "llama4-multimodal": (Llama4ForConditionalGeneration, _llama4_multimodal, {}),
+    # Qwen2 with windows from layer max_window_layers on (layer_types dropped from config.json, as on the Hub)
+    "qwen2-window-layers": (Qwen2ForCausalLM, Qwen2Config, dict(num_key_value_heads=2, use_sliding_window=True,
+                                                                 sliding_window=16, max_window_layers=1)),
+    "mistral-window16": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
+}
+FAMILIES.update(HYBRID_FAMILIES)
+DROP_KEYS = {"qwen2-window-layers": ("layer_types",)}  # config.json keys removed after save_pretrained
+
+
 def hf_config(family: str, **overrides):
     """The transformers config of `family` (`overrides` replace its keys)."""
     _, cfg_cls, extra = FAMILIES[family]
+    if family == "llama4-multimodal":
+        return cfg_cls(**overrides)
     return cfg_cls(**{**COMMON, **extra, **overrides})
 
 
@@ -74,10 +121,16 @@ def build(family: str, out_dir: Path, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # gpt-oss: sink logits of the scores' size, so that they matter
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
     model.save_pretrained(out_dir, max_shard_size="200KB")  # several shards + model.safetensors.index.json
     AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(out_dir)
+    if family in DROP_KEYS:
+        path = Path(out_dir) / "config.json"
+        cfg = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in cfg.items() if k not in DROP_KEYS[family]}))
     return model
 
 
@@ -89,15 +142,36 @@ def prompt_ids(n: int = 5) -> list[list[int]]:
     return [tok(p).input_ids for p in PROMPTS[:n]]
 
 
+def long_prompt_ids(n: int = 5, lengths: tuple[int, ...] = (40, 53, 64, 71, 80)) -> list[list[int]]:
+    """`n` prompts of the given lengths (tokens; longer than 16-token windows and chunks), each its
+    TinyStories prompt repeated: `prompt_ids` cycled to length."""
+    out = []
+    for i, ids in enumerate(prompt_ids(n)):
+        want = lengths[i % len(lengths)]
+        out.append((ids * (want // len(ids) + 1))[:want])
+    return out
+
+
 def hf_greedy_full(model, ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy continuation by full recompute: every token is the argmax of the last position of a
     fresh forward pass over the whole sequence (no KV cache)."""
     seq = list(ids)
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+            logits = hf_logits(model, seq)[-1]
             seq.append(int(logits.argmax()))
     return seq[len(ids):]
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), vocab] of one forward pass without a cache. For text input
+    Llama4ForConditionalGeneration's forward is its ``language_model`` over its own embeddings; that is called
+    directly, since the outer forward's output reads a field the text-only path lacks (``image_outputs``,
+    transformers 5.24)."""
+    x = torch.tensor([ids])
+    if isinstance(model, Llama4ForConditionalGeneration):
+        model = model.language_model
+    return model(x, use_cache=False).logits[0]
 
 
 def engine_logits(path: Path, ids: list[int], kv_cache_dtype: str = "fp32", page_size: int = 16) -> torch.Tensor:
@@ -107,8 +181,8 @@ def engine_logits(path: Path, ids: list[int], kv_cache_dtype: str = "fp32", page
     layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, page_size, kv_cache_dtype,
                       tuple(lm.k_scales), tuple(lm.v_scales))
     pool = KVPool(layout, 64, "cpu", torch.float32)
-    backend = TorchAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.head_dim ** -0.5,
-                                    sliding_window=a.sliding_window)
+    backend = TorchAttentionBackend(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.softmax_scale,
+                                    layers=a.layer_attention)
     pages = list(range(1, -(-len(ids) // page_size) + 1))
     batch = build_forward_batch([np.array(ids)], [0], [pages], [np.arange(len(ids))], 0, page_size,
                                 torch.device("cpu"))

@@ -12,6 +12,11 @@
  * (request, KV head) pairs are spread over `num_threads` threads (the engine's --cpu-threads). With AVX2 and FMA
  * (head_dim a multiple of 8), scores take 8 rows at a time through an 8x8 register transpose, and the weighted
  * sum of V keeps its accumulators in registers; other machines and shapes take the portable loops.
+ *
+ * Per layer attention types (engine/model/layer_attention.py): `starts` (may be NULL) gives each row's first
+ * visible key position (a sliding window or a chunk); pages wholly before it are not read, and its scores are
+ * left out of the softmax. `softcap` > 0 soft-caps the scores, cap * tanh(s / cap), before the softmax (Gemma 2).
+ * `sinks` (may be NULL) holds one logit per query head that joins each softmax denominator (gpt-oss).
  */
 #include <math.h>
 #include <stdint.h>
@@ -124,13 +129,15 @@ static inline void pv(const float* v, int64_t rows, int64_t hd, const float* p, 
   }
 }
 #endif
-/* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [B, max_pages] int32; seq_lens [B] int32.
+/* q [B, Hq, D] float32; out [B, Hq, D] float32; block_tables [R, max_pages] int32, row b's table is
+ * owners[b] (owners may be NULL: row b); seq_lens [B] int32.
  * scratch: num_threads * pd_scratch_floats(...) floats. Returns 0, or -1 on a bad argument. */
 int64_t pd_scratch_floats(int64_t group, int64_t max_pages, int64_t page_size, int64_t head_dim) {
   return group * max_pages * page_size + page_size * head_dim + group * head_dim;
 }
 
-int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* seq_lens,
+int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* block_tables, const int32_t* owners,
+                    const int32_t* seq_lens, const int32_t* starts, const float* sinks, float softcap,
                     float* out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                     int64_t page_size, int64_t num_layers, int64_t layer, int64_t max_pages, float scale,
                     float k_scale, float v_scale, float* scratch, int num_threads) {
@@ -142,7 +149,8 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
   const int64_t cap = max_pages * page_size;
   const float qk_scale = scale * k_scale;
   for (int64_t b = 0; b < batch; b++)
-    if (seq_lens[b] <= 0 || (seq_lens[b] + page_size - 1) / page_size > max_pages) return -1;
+    if (seq_lens[b] <= 0 || (seq_lens[b] + page_size - 1) / page_size > max_pages ||
+        (starts && (starts[b] < 0 || starts[b] >= seq_lens[b]))) return -1;
   const int64_t per_thread = pd_scratch_floats(group, max_pages, page_size, head_dim);
 #pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
   for (int64_t bh = 0; bh < batch * num_kv_heads; bh++) {
@@ -154,10 +162,12 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
       float *scores = scratch + tid * per_thread, *buf = scores + group * cap, *acc = buf + tile_n;
       const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
       const int64_t len = seq_lens[b], n_pages = (len + page_size - 1) / page_size;
+      const int64_t first = starts ? starts[b] : 0, p0 = first / page_size;
+      const int32_t* table = block_tables + (owners ? owners[b] : b) * max_pages;
       const float* qb = q + (b * num_heads + h * group) * head_dim;
       const int64_t base = layer * layer_stride + h * head_stride;
-      for (int64_t p = 0; p < n_pages; p++) { /* scores = q . k for every cached token */
-        const float* k = tile(kv, block_tables[b * max_pages + p] * page_stride + base, dtype, tile_n, buf);
+      for (int64_t p = p0; p < n_pages; p++) { /* scores = q . k for every visible page's tokens */
+        const float* k = tile(kv, table[p] * page_stride + base, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
         int64_t r0 = 0;
 #ifdef PD_AVX2
@@ -175,16 +185,23 @@ int pd_paged_decode(const float* q, const void* kv, int dtype, const int32_t* bl
           }
         }
       }
-      for (int64_t g = 0; g < group; g++) { /* softmax over the len scores, in place */
-        float* s = scores + g * cap, mx = s[0], sum = 0.0f;
-        for (int64_t t = 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
-        for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+      for (int64_t g = 0; g < group; g++) { /* softmax over the visible scores, in place; the rest get 0 */
+        float* s = scores + g * cap;
+        for (int64_t t = p0 * page_size; t < first; t++) s[t] = 0.0f;
+        if (softcap > 0.0f)
+          for (int64_t t = first; t < len; t++) s[t] = softcap * tanhf(s[t] / softcap);
+        float mx = s[first], sum = 0.0f;
+        for (int64_t t = first + 1; t < len; t++) mx = s[t] > mx ? s[t] : mx;
+        const float sink = sinks ? sinks[h * group + g] : 0.0f;
+        if (sinks && sink > mx) mx = sink;
+        for (int64_t t = first; t < len; t++) { s[t] = expf(s[t] - mx); sum += s[t]; }
+        if (sinks) sum += expf(sink - mx);
         const float inv = v_scale / sum;
-        for (int64_t t = 0; t < len; t++) s[t] *= inv;
+        for (int64_t t = first; t < len; t++) s[t] *= inv;
       }
       memset(acc, 0, (size_t)(group * head_dim) * sizeof(float));
-      for (int64_t p = 0; p < n_pages; p++) { /* out = sum_t p_t v_t */
-        const float* v = tile(kv, block_tables[b * max_pages + p] * page_stride + base + kv_stride, dtype, tile_n, buf);
+      for (int64_t p = p0; p < n_pages; p++) { /* out = sum_t p_t v_t */
+        const float* v = tile(kv, table[p] * page_stride + base + kv_stride, dtype, tile_n, buf);
         const int64_t rows = (p == n_pages - 1) ? len - p * page_size : page_size;
 #ifdef PD_AVX2
         if (head_dim % 8 == 0) {

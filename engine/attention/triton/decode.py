@@ -20,6 +20,12 @@ launches are graph-safe: the grid's third axis is a host constant that
 depends only on the batch size, and programs past a request's split count
 exit at once. The per-tensor FP8 scales are folded into the softmax scale (K)
 and the final output (V). A request with ``seq_len == 0`` gets a zero output.
+
+Per-layer attention types (`pd_cluster.engine.layer_attention`): a
+sliding window or a chunk (Llama 4's chunked local attention: the query sees
+only its own chunk of ``chunk_size`` tokens) moves the first key read; soft-capped
+logits (Gemma 2) pass through ``cap * tanh(s / cap)`` in stage 1; attention sinks
+(gpt-oss) join the denominator in stage 2, where the splits merge.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ def _decode_stage1_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
+    CHUNK: tl.constexpr = 0, SOFTCAP: tl.constexpr = False, softcap_l2=0.0,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -132,6 +139,8 @@ def _decode_stage1_kernel(
         lo = 0
         if SLIDING_WINDOW > 0:
             lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        if CHUNK > 0:  # the query (at seq_len - 1) sees its own chunk only
+            lo = tl.maximum(seq_len - 1, 0) // CHUNK * CHUNK
         num_blocks = (seq_len - lo + BLOCK_N - 1) // BLOCK_N
         blocks_per_split = (num_blocks + n_splits - 1) // n_splits
         start = lo + split * blocks_per_split * BLOCK_N
@@ -156,6 +165,8 @@ def _decode_stage1_kernel(
             k = load_kv_tile(K_cache, bt_row, start_n, end, kv_head, stride_k_p, stride_k_h, stride_k_t,
                              d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFTCAP:
+                s = softcap_log2(s, softcap_l2)
             valid = (start_n + tl.arange(0, BLOCK_N)) < end
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, row_max(s))
@@ -175,13 +186,30 @@ def _decode_stage1_kernel(
         tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
 
 
+@triton.jit
+def softcap_log2(s, softcap_l2):
+    """Soft-capped scores in log2 units: ``s`` is ``logit * log2(e)``, `softcap_l2` is ``cap * log2(e)``;
+    returns ``cap * tanh(logit / cap) * log2(e)``, with ``tanh(x) = 1 - 2 / (exp(2x) + 1)``."""
+    x = tl.minimum(s / softcap_l2, 20.0)  # tanh(20) is 1 in fp32; exp stays finite
+    return softcap_l2 * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
+
+
+@triton.jit
+def add_sink(acc, m, total, sink_l2):
+    """Fold a sink logit (log2 units) into a softmax's running (acc, max, sum): (acc, sum) rescaled to the new
+    max, the sum gaining ``2 ** (sink - max)``."""
+    m_new = tl.maximum(m, sink_l2)
+    alpha = tl.math.exp2(m - m_new)
+    return acc * alpha, m_new, total * alpha + tl.math.exp2(sink_l2 - m_new)
+
+
 @triton.jit(do_not_specialize=MID_STRIDES)
 def _decode_stage2_kernel(
     Mid_O, Mid_LSE, num_splits, O, v_scale,
     stride_mo_b, stride_mo_h, stride_mo_s,
     stride_ml_b, stride_ml_h,
     stride_o_t, stride_o_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -200,6 +228,8 @@ def _decode_stage2_kernel(
         acc = acc * alpha + w * o
         total = total * alpha + w
         m = m_new
+    if HAS_SINKS:
+        acc, m, total = add_sink(acc, m, total, tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634)
     out = acc / tl.where(total > 0, total, 1.0) * v_scale
     tl.store(O + b * stride_o_t + h * stride_o_h + d, out.to(O.dtype.element_ty), mask=d_mask)
 
@@ -224,7 +254,8 @@ class DecodeWorkspace:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, out: torch.Tensor, ws: DecodeWorkspace, sm_scale: float,
                      k_scale: float, v_scale: float, cfg: DecodeKernelConfig,
-                     sliding_window: int | None = None) -> None:
+                     sliding_window: int | None = None, chunk_size: int | None = None,
+                     sinks: torch.Tensor | None = None, softcap: float | None = None) -> None:
     """Attention of one new token per request over its paged context; no host sync.
 
     Args:
@@ -237,6 +268,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ws: split counts and partial buffers (`num_kv_splits` already filled).
         sm_scale: softmax scale; k_scale, v_scale: per-tensor FP8 scales (1.0 otherwise).
         sliding_window: attend to the last `sliding_window` tokens only, or None.
+        chunk_size: attend only within the query's own chunk of `chunk_size` tokens, or None.
+        sinks: [num_heads] sink logits joining each softmax denominator (gpt-oss), or None.
+        softcap: scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2), or None.
     """
     bsz, num_heads, head_dim = q.shape
     if bsz == 0:
@@ -244,7 +278,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_d = head_block(head_dim)
-    aligned = page_size % cfg.block_n == 0 and sliding_window is None
+    aligned = page_size % cfg.block_n == 0 and sliding_window is None and chunk_size is None
     _decode_stage1_kernel[(bsz, num_kv_heads, ws.max_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, ws.num_splits, ws.mid_o, ws.mid_lse,
         sm_scale * k_scale * LOG2E,
@@ -258,6 +292,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, PAGE_ALIGNED=aligned,
         SLIDING_WINDOW=sliding_window or 0, COMPUTE=dot_dtype(q.dtype, k_cache.dtype), DOT_PRECISION=dot_precision(q.dtype),
         CLAMP_Q=q.dtype == torch.bfloat16 and dot_dtype(q.dtype, k_cache.dtype) == tl.float16,
+        CHUNK=chunk_size or 0, SOFTCAP=softcap is not None, softcap_l2=float(softcap or 1.0) * LOG2E,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _decode_stage2_kernel[(bsz, num_heads)](
@@ -265,7 +300,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ws.mid_o.stride(0), ws.mid_o.stride(1), ws.mid_o.stride(2),
         ws.mid_lse.stride(0), ws.mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SINKS=sinks, HAS_SINKS=sinks is not None,
         num_warps=1 if block_d <= 64 else 2,
     )
 

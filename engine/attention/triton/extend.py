@@ -11,8 +11,11 @@ Grid ``(ceil(max_q_len / BLOCK_M), num_heads, num_prefill_reqs)``: one program
 per block of ``BLOCK_M`` queries of one head of one request. Its keys come in
 two loops: tiles wholly before the block's first query position need no mask;
 the rest (the diagonal) are masked causally and at ``seq_len``. A sliding
-window adds a lower bound and its own mask. Per-tensor FP8 scales are folded
-into the softmax scale (K) and the output (V).
+window or a chunk (Llama 4's chunked local attention: a query sees only its
+own chunk of ``chunk_size`` tokens) adds a lower bound and its own mask.
+Soft-capped logits (Gemma 2) pass through ``cap * tanh(s / cap)``; attention
+sinks (gpt-oss) join each row's denominator at the end. Per-tensor FP8 scales
+are folded into the softmax scale (K) and the output (V).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
-from pd_cluster.engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT
+from pd_cluster.engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT, softcap_log2
 from pd_cluster.engine.attention.triton.paging import load_kv_tile
 from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 
@@ -60,18 +63,25 @@ def _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv
                  qk_scale, stride_k_p, stride_k_h, stride_k_t, stride_v_p, stride_v_h, stride_v_t,
                  d, d_mask, MASKED: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
-                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAD_D: tl.constexpr):
+                 COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, PAD_D: tl.constexpr,
+                 CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, softcap_l2):
     k = load_kv_tile(K_cache, bt_row, start_n, kv_end, kv_head, stride_k_p, stride_k_h, stride_k_t,
                      d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, PAD_D).to(COMPUTE)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = softcap_log2(s, softcap_l2)
     k_pos = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < kv_end)
         if SLIDING_WINDOW > 0:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        if CHUNK > 0:
+            ok = ok & (k_pos[None, :] >= q_pos[:, None] // CHUNK * CHUNK)
         s = tl.where(ok, s, float("-inf"))
     elif SLIDING_WINDOW > 0:
         s = tl.where(k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW, s, float("-inf"))
+    elif CHUNK > 0:
+        s = tl.where(k_pos[None, :] >= q_pos[:, None] // CHUNK * CHUNK, s, float("-inf"))
     m_new = tl.maximum(m_i, row_max(s))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
@@ -93,6 +103,8 @@ def _extend_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
+    CHUNK: tl.constexpr = 0, SOFTCAP: tl.constexpr = False, softcap_l2=0.0, SINKS=None,
+    HAS_SINKS: tl.constexpr = False,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -121,6 +133,8 @@ def _extend_kernel(
         kv_lo = 0
         if SLIDING_WINDOW > 0:
             kv_lo = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        if CHUNK > 0:
+            kv_lo = first_pos // CHUNK * CHUNK // BLOCK_N * BLOCK_N
         full_end = tl.maximum(first_pos // BLOCK_N * BLOCK_N, kv_lo)
 
         m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
@@ -131,14 +145,20 @@ def _extend_kernel(
                                          q_pos, qk_scale, stride_k_p, stride_k_h, stride_k_t,
                                          stride_v_p, stride_v_h, stride_v_t, d, d_mask, False, SLIDING_WINDOW,
                                          PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION,
-                                         BLOCK_D != HEAD_DIM)
+                                         BLOCK_D != HEAD_DIM, CHUNK, SOFTCAP, softcap_l2)
         for start_n in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, K_cache, V_cache, bt_row, start_n, kv_end, kv_head,
                                          q_pos, qk_scale, stride_k_p, stride_k_h, stride_k_t,
                                          stride_v_p, stride_v_h, stride_v_t, d, d_mask, True, SLIDING_WINDOW,
                                          PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, COMPUTE, DOT_PRECISION,
-                                         BLOCK_D != HEAD_DIM)
+                                         BLOCK_D != HEAD_DIM, CHUNK, SOFTCAP, softcap_l2)
 
+        if HAS_SINKS:  # the head's sink logit joins every row's denominator
+            sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.math.exp2(sink - m_new)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
         o_ptrs = O + q_rows[:, None] * stride_o_t + head * stride_o_h + d[None, :]
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -147,7 +167,9 @@ def _extend_kernel(
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
                      first_req: int, num_reqs: int, max_q_len: int, sm_scale: float, k_scale: float,
-                     v_scale: float, cfg: ExtendKernelConfig, sliding_window: int | None = None) -> None:
+                     v_scale: float, cfg: ExtendKernelConfig, sliding_window: int | None = None,
+                     chunk_size: int | None = None, sinks: torch.Tensor | None = None,
+                     softcap: float | None = None) -> None:
     """Causal attention of requests ``[first_req, first_req + num_reqs)`` over their pages.
 
     Args:
@@ -161,6 +183,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_q_len: the longest chunk among them (host value; sizes the grid).
         sm_scale: softmax scale; k_scale, v_scale: per-tensor FP8 scales (1.0 otherwise).
         sliding_window: attend to the last `sliding_window` positions only, or None.
+        chunk_size: attend only within each query's own chunk of `chunk_size` positions, or None.
+        sinks: [num_heads] sink logits joining each softmax denominator (gpt-oss), or None.
+        softcap: scores become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2), or None.
     """
     if num_reqs == 0 or max_q_len == 0:
         return
@@ -179,5 +204,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PAGE_ALIGNED=page_size % cfg.block_n == 0,
         SLIDING_WINDOW=sliding_window or 0, COMPUTE=dot_dtype(q.dtype, k_cache.dtype), DOT_PRECISION=dot_precision(q.dtype),
         CLAMP_Q=q.dtype == torch.bfloat16 and dot_dtype(q.dtype, k_cache.dtype) == tl.float16,
+        CHUNK=chunk_size or 0, SOFTCAP=softcap is not None, softcap_l2=float(softcap or 1.0) * LOG2E,
+        SINKS=sinks, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,4 +1,5 @@
-"""Fused element-wise kernels of the decoder layer: RMSNorm with the residual add, RoPE on q and k, SiLU-and-mul.
+"""Fused element-wise kernels of the decoder layer: RMSNorm with the residual add, RoPE on q and k, the gated
+activations (SiLU-and-mul, Gemma's GeLU(tanh)-and-mul, gpt-oss's clamped SwiGLU).
 
 Unfused, these are ~30 small torch ops per layer (casts, pow, mean, rsqrt,
 slices, cat), each a kernel launch and a round trip through memory. Each
@@ -26,9 +27,12 @@ from pd_cluster.engine.attention.triton.primitives import row_sum
 SILU_BLOCK = 1024  # columns of the SiLU-and-mul output per program
 
 
+NORM_STYLES = {"llama": 0, "gemma": 1, "float": 2}
+
+
 @triton.jit
 def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, stride_ro, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STYLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)[None, :]
     mask = cols < N
@@ -40,13 +44,19 @@ def _rms_norm_kernel(X, R, W, Y, R_out, stride_x, stride_r, stride_y, stride_ro,
         tl.store(R_out + row * stride_ro + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_sq = row_sum(xf * xf) / N
-    normed = (xf * (1.0 / tl.sqrt(mean_sq + eps))[:, None]).to(Y.dtype.element_ty)
+    normed = xf * (1.0 / tl.sqrt(mean_sq + eps))[:, None]
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (w * normed.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+    if STYLE == 1:  # Gemma: (1 + w) in float32, one rounding
+        y = normed * (1.0 + w)
+    elif STYLE == 2:  # gpt-oss: w in float32, one rounding
+        y = w * normed
+    else:  # Llama: round the normalised row first
+        y = w * normed.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             style: str = "llama") -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm (Zhang & Sennrich 2019) of ``x + residual``, in one launch.
 
     Args:
@@ -54,6 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         weight: [N], the norm's weight (cast to float32 inside).
         eps: the variance epsilon.
         residual: [T, N] like `x`, or None.
+        style: how the weight applies, as `TorchLayerOps.rms_norm` (``llama``, ``gemma``, ``float``).
 
     Returns:
         (``weight * normalize(x + residual)`` [T, N] in x's dtype, the new residual
@@ -70,7 +81,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     ro = r_out if r_out is not None else y
     if t:
         _rms_norm_kernel[(t,)](x, r, weight, y, ro, x.stride(0), r.stride(0), y.stride(0), ro.stride(0), eps,
-                               N=n, BLOCK=next_pow2(n), HAS_RESIDUAL=residual is not None, num_warps=_warps(n))
+                               N=n, BLOCK=next_pow2(n), HAS_RESIDUAL=residual is not None,
+                               STYLE=NORM_STYLES[style], num_warps=_warps(n))
     return y, r_out
 
 
@@ -120,16 +132,46 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                               HALF=half, BLOCK_HALF=next_pow2(half), num_warps=_warps(hq * d))
 
 
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+ACT_SILU, ACT_GELU_TANH, ACT_SWIGLU_CLAMPED = 0, 1, 2
+
+
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, N: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(X, Y, stride_x, stride_y, alpha, limit, N: tl.constexpr, BLOCK: tl.constexpr,
+                        ACT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-    # the reference rounds silu(gate) to the activation dtype before the product
-    act = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (act * up).to(Y.dtype.element_ty), mask=mask)
+    if ACT == 2:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha g), g = min(gate, limit); each op rounds there
+        g = tl.minimum(gate, limit).to(Y.dtype.element_ty).to(tl.float32)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = (1.0 / (1.0 + tl.exp(-(g * alpha).to(Y.dtype.element_ty).to(tl.float32))))
+        glu = (g * sig.to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty).to(tl.float32)
+        out = (u + 1.0).to(Y.dtype.element_ty).to(tl.float32) * glu
+    else:
+        if ACT == 1:  # gelu, tanh form: 0.5 g (1 + tanh(c (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (exp(2z) + 1)
+            z = tl.minimum(GELU_TANH_C * (gate + 0.044715 * gate * gate * gate), 20.0)  # tanh(20) is 1 in fp32
+            act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        else:
+            act = gate / (1.0 + tl.exp(-gate))
+        # the reference rounds act(gate) to the activation dtype before the product
+        out = act.to(Y.dtype.element_ty).to(tl.float32) * up
+    tl.store(Y + row * stride_y + cols, out.to(Y.dtype.element_ty), mask=mask)
+
+
+def _act_and_mul(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    t, two_n = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    n = two_n // 2
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        block = min(SILU_BLOCK, next_pow2(n))
+        _act_and_mul_kernel[(t, triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), float(alpha), float(limit),
+                                                        N=n, BLOCK=block, ACT=act, num_warps=_warps(block))
+    return y
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -141,16 +183,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Returns:
         [T, N] in x's dtype.
     """
-    t, two_n = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    n = two_n // 2
-    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
-    if t:
-        block = min(SILU_BLOCK, next_pow2(n))
-        _silu_and_mul_kernel[(t, triton.cdiv(n, block))](x, y, x.stride(0), y.stride(0), N=n, BLOCK=block,
-                                                         num_warps=_warps(block))
-    return y
+    return _act_and_mul(x, ACT_SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Shazeer 2020) with the tanh form of GeLU, Gemma's ``gelu_pytorch_tanh``:
+    ``gelu_tanh(x[:, :N]) * x[:, N:]`` in one launch; x and the result as `silu_and_mul`."""
+    return _act_and_mul(x, ACT_GELU_TANH)
+
+
+def swiglu_clamped(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation in one launch (`TorchLayerOps.swiglu_clamped`); x and the result as
+    `silu_and_mul`."""
+    return _act_and_mul(x, ACT_SWIGLU_CLAMPED, alpha, limit)
 
 
 def _warps(elements: int) -> int:

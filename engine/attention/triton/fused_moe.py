@@ -8,8 +8,8 @@ a ``BLOCK_M x BLOCK_N`` tile: it gathers its rows of the activations and
 multiplies them by that expert's weight tile. So a layer is
 
 1. `moe_align` (torch ops on the device, no host sync: safe in a CUDA graph);
-2. ``[T k, 2I] = x[rows] @ w13[e].T`` (kernel);
-3. SiLU-and-mul (`fused.silu_and_mul`);
+2. ``[T k, 2I] = x[rows] @ w13[e].T (+ b13[e])`` (kernel);
+3. SiLU-and-mul (`fused.silu_and_mul`; gpt-oss: `fused.swiglu_clamped`);
 4. ``[T k, H] = h @ w2[e].T * weight`` (the same kernel, ``MUL_WEIGHT``);
 5. the k products of each token summed (torch).
 
@@ -60,13 +60,14 @@ def default_config(num_pairs: int) -> FusedMoEKernelConfig:
     return FusedMoEKernelConfig(block_m=64, block_n=128, block_k=64, num_warps=8)
 
 
-def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype) -> None:
+def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, dtype: torch.dtype, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> None:
     """Compile the large-batch tile variant at start-up (a small step compiles the other): one call with
-    ``LARGE_BATCH_PAIRS / top_k + 1`` zero tokens, weights `w13`/`w2` of the layer."""
+    ``LARGE_BATCH_PAIRS / top_k + 1`` zero tokens, weights (and biases, activation) of the layer."""
     t = LARGE_BATCH_PAIRS // top_k + 1
     x = torch.zeros((t, w13.shape[2]), dtype=dtype, device=w13.device)
     ids = torch.arange(t * top_k, device=w13.device).remainder(w13.shape[0]).view(t, top_k)
-    fused_experts(x, w13, w2, torch.ones((t, top_k), device=w13.device), ids)
+    fused_experts(x, w13, w2, torch.ones((t, top_k), device=w13.device), ids, b13=b13, b2=b2, activation=activation)
 
 
 def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -105,13 +106,14 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # both vary with the batch
-def _grouped_gemm_kernel(A, B, C, WEIGHTS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, num_pairs, num_m_blocks,
-                         stride_am, stride_be, stride_bn, stride_cm,
+def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, num_pairs, num_m_blocks,
+                         stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
-    # C[p] = A[p // TOP_K] @ B[e].T (x WEIGHTS[p]) for the pairs p of each expert's M-blocks
+    # C[p] = (A[p // TOP_K] @ B[e].T (+ BIAS[e])) (x WEIGHTS[p]) for the pairs p of each expert's M-blocks
     pid = tl.program_id(0)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     in_group = GROUP_M * num_n
@@ -138,6 +140,10 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, n
             acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if HAS_BIAS:  # rounded to the activation dtype first, as the reference's x @ W + b
+            bias = tl.load(BIAS + tl.maximum(expert, 0) * stride_bias_e + cols, mask=col_mask, other=0.0)
+            bias = tl.where(expert >= 0, bias.to(tl.float32), 0.0)  # the -1 run stays zero
+            acc = acc.to(C.dtype.element_ty).to(tl.float32) + bias[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(WEIGHTS + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
         tl.store(C + pair[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty),
@@ -146,21 +152,23 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, n
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int,
-                  mul_weight: bool, cfg: FusedMoEKernelConfig) -> None:
+                  mul_weight: bool, bias: torch.Tensor | None, cfg: FusedMoEKernelConfig) -> None:
     _, n, k = w.shape
     num_m = sorted_ids.numel() // cfg.block_m
     grid = (num_m * triton.cdiv(n, cfg.block_n),)
     _grouped_gemm_kernel[grid](
-        a, w, out, weights, sorted_ids, expert_ids, num_padded, out.shape[0], num_m,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        N=n, K=k, TOP_K=top_k, MUL_WEIGHT=mul_weight, COMPUTE=compute_dtype(a.dtype),
+        a, w, out, weights, w if bias is None else bias, sorted_ids, expert_ids, num_padded, out.shape[0], num_m,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
+        N=n, K=k, TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None, COMPUTE=compute_dtype(a.dtype),
         DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  apply_weights_on_input: bool = False, cfg: FusedMoEKernelConfig | None = None) -> torch.Tensor:
-    """The routed experts' output, ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
+                  apply_weights_on_input: bool = False, cfg: FusedMoEKernelConfig | None = None,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: tuple = ("silu",)) -> torch.Tensor:
+    """The routed experts' output, ``sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))``.
 
     Args:
         x: [T, H] float16/bfloat16/float32, rows contiguous.
@@ -170,6 +178,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         ids: [T, k] expert indices in ``[0, E)``, or -1 for a choice computed elsewhere (contributes 0).
         apply_weights_on_input: scale the expert's input (first GEMM) instead of its output (Llama 4).
         cfg: tiles; `default_config` by the pair count when None.
+        b13, b2: [E, 2 I] and [E, H] contiguous biases of the two projections (gpt-oss), or None.
+        activation: ``("silu",)`` (SwiGLU) or ``("swiglu_clamped", alpha, limit)`` (gpt-oss).
 
     Returns:
         [T, H] in x's dtype.
@@ -193,7 +203,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sorted_ids, expert_ids, num_padded = moe_align(ids, e, cfg.block_m)
     flat_weights = weights.reshape(-1).contiguous()
     gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, flat_weights, sorted_ids, expert_ids, num_padded, k, apply_weights_on_input, cfg)
-    act = fused.silu_and_mul(gate_up)
-    _grouped_gemm(act, w2, out, flat_weights, sorted_ids, expert_ids, num_padded, 1, not apply_weights_on_input, cfg)
+    _grouped_gemm(x, w13, gate_up, flat_weights, sorted_ids, expert_ids, num_padded, k, apply_weights_on_input, b13,
+                  cfg)
+    act = (fused.swiglu_clamped(gate_up, activation[1], activation[2]) if activation[0] == "swiglu_clamped"
+           else fused.silu_and_mul(gate_up))
+    _grouped_gemm(act, w2, out, flat_weights, sorted_ids, expert_ids, num_padded, 1, not apply_weights_on_input, b2,
+                  cfg)
     return out.view(t, k, h).sum(dim=1)

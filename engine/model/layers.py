@@ -1,0 +1,147 @@
+"""The building blocks of a Llama-family decoder layer: RMSNorm, self-attention and the gated MLP.
+
+Each block reads what differs between families from `ArchConfig` (and the layer's `LayerAttention`):
+
+* RMSNorm applies its weight Llama's way (``w * round(x_normed)``), Gemma's (``round((1 + w) x_normed)`` in
+  float32) or gpt-oss's (``round(w x_normed)`` in float32) (`ArchConfig.norm_style`);
+* attention: q/k/v (and o) biases, q/k norms before RoPE (Qwen3 RMSNorm, Gemma 3's ``(1 + w)`` norm) or an
+  L2 norm after it (Llama 4, RoPE layers only), the layer's own RoPE or none (NoPE), Llama 4's attention
+  temperature on NoPE layers, gpt-oss's sinks (passed to the backend, which owns the softmax);
+* MLP: SwiGLU (``silu``) or Gemma's GeGLU (``gelu_pytorch_tanh``).
+
+The element-wise ops go through `LayerOps` (torch reference, or fused Triton kernels). Under tensor parallelism
+each rank holds 1/N of the heads and of the MLP width; the o and down projections end with an all-reduce, and
+an o_proj bias is added once, after it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pd_cluster.engine.attention.base import AttentionBackend
+from pd_cluster.engine.batch import ForwardBatch
+from pd_cluster.engine.kv.pool import KVPool
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
+from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32.
+
+    `forward(x)` returns the normalised x; `forward(x, residual)` normalises
+    ``x + residual`` and also returns that sum (the new residual), one fused
+    launch under `TritonLayerOps`.
+
+    Args:
+        dim: the normalised width.
+        eps: the variance epsilon.
+        style: ``llama``, ``gemma`` or ``float`` (`ArchConfig.norm_style`).
+        learned: False for a norm without weight (Llama 4's L2 q/k norm: a buffer of ones, ``float`` style).
+    """
+
+    def __init__(self, dim: int, eps: float, style: str = "llama", learned: bool = True) -> None:
+        super().__init__()
+        if learned:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_buffer("weight", torch.ones(dim), persistent=False)
+        self.eps = eps
+        self.style = style
+        self.ops: TorchLayerOps = TORCH_OPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        out, residual_out = self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps,
+                                              None if residual is None else residual.reshape(-1, x.shape[-1]),
+                                              self.style)
+        out = out.view(x.shape)
+        return out if residual is None else (out, residual_out.view(x.shape))
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer: fused qkv projection, q/k norms, RoPE, paged attention (module docstring)."""
+
+    def __init__(self, cfg: ArchConfig, layer: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.layer = layer
+        self.spec = cfg.layer_attention[layer]
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        norm = cfg.qk_norm
+        self.q_norm = self.k_norm = self.l2_norm = None
+        if norm in ("rms", "gemma"):  # before RoPE, one weight per head dimension
+            style = "gemma" if norm == "gemma" else "llama"
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, style)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, style)
+        elif norm == "l2" and self.spec.rope:  # Llama 4: after RoPE, RoPE layers only
+            self.l2_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, "float", learned=False)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if self.spec.sinks else None
+        self.temperature = cfg.attn_temperature if not self.spec.rope else None
+        self.ops: TorchLayerOps = TORCH_OPS
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, batch: ForwardBatch,
+                pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+        """x [T, hidden]; `cos_sin` the step's table of this layer's RoPE (None: a NoPE layer)."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos_sin is not None:
+            q, k = self._rope(q, k, *cos_sin)
+        if self.l2_norm is not None:
+            q, k = self.l2_norm(q), self.l2_norm(k)
+        if self.temperature is not None:
+            q = self._temperature(q, batch.positions)
+        out = backend.forward(self.layer, q, k, v, pool, batch, sinks=self.sinks)
+        if self.tp.size == 1 or self.o_proj.bias is None:
+            return self.tp.all_reduce(self.o_proj(out))
+        return self.tp.all_reduce(F.linear(out, self.o_proj.weight)) + self.o_proj.bias
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rope_qk(q, k, cos, sin)
+        r = self.rotary_dim  # partial rotary (Phi-3 family): the first rotary_dim dimensions of each head
+        q_rot, k_rot = self.ops.rope_qk(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+    def _temperature(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's attention temperature tuning (Nakanishi, "Scalable-Softmax Is Superior for Attention", 2025;
+        transformers' ``Llama4TextAttention``): ``q * (1 + attn_scale * log1p(floor((p + 1) / floor_scale)))``."""
+        attn_scale, floor_scale = self.temperature
+        scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales[:, None, None]).to(q.dtype)
+
+
+class MLP(nn.Module):
+    """Gated feed-forward with a fused gate/up projection: SwiGLU (Shazeer 2020) or Gemma's GeGLU.
+
+    Args:
+        cfg: the architecture (``hidden_act``).
+        tp: the tensor-parallel group.
+        intermediate_size: the width, default ``cfg.intermediate_size``.
+    """
+
+    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, intermediate_size: int | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.intermediate_size = (intermediate_size or cfg.intermediate_size) // tp.size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.ops: TorchLayerOps = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gate_up_proj(x)
+        act = self.ops.gelu_tanh_and_mul(h) if self.gelu else self.ops.silu_and_mul(h)
+        return self.tp.all_reduce(self.down_proj(act))
