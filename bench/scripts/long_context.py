@@ -106,7 +106,7 @@ def old_scores_bytes(length: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--lengths", type=int, nargs="+", default=[16384, 65536, 131072])
     p.add_argument("--backends", nargs="+", default=["cpu", "torch"], choices=["cpu", "torch"])
     p.add_argument("--smoke", action="store_true", help="one 1,024-token prompt per backend")
