@@ -164,7 +164,8 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     local = _local_layers(cfg, layers, arch)
     if cfg.get("kv_lora_rank"):
         return _deepseek_spec(cfg, name, architectures, scaling, moe, refusal)
-    experts = int(cfg.get("num_local_experts", 0) or 0)  # Llama 4 (the engine does not load it)
+    # Llama 4-style experts counted from the keys when the engine's MoE reader refuses the config (e.g. top-2)
+    experts = int(cfg.get("num_local_experts", 0) or 0)
     moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
     if moe is not None:
         moe_fields = _moe_fields(moe)
