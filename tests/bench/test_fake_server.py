@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_cluster.bench.fake_process import FakeServerProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

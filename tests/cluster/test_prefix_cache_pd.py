@@ -118,6 +118,7 @@ def _pd_turns(engine_argv: list[str], turns: list[Turn], page_nbytes: int, reuse
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_multi_turn_1p1d_prefill_computes_and_decode_receives_only_new_tokens():
     turns, page_nbytes = conversation(OPENING, 5, MAX_TOKENS, page_size=PAGE)
@@ -149,6 +150,7 @@ def _conversations_hits(policy: str, answers: list[list[str]], turns: int) -> tu
     return (sum(a[0] - b[0] for a, b in zip(after, before)), sum(a[1] - b[1] for a, b in zip(after, before)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     """Three conversations (an odd count, so that round robin does not happen to send a conversation back

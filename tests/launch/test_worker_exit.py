@@ -14,6 +14,8 @@ import pytest
 
 from pd_cluster.engine.net import free_port
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

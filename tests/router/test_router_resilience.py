@@ -10,7 +10,7 @@ import openai
 import pytest
 from router_testkit import FakeWorker, RouterProc, metric_value, wait_http
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 FAST = ["--ttft-ms", "10", "--itl-ms", "2", "--num-tokens", "64"]
 ROUTER = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin",

@@ -25,6 +25,8 @@ import pytest
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.net import free_port
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 FAST_ENGINE = ["--kv-cache-memory", "64MiB", "--cpu-threads", "1"]
 API_KEY, ADMIN_KEY = "test-key", "test-admin-key"
 PROMPT, MAX_TOKENS = "Once upon a time", 16
