@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 
 from pd_cluster.bench.fake_process import FakeServerProcess
 

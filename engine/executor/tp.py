@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pd_cluster.engine.config import EngineConfig
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.executor.shard import Shard, build_shard
 from pd_cluster.engine.graph import CudaGraphConfig

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 

@@ -1,7 +1,8 @@
 """Layer contracts over the source tree, read with `ast` (no imports are executed).
 
 * every import of a project module goes through the one namespace, ``pd_cluster``;
-* the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code;
+* `common` imports no other package of ours, and nothing outside the standard library;
+* the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code (only `common`);
 * the prefill and decode roles never import each other;
 * the package folders form no cycle (imports inside functions count too).
 """
@@ -9,13 +10,14 @@
 from __future__ import annotations
 
 import ast
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ["engine", "serving", "prefill", "decode", "router", "transfer", "bench", "launch"]
+FOLDERS = ["common", "engine", "serving", "prefill", "decode", "router", "transfer", "bench", "launch"]
 WEB_AND_METRICS = {"fastapi", "starlette", "pydantic", "prometheus_client", "httpx", "aiohttp", "uvicorn"}
 
 
@@ -69,9 +71,17 @@ def test_engine_imports_no_web_metrics_serving_or_role_code():
         for name in _imports(path):
             top = name.split(".")[0]
             second = name.split(".")[1] if name.startswith("pd_cluster.") and "." in name else None
-            if top in WEB_AND_METRICS or (second and second != "engine"):
+            if top in WEB_AND_METRICS or (second and second not in ("engine", "common")):
                 bad.append(f"{path.relative_to(REPO)}: {name}")
     assert not bad, "the engine must stay pure model execution:\n" + "\n".join(bad)
+
+
+def test_common_is_below_everything():
+    """`common` is the bottom layer: the standard library only (the router and ``pd-bench`` load it without torch)."""
+    stdlib = sys.stdlib_module_names
+    bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources("common") for n in _imports(p)
+           if not n.startswith("pd_cluster.common") and n.split(".")[0] not in stdlib and n != "__future__"]
+    assert not bad, "common must import only the standard library and itself:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("role,other", [("prefill", "decode"), ("decode", "prefill")])
