@@ -23,9 +23,11 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.disagg.errors import transfer_http_error
+from pd_cluster.disagg.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import HTTPError, transfer_http_error
+from pd_cluster.serving.errors import HTTPError
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
 from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
@@ -34,7 +36,6 @@ from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
 from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
 from pd_cluster.transfer.interfaces import Agent
-from pd_cluster.transfer.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
 from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")

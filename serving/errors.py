@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.errors import EngineOverloaded, RequestRejected
-from pd_cluster.transfer.errors import LayoutMismatchError, StalePeerError, TransferError, TransferTimeoutError
 
 logger = logging.getLogger("pd.serving")
 
@@ -111,17 +110,3 @@ def to_http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, ValueError):  # SamplingParamError and other parameter errors
         return HTTPError(400, str(exc), getattr(exc, "param", None), "invalid_value")
     return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
-
-
-def transfer_http_error(e: BaseException) -> HTTPError:
-    """Map a KV-transfer failure to an `HTTPError` (both roles): stale peer or layout mismatch 409,
-    timeout 504, any other transfer error 502; anything else as `to_http_error`."""
-    if isinstance(e, StalePeerError):
-        return HTTPError(409, str(e), None, "stale_peer")
-    if isinstance(e, LayoutMismatchError):
-        return HTTPError(409, str(e), None, "kv_layout_mismatch")
-    if isinstance(e, TransferTimeoutError):
-        return HTTPError(504, str(e), None, "kv_transfer_timeout")
-    if isinstance(e, TransferError):
-        return HTTPError(502, str(e), None, f"kv_transfer_{e.reason}")
-    return to_http_error(e)

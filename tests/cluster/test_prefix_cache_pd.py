@@ -22,7 +22,7 @@ from reuse_util import OPENING, QUESTIONS, Turn, conversation, counters, decode_
 
 from pd_cluster.engine.llm import LLM
 from pd_cluster.engine.sampling.params import SamplingParams
-from pd_cluster.transfer.prefill_api import PrefillResponse, PrefillTimings
+from pd_cluster.disagg.prefill_api import PrefillResponse, PrefillTimings
 
 PAGE = 16
 MAX_TOKENS = 16

@@ -18,7 +18,7 @@ from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.sampling.structured import StructuredOutput
-from pd_cluster.transfer.prefill_api import first_token_params
+from pd_cluster.disagg.prefill_api import first_token_params
 
 PROMPTS = [
     "Once upon a time",

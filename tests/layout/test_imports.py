@@ -3,7 +3,8 @@
 * every import of a project module goes through the one namespace, ``pd_cluster``;
 * `common` imports no other package of ours, and nothing outside the standard library;
 * the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code (only `common`);
-* the prefill and decode roles never import each other;
+* the prefill and decode roles never import each other; what they share beyond `serving` is in `disagg`;
+* the router and the transfer import nothing of ours but `common` (no engine, no serving, no role);
 * the package folders form no cycle (imports inside functions count too).
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ["common", "engine", "serving", "prefill", "decode", "router", "transfer", "bench", "launch"]
+FOLDERS = ["common", "engine", "serving", "disagg", "prefill", "decode", "router", "transfer", "bench", "launch"]
 WEB_AND_METRICS = {"fastapi", "starlette", "pydantic", "prometheus_client", "httpx", "aiohttp", "uvicorn"}
 
 
@@ -91,12 +92,18 @@ def test_roles_do_not_import_each_other(role, other):
     assert not bad, f"{role} imports {other}:\n" + "\n".join(bad)
 
 
+def test_the_roles_share_through_disagg_which_imports_neither():
+    bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources("disagg") for n in _imports(p)
+           if n.startswith("pd_cluster.") and n.split(".")[1] in ("prefill", "decode", "launch", "bench", "router")]
+    assert not bad, "disagg/ is below both roles:\n" + "\n".join(bad)
+
+
 @pytest.mark.parametrize("lower", ["transfer", "router"])
-def test_lower_layers_do_not_import_roles_or_serving(lower):
-    upper = {"serving", "prefill", "decode", "launch", "bench"} - {lower}
+def test_router_and_transfer_import_nothing_of_ours_but_common(lower):
+    """No import of the engine (nor serving, the roles, launch, bench) from router/ or transfer/."""
     bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources(lower) for n in _imports(p)
-           if n.startswith("pd_cluster.") and n.split(".")[1] in upper]
-    assert not bad, "\n".join(bad)
+           if n.startswith("pd_cluster.") and n.split(".")[1] not in (lower, "common")]
+    assert not bad, f"{lower}/ may import only pd_cluster.common:\n" + "\n".join(bad)
 
 
 def _package_of(module: str) -> str:
