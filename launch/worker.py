@@ -22,7 +22,7 @@ import uvicorn
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
-from pd_cluster.serving.tool_calls import add_tool_args, tool_settings_from_args
+from pd_cluster.serving.tools.chat import add_tool_args, tool_settings_from_args
 from pd_cluster.serving.worker_app import WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args

@@ -35,7 +35,7 @@ def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool =
     """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints.
 
     `exit_on_fatal`: exit the process when the engine loop dies (see `worker_app.create_worker_app`).
-    `tool_settings`: the worker's `pd_cluster.serving.tool_calls.ToolSettings` (default: no auto tool choice).
+    `tool_settings`: the worker's `pd_cluster.serving.tools.chat.ToolSettings` (default: no auto tool choice).
     """
     from prometheus_client import CollectorRegistry
 

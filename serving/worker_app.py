@@ -25,7 +25,7 @@ from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, error_body, install_error_handlers
 from pd_cluster.serving.openapi import worker_openapi
-from pd_cluster.serving.tool_calls import ToolSettings
+from pd_cluster.serving.tools.chat import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger("pd.worker")

@@ -1,4 +1,7 @@
-"""Sampling parameters, the batched sampler, structured outputs and tool calls."""
+"""Sampling parameters, the batched sampler and structured outputs.
+
+OpenAI tool calls are the server's (`pd_cluster.serving.tools`); forced ones reach the engine as a `StructuredOutput`.
+"""
 
 from pd_cluster.engine.sampling.params import SamplingParamError, SamplingParams
 from pd_cluster.engine.sampling.structured import StructuredOutput, structured_output_from_request

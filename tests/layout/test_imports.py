@@ -3,6 +3,7 @@
 * every import of a project module goes through the one namespace, ``pd_cluster``;
 * `common` imports no other package of ours, and nothing outside the standard library;
 * the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code (only `common`);
+* no tool-call code under `engine/` (it is in `serving/tools/`);
 * the prefill and decode roles never import each other; what they share beyond `serving` is in `disagg`;
 * the router and the transfer import nothing of ours but `common` (no engine, no serving, no role);
 * the package folders form no cycle (imports inside functions count too).
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -75,6 +77,16 @@ def test_engine_imports_no_web_metrics_serving_or_role_code():
             if top in WEB_AND_METRICS or (second and second not in ("engine", "common")):
                 bad.append(f"{path.relative_to(REPO)}: {name}")
     assert not bad, "the engine must stay pure model execution:\n" + "\n".join(bad)
+
+
+def test_no_tool_call_code_in_the_engine():
+    """OpenAI tool calls are the server's (`serving/tools/`); the engine sees only the `StructuredOutput` a forced
+    call becomes. No engine module is named for tools, and none handles tool calls or ``tool_choice``."""
+    named = [str(p.relative_to(REPO)) for p in _sources("engine") if "tool" in p.stem]
+    assert not named, f"tool-call modules under engine/: {named}"
+    mentions = [str(p.relative_to(REPO)) for p in _sources("engine")
+                if re.search(r"tool_call|tool_choice|ToolCall|tool_parser", p.read_text())]
+    assert not mentions, f"engine modules handling tool calls: {mentions}"
 
 
 def test_common_is_below_everything():

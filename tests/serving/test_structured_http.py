@@ -17,7 +17,7 @@ import uvicorn
 from worker_kit import InProcessWorker
 
 from pd_cluster.serving.mixed import build_mixed_app
-from pd_cluster.serving.tool_calls import ToolSettings
+from pd_cluster.serving.tools.chat import ToolSettings
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -162,7 +162,7 @@ def test_n_and_best_of(client):
 
 def test_tool_flags_reach_the_workers():
     from pd_cluster.launch import serve, worker
-    from pd_cluster.serving.tool_calls import tool_argv
+    from pd_cluster.serving.tools.chat import tool_argv
 
     argv = ["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
     assert tool_argv(serve.build_parser().parse_args(argv)) == argv
