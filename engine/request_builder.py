@@ -8,9 +8,10 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from pd_cluster.engine.errors import ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected
+from pd_cluster.engine.errors import (ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected,
+                                     SamplingParamError)
 from pd_cluster.engine.request import Request
-from pd_cluster.engine.sampling.params import SamplingParamError, SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from pd_cluster.engine.llm_engine import LLMEngine

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib.metadata
 import logging
 import os
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from pd_cluster.engine.config import ROLES, EngineConfig
 from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, error_body, install_error_handlers
-from pd_cluster.serving.openapi import worker_openapi
+from pd_cluster.serving.openapi import package_version, worker_openapi
 from pd_cluster.serving.tools.chat import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
 
@@ -296,14 +295,6 @@ def _exit_dead(state: WorkerState) -> None:
         logger.exception("closing the engine failed")
     logging.shutdown()
     os._exit(ENGINE_DEAD_EXIT_CODE)
-
-
-def package_version() -> str:
-    """pd-cluster's version (its installed distribution's, else the source tree's)."""
-    try:
-        return importlib.metadata.version("pd-cluster")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0+source"
 
 
 async def _maybe_await(x: Any) -> Any:

@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pd_cluster.engine.errors import RequestRejected
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import RequestRejected, SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput
 from pd_cluster.serving.tools.parsers import get_tool_parser
 from pd_cluster.serving.tools.stream import ToolCallStream

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput, structured_output_from_request
 from pd_cluster.serving.tools.parsers import TOOL_PARSERS, get_tool_parser
 from pd_cluster.serving.tools.stream import ToolCallStream
