@@ -13,15 +13,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.common.openai_errors import openai_error_type
 from pd_cluster.engine.errors import EngineOverloaded, RequestRejected
 
 logger = logging.getLogger("pd.serving")
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
-          504: "server_error"}
 
 
 class EngineDeadError(RuntimeError):
@@ -49,9 +44,8 @@ class HTTPError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error body; ``type`` follows the status (4xx ``invalid_request_error`` unless more specific)."""
-    kind = _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error body; ``type`` follows the status (`pd_cluster.common.openai_errors.openai_error_type`)."""
+    return {"error": {"message": message, "type": openai_error_type(status), "param": param, "code": code}}
 
 
 def error_response(err: HTTPError, request_id: str | None = None) -> JSONResponse:
