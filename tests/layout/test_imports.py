@@ -6,7 +6,8 @@
 * no tool-call code under `engine/` (it is in `serving/tools/`);
 * the prefill and decode roles never import each other; what they share beyond `serving` is in `disagg`;
 * the router and the transfer import nothing of ours but `common` (no engine, no serving, no role);
-* the package folders form no cycle (imports inside functions count too).
+* the package folders form no cycle, and neither do the files (imports inside functions and under
+  `TYPE_CHECKING` count too).
 """
 
 from __future__ import annotations
@@ -166,6 +167,27 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_folder_cycles():
     cycle = _find_cycle(_folder_graph())
     assert cycle is None, "folder import cycle: " + " -> ".join(cycle)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in _sources():
+        src = _module_name(path)
+        for name in _imports(path):
+            if not name.startswith("pd_cluster."):
+                continue
+            while name and not _is_module(name):
+                name = name.rpartition(".")[0]
+            if name and name != src:
+                graph[src].add(name)
+    return graph
+
+
+def test_no_file_cycles():
+    """No module reaches itself through its imports: every import inside a function or under `TYPE_CHECKING`
+    counts, since either is a tie that runs both ways."""
+    cycle = _find_cycle(_module_graph())
+    assert cycle is None, "file import cycle: " + " -> ".join(cycle)
 
 
 def test_cycle_finder_finds_a_planted_cycle():
