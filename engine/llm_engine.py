@@ -98,11 +98,10 @@ class LLMEngine:
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         self.kv_events = KVEventLog(self.layout.page_size)  # what the cache stores and evicts (GET /kv_events)
         self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events)
-        self.host_tier = getattr(self.prefix_cache, "host", None)  # HiCache L2 (--enable-hierarchical-cache)
+        self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
-        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
         # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
                                  disable=config.device.disable_cuda_graph)
@@ -113,7 +112,8 @@ class LLMEngine:
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
-        self.scheduler.on_leave = lambda req: self.runner.release(req.request_id)  # frees its block-table row
+        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests,
+                                   on_leave=lambda req: self.runner.release(req.request_id))  # frees its table row
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
