@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -45,12 +46,24 @@ def test_console_scripts_point_into_the_namespace():
     assert all(target.startswith("pd_cluster.") for target in scripts.values()), scripts
 
 
+def _tracked_copy(dest: Path) -> Path:
+    """The repository's tracked files (the working tree's versions), copied to `dest`: a build there sees no
+    untracked file and no earlier build's ``build/`` (setuptools would ship whatever that still holds)."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in tracked.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
 @pytest.mark.slow
 def test_wheel_has_one_top_level_package(tmp_path):
+    src = _tracked_copy(tmp_path / "src")
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                          "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    (wheel,) = tmp_path.glob("pd_cluster-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("pd_cluster-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pd_cluster"}, tops
@@ -64,3 +77,5 @@ def test_wheel_has_one_top_level_package(tmp_path):
                    "pd_cluster/bench/data/azure_code_1000.csv"]:
         assert needed in names, f"{needed} not in the wheel"
     assert not any(n.startswith("pd_cluster/tests/") or n.startswith("pd_cluster/docs/") for n in names)
+    assert "pd_cluster/README.md" not in names, "the repository's README is the project description, not package data"
+    assert "pd_cluster/engine/assets/stories260K/README.md" in names  # the embedded model's card stays
