@@ -91,7 +91,8 @@ def test_disable_retries_relays_the_worker_status():
             RouterProc(["--prefill", p.url, "--decode", d.url, "--disable-retries"]) as router:
         r = complete(router, "req-noretry")
         assert r.status_code == 503
-        assert r.json()["error"]["code"] == 503
+        err = r.json()["error"]  # the worker's own body, relayed
+        assert (err["type"], err["code"]) == ("server_error", "injected_failure"), err
         assert r.headers["x-request-id"] == "req-noretry"
 
 
