@@ -1,9 +1,10 @@
 """Shared test set-up: GPU skipping, shared helpers on the path, and the rule that only `slow` tests start processes.
 
 Test tiers: ``python -m pytest`` runs everything (what CI runs); ``python -m pytest -m "not slow"`` is the fast
-inner loop. A test that starts a process (a worker, a router, a cluster, a tensor-parallel rank, a script, a
-``pip``/``helm``/``git`` call) must be marked ``slow``: while a test that is not is set up, run or torn down,
-`process_guard.ProcessGuard` makes every way of starting one fail the test.
+inner loop (under 4 minutes on a 2-core CPU). A test that starts a process (a worker, a router, a cluster, a
+tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
+over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
+way of starting a process fail the test.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers (tests/support/)
 
-from process_guard import ProcessGuard  # noqa: E402
+from process_guard import ProcessGuard, answer_processor_without_uname  # noqa: E402
+
+answer_processor_without_uname()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -168,6 +168,7 @@ def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     assert robin[1] <= 0.5 * aware[1], (robin, aware)
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU): the fast tier stays under 4 minutes
 def test_benchmark_lru_simulation_matches_the_engine():
     """The benchmark's offline LRU reference equals what the engine's own cache does on the same replay."""
     from pd_cluster.bench.scripts.prefix_cache import TRACE, load_trace, simulate

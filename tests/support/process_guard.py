@@ -8,22 +8,29 @@ tear-down of every test not marked ``slow``. The guard replaces every way Python
 spawn and forkserver use) with one that records the attempt and raises `ProcessInNotSlowTest`. A test that
 swallows the error still fails: the recorded attempt is reported when the phase ends.
 
-Two exceptions (`ALLOWED_TOOLS`), short-lived system tools rather than servers: the C compiler, which builds the
-CPU attention kernel once per machine (`pd_cluster.engine.attention.cpu_backend`, cached under ``$PD_CACHE_DIR``),
-and ``uname``, which the standard library's `platform.processor` runs once per process (the `openai` client
-asks for it for its platform headers).
+One exception (`ALLOWED_TOOLS`): the C compiler, which builds the CPU attention kernel once per machine
+(`pd_cluster.engine.attention.cpu_backend`, cached under ``$PD_CACHE_DIR``); a build step, not a server.
+`answer_processor_without_uname` removes the one other process the fast tier used to start.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 from pathlib import Path
 
 import _posixsubprocess
 
-ALLOWED_TOOLS = frozenset({"cc", "gcc", "clang", Path(os.environ.get("CC", "cc")).name, "uname"})
-"""Executables a not-slow test may run: the C compiler of the CPU kernel's one-time build, and ``uname``."""
+ALLOWED_TOOLS = frozenset({"cc", "gcc", "clang", Path(os.environ.get("CC", "cc")).name})
+"""Executables a not-slow test may run: the C compiler of the CPU kernel's one-time build."""
+
+
+def answer_processor_without_uname() -> None:
+    """Fill `platform.processor()` from `platform.machine()` (what ``uname -p`` prints on Linux) so that it is never
+    computed by running ``uname -p``, which the standard library does once per process; the `openai` client asks
+    for it (through `platform.platform()`) for its request headers."""
+    platform.uname().__dict__.setdefault("processor", platform.machine())
 
 
 class ProcessInNotSlowTest(RuntimeError):
