@@ -58,6 +58,7 @@ from pd_cluster.bench.fake_format import ChunkFormat, Job
 from pd_cluster.bench.fake_metrics import FakeMetrics
 from pd_cluster.bench.httpserver import HttpServer, Request, Responder
 from pd_cluster.bench.precise_loop import new_event_loop
+from pd_cluster.common.openai_errors import openai_error_type
 
 JSON = ("content-type", "application/json")
 SSE = ("content-type", "text/event-stream")
@@ -112,7 +113,7 @@ class FakeServer:
     async def handle(self, req: Request, resp: Responder) -> None:
         route = self._routes.get((req.method, req.path))
         if route is None:
-            _error(resp, 404, f"no route {req.method} {req.path}", "NotFoundError", [])
+            _error(resp, 404, f"Invalid URL ({req.method} {req.path})", "unknown_url", [])
             return
         await route(req, resp)
 
@@ -187,19 +188,19 @@ class FakeServer:
         self.recent.append(entry)
         if c.role == "prefill":
             entry["status"] = 404
-            _error(resp, 404, "a prefill worker serves no OpenAI API", "NotFoundError", hdrs)
+            _error(resp, 404, "a prefill worker serves no OpenAI API", "unknown_url", hdrs)
             return
         self._num_openai += 1
         number = self._num_openai
         if c.fail_every and number % c.fail_every == 0:
             entry["status"] = c.fail_status
-            _error(resp, c.fail_status, f"injected failure (request {number})", "ServiceUnavailable", hdrs)
+            _error(resp, c.fail_status, f"injected failure (request {number})", "injected_failure", hdrs)
             return
         try:
             job = self._parse(req, rid)
         except _ClientError as exc:
             entry["status"] = exc.status
-            _error(resp, exc.status, str(exc), "BadRequestError", hdrs)
+            _error(resp, exc.status, str(exc), exc.code, hdrs, exc.param)
             return
         if self.capacity is not None:
             if not await self.capacity.admit():
@@ -225,25 +226,25 @@ class FakeServer:
         try:
             body = json.loads(req.body)
         except ValueError:
-            raise _ClientError(400, "malformed JSON body") from None
+            raise _ClientError(400, "malformed JSON body", None, "invalid_json") from None
         if not isinstance(body, dict):
-            raise _ClientError(400, "the body must be a JSON object")
+            raise _ClientError(400, "the body must be a JSON object", None, "invalid_json")
         model = body.get("model")
         if model is not None and model != self.config.model:
-            raise _ClientError(404, f"the model `{model}` does not exist")
+            raise _ClientError(404, f"the model `{model}` does not exist", "model", "model_not_found")
         chat = req.path == "/v1/chat/completions"
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
-                raise _ClientError(400, "messages must be a non-empty list")
+                raise _ClientError(400, "messages must be a non-empty list", "messages")
             prompt: Any = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         else:
             prompt = body.get("prompt")
             if prompt is None:
-                raise _ClientError(400, "prompt is required")
+                raise _ClientError(400, "prompt is required", "prompt", "missing_required_parameter")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise _ClientError(400, "max_tokens must be a positive integer")
+            raise _ClientError(400, "max_tokens must be a positive integer", "max_tokens")
         n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
         opts = body.get("stream_options") or {}
         units = self._prompt_units(prompt)
@@ -355,13 +356,16 @@ class FakeServer:
 
 
 class _ClientError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.status = status
+        self.param = param
+        self.code = code
 
 
-def _error(resp: Responder, status: int, message: str, kind: str, headers: list) -> None:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def _error(resp: Responder, status: int, message: str, code: str, headers: list, param: str | None = None) -> None:
+    """An OpenAI error body, typed as the workers type theirs (`openai_error_type`)."""
+    body = {"error": {"message": message, "type": openai_error_type(status), "param": param, "code": code}}
     resp.send(status, json.dumps(body).encode(), headers + [JSON])
 
 

@@ -14,11 +14,14 @@ its last byte is parsed, so handlers can schedule against monotonic deadlines.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Awaitable, Callable
+
+from pd_cluster.common.openai_errors import openai_error_type
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -139,7 +142,8 @@ class HttpProtocol(asyncio.Protocol):
                 self._pending.append(parsed)
         except _BadRequest as exc:
             self._pending.clear()
-            body = f'{{"error": {{"message": "{exc}", "type": "BadRequest", "param": null, "code": 400}}}}'
+            body = json.dumps({"error": {"message": str(exc), "type": openai_error_type(400), "param": None,
+                                         "code": "invalid_http_request"}})
             self.write(
                 f"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n{body}".encode()

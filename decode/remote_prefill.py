@@ -25,15 +25,16 @@ import httpx
 
 from pd_cluster.decode.handover import DecodeHooks, RequestAborted
 from pd_cluster.decode.request import RemoteRequest
+from pd_cluster.disagg.errors import transfer_http_error
+from pd_cluster.disagg.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, first_token_params
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import HTTPError, to_http_error, transfer_http_error
+from pd_cluster.serving.errors import HTTPError, to_http_error
 from pd_cluster.serving.openai_serving import PromptSource
 from pd_cluster.serving.worker_app import INTERNAL_KEY_HEADER, key_matches, presented_key
 from pd_cluster.transfer.errors import TransferError
 from pd_cluster.transfer.http import PeerDirectory, aapply
 from pd_cluster.transfer.interfaces import Agent
-from pd_cluster.transfer.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, first_token_params
 
 logger = logging.getLogger("pd.decode")
 

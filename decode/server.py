@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from pd_cluster.decode.handover import DecodeHooks
 from pd_cluster.decode.metrics import DecodeReuseMetrics
 from pd_cluster.decode.remote_prefill import RemotePrefill
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import serving_routes
 from pd_cluster.serving.openai_serving import OpenAIServing
-from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
+from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info, worker_engine_loop
 from pd_cluster.transfer.http import PeerDirectory, make_router
 from pd_cluster.transfer.factory import make_worker_transfer
 
 
-def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):
-    """A FastAPI app for `engine` in the decode role, with its transfer agent."""
+def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[str, Any] | None = None,
+                     exit_on_fatal: bool = True) -> FastAPI:
+    """A FastAPI app for `engine` in the decode role, with its transfer agent
+    (`pd_cluster.serving.worker_app.WorkerAppBuilder`: the signature of every role's app)."""
     host_info = dict(host_info or {})
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "decode", engine.model_name)
@@ -30,7 +34,7 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | 
         metrics.on_step(e)
         metrics.num_decode_prealloc_queue_reqs.set(hooks.num_prealloc)
 
-    loop = EngineLoop(engine, hooks, on_step=on_step)
+    loop = worker_engine_loop(engine, hooks, on_step, exit_on_fatal)
     source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),
                            host_info.get("url", ""), config.prefill_url, internal_api_key=config.internal_api_key,
                            prefill_urls=config.prefill_urls)

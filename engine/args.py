@@ -1,6 +1,6 @@
 """Engine flags with SGLang's names, and the conversion to `EngineConfig`.
 
-One table (`ENGINE_FLAGS`, rows of `pd_cluster.engine.flags.Flag`) drives both the command line
+One table (`ENGINE_FLAGS`, rows of `pd_cluster.common.flags.Flag`) drives both the command line
 (`add_engine_args`) and the keyword arguments of `LLM(...)` (`config_from_kwargs`), so the two can
 not drift apart.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
                                       ParallelConfig, SchedulerConfig, parse_size)
-from pd_cluster.engine.flags import Flag, Refused, add_flags
+from pd_cluster.common.flags import Flag, Refused, add_flags
 
 
 def _kv_dtype(text: str) -> str:

@@ -1,10 +1,19 @@
 """Typed errors for rejected requests, so servers can map them to HTTP statuses.
 
 `RequestRejected` (a `ValueError`) means the request itself is invalid: 400.
+`SamplingParamError` (a `ValueError`) means one sampling parameter is: 400 naming it.
 `EngineOverloaded` means try again later: 503.
 """
 
 from __future__ import annotations
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter is invalid (`pd_cluster.engine.sampling`). `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class RequestRejected(ValueError):

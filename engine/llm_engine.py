@@ -1,8 +1,12 @@
 """`LLMEngine`: one model, one KV pool, one scheduler; `step()` advances every request by one step.
 
 The step loop is nano-vllm's four lines: schedule, run the model, update the
-requests, collect outputs. The engine is single-threaded; servers drive
-`step()` from one thread and feed requests in between steps.
+requests, collect outputs, with at most one step in flight (overlap
+scheduling, `pd_cluster.engine.overlap`). The split is vLLM v1's: the engine
+owns the scheduler, the runner, grammar acceptance, the stop checks on token
+ids and page release; its `OutputProcessor` owns each request's text, stop
+strings and deltas. The engine is single-threaded; servers drive `step()`
+from one thread and feed requests in between steps.
 """
 
 from __future__ import annotations
@@ -10,12 +14,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import uuid
 
 import torch
 from transformers import AutoTokenizer
 
 from pd_cluster.engine.config import EngineConfig, format_size
-from pd_cluster.engine.detokenizer import IncrementalDetokenizer
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
@@ -23,13 +27,14 @@ from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
-from pd_cluster.engine.overlap import OverlapScheduler
+from pd_cluster.engine.output_processor import OutputProcessor
+from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
-from pd_cluster.engine.outputs import PrefillProgress, RequestDelta, StepOutput
+from pd_cluster.engine.outputs import PrefillProgress, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus
-from pd_cluster.engine.request_builder import make_request
+from pd_cluster.engine.request_builder import RequestLimits, make_request
 from pd_cluster.engine.sampling.grammar import GrammarManager
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.page_manager import PageManager
@@ -93,11 +98,10 @@ class LLMEngine:
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         self.kv_events = KVEventLog(self.layout.page_size)  # what the cache stores and evicts (GET /kv_events)
         self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events)
-        self.host_tier = getattr(self.prefix_cache, "host", None)  # HiCache L2 (--enable-hierarchical-cache)
+        self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
         self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         sc = config.scheduler
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
-        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests)
         # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
                                  disable=config.device.disable_cuda_graph)
@@ -108,15 +112,16 @@ class LLMEngine:
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
-        self.scheduler.on_leave = lambda req: self.runner.release(req.request_id)  # frees its block-table row
+        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests,
+                                   on_leave=lambda req: self.runner.release(req.request_id))  # frees its table row
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
+        self.limits = RequestLimits(arch.vocab_size, self.context_length, self.layout.page_size,
+                                    self.pool.num_pages, sc.max_queued_requests, self.eos_token_ids, self.role)
         self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.streaming: set[str] = set()
-        self._pending: list[RequestDelta] = []
-        self.overlap = OverlapScheduler(self, config)
+        self.outputs = OutputProcessor(self.tokenizer, self.role)
+        self.overlap = OverlapState(*overlap_mode(config, self.device.type))
         self._log_startup(backend_name)
 
     # ---- start-up ------------------------------------------------------------
@@ -156,7 +161,7 @@ class LLMEngine:
             EngineOverloaded: the queue is full.
         """
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        req = make_request(self, request_id, ids, params, remote_kv=False, resumed=list(resumed_output_ids))
+        req = self._make_request(request_id, ids, params, False, list(resumed_output_ids))
         self._register(req, stream)
         return req.request_id
 
@@ -167,24 +172,22 @@ class LLMEngine:
         A coming `step` reserves pages past its cached prefix (`StepOutput.reserved`) or admits it to be
         prefilled here (`StepOutput.local_prefills`). Raises as `add_request`.
         """
-        req = make_request(self, request_id, list(prompt_token_ids), params, remote_kv=True,
-                                 resumed=list(resumed_output_ids))
+        req = self._make_request(request_id, list(prompt_token_ids), params, True, list(resumed_output_ids))
         self._register(req, stream)
         return req.request_id
 
+    def _make_request(self, request_id: str | None, ids: list[int], params: SamplingParams, remote_kv: bool,
+                      resumed: list[int]) -> Request:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
+        return make_request(self.limits, request_id, ids, params, remote_kv=remote_kv, resumed=resumed,
+                            num_waiting=len(self.scheduler.waiting), sampler=self.runner.sampler,
+                            grammars=self.grammars)
+
     def _register(self, req: Request, stream: bool) -> None:
-        p = req.params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                                       p.skip_special_tokens, p.min_tokens)
-        if req.num_resumed_tokens and self.role != "prefill":  # its text was delivered already
-            detok.replay(req.output_token_ids)
-            if detok.stop_matched is not None:
-                raise RequestRejected(f"resume_token_ids: the output already ended with the stop string "
-                                      f"{detok.stop_matched!r}", param="resume_token_ids")
+        self.outputs.add_request(req, stream)  # raises before anything is held
         self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = detok
-        if stream:
-            self.streaming.add(req.request_id)
         self.scheduler.add(req)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None,
@@ -238,9 +241,7 @@ class LLMEngine:
         held = self.scheduler.remove(req, release_pages=release_pages)
         req.status = status
         req.times.finished = time.monotonic()
-        delta = self._finish_delta(req)
-        delta.error = error
-        self._pending.append(delta)
+        self.outputs.finish(req, status, error)
         if not held:
             self._forget(req)
 
@@ -257,27 +258,59 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
-        self.detokenizers.pop(req.request_id, None)
-        self.streaming.discard(req.request_id)
+        self.outputs.remove(req.request_id)
 
     # ---- the step ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending) or self.overlap.in_flight is not None
+        return self.scheduler.has_work() or self.outputs.has_deltas or self.overlap.in_flight is not None
 
     def step(self) -> StepOutput:
-        """Run one scheduler step and return what it produced (with overlap scheduling,
-        `pd_cluster.engine.overlap`: issue one step and return what the previous one produced)."""
-        if self.overlap.enabled:
-            return self.overlap.step()
+        """Schedule and launch one step; complete the step before it; return what was completed.
+
+        Without overlap scheduling the step launched is the one completed. With it (`pd_cluster.engine.overlap`)
+        the step launched stays in flight until the next call, which completes it after launching its own
+        (first, when a request of it needs its token on the host); `StepOutput.reserved` and
+        ``local_prefills`` always report this call's scheduling.
+        """
         started = time.monotonic()
+        out = StepOutput()
+        prev = self._take_in_flight(out)
         sched = self.scheduler.schedule()
-        out = StepOutput(num_tokens=sched.num_tokens)
+        out.num_tokens = sched.num_tokens
         self._report_schedule(sched, out)
-        launched = LaunchedStep.empty(sched, started) if sched.is_empty else self.runner.launch(sched, None, started)
+        launched = LaunchedStep.empty(sched, started) if sched.is_empty else self.runner.launch(sched, prev, started)
         self.scheduler.on_step_launched(sched)
-        self._complete_step(launched, out)
-        out.deltas, self._pending = self._pending, []
+        if self.overlap.enabled and not sched.is_empty:
+            self._hold(launched, overlapped=prev is not None)
+        else:
+            self._complete_step(launched, out)
+        if prev is not None:
+            self._complete_in_flight(prev, out)
+        out.deltas = self.outputs.take_deltas()
         return out
+
+    def _take_in_flight(self, out: StepOutput) -> LaunchedStep | None:
+        """The step in flight, to be completed after the next launch; completed now (and None returned) when
+        a request of it needs its token on the host for its next sampling."""
+        prev, self.overlap.in_flight = self.overlap.in_flight, None
+        if prev is not None and any(r.status == RequestStatus.RUNNING and needs_host_tokens(r)
+                                    for r in prev.sampled_reqs):
+            self._complete_in_flight(prev, out)
+            self.overlap.num_drains += 1
+            return None
+        return prev
+
+    def _hold(self, launched: LaunchedStep, overlapped: bool) -> None:
+        """Keep `launched` in flight; each request it samples counts the token it owes (`Request.num_inflight`)."""
+        self.overlap.num_overlapped += overlapped
+        for req in launched.sampled_reqs:
+            req.num_inflight += 1
+        self.overlap.in_flight = launched
+
+    def _complete_in_flight(self, step: LaunchedStep, out: StepOutput) -> None:
+        for req in step.sampled_reqs:
+            req.num_inflight -= 1  # its token is about to be known (or dropped)
+        self._complete_step(step, out)
 
     def _report_schedule(self, sched: SchedulerOutput, out: StepOutput) -> None:
         """What the scheduling itself decided (decode role: pages reserved, requests prefilled here)."""
@@ -286,7 +319,7 @@ class LLMEngine:
         out.local_prefills = [r.request_id for r in sched.local_prefills]
 
     def _complete_step(self, step: LaunchedStep, out: StepOutput) -> None:
-        """Wait for `step`'s tokens and apply them: progress, the cache, stops, deltas (into `_pending`).
+        """Wait for `step`'s tokens and apply them: progress, the cache, stops, deltas (`OutputProcessor`).
 
         A request that ended while the step was in flight (overlap scheduling) gets no token: it was aborted,
         or its previous token stopped it.
@@ -335,43 +368,18 @@ class LLMEngine:
         status = req.check_stop()
         if req.grammar is not None and req.grammar.is_terminated:
             status = RequestStatus.FINISHED_STOPPED
-        detok = self.detokenizers[req.request_id]
-        if req.request_id in self.streaming or detok.stop:
-            if detok.add_tokens([token]) is not None:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = detok.stop_matched
+        stop_string = self.outputs.match_stop_string(req, token)
+        if stop_string is not None:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = stop_string
         if status is not None:
             req.times.finished = now
             self.scheduler.finish(req, status)
-            self._pending.append(self._finish_delta(req, status))
+            self.outputs.finish(req, status)
             if req.status != RequestStatus.PREFILLED:
                 self._forget(req)
-        elif req.request_id in self.streaming:
-            self._pending.append(self._delta(req, [token], detok.take_delta(False), logprob))
-
-    def _delta(self, req: Request, tokens: list[int], text: str, logprob) -> RequestDelta:
-        return RequestDelta(req.request_id, tokens, text, [logprob] if logprob is not None else None,
-                            False, None, None, req.num_prompt_tokens, req.num_output_tokens,
-                            num_cached_tokens=req.num_cached_tokens or 0)
-
-    def _finish_delta(self, req: Request, status: RequestStatus | None = None) -> RequestDelta:
-        """The last delta of a request: everything not sent yet."""
-        status = status or req.status
-        detok = self.detokenizers[req.request_id]
-        streaming = req.request_id in self.streaming
-        fresh = req.output_token_ids[req.num_resumed_tokens:]  # resumed output was delivered already
-        if not streaming and not detok.stop:
-            detok.add_all(fresh)
-        detok.flush_pending()
-        new_tokens = fresh[-1:] if streaming else fresh
-        if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) and streaming:
-            new_tokens = []
-        lps = req.logprobs[-len(new_tokens):] if req.logprobs and new_tokens else None
-        return RequestDelta(
-            req.request_id, new_tokens, detok.take_delta(True), lps, True, status.value,
-            req.stop_reason, req.num_prompt_tokens, req.num_output_tokens,
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-            times=req.times, num_cached_tokens=req.num_cached_tokens or 0)
+        else:
+            self.outputs.token(req, token, logprob)
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (no-op without TP). The engine is unusable afterwards."""

@@ -3,8 +3,9 @@
 The engine thread's host work (scheduling, building the batch, reading
 tokens back, detokenizing, stop checks) otherwise sits between two device
 steps, leaving the GPU idle for it. As SGLang's overlap scheduler and vLLM
-v1's async scheduling do, `OverlapScheduler.step` schedules and issues step
-N+1 first, then waits for step N's tokens and applies them:
+v1's async scheduling do, `LLMEngine.step` schedules and issues step N+1
+first, then waits for step N's tokens and applies them; `OverlapState` holds
+the step in flight between two calls:
 
 - A decode of step N+1 whose input is the token step N is still sampling
   reads it on the device (`PendingSample.token_ids`, SGLang's future token
@@ -32,16 +33,11 @@ stream). Not for the prefill role, whose steps hand pages to transfers.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.model_runner import LaunchedStep
-from pd_cluster.engine.outputs import StepOutput
-from pd_cluster.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.request import Request
 
 
 def overlap_mode(config: EngineConfig, device_type: str) -> tuple[bool, str]:
@@ -64,55 +60,24 @@ def needs_host_tokens(req: Request) -> bool:
     return req.grammar is not None or p.has_penalties or bool(p.logits_processors)
 
 
-class OverlapScheduler:
-    """Owns the step in flight of an engine with overlap scheduling.
+@dataclass
+class OverlapState:
+    """An engine's overlap scheduling: on or off, and the step in flight between two `LLMEngine.step` calls.
 
-    Args:
-        engine: the engine whose scheduler, runner and token handling it drives.
-        config: the engine configuration (``--disable-overlap-schedule``, ``--enable-overlap-schedule``).
+    Attributes:
+        enabled: steps overlap (`overlap_mode`).
+        reason: ``on``, or ``off`` with the reason, as the start-up log line shows it.
+        in_flight: the step issued by the last `LLMEngine.step` whose tokens are not applied yet.
+        num_drains: steps that waited for the previous one first (a request needed host tokens).
+        num_overlapped: steps issued while the previous one was in flight.
     """
 
-    def __init__(self, engine: LLMEngine, config: EngineConfig) -> None:
-        self.engine = engine
-        self.enabled, self._why = overlap_mode(config, engine.device.type)
-        self.in_flight: LaunchedStep | None = None
-        self.num_drains = 0  # steps that waited for the previous one first (a request needed host tokens)
-        self.num_overlapped = 0  # steps issued while the previous one was in flight
+    enabled: bool
+    reason: str
+    in_flight: LaunchedStep | None = None
+    num_drains: int = 0
+    num_overlapped: int = 0
 
     def describe(self) -> str:
         """``on``, or ``off`` with the reason, as the start-up log line shows it."""
-        return self._why
-
-    def step(self) -> StepOutput:
-        """Issue the next step, then complete the previous one; returns what the previous one produced."""
-        eng = self.engine
-        started = time.monotonic()
-        out = StepOutput()
-        prev, self.in_flight = self.in_flight, None
-        if prev is not None and any(r.status == RequestStatus.RUNNING and needs_host_tokens(r)
-                                    for r in prev.sampled_reqs):
-            self._complete(prev, out)
-            prev = None
-            self.num_drains += 1
-        sched = eng.scheduler.schedule()
-        out.num_tokens = sched.num_tokens
-        eng._report_schedule(sched, out)
-        if sched.is_empty:
-            eng.scheduler.on_step_launched(sched)
-            eng._complete_step(LaunchedStep.empty(sched, started), out)
-        else:
-            launched = eng.runner.launch(sched, prev, started)
-            self.num_overlapped += prev is not None
-            eng.scheduler.on_step_launched(sched)
-            for req in launched.sampled_reqs:
-                req.num_inflight += 1
-            self.in_flight = launched
-        if prev is not None:
-            self._complete(prev, out)
-        out.deltas, eng._pending = eng._pending, []
-        return out
-
-    def _complete(self, step: LaunchedStep, out: StepOutput) -> None:
-        for req in step.sampled_reqs:
-            req.num_inflight -= 1  # its token is about to be known (or dropped)
-        self.engine._complete_step(step, out)
+        return self.reason

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
 

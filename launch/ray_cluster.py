@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready,
                                        router_tokenizer_argv)
 from pd_cluster.launch.restarts import parent_bound_argv

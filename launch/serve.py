@@ -29,7 +29,7 @@ from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_
                                       LocalCluster)
 from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.supervise import serve_until_stopped
-from pd_cluster.serving.tool_calls import add_tool_args, tool_argv, tool_settings_from_args
+from pd_cluster.serving.tools.chat import add_tool_args, tool_argv, tool_settings_from_args
 from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
 
 

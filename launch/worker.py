@@ -22,8 +22,8 @@ import uvicorn
 
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
-from pd_cluster.serving.tool_calls import add_tool_args, tool_settings_from_args
-from pd_cluster.serving.worker_app import WorkerConfig
+from pd_cluster.serving.tools.chat import add_tool_args, tool_settings_from_args
+from pd_cluster.serving.worker_app import WorkerAppBuilder, WorkerConfig
 from pd_cluster.transfer.config import add_cli_args as add_transfer_args
 from pd_cluster.transfer.config import from_cli_args
 
@@ -111,22 +111,28 @@ def build_app(config: WorkerConfig):
     return install_internal_auth(_build_role_app(config), config)
 
 
+def role_app_builder(role: str) -> WorkerAppBuilder:
+    """The app builder of `role`, imported on demand (a worker loads only its own role's code). Every role's has
+    one signature (`WorkerAppBuilder`)."""
+    if role == "prefill":
+        from pd_cluster.prefill.server import build_prefill_app
+
+        return build_prefill_app
+    if role == "decode":
+        from pd_cluster.decode.server import build_decode_app
+
+        return build_decode_app
+    from pd_cluster.serving.mixed import build_mixed_app
+
+    return build_mixed_app
+
+
 def _build_role_app(config: WorkerConfig):
     from pd_cluster.engine.llm_engine import LLMEngine
 
+    build = role_app_builder(config.role)
     engine = LLMEngine(config.engine)
-    info = {"url": config.url, "incarnation": uuid.uuid4().hex[:12]}
-    if config.role == "mixed":
-        from pd_cluster.serving.mixed import build_mixed_app
-
-        return build_mixed_app(engine, info, tool_settings=config.tools)
-    if config.role == "prefill":
-        from pd_cluster.prefill.server import build_prefill_app
-
-        return build_prefill_app(engine, config, info)
-    from pd_cluster.decode.server import build_decode_app
-
-    return build_decode_app(engine, config, info)
+    return build(engine, config, {"url": config.url, "incarnation": uuid.uuid4().hex[:12]})
 
 
 def main(argv: list[str] | None = None) -> int:

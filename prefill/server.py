@@ -19,22 +19,24 @@ import logging
 import json
 from typing import Any
 
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.disagg.errors import transfer_http_error
+from pd_cluster.disagg.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.errors import HTTPError, transfer_http_error
+from pd_cluster.serving.errors import HTTPError
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
-from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info
+from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info, worker_engine_loop
 from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
 from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
 from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
 from pd_cluster.transfer.interfaces import Agent
-from pd_cluster.transfer.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
 from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")
@@ -117,14 +119,16 @@ def _error(err: HTTPError, rid: str) -> Response:
     return JSONResponse(err.body(), status_code=err.status, headers={"X-Request-Id": rid, **err.headers})
 
 
-def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict | None = None):
-    """A FastAPI app for `engine` in the prefill role, with its transfer agent."""
+def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[str, Any] | None = None,
+                      exit_on_fatal: bool = True) -> FastAPI:
+    """A FastAPI app for `engine` in the prefill role, with its transfer agent
+    (`pd_cluster.serving.worker_app.WorkerAppBuilder`: the signature of every role's app)."""
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, "prefill", engine.model_name)
     tconfig = config.transfer
     agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
     hooks = PrefillHooks(sender, engine.device)
-    loop = EngineLoop(engine, hooks, on_step=lambda e, out, dt: metrics.on_step(e))
+    loop = worker_engine_loop(engine, hooks, lambda e, out, dt: metrics.on_step(e), exit_on_fatal)
     info = server_info(engine, dict(host_info or {}, kv_agent=agent.name, kv_incarnation=agent.incarnation))
     server = PrefillServer(engine, loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),
                           metrics)

@@ -4,7 +4,7 @@
 rendered command lines with it); :func:`config_from_args` turns the parsed
 namespace into a frozen :class:`router.config.RouterConfig`. Flag names
 follow SGLang's ``sglang_router.launch_router`` where the concept is the same.
-Flags that set one config field each are rows of `pd_cluster.engine.flags.Flag`
+Flags that set one config field each are rows of `pd_cluster.common.flags.Flag`
 tables (as the engine's and the transfer's), with defaults read from the config
 dataclasses; the few that combine or convert values are written out.
 """
@@ -15,7 +15,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from pd_cluster.engine.flags import Flag, add_flags, flag_values
+from pd_cluster.common.flags import Flag, add_flags, flag_values
 from pd_cluster.router.config import (
     POLICY_NAMES,
     CacheAwareConfig,

@@ -1,10 +1,8 @@
 """OpenAI-format error bodies: one shape for every 4xx and 5xx the router answers.
 
-Shape: ``{"error": {"message", "type", "param", "code"}}`` as in OpenAI's API,
-with the same ``type`` names the workers use (``serving/errors.py``):
-``invalid_request_error`` (400, 404, 405, 413, 431), ``authentication_error`` (401),
-``permission_error`` (403), ``rate_limit_error`` (429), ``server_error``
-(5xx). ``code`` is a short machine-readable string (``invalid_value``,
+Shape: ``{"error": {"message", "type", "param", "code"}}`` as in OpenAI's API; the
+``type`` follows the status as for the workers (`pd_cluster.common.openai_errors.openai_error_type`).
+``code`` is a short machine-readable string (``invalid_value``,
 ``model_not_found``, ``queue_full``, ``no_healthy_worker``...); the HTTP
 status is the response's status line.
 """
@@ -13,19 +11,7 @@ from __future__ import annotations
 
 import json
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    431: "invalid_request_error",
-    499: "invalid_request_error",
-}
+from pd_cluster.common.openai_errors import openai_error_type
 
 DEFAULT_CODES = {
     400: "invalid_value",
@@ -44,15 +30,11 @@ DEFAULT_CODES = {
 }
 
 
-def error_type(status: int) -> str:
-    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> bytes:
     """JSON bytes of an OpenAI error for ``status`` (``code`` defaults by status)."""
     return json.dumps({"error": {
-        "message": message, "type": error_type(status), "param": param,
+        "message": message, "type": openai_error_type(status), "param": param,
         "code": code or DEFAULT_CODES.get(status, "error")}}).encode()
 
 

@@ -13,16 +13,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.common.openai_errors import openai_error_type
 from pd_cluster.engine.errors import EngineOverloaded, RequestRejected
-from pd_cluster.transfer.errors import LayoutMismatchError, StalePeerError, TransferError, TransferTimeoutError
 
 logger = logging.getLogger("pd.serving")
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error",
-          504: "server_error"}
 
 
 class EngineDeadError(RuntimeError):
@@ -50,9 +44,8 @@ class HTTPError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error body; ``type`` follows the status (4xx ``invalid_request_error`` unless more specific)."""
-    kind = _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error body; ``type`` follows the status (`pd_cluster.common.openai_errors.openai_error_type`)."""
+    return {"error": {"message": message, "type": openai_error_type(status), "param": param, "code": code}}
 
 
 def error_response(err: HTTPError, request_id: str | None = None) -> JSONResponse:
@@ -111,17 +104,3 @@ def to_http_error(exc: BaseException) -> HTTPError:
     if isinstance(exc, ValueError):  # SamplingParamError and other parameter errors
         return HTTPError(400, str(exc), getattr(exc, "param", None), "invalid_value")
     return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error")
-
-
-def transfer_http_error(e: BaseException) -> HTTPError:
-    """Map a KV-transfer failure to an `HTTPError` (both roles): stale peer or layout mismatch 409,
-    timeout 504, any other transfer error 502; anything else as `to_http_error`."""
-    if isinstance(e, StalePeerError):
-        return HTTPError(409, str(e), None, "stale_peer")
-    if isinstance(e, LayoutMismatchError):
-        return HTTPError(409, str(e), None, "kv_layout_mismatch")
-    if isinstance(e, TransferTimeoutError):
-        return HTTPError(504, str(e), None, "kv_transfer_timeout")
-    if isinstance(e, TransferError):
-        return HTTPError(502, str(e), None, f"kv_transfer_{e.reason}")
-    return to_http_error(e)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
-from pd_cluster.serving.openai_serving import PromptSource, serving_routes
+from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.openai_serving import OpenAIServing, PromptSource, serving_routes
+from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info, worker_engine_loop
 
 
 class LocalPrefill(PromptSource):
@@ -31,23 +38,14 @@ class LocalPrefill(PromptSource):
         self.loop.call_soon(lambda e: e.abort_request(request_id))
 
 
-def build_mixed_app(engine, host_info: dict | None = None, exit_on_fatal: bool = True, tool_settings=None):
-    """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints.
-
-    `exit_on_fatal`: exit the process when the engine loop dies (see `worker_app.create_worker_app`).
-    `tool_settings`: the worker's `pd_cluster.serving.tool_calls.ToolSettings` (default: no auto tool choice).
-    """
-    from prometheus_client import CollectorRegistry
-
-    from pd_cluster.serving.metrics import WorkerMetrics
-    from pd_cluster.serving.openai_serving import OpenAIServing
-    from pd_cluster.serving.worker_app import WorkerState, create_worker_app, server_info
-
+def build_mixed_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[str, Any] | None = None,
+                    exit_on_fatal: bool = True) -> FastAPI:
+    """A FastAPI app serving `engine` (role mixed) with the OpenAI API and the common endpoints
+    (`pd_cluster.serving.worker_app.WorkerAppBuilder`: the signature of every role's app)."""
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, engine.role, engine.model_name)
-    loop = EngineLoop(engine, on_step=lambda e, out, dt: metrics.on_step(e))
+    loop = worker_engine_loop(engine, on_step=lambda e, out, dt: metrics.on_step(e), exit_on_fatal=exit_on_fatal)
     state = WorkerState(loop, registry, server_info(engine, host_info))
     serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics,
-                            tool_settings)
-    return create_worker_app(state, serving_routes(serving), on_shutdown=serving.tok.close,
-                             exit_on_fatal=exit_on_fatal)
+                            config.tools)
+    return create_worker_app(state, serving_routes(serving), on_shutdown=serving.tok.close)

@@ -33,7 +33,7 @@ from pd_cluster.serving.resume import Resumed, prepare_resumed
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tokenization import Tokenization
-from pd_cluster.serving.tool_calls import ChatTools, ToolSettings, chat_tools
+from pd_cluster.serving.tools.chat import ChatTools, ToolSettings, chat_tools
 from pd_cluster.serving.validation import validate_body
 
 logger = logging.getLogger("pd.serving")

@@ -7,6 +7,7 @@ response bodies the models below; every error is OpenAI's error object. The hand
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -200,12 +201,19 @@ _PATHS: dict[str, dict[str, Any]] = {
 }
 
 
+def package_version() -> str:
+    """pd-cluster's version (its installed distribution's, else the source tree's), for ``/version`` and the
+    document's ``info.version``."""
+    try:
+        return importlib.metadata.version("pd-cluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
+
 def worker_openapi(role: str, paths: list[str]) -> dict[str, Any]:
     """The OpenAPI document of a worker of `role` serving `paths` (those this module describes)."""
     _, schemas = models_json_schema([(m, "validation") for m in _MODELS],
                                     ref_template="#/components/schemas/{model}")
-    from pd_cluster.serving.worker_app import package_version
-
     defs = schemas.get("$defs", {})
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         _close_request_schema(defs[name])

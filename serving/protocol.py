@@ -7,7 +7,7 @@ vLLM and SGLang accept (``top_k``, ``min_p``, ``repetition_penalty``,
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``)
 are accepted too. ``response_format`` and the ``guided_*`` fields become a
 `StructuredOutput`; chat ``tools`` / ``tool_choice`` are validated here and
-enforced or parsed by `tool_calls.py`. Nothing that changes the output is ignored: a field is
+enforced or parsed by `tools/chat.py`. Nothing that changes the output is ignored: a field is
 honoured, or refused with a 400 naming it (`fields.py` lists which).
 Types are strict (``"5"`` is not an int). Torch-free.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 from pd_cluster.engine.outputs import Logprob, RequestDelta
 from pd_cluster.serving.token_text import TokenTexts
-from pd_cluster.serving.tool_calls import ChatTools
+from pd_cluster.serving.tools.chat import ChatTools
 
 
 @dataclass

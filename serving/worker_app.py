@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib.metadata
 import logging
 import os
 from collections.abc import Callable
@@ -22,10 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.engine.config import ROLES, EngineConfig
-from pd_cluster.serving.engine_loop import EngineLoop
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import StepOutput
+from pd_cluster.serving.engine_loop import EngineLoop, StepHooks
 from pd_cluster.serving.errors import HTTPError, error_body, install_error_handlers
-from pd_cluster.serving.openapi import worker_openapi
-from pd_cluster.serving.tool_calls import ToolSettings
+from pd_cluster.serving.openapi import package_version, worker_openapi
+from pd_cluster.serving.tools.chat import ToolSettings
 from pd_cluster.transfer.config import TransferConfig
 
 logger = logging.getLogger("pd.worker")
@@ -180,7 +181,15 @@ class WorkerState:
         self.registry = registry
         self.info = info
         self.extra_load = extra_load or (lambda: {})
-        self.draining = False
+        self._stopping = False
+
+    @property
+    def draining(self) -> bool:
+        """The worker takes no new work: it is shutting down, or its engine loop died."""
+        return self._stopping or self.loop.fatal is not None
+
+    def stop_taking_work(self) -> None:
+        self._stopping = True
 
     @property
     def load(self) -> dict[str, Any]:
@@ -195,24 +204,34 @@ FATAL_GRACE_S = 1.0
 """Seconds between failing the requests in flight and exiting, so their error answers reach the clients."""
 
 
+WorkerAppBuilder = Callable[[LLMEngine, WorkerConfig, dict[str, Any] | None, bool], FastAPI]
+"""The one signature of the role apps (`pd_cluster.serving.mixed.build_mixed_app`,
+`pd_cluster.prefill.server.build_prefill_app`, `pd_cluster.decode.server.build_decode_app`):
+``build(engine, config, host_info=None, exit_on_fatal=True)``; `host_info` adds `/server_info` fields
+(``url``, ``incarnation``), `exit_on_fatal` is `worker_engine_loop`'s."""
+
+
+def worker_engine_loop(engine: LLMEngine, hooks: StepHooks | None = None,
+                       on_step: Callable[[LLMEngine, StepOutput, float], None] | None = None,
+                       exit_on_fatal: bool = True) -> EngineLoop:
+    """A worker's engine thread. When it dies, the loop fails every request in flight and `/health` turns 503;
+    with `exit_on_fatal` the process then exits with `ENGINE_DEAD_EXIT_CODE` after `FATAL_GRACE_S`, so that
+    pd-serve, Ray or Kubernetes restarts it (an in-process test app passes False and only turns unhealthy)."""
+
+    def exit_soon(error: BaseException) -> None:
+        asyncio.get_running_loop().call_later(FATAL_GRACE_S, _exit_dead, engine, error)
+
+    return EngineLoop(engine, hooks, on_step=on_step, on_fatal=exit_soon if exit_on_fatal else None)
+
+
 def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list[str]]],
                       on_startup: Callable[[], Any] | None = None,
-                      on_shutdown: Callable[[], Any] | None = None, exit_on_fatal: bool = True) -> FastAPI:
+                      on_shutdown: Callable[[], Any] | None = None) -> FastAPI:
     """A FastAPI app with the common endpoints and `routes` ((path, handler(request), methods)).
 
     Every error is answered in OpenAI's format (`errors.install_error_handlers`); ``/openapi.json``
-    describes the app (`openapi.worker_openapi`). When the engine loop dies, the requests in flight
-    have already been failed by the loop; with `exit_on_fatal` the process then exits with
-    `ENGINE_DEAD_EXIT_CODE` after `FATAL_GRACE_S`, so that pd-serve, Ray or Kubernetes restarts it
-    (an in-process test app passes False and only turns unhealthy).
+    describes the app (`openapi.worker_openapi`). The engine loop starts and stops with the app.
     """
-
-    def on_fatal(error: BaseException) -> None:
-        state.draining = True
-        if exit_on_fatal:
-            asyncio.get_running_loop().call_later(FATAL_GRACE_S, _exit_dead, state)
-
-    state.loop.on_fatal = on_fatal
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,7 +242,7 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
         try:
             yield
         finally:
-            state.draining = True
+            state.stop_taking_work()
             state.loop.stop()
             if on_shutdown is not None:
                 await _maybe_await(on_shutdown())
@@ -235,7 +254,7 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
 
     async def health(request: Request) -> Response:
         if state.draining or not state.loop.alive:
-            reason = "draining" if state.draining else "engine loop is not running"
+            reason = "engine loop is not running" if not state.loop.alive else "draining"
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -286,24 +305,16 @@ def _int_param(request: Request, name: str, default: int | None) -> int | None:
     return int(raw)
 
 
-def _exit_dead(state: WorkerState) -> None:
+def _exit_dead(engine: LLMEngine, error: BaseException) -> None:
     """Exit the process now: the engine loop is dead and cannot be restarted in place."""
     logger.critical("engine loop died (%s): exiting with status %d so that the worker is restarted",
-                    state.loop.fatal, ENGINE_DEAD_EXIT_CODE)
+                    error, ENGINE_DEAD_EXIT_CODE)
     try:
-        state.loop.engine.close()  # stops tensor-parallel ranks, if any
+        engine.close()  # stops tensor-parallel ranks, if any
     except Exception:  # noqa: BLE001 - exiting anyway
         logger.exception("closing the engine failed")
     logging.shutdown()
     os._exit(ENGINE_DEAD_EXIT_CODE)
-
-
-def package_version() -> str:
-    """pd-cluster's version (its installed distribution's, else the source tree's)."""
-    try:
-        return importlib.metadata.version("pd-cluster")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0+source"
 
 
 async def _maybe_await(x: Any) -> Any:
@@ -312,7 +323,7 @@ async def _maybe_await(x: Any) -> Any:
     return x
 
 
-def server_info(engine: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def server_info(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Static `/server_info` fields of a worker running `engine`."""
     layout = engine.layout
     return dict({

@@ -1,4 +1,11 @@
-"""Shared test set-up: GPU skipping, and the real embedded model's reference outputs."""
+"""Shared test set-up: GPU skipping, shared helpers on the path, and the rule that only `slow` tests start processes.
+
+Test tiers: ``python -m pytest`` runs everything (what CI runs); ``python -m pytest -m "not slow"`` is the fast
+inner loop (under 4 minutes on a 2-core CPU). A test that starts a process (a worker, a router, a cluster, a
+tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
+over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
+way of starting a process fail the test.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers, e.g. engine_reference
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers (tests/support/)
+
+from process_guard import ProcessGuard, answer_processor_without_uname  # noqa: E402
+
+answer_processor_without_uname()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -18,3 +29,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: that holds folder names too
             item.add_marker(skip)
+
+
+def _no_process_unless_slow(item):
+    """Run one phase of `item` under a `ProcessGuard` unless it is marked slow; fail it on any attempt, even
+    one the test caught."""
+    guard = ProcessGuard(item.nodeid, enabled=item.get_closest_marker("slow") is None)
+    with guard:
+        result = yield
+    if guard.attempts:
+        pytest.fail("a test that is not marked slow started a process:\n  " + "\n  ".join(guard.attempts),
+                    pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _no_process_unless_slow(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _no_process_unless_slow(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _no_process_unless_slow(item))

@@ -14,7 +14,9 @@ Pieces (see ``docs/transfer.md``):
 * `Agent`, `Sender`, `Receiver` (`pd_cluster.transfer.interfaces`): the protocols the workers are typed
   with, implemented by the classes above and by the TP proxies (`pd_cluster.transfer.tp`);
   `make_worker_transfer` (`pd_cluster.transfer.factory`) builds a worker's pair.
-* `PrefillRequest`, `PrefillResponse` (`pd_cluster.transfer.prefill_api`): the typed ``/prefill`` call.
+
+The ``/prefill`` call that carries a ticket between the two roles is theirs, not the transfer's: it is in
+`pd_cluster.disagg.prefill_api`. This package imports no other package of ours but `pd_cluster.common`.
 
 Heavy imports (NIXL, torch) happen only in `pd_cluster.transfer.agent`; this package root
 imports nothing heavy.
@@ -34,8 +36,6 @@ _LAZY = {
     "Sender": "pd_cluster.transfer.interfaces",
     "Receiver": "pd_cluster.transfer.interfaces",
     "make_worker_transfer": "pd_cluster.transfer.factory",
-    "PrefillRequest": "pd_cluster.transfer.prefill_api",
-    "PrefillResponse": "pd_cluster.transfer.prefill_api",
     "KVSender": "pd_cluster.transfer.sender",
     "KVReceiver": "pd_cluster.transfer.receiver",
     "TransferMetrics": "pd_cluster.transfer.metrics",

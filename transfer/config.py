@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from pd_cluster.engine.flags import Flag, add_flags, flag_values
+from pd_cluster.common.flags import Flag, add_flags, flag_values
 
 BACKENDS = ("UCX",)
 

@@ -23,7 +23,6 @@ def make_worker_transfer(engine, role: str, config: TransferConfig, registry) ->
         return agent, (KVSender(agent, metrics) if role == "prefill" else KVReceiver(agent, metrics))
     from pd_cluster.transfer.tp import TPAgent, TPReceiver, TPSender, install
 
-    engine.shard.metrics_registry = registry
-    infos = install(engine.tp_driver, role, config, engine.loaded.identity)
+    infos = install(engine.tp_driver, role, config, engine.loaded.identity, registry)
     proxy = TPSender(engine.tp_driver) if role == "prefill" else TPReceiver(engine.tp_driver)
     return TPAgent(engine.tp_driver, infos), proxy

@@ -25,6 +25,7 @@ import httpx
 from fastapi import APIRouter
 
 from pd_cluster.transfer.errors import MetadataFetchError, StalePeerError
+from pd_cluster.transfer.interfaces import Agent
 from pd_cluster.transfer.layout import AgentInfo
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def _norm(url: str) -> str:
     return url.rstrip("/")
 
 
-async def aapply(agent, resolved: Resolved, in_engine_thread: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
+async def aapply(agent: Agent, resolved: Resolved, in_engine_thread: Callable[[Callable[[], None]], Awaitable[None]]) -> None:
     """`apply` for async handlers, keeping the handshake off the engine thread.
 
     Superseded incarnations are dropped in the engine thread (quick; the sender or receiver there may still
@@ -194,7 +195,7 @@ async def aapply(agent, resolved: Resolved, in_engine_thread: Callable[[Callable
     stale = [n for n in resolved.superseded if n != resolved.info.agent_name]
     if stale:
         await in_engine_thread(lambda: [agent.disconnect(n) for n in stale])
-    if getattr(agent, "connects_off_thread", False):
+    if agent.connects_off_thread:
         await asyncio.to_thread(agent.connect, resolved.info)
     else:
         await in_engine_thread(lambda: agent.connect(resolved.info))

@@ -41,19 +41,20 @@ class RankTransfer:
     """One rank's agent and sender or receiver (installed on every rank by `install`).
 
     Args:
-        shard: the rank's `pd_cluster.engine.executor.shard.Shard` (its pool is registered). Rank 0's shard may carry
-            ``metrics_registry``, the worker's registry, so its metrics are served.
+        shard: the rank's `pd_cluster.engine.executor.shard.Shard` (its pool is registered).
         tp: the rank's `TPGroup`.
         role: ``prefill`` or ``decode``.
         config: the `TransferConfig`.
         identity: the model identity for the handshake.
+        registry: rank 0's: the worker's Prometheus registry, so its metrics are served; other ranks: None (a
+            private one).
     """
 
-    def __init__(self, shard, tp, role: str, config, identity: str) -> None:
+    def __init__(self, shard, tp, role: str, config, identity: str, registry: CollectorRegistry | None = None) -> None:
         self.rank = tp.rank
         self.device = shard.pool.kv.device
         self.agent = TransferAgent(shard.pool, identity, role, config)
-        metrics = TransferMetrics(getattr(shard, "metrics_registry", None) or CollectorRegistry())
+        metrics = TransferMetrics(registry or CollectorRegistry())
         self.sender = KVSender(self.agent, metrics) if role == "prefill" else None
         self.receiver = KVReceiver(self.agent, metrics) if role == "decode" else None
         self.peer_names: dict[str, str] = {}  # rank 0's name of a peer worker -> this rank's peer agent
@@ -131,9 +132,10 @@ def on_ranks(driver, method: Callable, *args: Any, gather: bool = True) -> Any:
     return driver.call("ext", EXTENSION, method.__name__, *args, gather=gather)
 
 
-def install(driver, role: str, config, identity: str) -> list[AgentInfo]:
-    """Create a `RankTransfer` on every rank; returns their infos in rank order."""
-    driver.call("install", EXTENSION, "pd_cluster.transfer.tp:RankTransfer", role, config, identity, gather=True)
+def install(driver, role: str, config, identity: str, registry: CollectorRegistry) -> list[AgentInfo]:
+    """Create a `RankTransfer` on every rank (rank 0's metrics on `registry`); returns their infos in rank order."""
+    driver.call("install", EXTENSION, "pd_cluster.transfer.tp:RankTransfer", role, config, identity, gather=True,
+                rank0_kwargs={"registry": registry})
     return on_ranks(driver, RankTransfer.info)
 
 

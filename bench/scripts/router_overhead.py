@@ -47,7 +47,7 @@ from pathlib import Path
 import httpx
 
 from pd_cluster.bench.fake_process import FakeServerProcess
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 
 MODEL = "stories260K"
 CASES = ("plain", "stream", "tokenizer", "tokenizer_unique")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pd_cluster.engine.config import EngineConfig
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.executor.shard import Shard, build_shard
 from pd_cluster.engine.graph import CudaGraphConfig
@@ -76,10 +76,11 @@ class RankServer:
         """Decode steps this rank served from its graph runner."""
         return 0 if self.shard.graph_runner is None else self.shard.graph_runner.replays
 
-    def install(self, name: str, factory: str, *args: Any) -> None:
-        """Create ``factory(shard, tp, *args)`` (``"module:callable"``) on this rank, e.g. a transfer agent."""
+    def install(self, name: str, factory: str, *args: Any, **local: Any) -> None:
+        """Create ``factory(shard, tp, *args, **local)`` (``"module:callable"``) on this rank, e.g. a transfer
+        agent; `local` are rank 0's own objects (`TPDriver.call`'s ``rank0_kwargs``)."""
         module, attr = factory.split(":")
-        self.extensions[name] = getattr(import_module(module), attr)(self.shard, self.tp, *args)
+        self.extensions[name] = getattr(import_module(module), attr)(self.shard, self.tp, *args, **local)
 
     def ext(self, name: str, method: str, *args: Any) -> Any:
         """Call a method of an installed extension."""
@@ -151,8 +152,11 @@ class TPDriver:
     def attach(self, server: RankServer) -> None:
         self.local = server
 
-    def call(self, name: str, *args: Any, gather: bool = False) -> Any:
+    def call(self, name: str, *args: Any, gather: bool = False, rank0_kwargs: dict[str, Any] | None = None) -> Any:
         """Run ``RankServer.<name>(*args)`` on every rank; rank 0's result, or every rank's with `gather`.
+
+        `rank0_kwargs` go to rank 0's call only: objects that stay in this process and are not sent (e.g. the
+        worker's metrics registry).
 
         Raises:
             Exception: with `gather`, the first rank's exception, as raised there.
@@ -160,10 +164,11 @@ class TPDriver:
         """
         self._check_alive()
         self._send_command(name, args, gather)
+        local = rank0_kwargs or {}
         if not gather:
-            return getattr(self.local, name)(*args)
+            return getattr(self.local, name)(*args, **local)
         try:
-            result: Any = getattr(self.local, name)(*args)
+            result: Any = getattr(self.local, name)(*args, **local)
         except Exception as e:  # noqa: BLE001 - the other ranks still take part in the gather
             result = e
         results = self.tp.gather_objects(result)

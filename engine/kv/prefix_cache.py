@@ -39,8 +39,12 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pd_cluster.engine.kv.allocator import NULL_PAGE, PageAllocator
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.kv.host_tier import HostTier
 
 
 class _Node:
@@ -90,7 +94,12 @@ class PrefixCache:
         page_size: tokens per page.
         observer: told of pages stored (``stored(parent page or None, pages, token tuples)``) and removed
             (``removed(pages)``), e.g. `pd_cluster.engine.kv.events.KVEventLog`; None: nobody.
+
+    Attributes:
+        host: the host-memory tier evicted pages spill to (`HiRadixCache`); None here: they are dropped.
     """
+
+    host: HostTier | None = None
 
     def __init__(self, allocator: PageAllocator, page_size: int, observer=None) -> None:
         self.allocator = allocator

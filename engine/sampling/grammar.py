@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput
 
 logger = logging.getLogger("engine.sampling.grammar")

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from pd_cluster.engine.errors import SamplingParamError
+
 if TYPE_CHECKING:
     from pd_cluster.engine.sampling.structured import StructuredOutput
 
@@ -32,14 +34,6 @@ LogitsProcessor = Callable[..., Any]
 """``fn(output_token_ids, logits) -> logits`` or ``fn(prompt_token_ids, output_token_ids, logits) -> logits``
 (vLLM's offline signatures); ``logits`` is one request's [vocab] float32 row. Offline use only: processors do
 not cross a process boundary."""
-
-
-class SamplingParamError(ValueError):
-    """A sampling parameter is invalid. `param` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
 
 
 @dataclass

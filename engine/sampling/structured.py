@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar text, and all choices together
 MAX_CHOICES = 1024

@@ -95,7 +95,7 @@ class PageManager:
 
     @property
     def has_host_tier(self) -> bool:
-        return getattr(self.cache, "host", None) is not None
+        return self.cache is not None and self.cache.host is not None
 
     def cache_computed(self, req: Request, num_tokens: int | None = None) -> None:
         """Add the pages of `req` that are full and computed to the prefix cache.

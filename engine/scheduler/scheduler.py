@@ -103,9 +103,12 @@ class Scheduler:
         pages: page manager over the pool's allocator.
         role: ``mixed``, ``prefill`` or ``decode``.
         max_running_requests: resolved limit of the running batch.
+        on_leave: called with every request that leaves the running set (finished, aborted, retracted, held
+            for a transfer) and with every removed request; the engine frees its block-table row there.
     """
 
-    def __init__(self, config: SchedulerConfig, pages: PageManager, role: str, max_running_requests: int) -> None:
+    def __init__(self, config: SchedulerConfig, pages: PageManager, role: str, max_running_requests: int,
+                 on_leave: Callable[[Request], None] | None = None) -> None:
         self.config = config
         self.pages = pages
         self.role = role
@@ -116,9 +119,7 @@ class Scheduler:
         self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
-        # Called with every request that leaves the running set (finished, aborted, retracted, held for a
-        # transfer), and with every removed request; the engine frees its block-table row there.
-        self.on_leave: Callable[[Request], None] | None = None
+        self.on_leave = on_leave
 
     def _left(self, req: Request) -> None:
         if self.on_leave is not None:

@@ -72,6 +72,7 @@ def test_missing_column_is_a_one_line_cli_error(tmp_path, capsys):
     assert "needs the column 'Response tokens'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_replays_at_the_csv_timestamps_against_the_fake(fake_factory):
     fake = fake_factory("--ttft-ms", "0", "--itl-ms", "0", realtime=True)

@@ -49,6 +49,7 @@ def test_generic_lengths_are_refused_where_they_mean_nothing(flags, message):
         _cfg(*flags)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_whose_every_request_fails_exits_non_zero(fake_factory, capsys):
     fake = fake_factory("--ttft-ms", "1", "--itl-ms", "1", "--fail-every", "1", "--fail-status", "503")
@@ -59,6 +60,7 @@ def test_a_run_whose_every_request_fails_exits_non_zero(fake_factory, capsys):
     assert "pd-bench: error: every request failed (4 of 4; HTTP 503: 4)" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_run_with_some_successes_exits_zero(fake_factory, capsys):
     fake = fake_factory("--ttft-ms", "1", "--itl-ms", "1", "--fail-every", "2")

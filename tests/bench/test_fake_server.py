@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_cluster.bench.fake_process import FakeServerProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +81,12 @@ def test_contract_endpoints(fake):
 
 def test_errors_are_openai_shaped(fake):
     r = httpx.post(fake.url + "/v1/completions", content=b"{nope", timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["code"] == 400
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["type"], err["code"]) == ("invalid_request_error", "invalid_json")
     r = httpx.post(fake.url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10)
-    assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert r.status_code == 404 and "other" in err["message"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", "model", "model_not_found")
 
 
 def test_metrics_measure_the_emulated_phases(fake):

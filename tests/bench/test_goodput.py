@@ -49,6 +49,7 @@ def test_bad_goodput_flags_are_rejected():
             parse_goodput(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_goodput_end_to_end_splits_on_the_fakes_ttft(fake_factory):
     fake = fake_factory("--ttft-ms", "60", "--itl-ms", "1", "--num-tokens", "4")

@@ -60,6 +60,7 @@ def test_empty_request_and_too_narrow_table():
         paged_kv_indices(torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([9]), 4)
 
 
+@pytest.mark.slow
 def test_smoke_run_reports_flashinfer_not_installed(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer -> ModuleNotFoundError
     out = tmp_path / "gpu-bench.md"

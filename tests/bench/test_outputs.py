@@ -13,7 +13,7 @@ from bench_testkit import bench
 
 from pd_cluster.bench.arrival import rate_plan
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 FAST = ["--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "5",
         "--no-server-metrics"]
 

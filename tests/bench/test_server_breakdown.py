@@ -48,6 +48,7 @@ class StubRouter:
         self.thread.join(5)
 
 
+@pytest.mark.slow
 def test_breakdown_reports_the_fakes_phase_times(fake_factory):
     fake = fake_factory("--role", "decode", "--ttft-ms", "50", "--queue-ms", "5", "--transfer-ms", "15",
                         "--itl-ms", "5", "--num-tokens", "6", "--kv-bytes-per-token", "2048")
@@ -71,6 +72,7 @@ def test_breakdown_reports_the_fakes_phase_times(fake_factory):
     assert b["counters"]["decode"]["pd:generation_tokens_total"] == 40 * 6
 
 
+@pytest.mark.slow
 def test_discovery_through_the_routers_workers_list(fake_factory):
     pre = fake_factory("--role", "prefill")
     dec = fake_factory("--role", "decode")

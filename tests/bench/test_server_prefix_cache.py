@@ -26,6 +26,7 @@ def test_fake_prefix_cache_counts_full_chained_pages():
     assert c.lookup_and_insert(list(range(13))) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_summary_reports_the_servers_prefix_cache_hit_rate(fake_factory, capsys):
     tok_path = resolve_tokenizer_name(None, "stories260K")
@@ -47,6 +48,7 @@ def test_summary_reports_the_servers_prefix_cache_hit_rate(fake_factory, capsys)
     assert f"{'Prefix cache hits [mixed] (tokens):':<40} 256 of 486" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_hit_rate_without_server_metrics(fake_factory):
     fake = fake_factory("--ttft-ms", "1", "--itl-ms", "1")
@@ -54,6 +56,7 @@ def test_no_hit_rate_without_server_metrics(fake_factory):
     assert "server_prefix_cache_hit_rate" not in res["summary"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_hit_rate_when_the_server_exports_no_prefix_cache_counters(fake_factory):
     fake = fake_factory("--ttft-ms", "1", "--itl-ms", "1")

@@ -33,7 +33,7 @@ def _rows(n: int) -> list[dict]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scale,block", [(1.0, 512), (0.05, 26)])
+@pytest.mark.parametrize("scale,block", [pytest.param(1.0, 512, marks=pytest.mark.slow), (0.05, 26)])  # 1.0: runs long
 def test_equal_hash_ids_give_equal_token_blocks(tok, scale, block):
     ds = load_dataset(DatasetConfig(name="mooncake-trace", num_prompts=200,
                                     scaling=LengthScaling(input_scale=scale)), tok)

@@ -188,9 +188,13 @@ def test_worker_config_is_frozen_typed_and_complete():
             ["--role", "prefill", "--prefill-url", "http://p:1"]))
 
 
-def test_role_apps_take_a_worker_config():
-    from pd_cluster.decode.server import build_decode_app
-    from pd_cluster.prefill.server import build_prefill_app
+def test_the_three_role_apps_have_one_signature():
+    from pd_cluster.launch.worker import role_app_builder
 
-    for build in (build_prefill_app, build_decode_app):
-        assert inspect.signature(build).parameters["config"].annotation in (WorkerConfig, "WorkerConfig")
+    builders = [role_app_builder(role) for role in ("mixed", "prefill", "decode")]
+    assert [b.__name__ for b in builders] == ["build_mixed_app", "build_prefill_app", "build_decode_app"]
+    signatures = [[(p.name, p.annotation, p.default) for p in inspect.signature(b).parameters.values()]
+                  for b in builders]
+    assert signatures[0] == signatures[1] == signatures[2], signatures
+    assert [name for name, _, _ in signatures[0]] == ["engine", "config", "host_info", "exit_on_fatal"]
+    assert signatures[0][1][1] in (WorkerConfig, "WorkerConfig")

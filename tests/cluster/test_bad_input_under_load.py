@@ -1,4 +1,4 @@
-"""Bad input under load: the bad-request table of `tests/serving/test_bad_input.py`, plus a 25 MB prompt and
+"""Bad input under load: the bad-request table (`tests/support/bad_input_cases.py`), plus a 25 MB prompt and
 oversized headers, through the router of a real 1P1D cluster while 8 greedy streams run through the same router.
 
 Every case gets a 4xx in the one OpenAI error format within 2 s; every stream completes with the healthy
@@ -9,17 +9,14 @@ bound; measured 0.26, 0.27 and 0.60 s in three runs on the shared 2-core host, `
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from bad_input_cases import CASES, OK, assert_openai_error, send
 from cluster_util import stream_pieces, PROMPTS, running_cluster, wait_all_free
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
-from test_bad_input import CASES, OK, _send, assert_openai_error  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -62,7 +59,7 @@ def _run_table(url: str, results: list) -> None:
             if headers:
                 r = c.post(path, json=body, headers=headers)
             else:
-                r = _send(c, path, body)
+                r = send(c, path, body)
             results.append((case_id, time.monotonic() - t, r, status, param, code))
 
 

@@ -11,6 +11,8 @@ import pytest
 from cluster_util import running_cluster
 from PIL import Image
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 
 @pytest.mark.timeout(900)
 def test_pd_bench_breakdown_json_and_plots(tmp_path):

@@ -13,6 +13,8 @@ from cluster_util import PROMPTS, metric_value, running_cluster, wait_all_free, 
 
 from pd_cluster.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 
 @pytest.fixture(scope="module")
 def pd():

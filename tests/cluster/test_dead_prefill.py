@@ -11,6 +11,8 @@ import httpx
 import pytest
 from cluster_util import PROMPTS, running_cluster, wait_all_free, worker_loads
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 # Small chunks and a small step budget make each prefill take many steps, so requests are in flight at the kill.
 SLOW_PREFILL = ["--chunked-prefill-size", "4", "--max-prefill-tokens", "8"]  # ~100 steps: a wide window to freeze in
 LONG = " ".join(PROMPTS) * 3  # about 300 tokens

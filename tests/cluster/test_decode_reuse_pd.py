@@ -24,6 +24,8 @@ from reuse_util import OPENING, conversation, counters, decode_held, delta, page
 from pd_cluster.engine.llm import LLM
 from pd_cluster.engine.sampling.params import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 MAX_TOKENS = 32
 
 

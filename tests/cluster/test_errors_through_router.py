@@ -1,18 +1,13 @@
-"""The bad-request table of `tests/serving/test_bad_input.py`, through the router of a real 1P1D cluster and
+"""The bad-request table (`tests/support/bad_input_cases.py`), through the router of a real 1P1D cluster and
 directly at its decode worker: every case gets the same OpenAI error shape, status, `param` and `code` both ways,
 and afterwards both workers serve and hold no page."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
+from bad_input_cases import CASES, OK, assert_openai_error, send
 from cluster_util import running_cluster, wait_all_free
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
-from test_bad_input import CASES, OK, _send, assert_openai_error  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +34,10 @@ def test_thirty_or_more_cases():
 def test_same_openai_error_through_the_router_and_from_the_decode_worker(cluster, case):
     _, path, body, status, param, code = case
     with httpx.Client(base_url=cluster.router_url, timeout=30) as c:
-        assert_openai_error(_send(c, path, body), status, param, code)
+        assert_openai_error(send(c, path, body), status, param, code)
     with httpx.Client(base_url=_decode_url(cluster), timeout=30,
                       headers={"X-PD-Prefill-Url": _prefill_url(cluster)}) as c:
-        assert_openai_error(_send(c, path, body), status, param, code)
+        assert_openai_error(send(c, path, body), status, param, code)
 
 
 def test_unknown_routes_and_methods_through_the_router(cluster):

@@ -21,6 +21,8 @@ from cluster_util import metric_value, running_cluster
 
 from pd_cluster.router.kv_index import page_hashes
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 PAGE = 16
 MAX_TOKENS = 16
 ENGINE = ["--page-size", str(PAGE)]

@@ -11,6 +11,8 @@ import openai
 import pytest
 from cluster_util import running_cluster
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 SCHEMA = {"type": "object", "properties": {
     "hero": {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 12},

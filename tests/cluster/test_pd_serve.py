@@ -10,6 +10,8 @@ from engine_reference import hf_greedy
 
 from pd_cluster.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 MAX_TOKENS = 40
 
 

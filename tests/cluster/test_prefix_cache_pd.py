@@ -22,7 +22,7 @@ from reuse_util import OPENING, QUESTIONS, Turn, conversation, counters, decode_
 
 from pd_cluster.engine.llm import LLM
 from pd_cluster.engine.sampling.params import SamplingParams
-from pd_cluster.transfer.prefill_api import PrefillResponse, PrefillTimings
+from pd_cluster.disagg.prefill_api import PrefillResponse, PrefillTimings
 
 PAGE = 16
 MAX_TOKENS = 16
@@ -118,6 +118,7 @@ def _pd_turns(engine_argv: list[str], turns: list[Turn], page_nbytes: int, reuse
     return texts
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_multi_turn_1p1d_prefill_computes_and_decode_receives_only_new_tokens():
     turns, page_nbytes = conversation(OPENING, 5, MAX_TOKENS, page_size=PAGE)
@@ -149,6 +150,7 @@ def _conversations_hits(policy: str, answers: list[list[str]], turns: int) -> tu
     return (sum(a[0] - b[0] for a, b in zip(after, before)), sum(a[1] - b[1] for a, b in zip(after, before)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     """Three conversations (an odd count, so that round robin does not happen to send a conversation back
@@ -166,6 +168,7 @@ def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     assert robin[1] <= 0.5 * aware[1], (robin, aware)
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU): the fast tier stays under 4 minutes
 def test_benchmark_lru_simulation_matches_the_engine():
     """The benchmark's offline LRU reference equals what the engine's own cache does on the same replay."""
     from pd_cluster.bench.scripts.prefix_cache import TRACE, load_trace, simulate

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from cluster_util import running_cluster, wait_all_free
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "mooncake_conversation_1000.jsonl"
 ROWS, SCALE, CAP = 400, 0.01, 300
 

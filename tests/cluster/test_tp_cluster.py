@@ -11,6 +11,8 @@ from reuse_util import counters
 
 from pd_cluster.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 TP2_FP8 = ["--tp-size", "2", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16", "--chunked-prefill-size", "8"]
 
 

@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from pd_cluster.common.openai_errors import openai_error_type
 from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampling.params import SamplingParams
@@ -148,7 +149,7 @@ class FakePrefill:
         async def prefill(request: Request):
             self.jobs.append(await request.json())
             if self.mode == "400":
-                return JSONResponse({"error": {"message": "prompt: too long", "type": "BadRequestError",
+                return JSONResponse({"error": {"message": "prompt: too long", "type": openai_error_type(400),
                                                "param": "prompt", "code": "invalid_value"}}, status_code=400)
             if self.mode == "hang":
                 await asyncio.sleep(30)
@@ -172,4 +173,5 @@ class FakePrefill:
 
     def stop(self) -> None:
         self.server.should_exit = True
+        self.server.force_exit = True  # a "hang" answer is still sleeping: do not wait for it
         self.thread.join(10)

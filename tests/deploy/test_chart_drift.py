@@ -15,7 +15,7 @@ from chart_util import (CHART, NAMESPACE, ROOT, VALUE_FILES, WORKER_ROLES, all_p
 
 from pd_cluster.bench import args as bench_args
 from pd_cluster.engine.args import COMPAT_ONLY
-from pd_cluster.engine.flags import is_refusal
+from pd_cluster.common.flags import is_refusal
 from pd_cluster.launch import worker as launch_worker
 from pd_cluster.router import args as router_args
 

@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 from chart_util import CHART, NAMESPACE, ROOT, expand, flag_value, load_values, one, render
+from fake_kube_api import FakeKubeApi
 
 from pd_cluster.launch.cluster import free_port
 
-sys.path.insert(0, str(ROOT / "tests" / "router"))
-from fake_kube_api import FakeKubeApi  # noqa: E402
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to bake a cake for her mom, so she"]
 API_KEY = "test-api-key"

@@ -12,13 +12,11 @@ import time
 import openai
 import psutil
 import pytest
+from cluster_util import FAST_ENGINE, PROMPTS, running_cluster
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.launch.cluster import ClusterSpec, free_port
 from pd_cluster.launch.ray_cluster import RayPlacement, plan_placement, router_argv, worker_argv
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "cluster"))
-from cluster_util import FAST_ENGINE, PROMPTS, running_cluster  # noqa: E402
 
 pytest.importorskip("ray")
 MAX_TOKENS = 32
@@ -92,6 +90,7 @@ def ray_serve(tmp_path_factory):
             raise
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ray_local_1p1d_answers_like_the_subprocess_launcher_and_leaves_no_process(ray_serve):
     url, state = ray_serve
@@ -153,6 +152,7 @@ def test_argv_matches_the_worker_and_router_parsers():
     assert "--tokenizer-path" not in argv and router_args.build_parser().parse_args(argv).tokenizer_path == "/mine"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_worker_actor_takes_its_process_with_it():
     """Ray killing an actor (node loss, OOM, ray.kill) must not leave its worker process serving as an orphan."""
@@ -176,6 +176,7 @@ def test_a_killed_worker_actor_takes_its_process_with_it():
     assert not ray.is_initialized()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_killed_worker_process_is_restarted_by_ray_and_rejoins_the_router():
     """SIGKILL a worker's process: its actor ends, Ray restarts it (``max_restarts``), the new process serves on a

@@ -176,6 +176,7 @@ def test_context_length_does_not_size_any_block_table(monkeypatch):
     assert runner.buffers.max_pages == graph_table_pages(configs[1].max_bs, 64) == 64
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tp2_ranks_keep_identical_tables_through_retraction():
     llm = LLM(tp_size=2, page_size=16, num_pages=20, schedule_conservativeness=0.1)

@@ -29,6 +29,7 @@ def _start(context_length: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_context_length_does_not_size_the_pool():
     small, huge = _start(4096), _start(10_000_000)
     assert (small["ctx"], huge["ctx"]) == (4096, 10_000_000)

@@ -14,6 +14,8 @@ import pytest
 
 from pd_cluster.engine.attention import cpu_backend
 
+pytestmark = pytest.mark.slow  # starts a process (tests/conftest.py: the fast tier starts none)
+
 CODE = """
 import numpy as np
 from pd_cluster.engine.attention import cpu_backend

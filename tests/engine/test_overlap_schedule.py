@@ -18,7 +18,7 @@ from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.sampling.structured import StructuredOutput
-from pd_cluster.transfer.prefill_api import first_token_params
+from pd_cluster.disagg.prefill_api import first_token_params
 
 PROMPTS = [
     "Once upon a time",
@@ -219,6 +219,7 @@ def test_decode_role_with_pages_from_a_prefill_engine(reference):
     assert prefill.num_free_pages() == prefill.allocator.num_pages
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_take_the_tokens_in_flight_from_rank_0():
     """TP 2: the packed step names its future tokens and rank 0 broadcasts the sampled ids on the device group;
     both ranks' inputs must hold them, or the all-reduced outputs differ from the engine without overlap."""

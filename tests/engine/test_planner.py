@@ -77,6 +77,7 @@ def test_suggests_fixes_when_it_does_not_fit(capsys):
     assert "more TP: --tp-size 8" in text and "FP8 KV" in text and "host tier" in text
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "pd_cluster.engine.planner.cli", "--model", "llama-3.1-8b"], capture_output=True,
                          text=True, timeout=60, check=True)

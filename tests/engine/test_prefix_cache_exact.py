@@ -118,6 +118,7 @@ def test_engine_mixed_role_staggered_arrivals_and_abort(kv, caplog):
     assert_no_page_in_use(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tensor_parallel_cache_on_equals_off():
     # Page ids are rank 0's: every rank's pool reuses the same cached pages for its share of the heads.

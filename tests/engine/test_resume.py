@@ -92,7 +92,7 @@ def _prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, params
                          resumed: list[int]):
     """The PD handover in one process, with resumed output: prefill computes the KV of prompt + resumed tokens
     and samples the next one; its pages are copied into the pages decode reserved for all of them."""
-    from pd_cluster.transfer.prefill_api import first_token_params
+    from pd_cluster.disagg.prefill_api import first_token_params
 
     prefill.add_request(rid, PROMPT, first_token_params(params, len(resumed)), resumed_output_ids=resumed)
     first, src = None, None

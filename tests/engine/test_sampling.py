@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.params import (MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                              MAX_STOP_TOKEN_IDS, SamplingParamError, SamplingParams)
+                                              MAX_STOP_TOKEN_IDS, SamplingParams)
 
 NAN, INF = float("nan"), float("inf")
 

@@ -23,7 +23,7 @@ from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput
 
 SCHEMA = {  # nested objects, enums, arrays, bounded numbers; nothing like it is in TinyStories

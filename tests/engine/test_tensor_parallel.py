@@ -9,6 +9,7 @@ from engine_reference import PROMPTS, hf_greedy
 from pd_cluster.engine import LLM, SamplingParams
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tp_size, kv", [(2, "fp32"), (4, "fp8_e4m3")])
 def test_tp_greedy_equals_transformers(tp_size, kv):

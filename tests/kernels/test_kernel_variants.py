@@ -94,6 +94,7 @@ def _run(setup, steps):
     return rec
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU): the fast tier stays under 4 minutes
 @pytest.mark.timeout(600)
 def test_warm_up_covers_every_variant_serving_hits(setup):
     loaded, pool, backend = setup

@@ -34,6 +34,8 @@ from pd_cluster.engine.model.layer_ops import TORCH_OPS, TritonLayerOps
 from pd_cluster.engine.model.loader import load_model
 from kernel_cases import device, make_batch, make_pool
 
+pytestmark = pytest.mark.slow  # runs long (an 8B-shaped 2-layer model, over 5 s on a 2-core CPU)
+
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_8B = REPO / "engine" / "planner" / "configs" / "llama-3.1-8b.json"
 MAX_LAUNCHES_PER_LAYER = 12

@@ -57,6 +57,7 @@ def fused_layer_ops(loaded):
 CASES = [("fp16", 16)] if not ON_GPU else [("fp16", 16), ("fp32", 1), ("bf16", 64)]
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU): the fast tier stays under 4 minutes
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kv_dtype,page_size", CASES)
 def test_greedy_triton_equals_reference(model_and_prompts, kv_dtype, page_size):
@@ -104,6 +105,7 @@ def test_greedy_fp8_kv_with_graphs_on_gpu(model_and_prompts, page_size):
     assert not tri_pool.kv[0].any(), "a padded slot wrote into the null page"
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU): the fast tier stays under 4 minutes
 @pytest.mark.timeout(900)
 def test_engine_with_triton_backend_keeps_the_greedy_output():
     """The whole engine with --attention-backend triton (fused layer ops on, chunked prefill mixed with decode)

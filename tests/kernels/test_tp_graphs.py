@@ -14,6 +14,8 @@ from engine_reference import PROMPTS
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.graph import CudaGraphConfig
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS_3 = ["Once upon a time", *PROMPTS[:2]]
 

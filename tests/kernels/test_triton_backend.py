@@ -96,6 +96,7 @@ def test_forward_fp8_random_on_gpu(act):
     assert rel_err(out, want) <= REL_ERR_BOUND[act]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path of machines without CUDA")
 @pytest.mark.timeout(300)
 def test_kernels_run_when_triton_was_imported_first():

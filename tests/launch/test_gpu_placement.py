@@ -67,6 +67,7 @@ def test_a_local_cluster_gives_each_worker_its_devices_and_fraction():
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.440"
 
 
+@pytest.mark.slow
 def test_pd_serve_refuses_gpu_lists_on_a_host_without_cuda():
     out = subprocess.run([sys.executable, "-m", "pd_cluster.launch.serve", "--prefill-gpus", "0-3"],
                          capture_output=True, text=True, timeout=120)

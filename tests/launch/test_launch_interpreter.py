@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 CHECK = ("import os, sys; {setup}"
          "import pd_cluster.engine.attention.triton as k; "
          "print(os.environ.get('TRITON_INTERPRET'))")

@@ -53,6 +53,7 @@ def test_no_restarts_with_max_restarts_zero():
     assert s.on_exit(RestartBackoff(max_restarts=0), 100.0) is None and s.given_up
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.timeout(60)
 def test_a_parent_bound_child_dies_with_its_parent():
@@ -91,6 +92,7 @@ def test_parent_bound_argv_wraps_the_command():
     assert argv[0] == sys.executable and argv[3:] == ["42", str(int(signal.SIGINT)), "/bin/echo", "hi"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 @pytest.mark.timeout(60)
 def test_a_child_started_from_a_short_lived_thread_outlives_that_thread():

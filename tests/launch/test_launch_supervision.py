@@ -19,7 +19,9 @@ import psutil
 import pytest
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
 FAST_ENGINE = ["--kv-cache-memory", "64MiB", "--cpu-threads", "1"]
 API_KEY, ADMIN_KEY = "test-key", "test-admin-key"

@@ -13,6 +13,7 @@ from pd_cluster.engine.model.arch import check_model_folder
 HUB_ID = "meta-llama/Llama-3.1-8B-Instruct"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["pd_cluster.launch.worker", "pd_cluster.launch.serve"])
 def test_a_hub_id_fails_in_one_line(module):
     out = subprocess.run([sys.executable, "-m", module, "--model", HUB_ID, "--port", "1"],

@@ -12,7 +12,9 @@ import time
 import httpx
 import pytest
 
-from pd_cluster.engine.net import free_port
+from pd_cluster.common.net import free_port
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
 
 @pytest.mark.timeout(180)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from pd_cluster.bench.fake_server import FakeServer, parse_args
 from pd_cluster.bench.httpserver import HttpServer, Request, Responder
+from pd_cluster.common.openai_errors import openai_error_type
 
 from tests.router.token_fake import TokenModel
 
@@ -53,8 +54,7 @@ async def prefill_reachable(url: str, timeout: float = 1.0) -> bool:
 
 def _error(resp: Responder, status: int, message: str, rid: str, code: str,
            extra: list[tuple[str, str]] = ()) -> None:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
+    body = json.dumps({"error": {"message": message, "type": openai_error_type(status), "param": None,
                                  "code": code}}).encode()
     resp.send(status, body, [("content-type", "application/json"), ("x-request-id", rid),
                              *extra])

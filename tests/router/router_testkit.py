@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from pd_cluster.engine.net import free_port  # noqa: F401  (used by the router tests)
+from pd_cluster.common.net import free_port  # noqa: F401  (used by the router tests)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from router_testkit import FakeWorker, RouterProc, metric_value
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 FAST = ["--ttft-ms", "5", "--itl-ms", "1", "--num-tokens", "4"]
 ROUTER = ["--prefill-policy", "round_robin", "--decode-policy", "round_robin",

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from router_testkit import FakeWorker, RouterProc
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 TYPES = {"invalid_request_error", "authentication_error", "permission_error", "rate_limit_error",
          "server_error"}

@@ -120,6 +120,7 @@ async def test_periodic_resync_repairs_the_registry():
             api.end_watches()
 
 
+@pytest.mark.slow
 def test_router_process_routes_to_pods_found_through_a_kubeconfig(tmp_path):
     """pd-router --service-discovery end to end: pods -> workers -> a routed request."""
     import httpx

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from router_testkit import FakeWorker, RouterProc, free_port, wait_http
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def stream_tokens(url: str, body: dict, out: dict) -> None:

@@ -9,7 +9,7 @@ import openai
 import pytest
 from router_testkit import FakeWorker, RouterProc, metric_value
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 BODY = {"model": "stories260K", "prompt": "a b", "max_tokens": 2}
 

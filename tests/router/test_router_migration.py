@@ -21,7 +21,7 @@ import openai
 import pytest
 from router_testkit import FakeWorker, RouterProc, metric_value, wait_http
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 TOKENS = 30
 DECODE = ["--token-model", "--ttft-ms", "20", "--itl-ms", "40"]

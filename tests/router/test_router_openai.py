@@ -10,7 +10,7 @@ import openai
 import pytest
 from router_testkit import FakeWorker, RouterProc, metric_value
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 DECODE_ARGS = ["--ttft-ms", "20", "--itl-ms", "5", "--num-tokens", "64"]
 

@@ -18,7 +18,7 @@ from router_testkit import FakeWorker, RouterProc
 from pd_cluster.router.app import RouterApp
 from pd_cluster.router.config import RouterConfig
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # The document the router serves at /openapi.json (checked equal below), without the admin API.
 DOCUMENT = RouterApp(RouterConfig()).control.openapi()

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import base64
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
-
-from chart_util import objects, one, render  # noqa: E402
+from chart_util import objects, one, render
 
 
 def _key_refs(pod_spec: dict) -> list[dict]:

@@ -82,7 +82,7 @@ def test_router_sends_the_internal_key_to_workers(monkeypatch):
 
         import uvicorn
 
-        from pd_cluster.engine.net import free_port
+        from pd_cluster.common.net import free_port
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
         task = asyncio.ensure_future(server.serve())

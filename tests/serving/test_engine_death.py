@@ -16,11 +16,13 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_bad_input import assert_openai_error  # noqa: E402
+from bad_input_cases import assert_openai_error  # noqa: E402
 from worker_kit import PROMPTS, running_worker  # noqa: E402
 
 from pd_cluster.launch.cluster import free_port  # noqa: E402
 from pd_cluster.serving.worker_app import ENGINE_DEAD_EXIT_CODE  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
 
 def _stream_events(url: str, prompt: str, out: dict) -> None:

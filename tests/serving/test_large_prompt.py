@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_bad_input import assert_openai_error  # noqa: E402
+from bad_input_cases import assert_openai_error  # noqa: E402
 from worker_kit import PROMPTS, running_worker  # noqa: E402
 
 from pd_cluster.serving.tokenization import max_bytes_per_token  # noqa: E402

@@ -78,6 +78,7 @@ def _by_name(scrape: prom.Scrape, name: str) -> dict[tuple, float]:
     return {labels: v for (n, labels), v in scrape.items() if n == name}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_vllm_names_carry_the_pd_values_with_model_name(worker):
     client = openai.OpenAI(base_url=worker + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -147,6 +148,7 @@ def _host_tier_prompts() -> list[list[int]]:
     return [prefix[k] + tails[k] for k in range(4)] + [prefix[0] + tails[4]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_host_tier_hits_loads_and_spills_on_a_mixed_worker(worker, hicache_worker):
     """Over HTTP: later prompts push the first prefix out of the tiny device pool into the host tier; the

@@ -15,6 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_kit import running_worker  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
           "response_headers_conformance")
 

@@ -17,7 +17,8 @@ import uvicorn
 from worker_kit import InProcessWorker
 
 from pd_cluster.serving.mixed import build_mixed_app
-from pd_cluster.serving.tool_calls import ToolSettings
+from pd_cluster.serving.tools.chat import ToolSettings
+from pd_cluster.serving.worker_app import WorkerConfig
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -41,8 +42,8 @@ class ToolWorker(InProcessWorker):
 
     def __init__(self, tools: ToolSettings, **kw) -> None:
         super().__init__(**kw)
-        self.app = build_mixed_app(self.engine, {"url": "", "incarnation": "test"}, exit_on_fatal=False,
-                                   tool_settings=tools)
+        self.app = build_mixed_app(self.engine, WorkerConfig(engine=self.engine.config, tools=tools),
+                                   {"url": "", "incarnation": "test"}, exit_on_fatal=False)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     access_log=False))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -162,7 +163,7 @@ def test_n_and_best_of(client):
 
 def test_tool_flags_reach_the_workers():
     from pd_cluster.launch import serve, worker
-    from pd_cluster.serving.tool_calls import tool_argv
+    from pd_cluster.serving.tools.chat import tool_argv
 
     argv = ["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"]
     assert tool_argv(serve.build_parser().parse_args(argv)) == argv

@@ -13,6 +13,7 @@ from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.launch.cluster import free_port
 from pd_cluster.serving.mixed import build_mixed_app
+from pd_cluster.serving.worker_app import WorkerConfig
 
 PROMPTS = [
     "Once upon a time",
@@ -33,7 +34,8 @@ class InProcessWorker:
         kwargs = dict(kv_cache_memory="64MiB", cpu_threads=1)
         kwargs.update(engine_kwargs)
         self.engine = LLMEngine(config_from_kwargs(**kwargs))
-        self.app = build_mixed_app(self.engine, {"url": "", "incarnation": "test"}, exit_on_fatal=False)
+        self.app = build_mixed_app(self.engine, WorkerConfig(engine=self.engine.config), {"url": "", "incarnation": "test"},
+                                   exit_on_fatal=False)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",

@@ -15,6 +15,8 @@ from conftest import connect_pair
 from kv_model import make, page_hashes, pages_for, prefill_chunk, greedy, real_prompt
 from kv_peer import PeerSpec
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 NUM_PROMPT = 150
 CHUNK = 64
 NUM_GEN = 24

@@ -15,6 +15,8 @@ from conftest import connect_pair
 from kv_model import greedy, make, pages_for, prefill_chunk, real_prompt
 from kv_peer import PeerSpec
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 NUM_PROMPT = 2000
 CHUNK = 256
 PAGE = 16

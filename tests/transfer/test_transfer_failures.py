@@ -17,6 +17,8 @@ import pytest
 from conftest import connect_pair
 from kv_peer import PeerCallError, PeerSpec
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 TIMEOUT = 4.0  # --kv-transfer-timeout of these workers (the sender's push timeout is a quarter of it)
 HEARTBEAT = 0.2
 NUM_PAGES = 64

@@ -15,6 +15,8 @@ from conftest import connect_pair
 from kv_model import write_model_variant
 from kv_peer import PeerCallError, PeerSpec
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 BASE = dict(kv_cache_dtype="fp8_e4m3", page_size=16, num_pages=64)
 
 

@@ -12,6 +12,8 @@ import pytest
 from conftest import connect_pair
 from kv_peer import PeerCallError, PeerSpec
 
+pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
+
 SPEC = dict(kv_cache_dtype="fp8_e4m3", page_size=16, num_pages=64, heartbeat_interval=0.2)
 
 

@@ -205,6 +205,7 @@ def test_rdma_devices_reads_sysfs(tmp_path):
 
 
 # ---- huge pages ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_hugepages_keep_the_data_and_report_what_moved():
     import torch
 

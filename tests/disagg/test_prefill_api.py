@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pd_cluster.engine.sampling.params import SamplingParams
-from pd_cluster.transfer.prefill_api import PrefillRequest, PrefillResponse, PrefillTimings, first_token_params
+from pd_cluster.disagg.prefill_api import PrefillRequest, PrefillResponse, PrefillTimings, first_token_params
 from pd_cluster.transfer.ticket import KVTicket, TPTicket
 
 TICKET = KVTicket("r@inc.1", "r", "decode-h-1-tp0-a", "prefill-h-2-tp0-b", (4, 5), 20, 16)

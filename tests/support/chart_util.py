@@ -2,7 +2,7 @@
 
 Core objects are validated against the Kubernetes OpenAPI schemas shipped by
 ``kubernetes-validate`` for `KUBE_VERSION`; the two CRD kinds the chart can emit
-(LeaderWorkerSet, ServiceMonitor) against the field lists in ``crd_schemas/``,
+(LeaderWorkerSet, ServiceMonitor) against the field lists in ``tests/deploy/crd_schemas/``,
 whose embedded pod templates and selectors resolve to the same Kubernetes definitions.
 """
 
@@ -150,6 +150,6 @@ def validate(obj: dict, version: str = KUBE_VERSION) -> str:
     crd = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
     if crd is None:
         return f"kubernetes {kubernetes_validate.validate(obj, version, strict=True)}"
-    schema = json.loads((Path(__file__).parent / "crd_schemas" / crd).read_text())
+    schema = json.loads((ROOT / "tests" / "deploy" / "crd_schemas" / crd).read_text())
     jsonschema.Draft202012Validator(schema, registry=_k8s_registry(version)).validate(obj)
     return crd

@@ -16,15 +16,15 @@ concatenates the pieces gets what the non-streamed response holds.
 
 from __future__ import annotations
 
-from pd_cluster.engine.sampling.tool_parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
-from pd_cluster.engine.sampling.tools import FunctionTool, ToolCall, ToolChoice, forced_tool_calls
+from pd_cluster.serving.tools.parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
+from pd_cluster.serving.tools.spec import FunctionTool, ToolCall, ToolChoice, forced_tool_calls
 
 
 class ToolCallStream:
     """One choice's streamed tool calls.
 
     Args:
-        tool_choice: the parsed ``tool_choice`` (`pd_cluster.engine.sampling.tools.parse_tool_choice`).
+        tool_choice: the parsed ``tool_choice`` (`pd_cluster.serving.tools.spec.parse_tool_choice`).
         parser: the ``auto`` parser (`get_tool_parser`); None: no tool parsing (plain content).
     """
 

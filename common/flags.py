@@ -9,7 +9,7 @@ The engine (`pd_cluster.engine.args`), the KV transfer (`pd_cluster.transfer.con
 * `Refused` rows name a spelling of another server (vLLM, SGLang) whose meaning differs from ours: argparse
   stops with a one-line error that names the flag to use instead.
 
-No third-party import: the router and `pd-bench` import this without torch.
+No third-party import (`pd_cluster.common`): the router, the transfer and `pd-bench` import this without torch.
 """
 
 from __future__ import annotations

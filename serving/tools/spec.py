@@ -4,7 +4,7 @@ Serving-neutral: a server validates the request's ``tools`` and ``tool_choice``
 (`parse_tools`, `parse_tool_choice`), puts `tool_choice_structured_output` on
 `SamplingParams.structured_output`, and turns the constrained text back into
 calls with `forced_tool_calls`. ``auto`` is parsed from free text by
-`pd_cluster.engine.sampling.tool_parsers`.
+`pd_cluster.serving.tools.parsers`.
 
 The schemas follow vLLM's (``vllm/entrypoints/openai/protocol.py``): a named
 function constrains the output to its ``parameters`` schema (the output is the
@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput
 
 MAX_TOOLS = 128

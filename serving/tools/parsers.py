@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from pd_cluster.engine.sampling.tools import ToolCall
+from pd_cluster.serving.tools.spec import ToolCall
 
 
 @dataclass

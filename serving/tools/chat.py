@@ -2,7 +2,7 @@
 each choice's output turned into OpenAI's ``message.tool_calls`` or streamed tool-call deltas.
 
 - ``required`` and a named function are enforced by structured output
-  (`pd_cluster.engine.sampling.tools.tool_choice_structured_output`): the output is the calls' JSON.
+  (`pd_cluster.serving.tools.spec.tool_choice_structured_output`): the output is the calls' JSON.
 - ``auto`` is parsed from free text by the worker's ``--tool-call-parser`` (vLLM's flag and names:
   ``hermes``, ``llama3_json``); as in vLLM it needs ``--enable-auto-tool-choice``, else a request whose
   ``tool_choice`` is ``auto`` (the default when ``tools`` is given) gets a 400 naming ``tool_choice``.
@@ -17,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pd_cluster.engine.errors import RequestRejected
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import RequestRejected, SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput
-from pd_cluster.engine.sampling.tool_parsers import get_tool_parser
-from pd_cluster.engine.sampling.tool_stream import ToolCallStream
-from pd_cluster.engine.sampling.tools import (ToolChoice, forced_tool_calls, parse_tool_choice, parse_tools,
+from pd_cluster.serving.tools.parsers import get_tool_parser
+from pd_cluster.serving.tools.stream import ToolCallStream
+from pd_cluster.serving.tools.spec import (ToolChoice, forced_tool_calls, parse_tool_choice, parse_tools,
                                               tool_choice_structured_output)
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pd_cluster.engine.net import ephemeral_range, free_port
+from pd_cluster.common.net import ephemeral_range, free_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():
@@ -24,7 +24,7 @@ def test_a_port_taken_by_a_listener_is_skipped(monkeypatch):
     taken.listen()
     free = free_port()
     draws = iter([taken.getsockname()[1], taken.getsockname()[1], free])
-    monkeypatch.setattr("pd_cluster.engine.net.random.randrange", lambda lo, hi: next(draws))
+    monkeypatch.setattr("pd_cluster.common.net.random.randrange", lambda lo, hi: next(draws))
     try:
         assert free_port() == free
     finally:

@@ -1,6 +1,6 @@
 """The ``POST /prefill`` call from a decode worker to a prefill worker: its typed request and response.
 
-Both roles import this module (neither imports the other). The body is JSON;
+Both roles import this module (`pd_cluster.disagg`; neither imports the other). The body is JSON;
 `PrefillRequest.to_json` refuses NaN and infinities (they are not JSON), and
 `from_json` validates every field, so a malformed job is a 400 naming it.
 

@@ -10,11 +10,11 @@ import jsonschema
 import pytest
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.sampling.params import SamplingParamError
+from pd_cluster.engine.errors import SamplingParamError
 from pd_cluster.engine.sampling.structured import StructuredOutput, structured_output_from_request
-from pd_cluster.engine.sampling.tool_parsers import TOOL_PARSERS, get_tool_parser
-from pd_cluster.engine.sampling.tool_stream import ToolCallStream
-from pd_cluster.engine.sampling.tools import (FunctionTool, forced_tool_calls, parse_tool_choice, parse_tools,
+from pd_cluster.serving.tools.parsers import TOOL_PARSERS, get_tool_parser
+from pd_cluster.serving.tools.stream import ToolCallStream
+from pd_cluster.serving.tools.spec import (FunctionTool, forced_tool_calls, parse_tool_choice, parse_tools,
                                               tool_choice_structured_output)
 
 # String arguments are bounded (maxLength): stories260K would otherwise write a story inside the first string.

@@ -1,0 +1,6 @@
+"""What every layer shares, below all of them: command-line flag tables (`flags`), TCP port picking (`net`), and
+OpenAI's error types (`openai_errors`).
+
+Standard library only, and no import of any other pd-cluster package: the router, the KV transfer and
+``pd-bench`` use it without torch.
+"""

@@ -1,0 +1,61 @@
+"""The fast tier starts no process: the guard of `tests/conftest.py` is on in every test not marked slow, and it
+refuses every way Python starts one."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import subprocess
+
+import pytest
+from process_guard import ProcessGuard, ProcessInNotSlowTest
+
+
+def _subprocess_run():
+    subprocess.run(["true"], check=False)
+
+
+def _asyncio_subprocess():
+    async def start():
+        await asyncio.create_subprocess_exec("true")
+    asyncio.run(start())
+
+
+def _multiprocessing_spawn():
+    multiprocessing.get_context("spawn").Process(target=print).start()
+
+
+def _multiprocessing_fork():
+    multiprocessing.get_context("fork").Process(target=print).start()
+
+
+STARTS = {
+    "subprocess.run": _subprocess_run,
+    "asyncio.create_subprocess_exec": _asyncio_subprocess,
+    "multiprocessing spawn": _multiprocessing_spawn,
+    "multiprocessing fork": _multiprocessing_fork,
+    "os.fork": lambda: os.fork(),
+    "os.system": lambda: os.system("true"),
+    "os.posix_spawn": lambda: os.posix_spawn("/bin/true", ["true"], {}),
+    "os.spawnv": lambda: os.spawnv(os.P_WAIT, "/bin/true", ["true"]),
+}
+
+
+@pytest.mark.parametrize("start", list(STARTS.values()), ids=list(STARTS))
+def test_the_guard_refuses_every_way_to_start_a_process(start):
+    with ProcessGuard("probe") as guard:
+        with pytest.raises(ProcessInNotSlowTest, match="not marked slow"):
+            start()
+    assert len(guard.attempts) == 1 and "(in probe)" in guard.attempts[0], guard.attempts
+
+
+def test_the_guard_is_on_in_a_test_that_is_not_slow(request):
+    assert ProcessGuard.current is not None and ProcessGuard.current.where == request.node.nodeid
+    assert subprocess.Popen._execute_child.__name__ == "guarded_execute_child"
+
+
+@pytest.mark.slow
+def test_a_slow_test_runs_without_the_guard():
+    assert ProcessGuard.current is None
+    assert subprocess.Popen._execute_child.__name__ == "_execute_child"
