@@ -205,9 +205,7 @@ class FakeServer:
         if self.capacity is not None:
             if not await self.capacity.admit():
                 entry["status"] = 503
-                body = {"error": {"message": "the admission queue is full", "type": "server_error",
-                                  "param": None, "code": "overloaded"}}
-                resp.send(503, json.dumps(body).encode(), hdrs + [JSON, ("retry-after", "1")])
+                _error(resp, 503, "the admission queue is full", "overloaded", hdrs + [("retry-after", "1")])
                 return
             req.arrival = time.monotonic()  # its TTFT counts from admission
         entry["status"] = 200

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from pd_cluster.router.capacity import CapacityGate
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.control import ControlPlane
 from pd_cluster.router.discovery.base import DiscoverySource, RegistrySink
@@ -39,7 +40,8 @@ class RouterApp:
                  sources: list[tuple[str, DiscoverySource]] | None = None) -> None:
         self.config = config
         self.registry = WorkerRegistry(config.circuit)
-        self.selector = PairSelector(self.registry, config.policy)
+        self.gate = CapacityGate()  # requests waiting for a worker with room
+        self.selector = PairSelector(self.registry, config.policy, on_release=self.gate.notify)
         lim = config.limits
         self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
                                           lim.queue_timeout_secs)
@@ -51,12 +53,10 @@ class RouterApp:
                                              kv.tokenizer_cache_tokens)
         self.models = ModelNames(config.served_model_names, self.registry)
         self.upstreams = Upstreams(lim, config.security.internal_api_key)
-        self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics,
-                                        self.models, self.upstreams)
-        self.generate.outcomes.on_failure = self._on_attempt_failure
-        self.generate.tokenizer = self.tokenizer
+        self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics, self.models,
+                                        self.upstreams, self.gate, self.tokenizer, self._on_attempt_failure)
         self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
-                                     self.selector.needs_load, on_room=self.generate.gate.notify)
+                                     self.selector.needs_load, on_room=self.gate.notify)
         self.metrics.attach_state(StateCollector(
             self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
@@ -152,7 +152,7 @@ class RouterApp:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
         await self.monitor.close()
-        self.generate.gate.close()
+        self.gate.close()
         if self.kv_poller is not None:
             await self.kv_poller.close()
         if self.tokenizer is not None:

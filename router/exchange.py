@@ -19,10 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pd_cluster.router.http_server import HttpConnection
+from typing import Any, Protocol
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -66,6 +63,21 @@ class DateHeader:
         return cls.line
 
 
+class Connection(Protocol):
+    """What an `Exchange` needs of its client connection (`router.http_server.HttpConnection` is one); declared
+    here so that this module does not import the server that imports it."""
+
+    closed: bool
+    write_paused: bool
+    resume_callbacks: list[Callable[[], None]]
+
+    def write(self, data: bytes) -> None: ...
+
+    def exchange_done(self, ex: Exchange) -> None: ...
+
+    def close_after_exchange(self, ex: Exchange, abort: bool = False) -> None: ...
+
+
 class Exchange:
     """A request and its response; written to only from the event loop.
 
@@ -78,7 +90,7 @@ class Exchange:
     __slots__ = ("conn", "method", "path", "query", "headers", "body", "too_large", "refusal", "arrived",
                  "keep_alive", "http11", "started", "finished", "chunked", "on_lost", "task")
 
-    def __init__(self, conn: "HttpConnection", method: str, path: bytes, query: bytes, headers: Headers,
+    def __init__(self, conn: Connection, method: str, path: bytes, query: bytes, headers: Headers,
                  body: bytes | None, keep_alive: bool, http11: bool) -> None:
         self.conn = conn
         self.method = method

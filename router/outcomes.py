@@ -26,12 +26,13 @@ MIN_BUSY_SECS = 0.1
 
 
 class Outcomes:
-    """Books attempt outcomes; ``on_failure(worker, failure)`` is set by the app (health checks)."""
+    """Books attempt outcomes; ``on_failure(worker, failure)``, the app's, tells the health checks."""
 
-    def __init__(self, metrics: RouterMetrics, gate: CapacityGate) -> None:
+    def __init__(self, metrics: RouterMetrics, gate: CapacityGate,
+                 on_failure: Callable[[Worker, AttemptFailure], None] | None = None) -> None:
         self.metrics = metrics
         self.gate = gate
-        self.on_failure: Callable[[Worker, AttemptFailure], None] | None = None
+        self.on_failure = on_failure
 
     def chosen(self, pair: Pair) -> None:
         count = self.metrics.count_choice

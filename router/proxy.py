@@ -23,6 +23,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 
 from pd_cluster.router.capacity import CapacityGate
 from pd_cluster.router.config import Role, RouterConfig
@@ -67,7 +68,12 @@ class GenerateHandler:
     """Answers the two generate paths, one `Exchange` at a time each."""
 
     def __init__(self, config: RouterConfig, selector: PairSelector, limiter: ConcurrencyLimiter,
-                 metrics: RouterMetrics, models: ModelNames, upstreams: Upstreams) -> None:
+                 metrics: RouterMetrics, models: ModelNames, upstreams: Upstreams, gate: CapacityGate,
+                 tokenizer: RouterTokenizer | None = None,
+                 on_failure: Callable[[Worker, AttemptFailure], None] | None = None) -> None:
+        """``gate``: where requests wait for a worker with room (the selector's ``on_release`` notifies it);
+        ``tokenizer``: the app's, when it routes on KV events; ``on_failure``: told of every failed attempt
+        (`Outcomes`)."""
         self.config = config
         self.selector = selector
         self.limiter = limiter
@@ -75,10 +81,9 @@ class GenerateHandler:
         self.models = models
         self.upstreams = upstreams
         self.relay = Relay(metrics, config.limits)
-        self.gate = CapacityGate()
-        selector.on_release = self.gate.notify
-        self.outcomes = Outcomes(metrics, self.gate)
-        self.tokenizer: RouterTokenizer | None = None  # set by the app when routing on KV events
+        self.gate = gate
+        self.outcomes = Outcomes(metrics, gate, on_failure)
+        self.tokenizer = tokenizer
         self.draining = False
         self._rng = random.Random(config.policy.seed)
         self.supervisor = Supervisor()

@@ -68,11 +68,13 @@ class PairSelector:
     """Applies the per-role policies to the registry's usable workers.
 
     ``index``: the workers' KV event index, given to ``cache_aware`` when ``config.kv.enabled`` (a
-    tokenizer and ``--kv-events``); None makes one then.
+    tokenizer and ``--kv-events``); None makes one then. ``on_release``: called when a chosen pair is
+    released, since room may have appeared (``CapacityGate.notify``).
     """
 
     def __init__(self, registry: WorkerRegistry, config: PolicyConfig,
-                 clock: Callable[[], float] = time.monotonic, index: KvIndex | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, index: KvIndex | None = None,
+                 on_release: Callable[[], None] | None = None) -> None:
         self.registry = registry
         rng = random.Random(config.seed)
         kv = config.kv
@@ -81,7 +83,7 @@ class PairSelector:
             role: make_policy(name, config.cache_aware, rng, clock, self.index, kv)
             for role, name in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode),
                                (Role.MIXED, config.mixed))}
-        self.on_release: Callable[[], None] | None = None  # room may have appeared (``CapacityGate.notify``)
+        self.on_release = on_release
         self._clock = clock
         registry.subscribe(on_removed=self._forget)
 

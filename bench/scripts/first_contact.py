@@ -34,7 +34,7 @@ most 8 files into DIR.
 ``--dry-run`` runs the same steps on any machine at toy sizes (kernel tests
 only collect and skip, the model runs on CPU, the benchmark runs ``--smoke``):
 it proves the script starts, writes its files and stays within the budget
-(`tests/bench/test_first_contact.py`). Its numbers mean nothing.
+(`tests/bench/test_first_contact_script.py`). Its numbers mean nothing.
 
 Exit status: 0 when every step passed, 1 otherwise.
 """

@@ -47,7 +47,7 @@ from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.llama import MLP, RMSNorm
 from pd_cluster.engine.model.moe import SparseMoE
-from pd_cluster.engine.model.rope import RotaryEmbedding
+from pd_cluster.engine.model.rope import RotaryEmbedding, deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
@@ -191,10 +191,3 @@ class DeepseekForCausalLM(nn.Module):
         rows = batch.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return self.lm_head(x).float()
-
-
-def deinterleave_rope_rows(w: torch.Tensor, start: int) -> torch.Tensor:
-    """`w` [..., rows, cols] with rows ``[start:]`` reordered from interleaved pairs ``(0, 1), (2, 3), ...``
-    to rotate-half order ``0, 2, 4, ..., 1, 3, 5, ...`` (a copy)."""
-    rope = w[..., start:, :]
-    return torch.cat((w[..., :start, :], rope[..., 0::2, :], rope[..., 1::2, :]), dim=-2)

@@ -79,10 +79,7 @@ class TorchLayerOps:
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
                       b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
-        """Routed experts' output [T, H] (`pd_cluster.engine.model.moe.torch_fused_experts`: shapes, -1 ids,
-        biases, activation)."""
-        from pd_cluster.engine.model.moe import torch_fused_experts  # moe imports this module
-
+        """Routed experts' output [T, H] (`torch_fused_experts`: shapes, -1 ids, biases, activation)."""
         return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input, b13, b2, activation)
 
     def activation(self, x: torch.Tensor, activation: tuple) -> torch.Tensor:
@@ -148,6 +145,52 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 TORCH_OPS = TorchLayerOps()
+
+
+def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                        ids: torch.Tensor, ops: TorchLayerOps = TORCH_OPS,
+                        apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
+    """The routed experts' output: ``sum_j weights[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = ids[t, j]``.
+
+    Args:
+        x: [T, H] activations.
+        w13: [E, 2 I, H] gate rows then up rows of each (local) expert, x's dtype.
+        w2: [E, H, I] down projections.
+        weights: [T, k] float32 or x's dtype, from `select_experts`.
+        ids: [T, k] local expert indices; -1 marks a choice another rank computes (contributes 0).
+        ops: the activation (``silu_and_mul``, ``swiglu_clamped``).
+        apply_weights_on_input: scale the expert's input instead of its output (Llama 4).
+        b13, b2: [E, 2 I] and [E, H] biases of the two projections (gpt-oss), added after each product, or None.
+        activation: ``("silu",)`` or ``("swiglu_clamped", alpha, limit)`` (`LayerOps.activation`).
+
+    Returns:
+        [T, H] in x's dtype. Each (token, choice) product is rounded to x's dtype before the k of
+        a token are summed, as transformers' ``index_add_`` does.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    out = x.new_zeros(t * k, x.shape[1])
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat[flat >= 0], minlength=w13.shape[0]).tolist()
+    start = int((flat < 0).sum())  # the -1 entries sort first
+    w = weights.reshape(-1)
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start:start + n]
+        start += n
+        inp = x[rows // k]
+        if apply_weights_on_input:
+            inp = (inp * w[rows, None]).to(x.dtype)
+        h = F.linear(inp, w13[e])
+        if b13 is not None:  # transformers adds the biases after the products (x @ W + b)
+            h = h + b13[e]
+        h = F.linear(ops.activation(h, activation), w2[e])
+        if b2 is not None:
+            h = h + b2[e]
+        out[rows] = h if apply_weights_on_input else (h * w[rows, None]).to(x.dtype)
+    return out.view(t, k, x.shape[1]).sum(dim=1)
 
 
 def layer_ops(name: str) -> TorchLayerOps:

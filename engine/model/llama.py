@@ -34,7 +34,7 @@ from pd_cluster.engine.layer_attention import rope_key
 from pd_cluster.engine.model.layer_ops import TorchLayerOps
 from pd_cluster.engine.model.layers import MLP, Attention, RMSNorm
 from pd_cluster.engine.model.moe import SharedExperts, SparseMoE
-from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding, deinterleave_rope_rows, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm"]
@@ -136,8 +136,6 @@ class LlamaForCausalLM(nn.Module):
         if not self.cfg.rope_interleaved or not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                                 "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
             return tensor
-        from pd_cluster.engine.model.deepseek import deinterleave_rope_rows  # deepseek imports this module
-
         d = self.cfg.head_dim
         rows = tensor.reshape(-1, d, tensor.shape[-1] if tensor.dim() == 2 else 1)
         return deinterleave_rope_rows(rows, 0).reshape(tensor.shape)

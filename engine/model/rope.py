@@ -179,3 +179,10 @@ def longrope_scaling(scaling: dict[str, Any] | None, max_position_embeddings: in
         return scaling
     orig = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
     return {**scaling, "use_long_factor": (context_length or max_position_embeddings) > orig}
+
+
+def deinterleave_rope_rows(w: torch.Tensor, start: int) -> torch.Tensor:
+    """`w` [..., rows, cols] with rows ``[start:]`` reordered from interleaved pairs ``(0, 1), (2, 3), ...``
+    to rotate-half order ``0, 2, 4, ..., 1, 3, 5, ...`` (a copy)."""
+    rope = w[..., start:, :]
+    return torch.cat((w[..., :start, :], rope[..., 0::2, :], rope[..., 1::2, :]), dim=-2)

@@ -16,18 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from cluster_util import FAST_ENGINE, running_cluster, wait_all_free
+from deepseek_models import PROMPTS, build, hf_greedy_recompute
 from reuse_util import counters
 
 from pd_cluster.launch.cluster import free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from deepseek_models import PROMPTS, build, hf_greedy_recompute  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 MAX_TOKENS = 32

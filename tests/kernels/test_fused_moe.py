@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pd_cluster.engine.attention.triton.fused_moe import FusedMoEKernelConfig, fused_experts, moe_align
-from pd_cluster.engine.model.moe import torch_fused_experts
+from pd_cluster.engine.model.layer_ops import torch_fused_experts
 
 BOUND = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

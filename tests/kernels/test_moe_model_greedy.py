@@ -20,6 +20,7 @@ from pd_cluster.engine.model.loader import load_model
 from pd_cluster.engine.model.moe import SparseMoE
 
 
+@pytest.mark.slow  # runs long (over 5 s on a 2-core CPU in the Triton interpreter): the fast tier stays under 4 min
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
 def test_moe_greedy_triton_equals_reference(family, tmp_path):

@@ -9,16 +9,11 @@ and a prefill worker with K/V pages fail at the handshake, naming ``kv_format``.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from conftest import connect_pair
+from deepseek_models import build
 from kv_model import make, pages_for, prefill_chunk, greedy, real_prompt
 from kv_peer import PeerCallError, PeerSpec
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from deepseek_models import build  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 NUM_PROMPT, CHUNK, NUM_GEN = 70, 32, 16

@@ -16,7 +16,7 @@ multiplies them by that expert's weight tile. So a layer is
 Expert id -1 (a choice that another expert-parallel rank computes) gets its
 own padded run whose tiles are stored as zeros. Products accumulate in
 float32 (IEEE dots for float32 activations); each GEMM's output is rounded to
-the activation dtype, as the torch reference (`pd_cluster.engine.model.moe.torch_fused_experts`) does.
+the activation dtype, as the torch reference (`pd_cluster.engine.model.layer_ops.torch_fused_experts`) does.
 """
 
 from __future__ import annotations
