@@ -59,3 +59,18 @@ def test_the_guard_is_on_in_a_test_that_is_not_slow(request):
 def test_a_slow_test_runs_without_the_guard():
     assert ProcessGuard.current is None
     assert subprocess.Popen._execute_child.__name__ == "_execute_child"
+
+
+def test_no_two_test_modules_share_a_basename():
+    """The test folders have no ``__init__.py``, so pytest imports each module by its basename: two files named
+    alike (say ``tests/bench/test_x.py`` and ``tests/decode/test_x.py``) stop the whole run at collection with
+    "import file mismatch"."""
+    from collections import defaultdict
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for path in tests.rglob("*.py"):
+        if path.name != "conftest.py" and "__pycache__" not in path.parts:
+            by_name[path.name].append(str(path.relative_to(tests)))
+    assert {n: p for n, p in by_name.items() if len(p) > 1} == {}
