@@ -31,6 +31,9 @@ class ForwardBatch:
         num_decodes: requests ``[:num_decodes]`` have exactly one new token.
         query_lens_cpu, seq_lens_cpu, query_start_loc_cpu: host copies (lists of
             int) for the torch backend and the scheduler.
+        group_batches: with KV cache groups (`pd_cluster.engine.kv.groups`), the same batch for groups 1..G:
+            each with its group's ``slot_mapping`` and ``block_tables`` (the fields above are group 0's); None
+            with one group.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,13 @@ class ForwardBatch:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
+    group_batches: "tuple[ForwardBatch, ...] | None" = None
+
+    def for_group(self, group: int) -> "ForwardBatch":
+        """This step as KV group `group`'s layers see it (its slot mapping and block tables)."""
+        if not group or self.group_batches is None:
+            return self
+        return self.group_batches[group - 1]
 
     @property
     def num_tokens(self) -> int:

@@ -124,6 +124,10 @@ class CacheConfig:
             ``--hicache-ratio``, default 2.0).
         hicache_size: bytes of the host pool; overrides `hicache_ratio` when set
             (SGLang's ``--hicache-size``, whose bare numbers are GB).
+        disable_hybrid_kv_cache_manager: keep every layer's KV for every token (one KV group), also on a model
+            with sliding-window or chunked layers (vLLM's flag). By default such a model's layers form KV
+            groups and window layers hold only their window's pages (`pd_cluster.engine.kv.groups`; mixed
+            role only: the prefill and decode roles keep one group, the layout KV transfers move).
     """
 
     page_size: int = 64
@@ -135,6 +139,7 @@ class CacheConfig:
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int | None = None
+    disable_hybrid_kv_cache_manager: bool = False
 
     @property
     def enable_prefix_caching(self) -> bool:

@@ -37,6 +37,7 @@ from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.request_builder import RequestLimits, make_request
 from pd_cluster.engine.sampling.grammar import GrammarManager
 from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.engine.scheduler.group_pages import GroupedPageManager
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
 from pd_cluster.engine.stats import EngineStats
@@ -97,10 +98,18 @@ class LLMEngine:
                            "may degrade", self.context_length, arch.max_position_embeddings)
         self.allocator = PageAllocator(self.pool_plan.num_pages)
         self.kv_events = KVEventLog(self.layout.page_size)  # what the cache stores and evicts (GET /kv_events)
-        self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events)
-        self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
-        self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
+        self.kv_groups = self.pool.groups
+        grouped = not self.kv_groups.is_single  # hybrid KV: one table per group, window pages freed
         sc = config.scheduler
+        self.prefix_cache = (None if grouped else
+                             build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events))
+        self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
+        if grouped:
+            self.pages = GroupedPageManager(self.allocator, self.layout.page_size, self.kv_groups,
+                                            sc.chunked_prefill_size)
+            logger.info("hybrid KV cache: %s", self.kv_groups.describe())
+        else:
+            self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
@@ -118,7 +127,8 @@ class LLMEngine:
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
         self.limits = RequestLimits(arch.vocab_size, self.context_length, self.layout.page_size,
-                                    self.pool.num_pages, sc.max_queued_requests, self.eos_token_ids, self.role)
+                                    self.pool.num_pages, sc.max_queued_requests, self.eos_token_ids, self.role,
+                                    None if not grouped else self.kv_groups, sc.chunked_prefill_size)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.role)
         self.overlap = OverlapState(*overlap_mode(config, self.device.type))

@@ -80,11 +80,14 @@ class ModelRunner:
         self.tp_driver = tp_driver
         self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
         self.rows = BlockTableRows()  # which row of every rank's device block table each running request owns
+        self.num_groups = shard.pool.groups.num_groups  # KV groups: one table row per request and group
 
     def release(self, request_id: str) -> None:
         """Hook: the request left the running set (finished, aborted, retracted, handed off); its block-table row
         is free again. The engine wires it to `Scheduler.on_leave`. Unknown ids are ignored."""
         self.rows.release(request_id)
+        for g in range(1, self.num_groups):
+            self.rows.release(_group_key(request_id, g))
 
     def launch(self, out: SchedulerOutput, prev: LaunchedStep | None = None, started: float = 0.0) -> LaunchedStep:
         """Issue the step `out` (forward pass and sampling) without waiting for its tokens.
@@ -161,10 +164,16 @@ class ModelRunner:
                     logits.append(n_tok + n - 1)
                 sample_rows.append(len(logits) - 1)
             n_tok += n
-        rows, edits = self.rows.step([it.req.request_id for it in items], [it.req.block_table for it in items])
+        ids, tables = [it.req.request_id for it in items], [it.req.block_table for it in items]
+        for g in range(1, self.num_groups):  # one more row per request for each other KV group
+            ids += [_group_key(it.req.request_id, g) for it in items]
+            tables += [it.req.group_tables[g - 1] for it in items]
+        rows, edits = self.rows.step(ids, tables)
+        b = len(items)
+        group_rows = [rows[g * b:(g + 1) * b] for g in range(1, self.num_groups)]
         prev_tokens = prev.pending.token_ids if dst else None
-        step = pack_step(token_ids, starts, qlens, rows, logits, num_decodes, edits, dst, src,
-                         0 if prev_tokens is None else prev_tokens.numel())
+        step = pack_step(token_ids, starts, qlens, rows[:b], logits, num_decodes, edits, dst, src,
+                         0 if prev_tokens is None else prev_tokens.numel(), group_rows)
         return step, sample_rows, prompt_rows, prev_tokens
 
     @staticmethod
@@ -180,3 +189,8 @@ class ModelRunner:
         for req, row, pos, count in prompt_rows:
             next_ids = req.token_ids[pos + 1: pos + 1 + count]
             req.prompt_logprobs.extend(prompt_logprobs(logits[row:row + count], next_ids, req.params.prompt_logprobs))
+
+
+def _group_key(request_id: str, group: int) -> str:
+    """The block-table row owner of `request_id`'s KV group `group` (>= 1)."""
+    return f"{request_id}\x00kv-group-{group}"

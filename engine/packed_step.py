@@ -9,20 +9,24 @@ included, decodes the same arrays with `build_step` against its own
 
 Layout (all int64)::
 
-    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N, F, P
+    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N, F, P, G
     payload: token ids [T] | start positions [B] | query lengths [B] | table rows [B] | logits rows [L]
              | rows to clear [C] | append rows [S] | append first columns [S] | append lengths [S]
              | appended page ids [N] | future token positions [F] | their rows of the previous tokens [F]
+             | table rows of KV groups 1..G [G * B]
 
 B requests (decodes first), T tokens, L logits rows (indices into the T tokens),
 the block-table edits of `pd_cluster.engine.block_tables.TableEdits`, and
 (overlap scheduling, `pd_cluster.engine.overlap`) F input tokens still being
 sampled by the previous step: their ids come from its P sampled ids on the
-device (rank 0's, broadcast to the other ranks on the device group).
+device (rank 0's, broadcast to the other ranks on the device group). With KV cache groups
+(`pd_cluster.engine.kv.groups`) every request has one table row per group, all in the one device table: the
+rows above are group 0's, and G more rows per request follow; the edits cover every group's rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +35,8 @@ import torch
 from pd_cluster.engine.batch import ForwardBatch, HostStaging, token_layout, upload
 from pd_cluster.engine.block_tables import DeviceBlockTable, TableEdits
 
-HEADER_LEN = 10
-STEP_MAGIC = 0x53544550_0002  # "STEP", layout version 2
+HEADER_LEN = 11
+STEP_MAGIC = 0x53544550_0003  # "STEP", layout version 3
 COMMAND_MAGIC = 0x434D4E44_0001  # "CMND": a pickled command follows (pd_cluster.engine.executor.tp)
 
 
@@ -44,7 +48,8 @@ class StepArrays:
         input_ids: [T]; starts: [B] position of each request's first new token; query_lens: [B];
         rows: [B] block-table rows; logits: [L] token rows whose logits are needed; num_decodes: leading decodes;
         edits: the block-table edits; future_pos: [F] token positions whose id is the previous step's
-        ``future_src`` [F] row of its sampled ids (of which there are ``num_prev``).
+        ``future_src`` [F] row of its sampled ids (of which there are ``num_prev``); group_rows: [G, B] table rows
+        of KV groups 1..G (G is 0 with one group).
     """
 
     input_ids: np.ndarray
@@ -57,19 +62,24 @@ class StepArrays:
     future_pos: np.ndarray
     future_src: np.ndarray
     num_prev: int
+    group_rows: np.ndarray | None = None
 
 
 def pack_step(input_ids: list[int], starts: list[int], query_lens: list[int], rows: list[int], logits: list[int],
               num_decodes: int, edits: TableEdits, future_pos: list[int] = (), future_src: list[int] = (),
-              num_prev: int = 0) -> np.ndarray:
-    """The flat int64 array ``header + payload`` of one step (see the module docstring)."""
+              num_prev: int = 0, group_rows: list[list[int]] = ()) -> np.ndarray:
+    """The flat int64 array ``header + payload`` of one step (see the module docstring).
+
+    Args:
+        group_rows: per KV group after the first, the table row of each request (in `rows`' order).
+    """
     b, t, n_l = len(starts), len(input_ids), len(logits)
-    c, s, n, f = edits.clear.size, edits.seg_rows.size, edits.ids.size, len(future_pos)
-    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n + 2 * f, dtype=np.int64)
-    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n, f, num_prev)
+    c, s, n, f, g = edits.clear.size, edits.seg_rows.size, edits.ids.size, len(future_pos), len(group_rows)
+    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n + 2 * f + g * b, dtype=np.int64)
+    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n, f, num_prev, g)
     o = HEADER_LEN
     for part in (input_ids, starts, query_lens, rows, logits, edits.clear, edits.seg_rows, edits.seg_cols,
-                 edits.seg_lens, edits.ids, future_pos, future_src):
+                 edits.seg_lens, edits.ids, future_pos, future_src, *group_rows):
         k = len(part)
         out[o:o + k] = part
         o += k
@@ -84,8 +94,8 @@ def payload_len(header: np.ndarray) -> int:
     """
     if int(header[0]) != STEP_MAGIC:
         raise ValueError(f"not a packed step header: {header.tolist()}")
-    _, b, _, t, n_l, c, s, n, f, _ = (int(x) for x in header)
-    return t + 3 * b + n_l + c + 3 * s + n + 2 * f
+    _, b, _, t, n_l, c, s, n, f, _, g = (int(x) for x in header)
+    return t + 3 * b + n_l + c + 3 * s + n + 2 * f + g * b
 
 
 def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
@@ -97,14 +107,15 @@ def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
     size = payload_len(header)
     if payload.size != size:
         raise ValueError(f"packed step payload has {payload.size} elements, its header announces {size}")
-    _, b, nd, t, n_l, c, s, n, f, n_prev = (int(x) for x in header)
+    _, b, nd, t, n_l, c, s, n, f, n_prev, g = (int(x) for x in header)
     parts, o = [], 0
     for k in (t, b, b, b, n_l, c, s, s, s, n, f, f):
         parts.append(payload[o:o + k])
         o += k
     ids, starts, qlens, rows, logits, clear, seg_rows, seg_cols, seg_lens, pages, fpos, fsrc = parts
+    group_rows = payload[o:o + g * b].reshape(g, b) if g else None
     return StepArrays(ids, starts, qlens, rows, logits, nd, TableEdits(clear, seg_rows, seg_cols, seg_lens, pages),
-                      fpos, fsrc, n_prev)
+                      fpos, fsrc, n_prev, group_rows)
 
 
 def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None
@@ -118,27 +129,39 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
     Raises:
         ValueError: a row does not hold the pages its request's tokens need, or an out-of-order append.
     """
-    flat_idx, values = table.apply_host(step.edits, step.rows)
+    all_rows = step.rows if step.group_rows is None else np.concatenate([step.rows, step.group_rows.reshape(-1)])
+    flat_idx, values = table.apply_host(step.edits, all_rows)
     qlens = step.query_lens
     qsl, req_of_token, positions, seq_lens = token_layout(step.starts, qlens)
-    held = table.lengths[step.rows]
     need = -(-seq_lens // page_size)
-    short = np.nonzero(held < need)[0]
-    if short.size:
-        table.apply_device(*(torch.from_numpy(a).to(table.device) for a in (step.edits.clear, flat_idx, values)))
-        i = int(short[0])  # the edits are applied on the device too, so that mirror and table stay equal
-        raise ValueError(f"request {i}: block table has {held[i]} pages, needs {need[i]} for {seq_lens[i]} tokens")
-    slots = table.host[step.rows[req_of_token], positions // page_size].astype(np.int64) * page_size \
-        + positions % page_size
-    width = int(held.max(initial=1)) or 1
-    arrays = [(step.input_ids, torch.long), (positions, torch.long), (slots, torch.long), (qsl, torch.int32),
+    groups = [step.rows] + ([] if step.group_rows is None else list(step.group_rows))
+    helds = [table.lengths[rows] for rows in groups]
+    for held in helds:
+        short = np.nonzero(held < need)[0]
+        if short.size:
+            table.apply_device(*(torch.from_numpy(a).to(table.device) for a in (step.edits.clear, flat_idx, values)))
+            i = int(short[0])  # the edits are applied on the device too, so that mirror and table stay equal
+            raise ValueError(f"request {i}: block table has {held[i]} pages, needs {need[i]} for {seq_lens[i]} "
+                             "tokens")
+    slot_list = [table.host[rows[req_of_token], positions // page_size].astype(np.int64) * page_size
+                 + positions % page_size for rows in groups]
+    widths = [int(held.max(initial=1)) or 1 for held in helds]
+    arrays = [(step.input_ids, torch.long), (positions, torch.long), (slot_list[0], torch.long), (qsl, torch.int32),
               (seq_lens, torch.int32), (step.logits, torch.long), (step.rows, torch.long),
               (step.edits.clear, torch.long), (flat_idx, torch.long), (values, torch.int32)]
+    for rows, slots in zip(groups[1:], slot_list[1:]):
+        arrays += [(rows, torch.long), (slots, torch.long)]
     tensors = upload(arrays, table.device, staging)
-    ids_t, pos_t, slots_t, qsl_t, seq_t, logits_t, rows_t, clear_t, idx_t, val_t = tensors
+    ids_t, pos_t, slots_t, qsl_t, seq_t, logits_t, rows_t, clear_t, idx_t, val_t = tensors[:10]
     table.apply_device(clear_t, idx_t, val_t)
-    return ForwardBatch(
+    batch = ForwardBatch(
         input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_t,
-        block_tables=table.gather(rows_t, width), logits_indices=logits_t, num_decodes=step.num_decodes,
+        block_tables=table.gather(rows_t, widths[0]), logits_indices=logits_t, num_decodes=step.num_decodes,
         query_lens_cpu=qlens.tolist(), seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist(),
     )
+    if len(groups) > 1:
+        extra = tensors[10:]
+        batch.group_batches = tuple(
+            dataclasses.replace(batch, slot_mapping=extra[2 * i + 1], block_tables=table.gather(extra[2 * i], w))
+            for i, w in enumerate(widths[1:]))
+    return batch

@@ -90,6 +90,7 @@ class Request:
         self.num_inflight = 0  # overlap scheduling: tokens sampled by launched steps, not yet known on the host
         self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
         self.block_table: list[int] = []
+        self.group_tables: list[list[int]] = []  # KV groups 1.. of a hybrid pool (block_table is group 0's)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None

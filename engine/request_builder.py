@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pd_cluster.engine.errors import (ContextLengthExceeded, EngineOverloaded, PoolCapacityExceeded, RequestRejected,
                                      SamplingParamError)
+from pd_cluster.engine.kv.groups import KVGroups
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.params import SamplingParams
 
@@ -32,6 +33,10 @@ class RequestLimits:
         max_queued_requests: requests that may wait for admission (``--max-queued-requests``).
         eos_token_ids: the model's EOS ids (the tokenizer's included).
         role: ``mixed``, ``prefill`` or ``decode``; a prefill engine samples one token per request.
+        kv_groups: the pool's KV groups when they are hybrid (`pd_cluster.engine.kv.groups`): a request needs
+            each group's most pages at once, fewer than its tokens for windowed groups; None: one page per
+            ``page_size`` tokens.
+        chunk: the most tokens computed per step (``--chunked-prefill-size``), for `kv_groups`.
     """
 
     vocab_size: int
@@ -41,11 +46,19 @@ class RequestLimits:
     max_queued_requests: int
     eos_token_ids: tuple[int, ...]
     role: str
+    kv_groups: KVGroups | None = None
+    chunk: int = 0
 
     @property
     def pool_tokens(self) -> int:
         """Tokens the whole KV pool holds (SGLang's ``max_total_num_tokens``)."""
         return self.num_pages * self.page_size
+
+    def pages_needed(self, total_tokens: int) -> int:
+        """The most pages a request of `total_tokens` tokens holds at once (every group counted)."""
+        if self.kv_groups is None:
+            return -(-total_tokens // self.page_size)
+        return self.kv_groups.max_pages(total_tokens, self.chunk, self.page_size)
 
 
 def make_request(limits: RequestLimits, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -100,7 +113,15 @@ def make_request(limits: RequestLimits, request_id: str, prompt_token_ids: list[
             f"{total} tokens ({n} in the prompt, {params.max_tokens} in the completion). Please reduce the "
             f"length of the prompt or the completion.")
     capacity = limits.pool_tokens
-    if total > capacity:
+    if limits.kv_groups is not None:
+        pages = limits.pages_needed(total)
+        if pages > limits.num_pages:
+            raise PoolCapacityExceeded(
+                f"The request needs up to {pages} KV pages at once over the model's KV groups ({n} prompt + "
+                f"{params.max_tokens} completion tokens; {limits.kv_groups.describe()}) but the whole KV pool "
+                f"holds {limits.num_pages} pages of {limits.page_size} tokens; raise --kv-cache-memory / "
+                "--mem-fraction-static or shorten it.")
+    elif total > capacity:
         raise PoolCapacityExceeded(
             f"The request needs up to {total} tokens of KV cache ({n} prompt + {params.max_tokens} completion) "
             f"but the whole KV pool holds {capacity} tokens ({limits.num_pages} pages of "

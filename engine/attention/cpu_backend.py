@@ -120,7 +120,7 @@ def paged_decode(q: torch.Tensor, pool: KVPool, layer: int, block_tables: torch.
     rc = lib.pd_paged_decode(q.data_ptr(), kv.data_ptr(), _DTYPE_CODE[kv.dtype], block_tables.data_ptr(),
                              None if owners is None else owners.data_ptr(), seq_lens.data_ptr(), None if starts is None else starts.data_ptr(),
                              None if sinks is None else sinks.data_ptr(), float(softcap or 0.0),
-                             out.data_ptr(), b, hq, hkv, d, ps, num_layers, layer,
+                             out.data_ptr(), b, hq, hkv, d, ps, num_layers, pool.layer_slot(layer),
                              block_tables.shape[1], scale, k_scale, v_scale, scratch.data_ptr(), threads)
     if rc != 0:
         raise ValueError(f"pd_paged_decode rejected its arguments (q {tuple(q.shape)}, kv {tuple(kv.shape)})")

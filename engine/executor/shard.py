@@ -24,6 +24,7 @@ from pd_cluster.engine.block_tables import DeviceBlockTable
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.graph import CudaGraphConfig, maybe_capture_decode_graphs, warm_up_kernels
+from pd_cluster.engine.kv.groups import KVGroups, plan_kv_groups, single_group
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
 from pd_cluster.engine.model.arch import ArchConfig
@@ -53,7 +54,13 @@ class Shard:
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Capture this rank's decode CUDA graphs once the pool exists (none off CUDA or with
-        ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner."""
+        ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner.
+        A pool of several KV groups runs eagerly: the graphs' static buffers hold one block table."""
+        if self.pool.groups.num_groups > 1:
+            if not config.disable:
+                logger.info("CUDA graphs: off (%d KV groups; the captured step holds one block table)",
+                            self.pool.groups.num_groups)
+            return []
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
@@ -97,9 +104,22 @@ def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False) 
     ArchConfig.from_pretrained(model_path).check_tp(tp_size, expert_parallel)
 
 
-def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayout:
+def kv_groups(config: EngineConfig, arch: ArchConfig) -> KVGroups:
+    """The pool's KV groups (`pd_cluster.engine.kv.groups`): by attention type for a model with sliding-window
+    or chunked layers in the mixed role, unless ``--disable-hybrid-kv-cache-manager``; one group otherwise (the
+    prefill and decode roles keep the layout KV transfers move, and an MLA or hierarchical-cache pool is
+    all-full or keeps every page)."""
+    layers = arch.layer_attention
+    if (config.role != "mixed" or config.cache.disable_hybrid_kv_cache_manager or arch.mla is not None
+            or config.cache.enable_hierarchical_cache or all(spec.kind == "full" for spec in layers)):
+        return single_group(arch.num_hidden_layers)
+    return plan_kv_groups(layers)
+
+
+def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup, groups: KVGroups | None = None) -> KVLayout:
     """The pool layout of this rank (``num_kv_heads / tp_size`` heads; MLA: the whole latent on every rank,
-    as vLLM and SGLang keep it: it cannot be split by heads)."""
+    as vLLM and SGLang keep it: it cannot be split by heads). With `groups` other than one full group, a page
+    holds one group's layers (``layers_per_page``)."""
     arch = loaded.arch
     kv_dtype = config.cache.kv_cache_dtype
     if kv_dtype == "auto":
@@ -114,7 +134,8 @@ def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup) -> KVLayou
     return KVLayout(num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads // tp.size,
                     head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
                     k_scales=tuple(loaded.k_scales) if fp8 else ones, v_scales=tuple(loaded.v_scales) if fp8 else ones,
-                    tp_size=tp.size, tp_rank=tp.rank)
+                    tp_size=tp.size, tp_rank=tp.rank,
+                    layers_per_page=0 if groups is None or groups.is_single else groups.layers_per_page)
 
 
 def check_triton(device: torch.device) -> None:
@@ -156,12 +177,13 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
                         expert_parallel=config.parallel.enable_expert_parallel,
                         context_length=config.scheduler.context_length)
-    layout = kv_layout(config, loaded, tp)
+    groups = kv_groups(config, loaded.arch)
+    layout = kv_layout(config, loaded, tp, groups)
     plan = plan_pool(layout, config.cache, device)
     if tp.size > 1:
         num_pages = tp.all_min(plan.num_pages)
         plan = PoolPlan(num_pages, plan.budget_bytes, plan.available_bytes, plan.source)
-    pool = KVPool(layout, plan.num_pages, device, loaded.dtype)
+    pool = KVPool(layout, plan.num_pages, device, loaded.dtype, groups)
     arch = loaded.arch
     name = resolve_backend_name(config.device.attention_backend, device)
     if arch.mla is not None:

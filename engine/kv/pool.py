@@ -22,6 +22,10 @@ scale per layer for K and one for V (``x_fp8 = clamp(x / scale, -448, 448)``,
 clamped before the cast because PyTorch's cast does not saturate); an MLA latent
 uses the layer's K scale (vLLM's rule; its V scale stays 1.0). Callers never
 see uint8 views or scales unless they ask for them (`layer_cache`, `scales`).
+
+With KV cache groups (`pd_cluster.engine.kv.groups`, hybrid models) the second axis holds
+``layout.layers_per_page`` slots and a page belongs to one group: layer ``l`` lives in slot
+``groups.slot_of_layer[l]`` of its group's pages. Methods still take the model's layer index.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import torch
+
+from pd_cluster.engine.kv.groups import KVGroups, single_group
 
 FP8_E4M3_MAX = 448.0
 
@@ -57,6 +63,8 @@ class KVLayout:
         kv_format: ``mha`` (K and V per KV head) or ``mla`` (one latent per token: ``num_kv_heads`` 1,
             ``head_dim`` the latent's width, one plane instead of K and V).
         page_nbytes: bytes of one page (all layers, K and V).
+        layers_per_page: layer slots of one page when the layers form KV cache groups
+            (`pd_cluster.engine.kv.groups`: a page then holds one group's layers); 0: every layer (one group).
 
     Raises:
         ValueError: an unknown `kv_format`, or ``mla`` with more than one KV head.
@@ -73,12 +81,18 @@ class KVLayout:
     tp_rank: int = 0
     order: str = "page,layer,kv,head,token,dim"
     kv_format: str = "mha"
+    layers_per_page: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {self.kv_format!r}")
         if self.kv_format == "mla" and self.num_kv_heads != 1:
             raise ValueError(f"an MLA pool holds one latent per token (num_kv_heads 1), got {self.num_kv_heads}")
+
+    @property
+    def page_layers(self) -> int:
+        """Layer slots of one page: `layers_per_page`, or every layer."""
+        return self.layers_per_page or self.num_layers
 
     @property
     def is_mla(self) -> bool:
@@ -95,7 +109,7 @@ class KVLayout:
 
     @cached_property
     def page_nbytes(self) -> int:
-        return (self.num_layers * self.num_planes * self.num_kv_heads * self.page_size * self.head_dim
+        return (self.page_layers * self.num_planes * self.num_kv_heads * self.page_size * self.head_dim
                 * self.element_size)
 
     @property
@@ -104,6 +118,8 @@ class KVLayout:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if not self.layers_per_page:
+            del d["layers_per_page"]  # one group: the layout (and its hash) of a pool without groups
         d["page_nbytes"] = self.page_nbytes
         return d
 
@@ -126,14 +142,21 @@ class KVPool:
     """
 
     def __init__(self, layout: KVLayout, num_pages: int, device: torch.device | str,
-                 compute_dtype: torch.dtype) -> None:
+                 compute_dtype: torch.dtype, groups: KVGroups | None = None) -> None:
+        if groups is not None and (groups.layers_per_page != layout.page_layers
+                                   or groups.num_layers != layout.num_layers):
+            raise ValueError(f"KV groups of {groups.num_layers} layers, {groups.layers_per_page} a page, do not "
+                             f"match the layout's {layout.num_layers} layers, {layout.page_layers} a page")
         self.layout = layout
+        self.groups = groups if groups is not None else single_group(layout.num_layers)
+        self._slot = self.groups.slot_of_layer
+        self._group = self.groups.group_of_layer
         self.num_pages = num_pages
         self.page_size = layout.page_size
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.is_fp8 = layout.kv_cache_dtype == "fp8_e4m3"
-        shape = (num_pages + 1, layout.num_layers, layout.num_planes, layout.num_kv_heads, layout.page_size,
+        shape = (num_pages + 1, layout.page_layers, layout.num_planes, layout.num_kv_heads, layout.page_size,
                  layout.head_dim)
         self.kv = torch.zeros(shape, dtype=_STORAGE[layout.kv_cache_dtype], device=self.device)
         self.scales = torch.tensor([layout.k_scales, layout.v_scales], dtype=torch.float32,
@@ -175,7 +198,7 @@ class KVPool:
         """
         if self.layout.is_mla:
             raise ValueError("an MLA pool stores latents (store_latent), not K and V")
-        rows = self._rows_for(slot_mapping) + layer * self._layer_rows
+        rows = self._rows_for(slot_mapping) + self._slot[layer] * self._layer_rows
         d = self.layout.head_dim
         self._rows_view.index_copy_(0, rows.reshape(-1), self._quantize(k, self._k_scale[layer]).reshape(-1, d))
         self._rows_view.index_copy_(0, (rows + self._kv_rows).reshape(-1),
@@ -192,7 +215,7 @@ class KVPool:
         lay = self.layout
         pages, offsets = slots // lay.page_size, slots % lay.page_size
         heads = torch.arange(lay.num_kv_heads, device=slots.device) * lay.page_size
-        page_rows = lay.num_layers * lay.num_planes * lay.num_kv_heads * lay.page_size
+        page_rows = lay.page_layers * lay.num_planes * lay.num_kv_heads * lay.page_size
         rows = (pages * page_rows + offsets)[:, None] + heads[None, :]
         self._rows_cache = (slot_mapping, rows)
         return rows
@@ -209,7 +232,7 @@ class KVPool:
         """
         if not self.layout.is_mla:
             raise ValueError("store_latent needs an MLA pool (kv_format 'mla')")
-        rows = self._rows_for(slot_mapping)[:, 0] + layer * self._layer_rows
+        rows = self._rows_for(slot_mapping)[:, 0] + self._slot[layer] * self._layer_rows
         self._rows_view.index_copy_(0, rows, self._quantize(latent, self._k_scale[layer]))
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -231,7 +254,7 @@ class KVPool:
             k, v: [batch, num_kv_heads, num_pages_per_seq * page_size, head_dim]
             in `compute_dtype`.
         """
-        pages = self.kv[block_tables.long(), layer]  # [B, n, 2, H, ps, D]
+        pages = self.kv[block_tables.long(), self._slot[layer]]  # [B, n, 2, H, ps, D]
         b, n, _, h, ps, d = pages.shape
         pages = pages.permute(2, 0, 3, 1, 4, 5).reshape(2, b, h, n * ps, d)
         return self._dequantize(pages[0], self._k_scale[layer]), self._dequantize(pages[1], self._v_scale[layer])
@@ -245,7 +268,7 @@ class KVPool:
         Returns:
             [batch, num_pages_per_seq * page_size, latent_dim] in `compute_dtype`.
         """
-        pages = self.kv[block_tables.long(), layer, 0, 0]  # [B, n, ps, D]
+        pages = self.kv[block_tables.long(), self._slot[layer], 0, 0]  # [B, n, ps, D]
         b, n, ps, d = pages.shape
         return self._dequantize(pages.reshape(b, n * ps, d), self._k_scale[layer])
 
@@ -258,7 +281,8 @@ class KVPool:
     def layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw views for kernels: K and V of `layer`, [num_pages + 1, num_kv_heads, page_size, head_dim],
         in the storage dtype (float8_e4m3fn for FP8), strided over the page axis."""
-        k, v = self.kv[:, layer, 0], self.kv[:, layer, 1]
+        slot = self._slot[layer]
+        k, v = self.kv[:, slot, 0], self.kv[:, slot, 1]
         if self.is_fp8:
             k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
         return k, v
@@ -266,8 +290,17 @@ class KVPool:
     def latent_cache(self, layer: int) -> torch.Tensor:
         """Raw view for kernels of an MLA pool: the latents of `layer`, [num_pages + 1, page_size, latent_dim],
         in the storage dtype (float8_e4m3fn for FP8), strided over the page axis."""
-        c = self.kv[:, layer, 0, 0]
+        c = self.kv[:, self._slot[layer], 0, 0]
         return c.view(torch.float8_e4m3fn) if self.is_fp8 else c
+
+    def group_of(self, layer: int) -> int:
+        """The KV group of `layer` (0 without groups): its block tables and slots are that group's."""
+        return self._group[layer]
+
+    def layer_slot(self, layer: int) -> int:
+        """Index of `layer` on the pool's second axis (its slot within its KV group's pages; `layer` itself
+        without groups)."""
+        return self._slot[layer]
 
     def layer_scales(self, layer: int) -> tuple[float, float]:
         """The FP8 (k_scale, v_scale) of `layer`; (1.0, 1.0) for other dtypes."""

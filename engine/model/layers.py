@@ -103,7 +103,7 @@ class Attention(nn.Module):
             q, k = self.l2_norm(q), self.l2_norm(k)
         if self.temperature is not None:
             q = self._temperature(q, batch.positions)
-        out = backend.forward(self.layer, q, k, v, pool, batch, sinks=self.sinks)
+        out = backend.forward(self.layer, q, k, v, pool, batch.for_group(pool.group_of(self.layer)), sinks=self.sinks)
         if self.tp.size == 1 or self.o_proj.bias is None:
             return self.tp.all_reduce(self.o_proj(out))
         return self.tp.all_reduce(F.linear(out, self.o_proj.weight)) + self.o_proj.bias

@@ -11,7 +11,7 @@ that is too optimistic costs retractions; too pessimistic, idle pages.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pd_cluster.engine.request import Request
 
@@ -20,6 +20,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
+# (request, tokens it still needs) -> pool tokens those take; a hybrid pool's windowed groups hold fewer
+# (`GroupedPageManager.pool_tokens`). None: one token each.
+Cost = Callable[[Request, float], float]
 
 
 class AdmissionPolicy:
@@ -35,18 +38,21 @@ class AdmissionPolicy:
         self.decay = (self.init_ratio - self.min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_ratio
 
-    def reserved_tokens(self, running: Iterable[Request]) -> float:
-        """Tokens the running requests are still expected to need."""
+    def reserved_tokens(self, running: Iterable[Request], cost: Cost | None = None) -> float:
+        """Tokens the running requests are still expected to need (through `cost`, when given: pool tokens)."""
         total = 0.0
         for r in running:
             remaining_known = r.num_tokens - r.num_computed_tokens
-            total += remaining_known + min(r.remaining_output_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            tokens = remaining_known + min(r.remaining_output_tokens, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+            total += tokens if cost is None else cost(r, tokens)
         return total
 
     @staticmethod
-    def tokens_needed(req: Request) -> int:
-        """Tokens a new request needs: what is known but not computed, plus its output budget."""
-        return req.num_tokens - req.num_computed_tokens + min(req.remaining_output_tokens, CLIP_MAX_NEW_TOKENS)
+    def tokens_needed(req: Request, cost: Cost | None = None) -> float:
+        """Tokens a new request needs: what is known but not computed, plus its output budget (through `cost`,
+        when given)."""
+        tokens = req.num_tokens - req.num_computed_tokens + min(req.remaining_output_tokens, CLIP_MAX_NEW_TOKENS)
+        return tokens if cost is None else cost(req, tokens)
 
     def on_decode_step(self) -> None:
         self.new_token_ratio = max(self.new_token_ratio - self.decay, self.min_ratio)

@@ -26,6 +26,8 @@ class PageManager:
     holds it) and *in use*; ``num_free + num_evictable + num_in_use == num_pages``.
     """
 
+    grouped = False  # `GroupedPageManager`: several KV groups / window pages freed
+
     def __init__(self, allocator: PageAllocator, page_size: int, cache: PrefixCache | None = None) -> None:
         self.allocator = allocator
         self.page_size = page_size
@@ -53,6 +55,10 @@ class PageManager:
     def extra_pages(self, req: Request, num_tokens: int) -> int:
         """Pages `req` lacks to hold its first `num_tokens` tokens."""
         return max(self.pages_for(num_tokens) - len(req.block_table), 0)
+
+    def trim(self, req: Request) -> int:
+        """Free pages no later query of `req` reads (none here: every page stays); returns how many."""
+        return 0
 
     def can_grow(self, req: Request, num_tokens: int) -> bool:
         return self.extra_pages(req, num_tokens) <= self.num_available

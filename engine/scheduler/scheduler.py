@@ -120,6 +120,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
         self.on_leave = on_leave
+        self._cost = pages.pool_tokens if pages.grouped else None  # admission in pool tokens (hybrid KV)
 
     def _left(self, req: Request) -> None:
         if self.on_leave is not None:
@@ -190,6 +191,7 @@ class Scheduler:
                 continue
             if req.num_inflight and req.num_output_tokens + req.num_inflight >= req.max_tokens:
                 continue  # overlap scheduling: its token in flight is its last (max_tokens); nothing to run
+            self.pages.trim(req)  # window pages behind the next query go back to the pool first
             n = self._chunk(req, budget)
             if n <= 0:
                 continue
@@ -231,11 +233,12 @@ class Scheduler:
         self.num_retracted_total += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        reserved = self.admission.reserved_tokens(self.running) + self.admission.reserved_tokens(self.remote.values())
+        reserved = (self.admission.reserved_tokens(self.running, self._cost)
+                    + self.admission.reserved_tokens(self.remote.values(), self._cost))
         while self.waiting and self.num_holding < self.max_running:
             req = self.waiting[0]
             cached = self._match(req)
-            need = self.admission.tokens_needed(req)  # after the match: cached tokens are not needed
+            need = self.admission.tokens_needed(req, self._cost)  # after the match: cached tokens are not needed
             remote = req.remote_kv and req.num_tokens - cached > self.config.max_local_prefill_length
             if remote:
                 admitted = self._fits(need, reserved) and self._reserve_remote(req, out)

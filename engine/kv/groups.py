@@ -1,0 +1,163 @@
+"""KV cache groups: layers that share one page rule, one block table per request, and pages of one shared pool.
+
+A model whose layers attend differently (`pd_cluster.engine.layer_attention`) needs different KV per layer: a
+``full`` layer reads every earlier token, a ``sliding`` (window W) or ``chunked`` (chunk C) layer only the last W
+tokens or its own chunk. Layers with the same page rule form a *group*; each request has one block table per
+group, and a windowed group's table holds only the pages its window still needs: pages behind the window are
+freed as the window moves and their block-table entries become the null page (vLLM's sliding-window manager,
+``SlidingWindowManager.remove_skipped_blocks``).
+
+Page-size unification (vLLM's hybrid allocator, ``kv_cache_utils._get_kv_cache_groups_uniform_page_size``): every
+group has at most `layers_per_page` layers, and one page of the single pool holds `layers_per_page` layers of
+``page_size`` tokens of *one* group. All groups draw from one `PageAllocator`, so the budget is divided by what
+the running requests need at each moment, not by a ratio fixed at start-up (SGLang's SWA pool keeps two pools
+with a fixed ``swa_full_tokens_ratio``). A type with more layers than `layers_per_page` gets several groups with
+the same rule (Llama 4 Scout: 36 chunked + 12 full layers -> 3 chunked groups and 1 full group of 12 layers).
+
+Units: tokens and pages; positions count from 0 in the request's sequence. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from pd_cluster.engine.layer_attention import LayerAttention
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group.
+
+    Attributes:
+        rule: ``("full", 0)``, ``("sliding", W)`` or ``("chunked", C)``: which keys a query at position ``p`` reads
+            (`LayerAttention.mask_key`).
+        layers: the model's layer indices in this group, in order; layer ``layers[i]`` is slot ``i`` of a page.
+    """
+
+    rule: tuple[str, int]
+    layers: tuple[int, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.rule[0]
+
+    @property
+    def is_windowed(self) -> bool:
+        """Pages behind the window are freed (sliding and chunked groups)."""
+        return self.kind != "full"
+
+    def first_visible(self, position: int) -> int:
+        """The first key position a query at `position` reads (0 for a full group)."""
+        kind, size = self.rule
+        if kind == "sliding":
+            return max(position - size + 1, 0)
+        if kind == "chunked":
+            return position - position % size
+        return 0
+
+    def first_needed_page(self, next_position: int, page_size: int) -> int:
+        """Pages before this index are never read again once the next query is at `next_position`."""
+        return self.first_visible(next_position) // page_size if self.is_windowed else 0
+
+    def max_pages(self, num_tokens: int, chunk: int, page_size: int) -> int:
+        """The most pages a request of `num_tokens` tokens holds at once in this group when it computes at most
+        `chunk` tokens per step: every page for a full group; for a windowed one, the pages of the widest span a
+        step reads, ``window - 1 + chunk`` tokens, which may straddle one more page than it fills."""
+        whole = -(-num_tokens // page_size)
+        if not self.is_windowed:
+            return whole
+        span = self.rule[1] - 1 + max(chunk, 1)
+        return min(whole, -(-span // page_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """How a model's layers map onto the pool's pages.
+
+    Attributes:
+        groups: the groups, full groups first (so group 0 is a full group whenever the model has one).
+        num_layers: the model's layers.
+    """
+
+    groups: tuple[KVGroup, ...]
+    num_layers: int
+
+    @cached_property
+    def layers_per_page(self) -> int:
+        """Layer slots of one page (the largest group)."""
+        return max(len(g.layers) for g in self.groups)
+
+    @cached_property
+    def group_of_layer(self) -> tuple[int, ...]:
+        out = [0] * self.num_layers
+        for gi, g in enumerate(self.groups):
+            for layer in g.layers:
+                out[layer] = gi
+        return tuple(out)
+
+    @cached_property
+    def slot_of_layer(self) -> tuple[int, ...]:
+        """Each layer's slot within its group's pages."""
+        out = [0] * self.num_layers
+        for g in self.groups:
+            for slot, layer in enumerate(g.layers):
+                out[layer] = slot
+        return tuple(out)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def frees_window_pages(self) -> bool:
+        """Some group frees pages behind its window."""
+        return any(g.is_windowed for g in self.groups)
+
+    @property
+    def is_single(self) -> bool:
+        """One full group over every layer in order: today's layout, page for page (non-hybrid models)."""
+        return (len(self.groups) == 1 and not self.groups[0].is_windowed
+                and self.groups[0].layers == tuple(range(self.num_layers)))
+
+    def max_pages(self, num_tokens: int, chunk: int, page_size: int) -> int:
+        """Pages a request of `num_tokens` tokens may hold at once, summed over the groups (see
+        `KVGroup.max_pages`)."""
+        return sum(g.max_pages(num_tokens, chunk, page_size) for g in self.groups)
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. ``full x12, chunked(8192) x12 x3 (12 layers a page)``."""
+        counts: dict[tuple[str, int], list[int]] = {}
+        for g in self.groups:
+            counts.setdefault(g.rule, []).append(len(g.layers))
+        parts = []
+        for (kind, size), sizes in counts.items():
+            name = kind if kind == "full" else f"{kind}({size})"
+            parts.append(f"{name}: {len(sizes)} group{'s' if len(sizes) > 1 else ''} of {'/'.join(map(str, sizes))}"
+                         " layers")
+        return f"{'; '.join(parts)}; {self.layers_per_page} layers a page"
+
+
+def single_group(num_layers: int) -> KVGroups:
+    """Every layer in one full group (no page is freed behind a window; a window stays a mask)."""
+    return KVGroups((KVGroup(("full", 0), tuple(range(num_layers))),), num_layers)
+
+
+def plan_kv_groups(layers: tuple[LayerAttention, ...]) -> KVGroups:
+    """The groups of a model with these per-layer attention types.
+
+    Layers of one rule are split into groups of at most ``min(layers per rule)`` layers (vLLM's rule: the
+    smallest type sets the page's layer count, so no page carries another type's empty slots; a type whose count
+    is not a multiple leaves its last group's pages partly unused). Every layer full: `single_group`.
+    """
+    by_rule: dict[tuple[str, int], list[int]] = {}
+    for i, spec in enumerate(layers):
+        by_rule.setdefault(spec.mask_key, []).append(i)
+    if list(by_rule) == [("full", 0)]:
+        return single_group(len(layers))
+    size = min(len(v) for v in by_rule.values())
+    groups: list[KVGroup] = []
+    for rule in sorted(by_rule, key=lambda r: (r[0] != "full", r)):
+        idx = by_rule[rule]
+        groups.extend(KVGroup(rule, tuple(idx[i:i + size])) for i in range(0, len(idx), size))
+    return KVGroups(tuple(groups), len(layers))

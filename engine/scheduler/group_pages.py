@@ -1,0 +1,124 @@
+"""Pages for requests when the model's layers form several KV cache groups, or window layers free pages.
+
+`GroupedPageManager` is the `PageManager` of a hybrid pool (`pd_cluster.engine.kv.groups`): a request holds one
+block table per group (``req.block_table`` is group 0's, ``req.group_tables`` the others'), all drawn from one
+`PageAllocator`. Before each step, `trim` frees the pages a windowed group will never read again (those wholly
+before the first key the next query sees) and puts the null page in their place, as vLLM's
+``SlidingWindowManager.remove_skipped_blocks`` does; the freed pages count as available for that very step. The
+device block table is append-only: an entry replaced by the null page keeps its old id there, which no kernel
+reads (every attention path starts at the first visible position, `LayerAttention.first_visible`).
+
+Admission (`pool_tokens`) counts what a request will hold at most in each group: every page for a full group,
+``window - 1 + chunk`` tokens (plus the page it straddles) for a windowed one, so a long prompt on a
+window-only model needs a window's pages, not the prompt's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pd_cluster.engine.kv.allocator import NULL_PAGE, PageAllocator
+from pd_cluster.engine.kv.groups import KVGroups
+from pd_cluster.engine.kv.prefix_cache import PrefixCache
+from pd_cluster.engine.request import Request
+from pd_cluster.engine.scheduler.page_manager import PageManager
+
+
+class GroupedPageManager(PageManager):
+    """A `PageManager` over KV cache groups.
+
+    Args:
+        allocator: the pool's page allocator (shared by every group).
+        page_size: tokens per page.
+        groups: the pool's groups.
+        chunk: the most tokens one step computes for a request (``--chunked-prefill-size``): a windowed group's
+            pages for admission (`pool_tokens`).
+        cache: the prefix cache; must be None for now (refused otherwise).
+
+    Raises:
+        ValueError: a prefix cache was given.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, groups: KVGroups, chunk: int,
+                 cache: PrefixCache | None = None) -> None:
+        if cache is not None:
+            raise ValueError("the grouped page manager takes no prefix cache")
+        super().__init__(allocator, page_size, None)
+        self.grouped = True
+        self.groups = groups
+        self.chunk = chunk
+        self.num_trimmed_total = 0  # pages freed behind a window
+
+    # ---- tables -----------------------------------------------------------------------
+    def tables(self, req: Request) -> list[list[int]]:
+        """`req`'s block table of every group, group 0 first (created empty on first use)."""
+        extra = self.groups.num_groups - 1
+        if len(req.group_tables) != extra:
+            req.group_tables = [[] for _ in range(extra)]
+        return [req.block_table, *req.group_tables]
+
+    def held_pages(self, req: Request) -> list[int]:
+        """Pages `req` holds in each group (null entries behind a window not counted)."""
+        return [sum(1 for p in t if p != NULL_PAGE) for t in self.tables(req)]
+
+    # ---- growth -----------------------------------------------------------------------
+    def trim(self, req: Request) -> int:
+        """Free the pages of windowed groups that no query from ``req.num_computed_tokens`` on reads; returns how
+        many were freed."""
+        freed = 0
+        start = req.num_computed_tokens
+        for group, table in zip(self.groups.groups, self.tables(req)):
+            if not group.is_windowed:
+                continue
+            stop = min(group.first_needed_page(start, self.page_size), len(table))
+            dead = [p for p in table[:stop] if p != NULL_PAGE]
+            if dead:
+                self.allocator.free(dead)
+                table[:stop] = [NULL_PAGE] * stop
+                freed += len(dead)
+        self.num_trimmed_total += freed
+        return freed
+
+    def extra_pages(self, req: Request, num_tokens: int) -> int:
+        need = self.pages_for(num_tokens)
+        return sum(max(need - len(t), 0) for t in self.tables(req))
+
+    def grow(self, req: Request, num_tokens: int) -> list[int]:
+        """Append pages to every group's table so that each covers `num_tokens` tokens (a windowed group's
+        entries behind its window are the null page).
+
+        Returns:
+            The new page ids, group after group.
+
+        Raises:
+            OutOfPagesError: not enough free pages (no table changes).
+        """
+        need = self.pages_for(num_tokens)
+        tables = self.tables(req)
+        new = self.allocator.allocate(sum(max(need - len(t), 0) for t in tables))
+        i = 0
+        for t in tables:
+            n = max(need - len(t), 0)
+            t.extend(new[i:i + n])
+            i += n
+        return new
+
+    def pool_tokens(self, req: Request, tokens: float) -> float:
+        """Pool capacity, in tokens (pages x page size), that `req` still takes to hold ``tokens`` more tokens
+        than it has computed: per group, its most pages at that length (`KVGroup.max_pages`) less the pages it
+        holds."""
+        total = req.num_computed_tokens + math.ceil(tokens)
+        pages = 0
+        for group, held in zip(self.groups.groups, self.held_pages(req)):
+            pages += max(group.max_pages(total, self.chunk, self.page_size) - held, 0)
+        return pages * self.page_size
+
+    # ---- release ------------------------------------------------------------------------
+    def release(self, req: Request) -> None:
+        """Free every page `req` holds in every group and empty its tables."""
+        for t in self.tables(req):
+            live = [p for p in t if p != NULL_PAGE]
+            if live:
+                self.allocator.free(live)
+        req.block_table = []
+        req.group_tables = []
