@@ -25,6 +25,7 @@ from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
+from pd_cluster.engine.kv.group_cache import GroupedPrefixCache
 from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
 from pd_cluster.engine.output_processor import OutputProcessor
@@ -101,12 +102,16 @@ class LLMEngine:
         self.kv_groups = self.pool.groups
         grouped = not self.kv_groups.is_single  # hybrid KV: one table per group, window pages freed
         sc = config.scheduler
-        self.prefix_cache = (None if grouped else
-                             build_prefix_cache(config.cache, self.role, self.allocator, self.pool, self.kv_events))
+        if grouped:  # one radix tree per group (no host tier: kv_groups keeps one group with it)
+            self.prefix_cache = (GroupedPrefixCache(self.allocator, self.layout.page_size, self.kv_groups,
+                                                    self.kv_events) if config.cache.enable_prefix_caching else None)
+        else:
+            self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool,
+                                                   self.kv_events)
         self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
         if grouped:
             self.pages = GroupedPageManager(self.allocator, self.layout.page_size, self.kv_groups,
-                                            sc.chunked_prefill_size)
+                                            sc.chunked_prefill_size, self.prefix_cache)
             logger.info("hybrid KV cache: %s", self.kv_groups.describe())
         else:
             self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)

@@ -154,6 +154,31 @@ class PrefixCache:
             self._by_page[p].stamp = stamp
         return pages, CacheChain(node, len(pages))
 
+    def walk(self, token_ids: Sequence[int], max_tokens: int) -> list[_Node]:
+        """The nodes of the longest cached chain of full pages that is a prefix of ``token_ids[:max_tokens]``,
+        nodes without a device page included; takes no reference (see `acquire`)."""
+        node, path = self.root, []
+        for key in self._keys(token_ids, 0, max(max_tokens, 0) // self.page_size):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def acquire(self, nodes: Sequence[_Node]) -> None:
+        """Take one reference (the caller's) on each node's device page and mark them used now."""
+        stamp = next(self._clock)
+        for node in nodes:
+            self._acquire(node.page)
+            node.stamp = stamp
+
+    def oldest_evictable_stamp(self) -> int | None:
+        """The last-use stamp of the page `evict` would free first, None when none is evictable (stale heap
+        entries are dropped on the way)."""
+        while self._lru and not self._is_evictable_leaf(self._lru[0][2], self._lru[0][0]):
+            heapq.heappop(self._lru)
+        return self._lru[0][0] if self._lru else None
+
     def insert(self, token_ids: Sequence[int], block_table: Sequence[int], num_full_pages: int,
                chain: CacheChain) -> None:
         """Add the request's pages ``[chain.num_pages, num_full_pages)`` to the tree.

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 from pd_cluster.engine.kv.allocator import NULL_PAGE, PageAllocator
+from pd_cluster.engine.kv.group_cache import GroupedPrefixCache
 from pd_cluster.engine.kv.groups import KVGroups
-from pd_cluster.engine.kv.prefix_cache import PrefixCache
+from pd_cluster.engine.kv.prefix_cache import CacheChain
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.scheduler.page_manager import PageManager
 
@@ -33,18 +34,15 @@ class GroupedPageManager(PageManager):
         groups: the pool's groups.
         chunk: the most tokens one step computes for a request (``--chunked-prefill-size``): a windowed group's
             pages for admission (`pool_tokens`).
-        cache: the prefix cache; must be None for now (refused otherwise).
-
-    Raises:
-        ValueError: a prefix cache was given.
+        cache: the per-group prefix cache (`GroupedPrefixCache`), None for none.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int, groups: KVGroups, chunk: int,
-                 cache: PrefixCache | None = None) -> None:
-        if cache is not None:
-            raise ValueError("the grouped page manager takes no prefix cache")
+                 cache: GroupedPrefixCache | None = None) -> None:
         super().__init__(allocator, page_size, None)
+        self.cache = cache  # type: ignore[assignment]  # the base reads num_evictable, evict and host from it
         self.grouped = True
+        self._group_chains: dict[str, list[CacheChain]] = {}  # request id -> its place in each group's tree
         self.groups = groups
         self.chunk = chunk
         self.num_trimmed_total = 0  # pages freed behind a window
@@ -67,13 +65,16 @@ class GroupedPageManager(PageManager):
         many were freed."""
         freed = 0
         start = req.num_computed_tokens
-        for group, table in zip(self.groups.groups, self.tables(req)):
+        chains = self._group_chains.get(req.request_id)
+        for g, (group, table) in enumerate(zip(self.groups.groups, self.tables(req))):
             if not group.is_windowed:
                 continue
             stop = min(group.first_needed_page(start, self.page_size), len(table))
+            if chains is not None:  # a page leaves the request only once it is in the cache (insert reads it)
+                stop = min(stop, chains[g].num_pages)
             dead = [p for p in table[:stop] if p != NULL_PAGE]
             if dead:
-                self.allocator.free(dead)
+                self._drop(g, dead)
                 table[:stop] = [NULL_PAGE] * stop
                 freed += len(dead)
         self.num_trimmed_total += freed
@@ -95,7 +96,11 @@ class GroupedPageManager(PageManager):
         """
         need = self.pages_for(num_tokens)
         tables = self.tables(req)
-        new = self.allocator.allocate(sum(max(need - len(t), 0) for t in tables))
+        n = sum(max(need - len(t), 0) for t in tables)
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        new = self.allocator.allocate(n)
         i = 0
         for t in tables:
             n = max(need - len(t), 0)
@@ -113,12 +118,43 @@ class GroupedPageManager(PageManager):
             pages += max(group.max_pages(total, self.chunk, self.page_size) - held, 0)
         return pages * self.page_size
 
+    # ---- prefix cache ---------------------------------------------------------------------
+    def match(self, req: Request) -> int:
+        """Start `req` (holding no pages) on its longest hit under the hybrid rule (`GroupedPrefixCache.match`);
+        its last known token is never matched. Returns the cached tokens (0 without a cache)."""
+        if self.cache is None or req.block_table:
+            return 0
+        tables, chains = self.cache.match(req.token_ids, req.num_tokens - 1)
+        req.block_table, req.group_tables = tables[0], tables[1:]
+        self._group_chains[req.request_id] = chains
+        return chains[0].num_pages * self.page_size
+
+    def cache_computed(self, req: Request, num_tokens: int | None = None) -> None:
+        """Add every group's full, computed pages of `req` to that group's tree (see `PageManager`)."""
+        if self.cache is None:
+            return
+        computed = req.num_computed_tokens if num_tokens is None else min(num_tokens, req.num_computed_tokens)
+        full = min(computed, len(req.token_ids)) // self.page_size
+        chains = self._group_chains.get(req.request_id)
+        if chains is None:
+            chains = self._group_chains[req.request_id] = [CacheChain(t.root) for t in self.cache.trees]
+        for g, (table, chain) in enumerate(zip(self.tables(req), chains)):
+            self.cache.insert(g, req.token_ids, table, full, chain)
+
     # ---- release ------------------------------------------------------------------------
+    def _drop(self, group: int, pages: list[int]) -> None:
+        """Drop the request's reference on `pages` of `group` (cached ones stay in the cache)."""
+        if self.cache is not None:
+            self.cache.release(group, pages)
+        else:
+            self.allocator.free(pages)
+
     def release(self, req: Request) -> None:
-        """Free every page `req` holds in every group and empty its tables."""
-        for t in self.tables(req):
-            live = [p for p in t if p != NULL_PAGE]
+        """Drop `req`'s references in every group (and its anchors) and empty its tables."""
+        chains = self._group_chains.pop(req.request_id, None)
+        for g, t in enumerate(self.tables(req)):
+            live = [p for p in t if p != NULL_PAGE] + (chains[g].anchors if chains else [])
             if live:
-                self.allocator.free(live)
+                self._drop(g, live)
         req.block_table = []
         req.group_tables = []

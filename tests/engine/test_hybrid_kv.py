@@ -164,3 +164,67 @@ def test_non_hybrid_model_keeps_one_group_and_its_layout(tmp_path):
     assert one.engine.prefix_cache is not None
     assert tuple(one.engine.pool.kv.shape[1:2]) == (4,)
     assert torch.equal(torch.tensor(one.engine.kv_groups.slot_of_layer), torch.arange(4))
+
+
+# ---- prefix cache per group ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["gemma2", "llama4", "mistral-window16"])
+def test_cached_hit_is_exact_and_needs_only_the_window(family, tmp_path):
+    """A second request sharing a long prefix starts on the cache (full groups: every page; windowed groups:
+    only the pages its first query sees) and gives transformers' tokens, as the cold request does."""
+    hf = build(family, tmp_path, max_position_embeddings=2048)
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=32, attention_backend="cpu")
+    engine = llm.engine
+    shared = _long_prompt(200)
+    first, second = shared + [5, 6, 7], shared + [9, 10, 11, 12]
+    cold = llm.generate([first], GREEDY)[0]
+    assert list(cold.token_ids) == hf_greedy_full(hf, first, GREEDY.max_tokens)
+    evictable = engine.pages.num_evictable
+    assert evictable > 0 and engine.num_free_pages() == engine.allocator.num_pages  # cached, none held
+    rid = engine.add_request(None, second, GREEDY)
+    req = engine.requests[rid]
+    engine.step()
+    hit = req.num_cached_tokens
+    assert hit == 192  # 12 full pages of the 200 shared tokens
+    for group, table in zip(engine.kv_groups.groups, engine.pages.tables(req)):
+        first_live = group.first_needed_page(hit, 16)
+        assert all(p == NULL_PAGE for p in table[:first_live]) and all(p != NULL_PAGE for p in table[first_live:])
+        assert first_live == (0 if not group.is_windowed else (hit - (15 if group.kind == "sliding" else 0)) // 16)
+    while engine.has_work():
+        engine.step()
+    warm = llm.generate([second], GREEDY)[0]
+    assert warm.num_cached_tokens >= hit
+    assert list(warm.token_ids) == hf_greedy_full(hf, second, GREEDY.max_tokens)
+    assert engine.num_free_pages() == engine.allocator.num_pages
+
+
+def test_window_tree_hollows_inner_pages_and_a_hit_still_needs_the_window(tmp_path):
+    """Evicting a windowed group's inner pages (behind every window) keeps hits; evicting the pages a hit's
+    window needs shortens the hit to where the window is whole, and the tokens stay exact."""
+    hf = build("gemma2", tmp_path, max_position_embeddings=2048)
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=32, attention_backend="cpu")
+    engine = llm.engine
+    cache = engine.prefix_cache
+    shared = _long_prompt(160)
+    llm.generate([shared + [1, 2]], GREEDY)
+    win = next(i for i, g in enumerate(engine.kv_groups.groups) if g.is_windowed)
+    tree = cache.trees[win]
+    path = tree.walk(shared, 160)
+    assert len(path) == 10
+    # hollow the windowed group's pages 0..7: a 160-token hit needs only page 9 (positions 145..159)
+    for node in path[:8]:
+        tree._evict_node(node)
+    assert all(n.page == NULL_PAGE for n in path[:8]) and all(n.page != NULL_PAGE for n in path[8:])
+    assert engine.num_free_pages() == engine.allocator.num_pages  # the freed pages are free, none leaked
+    out = llm.generate([shared + [3, 4]], GREEDY)[0]
+    assert out.num_cached_tokens == 160
+    assert list(out.token_ids) == hf_greedy_full(hf, shared + [3, 4], GREEDY.max_tokens)
+    # now hollow pages 8 and 9 too: every shorter hit's window needs a hollow page, so there is no hit
+    for node in tree.walk(shared, 160)[8:]:
+        tree._evict_node(node)
+    tables, chains = cache.match(shared + [5], 160)
+    assert [c.num_pages for c in chains] == [0] * len(chains) and tables == [[]] * len(tables)
+    out = llm.generate([shared + [5]], GREEDY)[0]
+    assert out.num_cached_tokens == 0
+    assert list(out.token_ids) == hf_greedy_full(hf, shared + [5], GREEDY.max_tokens)
+    assert engine.num_free_pages() == engine.allocator.num_pages
