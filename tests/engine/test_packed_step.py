@@ -110,7 +110,7 @@ def test_a_row_short_of_pages_is_refused():
 
 def test_a_decode_step_packs_into_bytes_that_do_not_grow_with_the_contexts():
     """28 decodes over 32k-token contexts (2,048 pages each, page 16): once the rows hold the pages, a step is
-    8 x (10 + 5 x 28) bytes, and 32 bytes more per appended page; the context length does not enter."""
+    8 x (11 + 5 x 28) bytes, and 32 bytes more per appended page; the context length does not enter."""
     tracker = BlockTableRows()
     names = [f"r{i}" for i in range(28)]
     tables = {n: list(range(1 + 2048 * i, 1 + 2048 * (i + 1))) for i, n in enumerate(names)}
@@ -121,7 +121,31 @@ def test_a_decode_step_packs_into_bytes_that_do_not_grow_with_the_contexts():
         return pack_step([7] * n, [32767] * n, [1] * n, rows, list(range(n)), n, edits).nbytes
 
     assert step_bytes() > 28 * 2048 * 8  # the first step writes every row's pages once
-    assert step_bytes() == 8 * (10 + 5 * 28) == 1200
+    assert step_bytes() == 8 * (HEADER_LEN + 5 * 28) == 1208
     for i, n in enumerate(names):
         tables[n].append(100_000 + i)  # every request gains a page
-    assert step_bytes() == 1200 + 28 * 32 == 2096
+    assert step_bytes() == 1208 + 28 * 32 == 2104
+
+
+def test_a_second_kv_group_gets_its_own_rows_slots_and_tables():
+    """Two KV groups: each request owns one row per group in the one device table; the batch of group 1 has
+    that group's slots and block tables, group 0's fields are untouched."""
+    tracker = BlockTableRows()
+    table = DeviceBlockTable(CPU)
+    g0 = {"a": [3, 4], "b": [7]}
+    g1 = {"a": [0, 9], "b": [11]}  # request a's first page of group 1 is behind its window: the null page
+    ids = ["a", "b", "a#1", "b#1"]
+    rows, edits = tracker.step(ids, [g0["a"], g0["b"], g1["a"], g1["b"]])
+    flat = pack_step([1, 2, 3, 4], [4, 0], [2, 2], rows[:2], [1, 3], 0, edits, group_rows=[rows[2:]])
+    step = unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:])
+    assert step.group_rows.tolist() == [rows[2:]]
+    batch = build_step(step, table, PAGE, None)
+    want0 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [20, 0], [g0["a"], g0["b"]],
+                                [np.array([1]), np.array([1])], 0, PAGE, CPU)
+    want1 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [20, 0], [g1["a"], g1["b"]],
+                                [np.array([1]), np.array([1])], 0, PAGE, CPU)
+    assert batch.for_group(0) is batch and torch.equal(batch.slot_mapping, want0.slot_mapping)
+    assert torch.equal(batch.block_tables, want0.block_tables)
+    one = batch.for_group(1)
+    assert torch.equal(one.slot_mapping, want1.slot_mapping) and torch.equal(one.block_tables, want1.block_tables)
+    assert not torch.equal(one.slot_mapping, batch.slot_mapping)
