@@ -140,9 +140,9 @@ def test_a_second_kv_group_gets_its_own_rows_slots_and_tables():
     step = unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:])
     assert step.group_rows.tolist() == [rows[2:]]
     batch = build_step(step, table, PAGE, None)
-    want0 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [20, 0], [g0["a"], g0["b"]],
+    want0 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [4, 0], [g0["a"], g0["b"]],
                                 [np.array([1]), np.array([1])], 0, PAGE, CPU)
-    want1 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [20, 0], [g1["a"], g1["b"]],
+    want1 = build_forward_batch([np.array([1, 2]), np.array([3, 4])], [4, 0], [g1["a"], g1["b"]],
                                 [np.array([1]), np.array([1])], 0, PAGE, CPU)
     assert batch.for_group(0) is batch and torch.equal(batch.slot_mapping, want0.slot_mapping)
     assert torch.equal(batch.block_tables, want0.block_tables)
