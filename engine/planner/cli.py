@@ -4,6 +4,7 @@ Example::
 
     pd-plan --model llama-3.1-8b --tp-size 1 --kv-cache-dtype fp8_e4m3 --context-length 131072
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000
+    pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000 --role decode
     pd-plan --model llama-3.1-8b --enable-hierarchical-cache --hicache-ratio 2
 """
 
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from pd_cluster.engine.args import parse_hicache_size
 from pd_cluster.engine.config import parse_size
 from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
                                               rope_type, unsupported_reason)
-from pd_cluster.engine.planner.plan import KV_BYTES, WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions
+from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES, WEIGHT_BYTES, Plan,
+                                            PlanInput, make_plan, suggestions)
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
@@ -31,9 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory", default="143771MiB",
                    help="memory of one GPU (default: H200 141 GB, which nvidia-smi shows as 143771 MiB)")
     p.add_argument("--mem-fraction-static", type=float, default=0.88)
-    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=sorted(KV_BYTES))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="as the engine's flag; auto (its default): the model's dtype")
     p.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES), help="weights dtype")
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--role", default="mixed", choices=ROLES,
+                   help="the worker's role: the mixed role frees local layers' pages behind their window; prefill "
+                        "and decode workers keep every page (default mixed)")
+    p.add_argument("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
+                   help="as the engine's flag: a local layer holds its window plus one prefill chunk")
     p.add_argument("--context-length", type=int, default=131072)
     p.add_argument("--host-memory", default="2TiB", help="DRAM per node, for the host-tier suggestion")
     p.add_argument("--enable-hierarchical-cache", action="store_true",
@@ -61,13 +70,23 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:,.1f} h"
 
 
+def _slots(plan: Plan, bytes_per_token: int, layers: int) -> str:
+    """`` in N layer slots`` when the engine's groups pad `layers` to more slots of a page, else ''."""
+    slots = bytes_per_token // (plan.kv_heads_per_gpu * plan.spec.head_dim * 2 * KV_BYTES[plan.inp.kv_dtype])
+    return f" in {slots} layer slots" if slots != layers else ""
+
+
 def _kv_layers(plan: Plan) -> str:
     s = plan.spec
     if plan.window_kv:
-        return f"{s.global_layers} global layers"
+        pad = _slots(plan, plan.kv_bytes_per_token_per_gpu, s.global_layers)
+        return (f"{s.global_layers} global layers{pad}; the {s.local_layers} {s.local_kind} layers hold only "
+                f"their window (KV groups of {plan.page_layers} layers a page)")
     if s.local_layers:
-        return (f"all {s.num_layers} layers: the engine keeps every token's KV in its {s.local_layers} "
-                f"{s.local_kind} layers too, their windows are attention masks")
+        why = ("the hierarchical cache keeps one KV group" if plan.inp.enable_hierarchical_cache
+               else f"a {plan.inp.role} worker keeps one KV group" if plan.inp.role != "mixed" else "one KV group")
+        return (f"all {s.num_layers} layers: {why}, every token's KV in its {s.local_layers} "
+                f"{s.local_kind} layers too")
     return f"{s.num_layers} layers"
 
 
@@ -95,8 +114,9 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                   f"{s.local_kind or 'local'}), "
                   f"{kv_shape}, {params}"),
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
-                       f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}, "
-                       f"weights {inp.weight_dtype}, page_size {inp.page_size}"),
+                       f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}"
+                       + (f" ({inp.kv_dtype})" if inp.kv_cache_dtype == "auto" else "")
+                       + f", weights {inp.weight_dtype}, page_size {inp.page_size}, role {inp.role}"),
         ("engine support", f"NO: {refused}" if refused else
          f"yes ({served_arch}, rope {rope_type(s)}"
          + (f"; FP8 weights in {s.fp8_weight_block[0]}x{s.fp8_weight_block[1]} blocks, dequantised to the model "
@@ -130,15 +150,19 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                                                     f"{'within' if per_node <= inp.host_memory_per_node else 'BEYOND'}"
                                                     f" the node's {_gib(inp.host_memory_per_node)}"))
     if s.local_layers and plan.window_kv:
-        rows.insert(6, (f"{s.local_kind} KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} "
-                                                       f"(capped at {s.local_span:,} tokens)"))
-    elif s.local_layers:
-        w = make_plan(s, inp, window_kv=True)
-        rows.insert(6, ("if local layers kept only their window", (
+        rows.insert(6, (f"{s.local_kind} KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} per request at most "
+                                                       f"({s.local_layers} {s.local_kind} layers"
+                                                       f"{_slots(plan, plan.local_bytes_per_token_per_gpu, s.local_layers)} x "
+                                                       f"{plan.local_tokens:,} tokens: the {s.local_span:,}-token "
+                                                       f"{'window' if s.local_kind == 'sliding' else 'chunk'} plus a "
+                                                       f"{inp.chunked_prefill_size:,}-token prefill chunk, in pages)"))
+    elif s.local_layers and not s.is_mla:
+        w = make_plan(s, replace(inp, role="mixed", enable_hierarchical_cache=False))
+        rows.insert(6, ("a mixed-role worker", (
             f"{w.kv_bytes_per_token_per_gpu:,} B/token per GPU ({s.global_layers} global layers) + "
-            f"{_gib(w.local_kv_bytes_per_gpu)} for the {s.local_layers} {s.local_kind} layers' last "
-            f"{s.local_span:,} tokens: {w.tokens_per_instance:,} tokens per instance, asked context "
-            f"{'fits' if w.fits else 'does NOT fit'} (a design, not built: the engine keeps every page)")))
+            f"{_gib(w.local_kv_bytes_per_gpu)} per request for the {s.local_layers} {s.local_kind} layers: "
+            f"{w.tokens_per_instance:,} tokens per instance, asked context {'fits' if w.fits else 'does NOT fit'} "
+            "(it frees local layers' pages behind their window)")))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if beyond:
@@ -162,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         weight_dtype=args.dtype, page_size=args.page_size, context_length=args.context_length,
                         host_memory_per_node=parse_size(args.host_memory),
                         enable_hierarchical_cache=args.enable_hierarchical_cache, hicache_ratio=args.hicache_ratio,
-                        hicache_size=args.hicache_size)
+                        hicache_size=args.hicache_size, role=args.role, chunked_prefill_size=args.chunked_prefill_size)
         if args.prefill_tflops <= 0:
             raise ValueError(f"--prefill-tflops must be > 0, got {args.prefill_tflops}")
     except (ValueError, FileNotFoundError) as e:

@@ -4,13 +4,19 @@ SGLang's sizing rule: a GPU gives ``mem_fraction_static`` of its memory to
 weights plus KV pool; the pool is what the weights leave of it. The context
 length plays no part in sizing; it only caps what one request may ask for.
 
-Local (sliding-window or chunked) layers: the engine's pool holds every layer's
-K and V for every token of a request; a window or a chunk is an attention mask,
-not a page rule (`ENGINE_FREES_WINDOW_PAGES`). So a request's KV per token counts
-every layer. `make_plan(..., window_kv=True)` gives the arithmetic of a pool whose
-local layers hold only their last window or chunk (vLLM's hybrid KV cache manager,
-SGLang's SWA pool); `pd-plan` prints it beside the engine's as what that design
-would give.
+Local (sliding-window or chunked) layers: in the mixed role the engine's hybrid
+KV manager (`pd_cluster.engine.kv.groups`, ``ENGINE_FREES_WINDOW_PAGES``) keeps
+a local layer's pages only for its window or chunk plus the prefill chunk being
+computed, so a request's KV per token counts the global layers, and the local
+layers add a bounded amount per request. The arithmetic is the engine's: layers
+form groups of ``min(global, local)`` layers (a page holds one group's layers,
+vLLM's page-size unification), and a local group holds at most
+``ceil((span - 1 + chunked_prefill_size) / page_size) + 1`` pages. Prefill and
+decode workers (PD) keep one group, every layer's KV for every token, as do
+pools with the hierarchical cache: `make_plan` counts every layer there.
+
+The KV dtype defaults to the engine's ``--kv-cache-dtype auto``: the model's
+dtype (FP8 weights are dequantised to bf16, so their KV is bf16).
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ from dataclasses import dataclass, replace
 from pd_cluster.engine.planner.spec import ModelSpec
 
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-# Whether the engine's KV pool frees the pages a sliding-window or chunked layer will not read again. It does not:
-# every layer keeps every page of a request (engine/layer_attention.py describes the layers that could).
-ENGINE_FREES_WINDOW_PAGES = False
+KV_CACHE_DTYPES = ("auto", *KV_BYTES)
+# Whether the engine's KV pool frees the pages a sliding-window or chunked layer will not read again: it does, in
+# the mixed role (engine/kv/groups.py, engine/scheduler/group_pages.py); prefill and decode workers keep them.
+ENGINE_FREES_WINDOW_PAGES = True
+WINDOW_ROLES = ("mixed",)
+ROLES = ("mixed", "prefill", "decode")
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # the engine's --chunked-prefill-size default
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,7 @@ class PlanInput:
     gpus_per_node: int = 8
     gpu_memory: int = 143771 * 2**20  # H200 "141 GB": what nvidia-smi reports
     mem_fraction_static: float = 0.88
-    kv_cache_dtype: str = "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # the engine's default: the model's dtype
     weight_dtype: str = "bf16"
     page_size: int = 64
     context_length: int = 131072
@@ -42,14 +52,28 @@ class PlanInput:
     enable_hierarchical_cache: bool = False  # a host tier per GPU (SGLang's HiCache L2)
     hicache_ratio: float = 2.0               # host tier tokens over device pool tokens
     hicache_size: int | None = None          # host tier bytes per GPU; overrides the ratio
+    role: str = "mixed"                      # the worker's role: only the mixed role frees window pages
+    chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV dtype the engine uses: `kv_cache_dtype`, ``auto`` being the model's dtype (bf16 for FP8
+        weights, which load dequantised)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return self.weight_dtype if self.weight_dtype in KV_BYTES else "bf16"
 
     def __post_init__(self) -> None:
         if not self.hicache_ratio > 0 or (self.hicache_size is not None and self.hicache_size <= 0):
             raise ValueError("hicache_ratio and hicache_size must be > 0")
         if self.tp_size < 1 or self.gpus_per_node % self.tp_size:
             raise ValueError(f"tp_size {self.tp_size} must divide gpus_per_node {self.gpus_per_node}")
-        if self.kv_cache_dtype not in KV_BYTES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_BYTES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be >= 1")
         if self.weight_dtype not in WEIGHT_BYTES:
             raise ValueError(f"weight dtype must be one of {sorted(WEIGHT_BYTES)}")
 
@@ -62,13 +86,16 @@ class Plan:
     inp: PlanInput
     kv_heads_per_gpu: int            # MLA: 1 (the latent, on every GPU)
     kv_bytes_per_token: int          # whole model, all layers, K and V (MLA: the latent)
-    kv_bytes_per_token_per_gpu: int  # this GPU's heads; every layer (window_kv: global layers only)
-    local_kv_bytes_per_gpu: int      # window_kv: local layers at a full window or chunk; else 0
+    kv_bytes_per_token_per_gpu: int  # this GPU's heads; every layer (window_kv: the full groups' layer slots)
+    local_kv_bytes_per_gpu: int      # window_kv: one request's local groups at their most pages; else 0
     weights_per_gpu: int
     pool_per_gpu: int
     tokens_per_instance: int
     instances_per_node: int
-    window_kv: bool = ENGINE_FREES_WINDOW_PAGES  # local layers hold only their window or chunk
+    window_kv: bool = False          # local layers hold only their window or chunk (plus the prefill chunk)
+    local_tokens: int = 0            # window_kv: tokens a local group holds at most per request (whole pages)
+    local_bytes_per_token_per_gpu: int = 0  # window_kv: the local groups' layer slots, per token held
+    page_layers: int = 0             # window_kv: layers of one page (the engine's group size)
 
     @property
     def tokens_per_node(self) -> int:
@@ -103,17 +130,24 @@ class Plan:
 
     def kv_bytes_for(self, num_tokens: int) -> int:
         """KV bytes on one GPU for one request of `num_tokens` tokens."""
-        s = self.spec
         if not self.window_kv:
             return num_tokens * self.kv_bytes_per_token_per_gpu
-        local = s.local_layers * self.kv_heads_per_gpu * s.head_dim * 2 * KV_BYTES[self.inp.kv_cache_dtype]
-        return num_tokens * self.kv_bytes_per_token_per_gpu + min(num_tokens, s.local_span or 0) * local
+        padded = -(-num_tokens // self.inp.page_size) * self.inp.page_size
+        return (num_tokens * self.kv_bytes_per_token_per_gpu
+                + min(padded, self.local_tokens) * self.local_bytes_per_token_per_gpu)
 
 
-def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool = ENGINE_FREES_WINDOW_PAGES) -> Plan:
-    """Compute a `Plan` for `spec` deployed as `inp`; with `window_kv`, local layers hold only their window or
-    chunk (module docstring)."""
-    kvb = KV_BYTES[inp.kv_cache_dtype]
+def engine_frees_window_pages(spec: ModelSpec, inp: PlanInput) -> bool:
+    """Whether the engine, deployed as `inp`, keeps only the window of `spec`'s local layers (module
+    docstring): the mixed role, without the hierarchical cache, a model with local layers and no MLA."""
+    return (ENGINE_FREES_WINDOW_PAGES and inp.role in WINDOW_ROLES and not inp.enable_hierarchical_cache
+            and spec.local_layers > 0 and not spec.is_mla)
+
+
+def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool | None = None) -> Plan:
+    """Compute a `Plan` for `spec` deployed as `inp`; with `window_kv` (default: what the engine does,
+    `engine_frees_window_pages`), local layers hold only their window or chunk (module docstring)."""
+    kvb = KV_BYTES[inp.kv_dtype]
     # KV heads split across TP ranks; with more ranks than KV heads each rank keeps one (replicated).
     heads_per_gpu = max(spec.num_kv_heads // inp.tp_size, 1)
     per_layer_token = spec.head_dim * 2 * kvb
@@ -121,36 +155,53 @@ def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool = ENGINE_FREES_WI
     if spec.is_mla:  # one latent per token per layer, the same on every TP rank (it cannot be split by heads)
         heads_per_gpu, kv_heads, per_layer_token = 1, 1, spec.mla_latent_dim * kvb
     kv_total = spec.num_layers * kv_heads * per_layer_token
+    if window_kv is None:
+        window_kv = engine_frees_window_pages(spec, inp)
     window_kv = window_kv and spec.local_layers > 0
-    kv_gpu = (spec.global_layers if window_kv else spec.num_layers) * heads_per_gpu * per_layer_token
-    local_gpu = spec.local_layers * heads_per_gpu * per_layer_token * (spec.local_span or 0) if window_kv else 0
     weights = spec.num_params() * WEIGHT_BYTES[inp.weight_dtype] // inp.tp_size
     pool = int(inp.gpu_memory * inp.mem_fraction_static) - weights
+    if not window_kv:
+        kv_gpu = spec.num_layers * heads_per_gpu * per_layer_token
+        tokens = max(pool, 0) // max(kv_gpu, 1) // inp.page_size * inp.page_size
+        return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, 0, weights, pool, int(tokens),
+                    inp.gpus_per_node // inp.tp_size)
+    # the engine's groups (plan_kv_groups): min(global, local) layers a page; each type fills whole groups
+    group = min(spec.global_layers, spec.local_layers) if spec.global_layers else spec.local_layers
+    full_slots = -(-spec.global_layers // group) * group
+    local_slots = -(-spec.local_layers // group) * group
+    ps = inp.page_size
+    local_tokens = (-(-(int(spec.local_span or 0) - 1 + inp.chunked_prefill_size) // ps) + 1) * ps
+    kv_gpu = full_slots * heads_per_gpu * per_layer_token
+    local_per_token = local_slots * heads_per_gpu * per_layer_token
+    local_gpu = local_tokens * local_per_token
     usable = max(pool - local_gpu, 0)
-    tokens = usable // max(kv_gpu, 1) // inp.page_size * inp.page_size
+    tokens = usable // max(kv_gpu, 1) // ps * ps
     return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, local_gpu, weights, pool, int(tokens),
-                inp.gpus_per_node // inp.tp_size, window_kv)
+                inp.gpus_per_node // inp.tp_size, True, local_tokens, local_per_token, group)
 
 
 def suggestions(plan: Plan) -> list[str]:
-    """What would make the asked context fit on one node, when it does not."""
+    """What would make the asked context fit on one node, when it does not: only what the engine can do (it
+    keeps a running request's KV on its GPUs: no live offload to host memory, no context parallelism)."""
     if plan.fits:
         return []
     s, inp = plan.spec, plan.inp
     out = []
     if inp.tp_size < inp.gpus_per_node:
-        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node), plan.window_kv)
+        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
         verdict = "fits" if full.fits else "still does not fit"
         out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
-    if inp.kv_cache_dtype != "fp8_e4m3":
-        fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"), plan.window_kv)
+    if inp.kv_dtype != "fp8_e4m3":
+        fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"))
         verdict = "fits" if fp8.fits else "still does not fit"
         out.append(f"FP8 KV: --kv-cache-dtype fp8_e4m3 gives {fp8.tokens_per_instance:,} tokens ({verdict})")
-    need = plan.kv_bytes_for(inp.context_length) * inp.tp_size
-    have = plan.pool_per_gpu * inp.tp_size
-    host = need - have
-    if host > 0:
-        verdict = "within" if host <= inp.host_memory_per_node else "beyond"
-        out.append(f"host tier: keep {host / 2**30:,.1f} GiB of this request's KV in host DRAM "
-                   f"({verdict} the node's {inp.host_memory_per_node / 2**40:.0f} TiB)")
+    if s.local_layers and not plan.window_kv and not s.is_mla:
+        mixed = make_plan(s, replace(inp, role="mixed", enable_hierarchical_cache=False))
+        verdict = "fits" if mixed.fits else "still does not fit"
+        why = ("without --enable-hierarchical-cache" if inp.enable_hierarchical_cache
+               else "a mixed-role worker (prefill and decode workers keep every page of local layers so far)")
+        out.append(f"window pages freed: {why} gives {mixed.tokens_per_instance:,} tokens ({verdict})")
+    if not out:
+        out.append("none the engine offers: a running request's KV must fit one instance's GPUs (no live offload "
+                   "to host memory, no context parallelism)")
     return out

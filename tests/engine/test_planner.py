@@ -30,8 +30,9 @@ def test_weights_and_capacity_by_hand():
     plan = make_plan(spec, inp)
     assert plan.weights_per_gpu == spec.num_params() * 2 // 2
     assert plan.pool_per_gpu == int(100 * 2**30 * 0.9) - plan.weights_per_gpu
-    assert plan.kv_bytes_per_token_per_gpu == 32 * 4 * 128 * 2  # 4 KV heads per GPU
-    assert plan.tokens_per_instance == plan.pool_per_gpu // (32 * 4 * 128 * 2) // 64 * 64
+    assert inp.kv_dtype == "bf16"  # --kv-cache-dtype auto, the engine's default: the model's dtype
+    assert plan.kv_bytes_per_token_per_gpu == 32 * 4 * 128 * 2 * 2  # 4 KV heads per GPU
+    assert plan.tokens_per_instance == plan.pool_per_gpu // (32 * 4 * 128 * 2 * 2) // 64 * 64
     assert plan.tokens_per_node == 4 * plan.tokens_per_instance
 
 
@@ -43,21 +44,47 @@ def test_tp_beyond_kv_heads_replicates():
 
 
 def test_llama_4_scout_10m_context_on_one_h200_node():
-    """Every layer keeps every page in the engine's pool (a chunk is a mask), so its KV per token counts all 48
-    layers and 10M tokens do not fit one TP-8 H200 instance; a pool whose chunked layers held only their chunk
-    (the window_kv design) would hold them."""
+    """The engine's own defaults (mixed role, --kv-cache-dtype auto = bf16): the 36 chunked layers hold only
+    their chunk plus a prefill chunk (KV groups of 12 layers), so a token costs the 12 global layers' KV and 10M
+    tokens fit one TP-8 H200 instance. A decode worker keeps every layer's KV (one group) and does not fit."""
     spec = load_spec("llama-4-scout")
     assert (spec.global_layers, spec.local_layers, spec.local_span, spec.local_kind) == (12, 36, 8192, "chunked")
     assert abs(spec.num_params() - 108e9) < 2e9  # 109B total with the vision tower
-    inp = PlanInput(tp_size=8, context_length=10_000_000, kv_cache_dtype="fp8_e4m3")
+    inp = PlanInput(tp_size=8, context_length=10_000_000)
     plan = make_plan(spec, inp)
-    assert plan.kv_bytes_per_token == 48 * 8 * 128 * 2 == 98_304
-    assert plan.kv_bytes_per_token_per_gpu == 48 * 1 * 128 * 2 == 12_288 and plan.local_kv_bytes_per_gpu == 0
-    assert not plan.fits and 8_000_000 < plan.tokens_per_instance < 10_000_000
-    design = make_plan(spec, inp, window_kv=True)
-    assert design.kv_bytes_per_token_per_gpu == 12 * 1 * 128 * 2 == 3_072
-    assert design.local_kv_bytes_per_gpu == 36 * 128 * 2 * 8192
-    assert design.fits and design.tokens_per_instance > 10_000_000
+    assert inp.kv_dtype == "bf16" and plan.window_kv and plan.page_layers == 12
+    assert plan.kv_bytes_per_token == 48 * 8 * 128 * 2 * 2 == 196_608
+    assert plan.kv_bytes_per_token_per_gpu == 12 * 1 * 128 * 2 * 2 == 6_144
+    assert plan.local_tokens == (-(-(8191 + 8192) // 64) + 1) * 64 == 16_448
+    assert plan.local_kv_bytes_per_gpu == 36 * 128 * 2 * 2 * 16_448
+    assert plan.fits and plan.tokens_per_instance > 10_000_000
+    assert plan.tokens_per_instance == (plan.pool_per_gpu - plan.local_kv_bytes_per_gpu) // 6_144 // 64 * 64
+    decode = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, role="decode"))
+    assert not decode.window_kv and decode.kv_bytes_per_token_per_gpu == 48 * 128 * 2 * 2 and not decode.fits
+    fp8 = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, kv_cache_dtype="fp8_e4m3"))
+    assert fp8.kv_bytes_per_token_per_gpu == 12 * 128 * 2 == 3_072 and fp8.fits
+
+
+@pytest.mark.parametrize("name", ["llama-4-scout", "gemma-3-1b", "gemma-2-9b", "gpt-oss-120b"])
+def test_window_arithmetic_is_the_engines(name):
+    """The planner's KV bytes of one request equal the engine's: the groups `plan_kv_groups` forms from the
+    loader's per-layer description, each holding `KVGroup.max_pages` pages of `layers_per_page` layers."""
+    from pd_cluster.engine.kv.groups import plan_kv_groups
+    from pd_cluster.engine.model.arch import ArchConfig
+
+    cfg = json.loads(BUNDLED[name].read_text())
+    if name == "gpt-oss-120b":
+        del cfg["quantization_config"]
+    arch = ArchConfig.from_dict(cfg)
+    groups = plan_kv_groups(arch.layer_attention)
+    spec = load_spec(name)
+    inp = PlanInput(tp_size=8, page_size=64, chunked_prefill_size=4096)
+    plan = make_plan(spec, inp)
+    assert plan.window_kv and plan.page_layers == groups.layers_per_page
+    heads = max(spec.num_kv_heads // 8, 1)
+    page_bytes = groups.layers_per_page * heads * 64 * spec.head_dim * 2 * 2  # bf16 K and V
+    for tokens in (64, 4096, 100_032, 1_000_000 // 64 * 64):
+        assert plan.kv_bytes_for(tokens) == groups.max_pages(tokens, 4096, 64) * page_bytes, tokens
 
 
 @pytest.mark.parametrize("name", sorted(BUNDLED))
@@ -74,14 +101,15 @@ def test_suggests_fixes_when_it_does_not_fit(capsys):
                  "--context-length", "1000000"]) == 0
     text = capsys.readouterr().out
     assert "does NOT fit" in text
-    assert "more TP: --tp-size 8" in text and "FP8 KV" in text and "host tier" in text
+    assert "more TP: --tp-size 8" in text and "FP8 KV" in text
+    assert "host" not in text  # the engine keeps a running request's KV on its GPUs: nothing to suggest there
 
 
 @pytest.mark.slow
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "pd_cluster.engine.planner.cli", "--model", "llama-3.1-8b"], capture_output=True,
                          text=True, timeout=60, check=True)
-    assert "65,536 B" in out.stdout
+    assert "131,072 B" in out.stdout  # bf16 KV: --kv-cache-dtype auto, as the engine
 
 
 def test_bad_input_is_a_clean_error(capsys):
@@ -103,12 +131,31 @@ def _row(text: str, name: str) -> str:
 def test_llama_4_scout_is_servable_and_says_what_its_pool_holds(capsys):
     text = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000", capsys=capsys)
     assert _row(text, "engine support").split()[2:4] == ["yes", "(Llama4ForConditionalGeneration,"]
-    assert "all 48 layers: the engine keeps every token's KV in its 36 chunked layers too" in \
-        _row(text, "KV bytes/token (per GPU)")
-    assert _row(text, "asked context").endswith("does NOT fit one TP-8 instance")
-    design = _row(text, "if local layers kept only their window")
-    assert "3,072 B/token per GPU (12 global layers)" in design and "asked context fits (a design, not built" in design
+    assert "kv_cache_dtype auto (bf16)" in _row(text, "deployment")
+    assert _row(text, "KV bytes/token (per GPU)").startswith(
+        "KV bytes/token (per GPU)                 6,144 B (1 KV head(s) x 12 global layers; the 36 chunked layers "
+        "hold only their window (KV groups of 12 layers a page))")
+    assert "36 chunked layers x 16,448 tokens" in _row(text, "chunked KV per GPU")
+    assert _row(text, "asked context").endswith("fits one TP-8 instance")
+    assert "to make it fit" not in text and "host" not in text
     assert unsupported_reason(load_spec("llama-4-scout")) is None
+    decode = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000",
+                     "--role", "decode", capsys=capsys)
+    assert "a decode worker keeps one KV group" in _row(decode, "KV bytes/token (per GPU)")
+    assert _row(decode, "asked context").endswith("does NOT fit one TP-8 instance")
+    assert "asked context fits" in _row(decode, "a mixed-role worker")
+    tips = [line for line in decode.splitlines() if line.startswith("to make it fit")]
+    assert any("window pages freed: a mixed-role worker" in t and "(fits)" in t for t in tips)
+    assert not any("host" in t for t in tips)
+
+
+def test_suggestions_name_only_what_the_engine_does(capsys):
+    """At TP 8 with FP8 KV and window pages freed, 2M tokens of Llama 3.1 70B still do not fit: the planner
+    says so instead of proposing host-memory offload or context parallelism, which the engine does not do."""
+    text = _render("--model", "llama-3.1-70b", "--tp-size", "8", "--kv-cache-dtype", "fp8_e4m3",
+                   "--context-length", "20000000", capsys=capsys)
+    tips = [line for line in text.splitlines() if line.startswith("to make it fit")]
+    assert len(tips) == 1 and "none the engine offers" in tips[0] and "no live offload" in tips[0]
 
 
 @pytest.mark.parametrize("name, layers, total, active", [
@@ -124,7 +171,7 @@ def test_hybrid_families_layers_and_parameters(name, layers, total, active, caps
     assert abs(spec.num_params() - total) < 0.005e9, spec.num_params()
     if active:  # OpenAI counts the unembedding, not the embedding table (a lookup)
         assert abs(spec.active_params() - spec.vocab_size * spec.hidden_size - active) < 0.01e9
-    plan = make_plan(spec, PlanInput(tp_size=8))
+    plan = make_plan(spec, PlanInput(tp_size=8, kv_cache_dtype="fp8_e4m3", role="decode"))  # one group: every layer
     assert plan.kv_bytes_per_token_per_gpu == spec.num_layers * max(spec.num_kv_heads // 8, 1) * spec.head_dim * 2
     text = _render("--model", name, "--tp-size", "8", capsys=capsys)
     assert f"{layers[1]} sliding" in _row(text, "model")
@@ -262,18 +309,20 @@ def test_no_abbreviations(capsys):
 
 def test_host_tier_capacity_by_hand(capsys):
     spec = load_spec("llama-3.1-8b")
-    plan = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_ratio=2.0))
+    plan = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_ratio=2.0, kv_cache_dtype="fp8_e4m3"))
     assert plan.host_tokens_per_instance == 2 * plan.tokens_per_instance  # the pool's tokens are whole pages
     assert plan.host_bytes_per_gpu == plan.host_tokens_per_instance * 65_536
-    sized = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_size=100 * 10**9, page_size=64))
+    sized = make_plan(spec, PlanInput(enable_hierarchical_cache=True, hicache_size=100 * 10**9, page_size=64,
+                                      kv_cache_dtype="fp8_e4m3"))
     assert sized.host_tokens_per_instance == 100 * 10**9 // 65_536 // 64 * 64 == 1_525_824
     assert make_plan(spec, PlanInput()).host_tokens_per_instance == 0  # no flag, no host tier
-    assert main(["--model", "llama-3.1-8b", "--enable-hierarchical-cache", "--hicache-size", "100"]) == 0
+    assert main(["--model", "llama-3.1-8b", "--enable-hierarchical-cache", "--hicache-size", "100",
+                 "--kv-cache-dtype", "fp8_e4m3"]) == 0
     out = capsys.readouterr().out
     assert "host tier tokens per instance         1,525,824 (--hicache-size 93.13 GiB per GPU" in out
     assert "host tier DRAM per node               745.03 GiB: within the node's 2,048.00 GiB" in out
     assert main(["--model", "llama-3.1-8b", "--enable-hierarchical-cache", "--hicache-ratio", "3",
-                 "--host-memory", "1TiB"]) == 0
+                 "--host-memory", "1TiB", "--kv-cache-dtype", "fp8_e4m3"]) == 0
     out = capsys.readouterr().out
     assert f"host tier tokens per instance         {3 * plan.tokens_per_instance:,} (--hicache-ratio 3 x" in out
     assert "BEYOND the node's 1,024.00 GiB" in out
@@ -299,7 +348,7 @@ def test_deepseek_v3_mla_bytes_and_parameters_by_hand(capsys):
     assert spec.active_params() == total - 58 * (256 - 8) * 3 * 7168 * 2048  # with the embeddings and LM head
     assert "MLA latent 576" in _row(text, "model")
     assert "37.55B active: 8 of 256 experts + 1 shared in 58 MoE layers" in _row(text, "model")
-    assert _row(text, "KV bytes/token (model)").endswith("35,136 B")
+    assert _row(text, "KV bytes/token (model)").endswith("70,272 B")  # bf16 latents: --kv-cache-dtype auto
     assert _row(text, "engine support").endswith("FP8 weights in 128x128 blocks, dequantised to the model dtype "
                                                   "on load)")
     assert _row(text, "weights per GPU").endswith(f"{total * 2 / 8 / 2**30:.2f} GiB")  # bf16 in memory
