@@ -47,3 +47,27 @@ def test_hybrid_greedy_triton_equals_reference(family, tmp_path):
     assert graph_steps >= max_new - 2
     assert got == want
     torch.testing.assert_close(tri_pool.kv[1:].float(), ref_pool.kv[1:].float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # ~16 s in the Triton interpreter on 2 cores
+@pytest.mark.timeout(900)
+def test_triton_engine_reads_each_kv_groups_table(tmp_path):
+    """The engine with the hybrid KV manager (Llama 4: a full and a chunked KV group, chunk pages freed behind
+    the chunk) on the Triton backend: each layer reads its group's block table and slots; transformers' tokens,
+    no page held at the end."""
+    from random_models import hf_greedy_full
+
+    from pd_cluster.engine import LLM, SamplingParams
+
+    hf = build("llama4", tmp_path)
+    prompts = [ids[:n] for ids, n in zip(long_prompt_ids(2), (40, 27))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp32", dtype="float32", page_size=16, chunked_prefill_size=16,
+              attention_backend="triton", device=str(device()))
+    engine = llm.engine
+    assert engine.kv_groups.num_groups == 2
+    outs = llm.generate(prompts, params)
+    for ids, out in zip(prompts, outs):
+        assert list(out.token_ids) == hf_greedy_full(hf, ids, params.max_tokens)
+    assert engine.pages.num_trimmed_total > 0
+    assert engine.num_free_pages() == engine.allocator.num_pages
