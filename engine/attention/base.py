@@ -8,8 +8,9 @@ another worker followed by a KV transfer, see exactly the same KV values.
 
 Each layer attends as its `LayerAttention` says (`pd_cluster.engine.layer_attention`): over the whole
 context, a sliding window or its own chunk; with attention sinks; with soft-capped logits. A backend holds
-one per layer (`AttentionBackend.layers`); the layers' KV stays in the pool either way (a window is a mask
-here, not a page rule).
+one per layer (`AttentionBackend.layers`). Every path starts reading at a query's first visible key, so pages
+behind a window may have been freed (KV cache groups, `pd_cluster.engine.kv.groups`): the model hands each layer
+the batch of its group (`ForwardBatch.for_group`), whose block tables and slot mapping are that group's.
 
 Backends are chosen by name through `pd_cluster.engine.attention.get_backend`; the torch
 reference backend runs everywhere, the Triton backend on GPUs (and under
