@@ -12,7 +12,8 @@ the engine loads (fp32 KV, 16-token pages, chunked prefill of 8,192 tokens, one 
 peak resident memory during the request (Linux's ``VmHWM``, reset once the engine is ready; ``ru_maxrss`` of the
 whole process where it cannot be reset) and its resident memory once the engine was ready (the difference is what
 the prompt added: the KV pool was allocated at start-up, so it is the attention's and the step's own buffers), and
-the pages the request held (every layer keeps every page: a chunk is an attention mask here).
+the most pages the request held in each KV group at once (the engine's hybrid KV manager: the global layer's group
+holds every page, each chunked layer's group only its chunk plus the prefill chunk being computed).
 
 For comparison the table gives, by arithmetic, the ``[heads, chunk, context]`` float32 scores the torch
 reference built per layer before it ran in query blocks (the last chunk of the prompt against the whole context).
@@ -83,15 +84,32 @@ def run_one(model: str, length: int, backend: str) -> dict:
     kv_bytes = 4 * 2 * 2 * 16 * 4 * (length + 2 * PAGE)  # layers x K,V x kv heads x head_dim x fp32, whole prompt
     llm = LLM(model, attention_backend=backend, kv_cache_dtype="fp32", page_size=PAGE,
               chunked_prefill_size=CHUNK_PREFILL, context_length=length + 16, kv_cache_memory=kv_bytes + (8 << 20))
+    engine = llm.engine
     prompt = np.random.default_rng(length).integers(3, 512, size=length).tolist()
     ready_rss = _rss_bytes()
     reset = _reset_peak()
     started = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    most = [0] * engine.kv_groups.num_groups
+    pages, grow = engine.pages, engine.pages.grow
+
+    def grow_and_count(r, num_tokens):  # a request holds the most pages right after it grows
+        new = grow(r, num_tokens)
+        held = pages.held_pages(r) if pages.grouped else [len(r.block_table)]
+        most[:] = [max(a, b) for a, b in zip(most, held)]
+        return new
+
+    pages.grow = grow_and_count
+    rid = engine.add_request(None, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    req = engine.requests[rid]
+    while engine.has_work():
+        engine.step()
     seconds = time.perf_counter() - started
-    assert len(out[0].token_ids) == 1
+    assert len(req.output_token_ids) == 1 and engine.num_free_pages() == engine.allocator.num_pages
+    groups = [f"{g.kind}{'' if g.kind == 'full' else f'({g.rule[1]})'} x{len(g.layers)}"
+              for g in engine.kv_groups.groups]
     return {"length": length, "backend": backend, "seconds": seconds, "peak_rss": _peak_bytes(), "ready_rss": ready_rss,
-            "peak_since_ready": reset, "pages": -(-length // PAGE), "layers": len(llm.engine.loaded.model.layers)}
+            "peak_since_ready": reset, "pages": most[0], "pages_by_group": list(zip(groups, most)),
+            "layers": len(engine.loaded.model.layers)}
 
 
 def _gib(n: float) -> str:
@@ -131,12 +149,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, {date.today().isoformat()}\n")
     if not all(r["peak_since_ready"] for r in rows):
         print("(peak RSS is the whole process's ru_maxrss: VmHWM could not be reset here)\n")
-    print("| prompt tokens | backend | prefill | peak RSS | RSS at ready | added by the prompt | pages held "
-          "(each of 4 layers) | old torch scores, one layer (arithmetic) |")
+    print("| prompt tokens | backend | prefill | peak RSS | RSS at ready | added by the prompt | most pages held "
+          "per KV group | old torch scores, one layer (arithmetic) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        held = ", ".join(f"{g}: {n:,}" for g, n in r["pages_by_group"])
         print(f"| {r['length']:,} | {r['backend']} | {r['seconds']:.1f} s | {_gib(r['peak_rss'])} | "
-              f"{_gib(r['ready_rss'])} | {_gib(r['peak_rss'] - r['ready_rss'])} | {r['pages']:,} | "
+              f"{_gib(r['ready_rss'])} | {_gib(r['peak_rss'] - r['ready_rss'])} | {held} | "
               f"{_gib(old_scores_bytes(r['length']))} |")
     return 0
 

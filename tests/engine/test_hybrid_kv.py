@@ -228,3 +228,27 @@ def test_window_tree_hollows_inner_pages_and_a_hit_still_needs_the_window(tmp_pa
     assert out.num_cached_tokens == 0
     assert list(out.token_ids) == hf_greedy_full(hf, shared + [5], GREEDY.max_tokens)
     assert engine.num_free_pages() == engine.allocator.num_pages
+
+
+def test_small_pool_under_load_retracts_evicts_and_stays_exact(tmp_path):
+    """Gemma 2 layout in a pool of 32 pages: 8 requests sharing prefixes run together, so the scheduler evicts
+    cached pages (leaves of the full tree, any page of the window tree) and retracts; every request's tokens equal
+    those of a run with one request at a time and no prefix cache, and no page is held at the end."""
+    build("gemma2", tmp_path, max_position_embeddings=2048)
+    base = _long_prompt(300)
+    prompts = [base[:120 + 17 * i] + [7 + i] * (i % 3) for i in range(8)]
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    kw = dict(kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=48, attention_backend="cpu")
+    ref = LLM(str(tmp_path), disable_radix_cache=True, **kw)
+    want = [list(ref.generate([p], params)[0].token_ids) for p in prompts]
+    llm = LLM(str(tmp_path), num_pages=32, schedule_conservativeness=0.05, **kw)  # admits eagerly: retractions
+    engine = llm.engine
+    assert engine.allocator.num_pages == 32
+    got = [list(o.token_ids) for o in llm.generate(prompts, params)]
+    assert got == want
+    assert engine.scheduler.num_retracted_total > 0 and engine.prefix_cache.num_evicted_total > 0
+    assert engine.num_free_pages() == engine.allocator.num_pages
+    again = llm.generate(prompts[:2], params)  # hits on what the cache kept, still exact
+    assert [list(o.token_ids) for o in again] == want[:2]
+    assert engine.num_free_pages() == engine.allocator.num_pages
+    assert engine.allocator.num_free + engine.pages.num_evictable == engine.allocator.num_pages
