@@ -66,6 +66,8 @@ class CaptureBuffers:
         seq_lens: [max_bs] int32; query_start_loc: [max_bs + 1] int32 (``0..max_bs``, fixed).
         block_tables: [max_bs, max_pages] int32.
         logits_indices: [max_bs] int64.
+        group_slots, group_tables: with KV cache groups (`pd_cluster.engine.kv.groups`), groups 1..G's
+            slot mappings ([max_bs] int64 each) and block tables ([max_bs, max_pages] int32 each); empty with one.
     """
 
     input_ids: torch.Tensor
@@ -75,9 +77,11 @@ class CaptureBuffers:
     query_start_loc: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    group_slots: tuple[torch.Tensor, ...] = ()
+    group_tables: tuple[torch.Tensor, ...] = ()
 
     @classmethod
-    def allocate(cls, max_bs: int, max_pages: int, device: torch.device) -> "CaptureBuffers":
+    def allocate(cls, max_bs: int, max_pages: int, device: torch.device, num_groups: int = 1) -> "CaptureBuffers":
         def longs() -> torch.Tensor:
             return torch.zeros(max_bs, dtype=torch.int64, device=device)
 
@@ -88,6 +92,10 @@ class CaptureBuffers:
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
             block_tables=torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device),
             logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
+            group_slots=tuple(torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+                              for _ in range(num_groups - 1)),
+            group_tables=tuple(torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
+                               for _ in range(num_groups - 1)),
         )
         return bufs
 
@@ -112,6 +120,18 @@ class CaptureBuffers:
         width = batch.block_tables.shape[1]
         if width > self.max_pages:
             raise ValueError(f"block table of {width} pages exceeds the captured {self.max_pages}")
+        groups = batch.group_batches or ()
+        if len(groups) != len(self.group_tables):
+            raise ValueError(f"the batch has {len(groups) + 1} KV groups, the buffers {len(self.group_tables) + 1}")
+        for g, slots, table in zip(groups, self.group_slots, self.group_tables):
+            w = g.block_tables.shape[1]
+            if w > self.max_pages:
+                raise ValueError(f"block table of {w} pages exceeds the captured {self.max_pages}")
+            slots[:n].copy_(g.slot_mapping)
+            table[:n, :w].copy_(g.block_tables)
+            if bs > n:
+                slots[n:bs].fill_(-1)
+                table[n:bs].zero_()
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
@@ -134,12 +154,16 @@ class CaptureBuffers:
         Its host lists are placeholders (every request 1 token, ``seq_len`` 1):
         what runs inside a graph must read lengths from the device tensors.
         """
-        return ForwardBatch(
+        batch = ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], logits_indices=self.logits_indices[:bs], num_decodes=bs,
             query_lens_cpu=[1] * bs, seq_lens_cpu=[PAD_SEQ_LEN] * bs, query_start_loc_cpu=list(range(bs + 1)),
         )
+        if self.group_tables:
+            batch.group_batches = tuple(dataclasses.replace(batch, slot_mapping=slots[:bs], block_tables=table[:bs])
+                                        for slots, table in zip(self.group_slots, self.group_tables))
+        return batch
 
 
 @dataclass(frozen=True)
@@ -200,7 +224,7 @@ class CudaGraphRunner:
             max_pages = graph_table_pages(config.max_bs, pool.num_pages)
         else:
             max_pages = -(-config.max_context_len // pool.page_size)
-        self.buffers = CaptureBuffers.allocate(config.max_bs, max_pages, self.device)
+        self.buffers = CaptureBuffers.allocate(config.max_bs, max_pages, self.device, pool.groups.num_groups)
         backend.prepare_for_capture(config.max_bs, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -217,7 +241,8 @@ class CudaGraphRunner:
         A wider batch (a context past `CudaGraphConfig.max_context_len`) runs eagerly: there is no re-capture,
         since at such lengths attention, not launch overhead, dominates a decode step."""
         return (batch.num_reqs > 0 and batch.is_decode_only and batch.num_reqs <= self.sizes[-1]
-                and batch.block_tables.shape[1] <= self.buffers.max_pages)
+                and batch.block_tables.shape[1] <= self.buffers.max_pages
+                and all(g.block_tables.shape[1] <= self.buffers.max_pages for g in batch.group_batches or ()))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -281,6 +306,9 @@ class CudaGraphRunner:
         self.buffers.slot_mapping[:bs].fill_(-1)
         self.buffers.seq_lens[:bs].fill_(PAD_SEQ_LEN)
         self.buffers.block_tables[:bs].zero_()
+        for slots, table in zip(self.buffers.group_slots, self.buffers.group_tables):
+            slots[:bs].fill_(-1)
+            table[:bs].zero_()
         self.buffers.logits_indices[:bs].copy_(self.buffers.query_start_loc[:bs])
         return self.buffers.batch_view(bs)
 

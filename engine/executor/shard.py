@@ -54,13 +54,8 @@ class Shard:
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Capture this rank's decode CUDA graphs once the pool exists (none off CUDA or with
-        ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner.
-        A pool of several KV groups runs eagerly: the graphs' static buffers hold one block table."""
-        if self.pool.groups.num_groups > 1:
-            if not config.disable:
-                logger.info("CUDA graphs: off (%d KV groups; the captured step holds one block table)",
-                            self.pool.groups.num_groups)
-            return []
+        ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner
+        (its static buffers hold every KV group's block table and slot mapping)."""
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
