@@ -70,8 +70,8 @@ class GroupedPageManager(PageManager):
             if not group.is_windowed:
                 continue
             stop = min(group.first_needed_page(start, self.page_size), len(table))
-            if chains is not None:  # a page leaves the request only once it is in the cache (insert reads it)
-                stop = min(stop, chains[g].num_pages)
+            if self.cache is not None:  # a page leaves the request only once it is in the cache (insert reads it)
+                stop = min(stop, chains[g].num_pages if chains is not None else 0)
             dead = [p for p in table[:stop] if p != NULL_PAGE]
             if dead:
                 self._drop(g, dead)

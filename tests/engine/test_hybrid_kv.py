@@ -166,6 +166,10 @@ def test_non_hybrid_model_keeps_one_group_and_its_layout(tmp_path):
     assert torch.equal(torch.tensor(one.engine.kv_groups.slot_of_layer), torch.arange(4))
 
 
+def engine_overlaps(llm: LLM) -> bool:
+    return llm.engine.overlap.enabled
+
+
 # ---- prefix cache per group ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["gemma2", "llama4", "mistral-window16"])
@@ -230,10 +234,12 @@ def test_window_tree_hollows_inner_pages_and_a_hit_still_needs_the_window(tmp_pa
     assert engine.num_free_pages() == engine.allocator.num_pages
 
 
-def test_small_pool_under_load_retracts_evicts_and_stays_exact(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_small_pool_under_load_retracts_evicts_and_stays_exact(overlap, tmp_path):
     """Gemma 2 layout in a pool of 32 pages: 8 requests sharing prefixes run together, so the scheduler evicts
     cached pages (leaves of the full tree, any page of the window tree) and retracts; every request's tokens equal
-    those of a run with one request at a time and no prefix cache, and no page is held at the end."""
+    those of a run with one request at a time and no prefix cache, and no page is held at the end. With overlap
+    scheduling, window pages are freed while the previous step is in flight, and only once the cache holds them."""
     build("gemma2", tmp_path, max_position_embeddings=2048)
     base = _long_prompt(300)
     prompts = [base[:120 + 17 * i] + [7 + i] * (i % 3) for i in range(8)]
@@ -241,7 +247,9 @@ def test_small_pool_under_load_retracts_evicts_and_stays_exact(tmp_path):
     kw = dict(kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=48, attention_backend="cpu")
     ref = LLM(str(tmp_path), disable_radix_cache=True, **kw)
     want = [list(ref.generate([p], params)[0].token_ids) for p in prompts]
-    llm = LLM(str(tmp_path), num_pages=32, schedule_conservativeness=0.05, **kw)  # admits eagerly: retractions
+    llm = LLM(str(tmp_path), num_pages=32, schedule_conservativeness=0.05,  # admits eagerly: retractions
+              enable_overlap_schedule=overlap, **kw)
+    assert engine_overlaps(llm) == overlap
     engine = llm.engine
     assert engine.allocator.num_pages == 32
     got = [list(o.token_ids) for o in llm.generate(prompts, params)]
