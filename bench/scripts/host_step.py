@@ -78,6 +78,7 @@ def device_rows_runner(device: torch.device) -> tuple[ModelRunner, DeviceBlockTa
     runner = ModelRunner.__new__(ModelRunner)
     runner.pool = types.SimpleNamespace(page_size=PAGE)
     runner.rows = BlockTableRows()
+    runner.num_groups = 1  # one KV group (a model without local layers)
     return runner, DeviceBlockTable(device), HostStaging(device)
 
 
