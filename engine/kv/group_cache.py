@@ -10,9 +10,9 @@ Each group's tree is a `PrefixCache` (exact token keys). A full group's tree evi
 windowed group's tree (`WindowPrefixCache`) evicts any unreferenced page, least recently used first: an inner
 node whose page goes stays in the tree *hollow* (its tokens, no page), so a later hit can still pass through it
 as long as the pages its window needs are there. Eviction takes the least recently used evictable page over
-all groups (the trees share one logical clock). KV events (`pd_cluster.engine.kv.events`) come from group 0's tree, a full group
-whenever the model has one: the router's view of a prefix is the full layers' view; a hit can come out shorter
-than the events promise when a windowed group's last pages were evicted first.
+all groups (the trees share one logical clock). KV events (`pd_cluster.engine.kv.events`) come from group 0's
+tree, a full group whenever the model has one: the router's view of a prefix is the full layers' view; a hit can
+come out shorter than the events promise when a windowed group's last pages were evicted first.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from pd_cluster.engine.config import parse_size
 from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
                                               rope_type, unsupported_reason)
-from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES, WEIGHT_BYTES, Plan,
-                                            PlanInput, make_plan, suggestions)
+from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES,
+                                            WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions)
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
@@ -152,7 +152,8 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     if s.local_layers and plan.window_kv:
         rows.insert(6, (f"{s.local_kind} KV per GPU", f"{_gib(plan.local_kv_bytes_per_gpu)} per request at most "
                                                        f"({s.local_layers} {s.local_kind} layers"
-                                                       f"{_slots(plan, plan.local_bytes_per_token_per_gpu, s.local_layers)} x "
+                                                       + _slots(plan, plan.local_bytes_per_token_per_gpu,
+                                                                s.local_layers) + " x "
                                                        f"{plan.local_tokens:,} tokens: the {s.local_span:,}-token "
                                                        f"{'window' if s.local_kind == 'sliding' else 'chunk'} plus a "
                                                        f"{inp.chunked_prefill_size:,}-token prefill chunk, in pages)"))
