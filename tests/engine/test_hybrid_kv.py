@@ -185,6 +185,8 @@ def test_cached_hit_is_exact_and_needs_only_the_window(family, tmp_path):
     assert list(cold.token_ids) == hf_greedy_full(hf, first, GREEDY.max_tokens)
     evictable = engine.pages.num_evictable
     assert evictable > 0 and engine.num_free_pages() == engine.allocator.num_pages  # cached, none held
+    # KV events (cache-aware routing) describe group 0's tree: one page hash per cached page of it, no other group's
+    assert engine.kv_events.num_pages == engine.prefix_cache.trees[0].num_pages == (len(first) + 23) // 16
     rid = engine.add_request(None, second, GREEDY)
     req = engine.requests[rid]
     engine.step()
