@@ -262,3 +262,20 @@ def test_small_pool_under_load_retracts_evicts_and_stays_exact(overlap, tmp_path
     assert [list(o.token_ids) for o in again] == want[:2]
     assert engine.num_free_pages() == engine.allocator.num_pages
     assert engine.allocator.num_free + engine.pages.num_evictable == engine.allocator.num_pages
+
+
+def test_prompt_logprobs_request_under_overlap_caches_before_freeing(tmp_path):
+    """A prompt-logprobs request skips the cache lookup, so it starts with no place in the trees; under overlap
+    scheduling its window pages must still reach the cache before they are freed."""
+    hf = build("gemma2", tmp_path, max_position_embeddings=2048)
+    prompt = _long_prompt(200)
+    llm = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=32, attention_backend="cpu",
+              enable_overlap_schedule=True)
+    assert engine_overlaps(llm)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate([prompt], params)[0]
+    assert list(out.token_ids) == hf_greedy_full(hf, prompt, 8)
+    assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+    warm = llm.generate([prompt + [3]], GREEDY)[0]  # its pages were cached in every group
+    assert warm.num_cached_tokens == 192
+    assert list(warm.token_ids) == hf_greedy_full(hf, prompt + [3], GREEDY.max_tokens)
