@@ -100,16 +100,17 @@ def test_window_capped_pool_serves_a_prompt_whose_full_kv_would_not_fit(mistral)
     llm = LLM(str(folder), **kw)
     engine = llm.engine
     tokens_in_pool = engine.pool.max_total_num_tokens
-    assert tokens_in_pool < 1800 + GREEDY.max_tokens  # the whole prompt's KV does not fit
-    out = llm.generate([prompt], GREEDY)[0]
-    assert list(out.token_ids) == hf_greedy_full(hf, prompt, GREEDY.max_tokens)
+    assert tokens_in_pool < 1800  # the whole prompt's KV does not fit
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    assert list(out.token_ids) == hf_greedy_full(hf, prompt, params.max_tokens)
     assert engine.pages.num_trimmed_total > 1800 // 16 - 20  # pages behind the window went back to the pool
     assert engine.num_free_pages() == engine.allocator.num_pages
     # one group, as before (every layer's KV for every token): the same request is refused up front
     old = LLM(str(folder), disable_hybrid_kv_cache_manager=True, **kw)
     assert old.engine.pool.max_total_num_tokens <= tokens_in_pool
     with pytest.raises(PoolCapacityExceeded):
-        old.generate([prompt], GREEDY)
+        old.generate([prompt], params)
 
 
 def test_torch_backend_reads_each_groups_table(tmp_path):
@@ -240,15 +241,16 @@ def test_window_tree_hollows_inner_pages_and_a_hit_still_needs_the_window(tmp_pa
 def test_small_pool_under_load_retracts_evicts_and_stays_exact(overlap, tmp_path):
     """Gemma 2 layout in a pool of 32 pages: 8 requests sharing prefixes run together, so the scheduler evicts
     cached pages (leaves of the full tree, any page of the window tree) and retracts; every request's tokens equal
-    those of a run with one request at a time and no prefix cache, and no page is held at the end. With overlap
+    those of a run in a pool that holds them all without a prefix cache, and no page is held at the end. With overlap
     scheduling, window pages are freed while the previous step is in flight, and only once the cache holds them."""
     build("gemma2", tmp_path, max_position_embeddings=2048)
     base = _long_prompt(300)
     prompts = [base[:120 + 17 * i] + [7 + i] * (i % 3) for i in range(8)]
     params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     kw = dict(kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=48, attention_backend="cpu")
-    ref = LLM(str(tmp_path), disable_radix_cache=True, **kw)
-    want = [list(ref.generate([p], params)[0].token_ids) for p in prompts]
+    ref = LLM(str(tmp_path), disable_radix_cache=True, **kw)  # a pool that holds them all: no eviction, retraction
+    want = [list(o.token_ids) for o in ref.generate(prompts, params)]
+    assert ref.engine.scheduler.num_retracted_total == 0
     llm = LLM(str(tmp_path), num_pages=32, schedule_conservativeness=0.05,  # admits eagerly: retractions
               enable_overlap_schedule=overlap, **kw)
     assert engine_overlaps(llm) == overlap
