@@ -29,6 +29,7 @@ class ChoiceRun:
     stream: asyncio.Queue | None = None
     first: RequestDelta | None = None
     finished: bool = False
+    prompt: int = 0  # which prompt of the request (``prompt`` as a list)
 
 
 def choice_params(params: SamplingParams, count: int, keep_logprobs: bool) -> list[SamplingParams]:
@@ -54,9 +55,10 @@ def choice_params(params: SamplingParams, count: int, keep_logprobs: bool) -> li
     return out
 
 
-def best_of(runs: list[ChoiceRun], n: int) -> list[ChoiceRun]:
-    """The `n` runs with the highest cumulative logprob, best first, re-indexed 0..n-1."""
+def best_of(runs: list[ChoiceRun], n: int, base: int = 0) -> list[ChoiceRun]:
+    """The `n` runs (of one prompt) with the highest cumulative logprob, best first, re-indexed
+    base..base+n-1 (`base`: the prompt's first choice index)."""
     ranked = sorted(runs, key=lambda r: r.builder.cumulative_logprob, reverse=True)[:n]
     for i, r in enumerate(ranked):
-        r.builder.index = i
+        r.builder.index = base + i
     return ranked

@@ -92,7 +92,7 @@ CASES = [
     # honoured fields with bad values, and fields that would change the output and are not implemented
     ("n-too-large", C, with_(OK, n=129), 400, "n", "invalid_value"),
     ("best_of-below-n", C, with_(OK, n=2, best_of=1), 400, "best_of", "invalid_value"),
-    ("echo", C, with_(OK, echo=True), 400, "echo", "unsupported_parameter"),
+    ("echo-on-chat", CHAT, with_(MSG, echo=True), 400, "echo", "unsupported_parameter"),
     ("suffix", C, with_(OK, suffix="The end."), 400, "suffix", "unsupported_parameter"),
     ("response_format-yaml", CHAT, with_(MSG, response_format={"type": "yaml"}), 400, "response_format",
      "invalid_value"),
@@ -101,7 +101,8 @@ CASES = [
     ("tools-on-completions", C, with_(OK, tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools",
      "unsupported_parameter"),
     ("guided_choice-empty", C, with_(OK, guided_choice=[]), 400, "guided_choice", "invalid_value"),
-    ("prompt_logprobs", C, with_(OK, prompt_logprobs=1), 400, "prompt_logprobs", "unsupported_parameter"),
+    ("prompt_logprobs-25", C, with_(OK, prompt_logprobs=25), 400, "prompt_logprobs", "invalid_value"),
+    ("empty-prompt-in-list", C, with_(OK, prompt=["a", ""]), 400, "prompt[1]", "invalid_value"),
     ("image-part", CHAT, with_(MSG, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
      "messages[0].content[0]", "unsupported_parameter"),
     ("unknown-field", C, with_(OK, temprature=0.5), 400, "temprature", "unknown_parameter"),
