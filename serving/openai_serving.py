@@ -410,7 +410,7 @@ class _Timing:
 
 def serving_routes(serving: "OpenAIServing") -> list:
     """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`: completions, chat,
-    models, and vLLM's ``/tokenize`` and ``/detokenize``."""
+    models, and vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
     from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
 
     tok = TokenizerRoutes(serving)
@@ -418,4 +418,5 @@ def serving_routes(serving: "OpenAIServing") -> list:
             ("/v1/chat/completions", serving.chat_completions, ["POST"]),
             ("/v1/models", serving.models, ["GET"]),
             ("/tokenize", tok.tokenize, ["POST"]),
-            ("/detokenize", tok.detokenize, ["POST"])]
+            ("/detokenize", tok.detokenize, ["POST"]),
+            ("/tokenizer_info", tok.tokenizer_info, ["GET"])]

@@ -126,6 +126,11 @@ def test_tokenize_detokenize_version_models(worker, client):
         plain = c.post("/tokenize", json={"prompt": "Once upon a time", "add_special_tokens": False}).json()
         assert plain["tokens"] == t["tokens"][1:] and plain["token_strs"] is None
         assert c.post("/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "Once upon a time"}
+        info = c.get("/tokenizer_info").json()  # vLLM's shape, as lm-eval's remote tokenizer reads it
+        tok = worker.engine.tokenizer
+        assert (info["eos_token"], info["bos_token"]) == (tok.eos_token, tok.bos_token) == ("</s>", "<s>")
+        assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == tok.chat_template
+        assert "name_or_path" not in info and "vocab_file" not in info  # no local paths
         v = c.get("/version").json()
         assert isinstance(v["version"], str) and v["version"][0].isdigit()
     (card,) = client.models.list().data
