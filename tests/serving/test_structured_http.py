@@ -192,3 +192,38 @@ def test_a_client_leaving_an_n3_stream_aborts_every_choice(worker):
             break
         time.sleep(0.05)
     assert load["num_running_reqs"] == 0 and load["num_free_pages"] == load["num_total_pages"]
+
+
+def test_pydantic_tool_with_nested_models(client):
+    """`openai.pydantic_function_tool` of a model with nested models: its ``parameters`` hold ``$defs`` and
+    ``$ref``s (and one recursive model), honoured under ``required`` (several tools in one schema) and a named
+    choice, and parsed back by the SDK."""
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=10)
+        zip: int = Field(ge=0, le=99999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        home: Address
+        friends: list[Address] = Field(max_length=2)
+
+    class Tree(BaseModel):
+        value: int = Field(ge=0, le=9)
+        children: list["Tree"] = Field(max_length=1)
+
+    tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Tree)]
+    assert "$defs" in tools[0]["function"]["parameters"] and "$defs" in tools[1]["function"]["parameters"]
+    models = {"Person": Person, "Tree": Tree}
+    for choice in ("required", {"type": "function", "function": {"name": "Person"}}):
+        for seed in range(2):
+            r = client.chat.completions.parse(model=None, messages=MSG, tools=tools, tool_choice=choice,
+                                              parallel_tool_calls=False, max_tokens=200, temperature=1.0,
+                                              seed=seed)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls", c
+            (call,) = c.message.tool_calls
+            parsed = call.function.parsed_arguments
+            assert isinstance(parsed, models[call.function.name])
+            assert parsed == models[call.function.name].model_validate_json(call.function.arguments)
