@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pd_cluster.engine.outputs import RequestDelta
-from pd_cluster.engine.sampling.params import SEED_RANGE, SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams, fanned_out
 from pd_cluster.serving.responses import ResponseBuilder
 
 
@@ -44,11 +44,7 @@ def choice_params(params: SamplingParams, count: int, keep_logprobs: bool) -> li
     if count == 1:
         return [params]
     out = []
-    for i in range(count):
-        seed = params.seed
-        if seed is not None:
-            seed = seed + i if seed + i <= SEED_RANGE[1] else SEED_RANGE[0] + (seed + i - SEED_RANGE[1] - 1)
-        p = dataclasses.replace(params, seed=seed)
+    for p in fanned_out(dataclasses.replace(params, n=count)):
         if not keep_logprobs and p.logprobs is None:
             p = dataclasses.replace(p, logprobs=0)
         out.append(p)
