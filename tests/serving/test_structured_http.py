@@ -109,14 +109,18 @@ def test_auto_parses_hermes_calls(client):
     assert c.finish_reason == "tool_calls" and c.message.content == "Hi"
     assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"})]
-    content, calls, reasons = "", [], []
+    content, calls, reasons, pieces = "", {}, [], 0
     for ch in client.chat.completions.create(stream=True, **kw):
         d = ch.choices[0].delta
         content += d.content or ""
-        calls += [(t.function.name, json.loads(t.function.arguments)) for t in d.tool_calls or []]
+        for t in d.tool_calls or []:  # the name first, then the arguments in pieces (as vLLM and OpenAI stream)
+            slot = calls.setdefault(t.index, [t.function.name, ""])
+            slot[1] += t.function.arguments or ""
+            pieces += bool(t.function.arguments)
         reasons.append(ch.choices[0].finish_reason)
-    assert content == "Hi" and calls == [("get_weather", {"city": "Paris", "unit": "c"})]
-    assert reasons[-1] == "tool_calls"
+    assert content == "Hi" and [(n, json.loads(a)) for n, a in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    assert pieces > 2 and reasons[-1] == "tool_calls"
 
 
 def test_auto_refused_without_flag_and_none_is_plain():
