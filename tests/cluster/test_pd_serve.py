@@ -1,5 +1,7 @@
 """Acceptance: `pd-serve` at 1P1D answers the real `openai` client with the reference greedy text (its decode
-worker with overlap scheduling, as on CUDA)."""
+worker with overlap scheduling, as on CUDA), and real clients of the prompt's side: lm-eval's loglikelihood
+(`local-completions`, several prompts per request, prompt logprobs computed by the prefill worker) equal to
+transformers', and LangChain's `OpenAI.batch`."""
 
 from __future__ import annotations
 
