@@ -229,6 +229,8 @@ class ResponseBuilder:
             obj = "chat.completion.chunk"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
+        if first and self.kind == "chat":
+            self._vllm_prompt_logprobs(body)
         self._token_ids(body, choice, d.new_token_ids, first)
         return sse(body)
 
@@ -255,6 +257,8 @@ class ResponseBuilder:
             body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model, "choices": [choice]}
             if k == 0:
+                if first:
+                    self._vllm_prompt_logprobs(body)
                 self._token_ids(body, choice, d.new_token_ids, first)
             out.append(sse(body))
         return b"".join(out)

@@ -178,6 +178,20 @@ def test_prompt_logprobs_come_from_the_prefill_worker_exact(pd_serve):
                                       logprobs=1)
     got = again.choices[0].logprobs.token_logprobs
     assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:], ref)) < 1e-4
+    # streamed: the first chunk echoes the prompt with its logprobs; chat answers prompt_logprobs at the top
+    first = next(iter(client.completions.create(model="stories260K", prompt=long_prompt, max_tokens=3, echo=True,
+                                                logprobs=1, temperature=0, stream=True)))
+    assert first.choices[0].text.startswith(long_prompt)
+    streamed = first.choices[0].logprobs.token_logprobs
+    assert max(abs(a - b) for a, b in zip(streamed[1:len(ids)], ref)) < 1e-4
+    chat = [c.model_dump() for c in client.chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=3, temperature=0,
+        stream=True, extra_body={"prompt_logprobs": 0})]
+    chat_ids = tok("<s>" + PROMPTS[1], add_special_tokens=False).input_ids
+    plp = chat[0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(chat_ids)
+    assert max(abs(e[str(t)]["logprob"] - v) for t, e, v in zip(chat_ids[1:], plp[1:],
+                                                                hf_prompt_logprobs(chat_ids))) < 1e-4
 
 
 @pytest.mark.timeout(600)
