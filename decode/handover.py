@@ -171,10 +171,15 @@ class RequestAborted(Exception):
 
 
 def _prompt_logprobs(value) -> list | None:
-    """The prompt logprobs a push notification carried (`PromptLogprob` tuples), or None when absent."""
+    """The prompt logprobs a push notification carried (`PromptLogprob` tuples), or None when absent or
+    malformed (the HTTP handler then answers that they are unavailable)."""
     if not isinstance(value, list):
         return None
-    return [(float(c), [(int(i), float(v)) for i, v in top], int(rank)) for c, top, rank in value]
+    try:
+        return [(float(c), [(int(i), float(v)) for i, v in top], int(rank)) for c, top, rank in value]
+    except (TypeError, ValueError):
+        logger.warning("a KV push notification carried malformed prompt logprobs: ignored")
+        return None
 
 
 def _cached_tokens(value) -> int:

@@ -240,6 +240,10 @@ class OpenAIServing:
             raise HTTPError(503, "the request was aborted before its first token", None, "aborted")
         if (err := _request_error(first)) is not None and not first.new_token_ids:
             raise err
+        if params.prompt_logprobs is not None and first.prompt_logprobs is None:
+            self.source.abort(request_id)  # e.g. a prefill worker of an older version, which does not send them
+            raise HTTPError(502, "the prompt logprobs did not come with the first token (is the prefill worker of "
+                                 "an older version?)", None, "prompt_logprobs_unavailable")
         return stream, first
 
     def _abort_unfinished(self, runs: list[ChoiceRun]) -> None:
