@@ -143,7 +143,8 @@ def test_lm_eval_loglikelihood_batch_4_equals_transformers(pd_serve, tmp_path, m
     (tmp_path / "pd_tiny_mc.yaml").write_text(MC_TASK.format(data=data))
     out = lm_eval.simple_evaluate(
         model="local-completions", tasks=["pd_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
-        model_args={"base_url": pd_serve[0] + "/v1/completions", "model": "stories260K", "max_retries": 1},
+        model_args={"base_url": pd_serve[0] + "/v1/completions", "model": "stories260K", "max_retries": 1,
+                    "tokenizer_backend": "remote"},  # /tokenizer_info and /tokenize through the router
         batch_size=4, log_samples=True)
     samples = out["samples"]["pd_tiny_mc"]
     assert len(samples) == len(MC_DOCS)
