@@ -164,15 +164,13 @@ class OpenAIServing:
         tools = None
         if kind == "completion":
             prompts = body.prompts()
-            param = "prompt"
-            texts = [p for p in prompts if isinstance(p, str)]
-            if texts:
-                self.tok.check_fits(texts, param)
             echoes = []
-            for i, prompt in enumerate(prompts):
+            for i, prompt in enumerate(prompts):  # each prompt must fit on its own
+                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                if isinstance(prompt, str):
+                    self.tok.check_fits([prompt], param)
                 ids = self.tok.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
-                self._check_length(len(ids), kwargs["max_tokens"], param if len(prompts) == 1 else f"prompt[{i}]",
-                                   body.max_tokens_param)
+                self._check_length(len(ids), kwargs["max_tokens"], param, body.max_tokens_param)
                 text = prompt if isinstance(prompt, str) else (
                     self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else "")
                 echoes.append(PromptEcho(text, ids, bool(body.echo), body.logprobs, body.prompt_logprobs,

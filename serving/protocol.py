@@ -30,6 +30,8 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_SEQUENCES = 1024
+"""Most sequences one completions request may generate: prompts × (``best_of`` or ``n``)."""
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _INT64 = 2 ** 63
@@ -198,6 +200,10 @@ class CompletionRequest(_Common):
             if not x:
                 raise RequestRejected("prompt: must not be empty", param="prompt" if len(prompts) == 1 else
                                       f"prompt[{i}]")
+        if len(prompts) * self.num_generated > MAX_SEQUENCES:
+            raise RequestRejected(f"prompt: {len(prompts)} prompts x {self.num_generated} sequences each is more "
+                                  f"than the {MAX_SEQUENCES} sequences one request may generate; split the batch",
+                                  param="prompt", code="invalid_value")
         if len(prompts) > 1 and self.resume_token_ids:
             raise RequestRejected("resume_token_ids: only with one prompt", param="resume_token_ids",
                                   code="unsupported_parameter")
