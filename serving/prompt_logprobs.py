@@ -75,13 +75,14 @@ def vllm_prompt_logprobs(tokenizer: Any, echo: PromptEcho,
     n = echo.prompt_top
     out: list[dict[str, dict[str, Any]] | None] = [None]
     for tok, (chosen, top, rank) in zip(echo.token_ids[1:], lps):
-        entry = {str(tok): {"logprob": _finite(chosen), "rank": rank,
+        entry = {str(tok): {"logprob": finite(chosen), "rank": rank,
                             "decoded_token": tokenizer.decode([tok])}}
         for r, (i, v) in enumerate(top[:n], start=1):
-            entry.setdefault(str(i), {"logprob": _finite(v), "rank": r, "decoded_token": tokenizer.decode([i])})
+            entry.setdefault(str(i), {"logprob": finite(v), "rank": r, "decoded_token": tokenizer.decode([i])})
         out.append(entry)
     return out
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: an impossible token's logprob is -9999.0 (as vLLM answers)."""
     return max(float(logprob), -9999.0)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.engine.outputs import Logprob, RequestDelta
-from pd_cluster.serving.prompt_logprobs import PromptEcho, echo_entries, vllm_prompt_logprobs
+from pd_cluster.serving.prompt_logprobs import PromptEcho, echo_entries, finite, vllm_prompt_logprobs
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tools.chat import ChatTools
 
@@ -124,9 +124,9 @@ class ResponseBuilder:
     def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
         """One token's logprobs: its string in context, offset and bytes, and its top candidates'."""
         chosen_lp, top = lp
-        candidates = [(self.texts.candidate(i), _finite(v)) for i, v in top]
+        candidates = [(self.texts.candidate(i), finite(v)) for i, v in top]
         tok = self.texts.add(token_id)
-        return {"token": tok, "logprob": _finite(chosen_lp), "top": candidates}
+        return {"token": tok, "logprob": finite(chosen_lp), "top": candidates}
 
     def _completion_logprobs(self, entries: list[dict[str, Any]], echoed: int = 0,
                              shift: int = 0) -> dict[str, Any]:
@@ -139,10 +139,10 @@ class ResponseBuilder:
                 continue
             top: dict[str, float] = {}
             for c, v in e["top"]:
-                top.setdefault(c.text, _finite(v))  # two ids may decode to the same string: keep the likelier
+                top.setdefault(c.text, finite(v))  # two ids may decode to the same string: keep the likelier
             top_logprobs.append(top)
         return {"tokens": [e["token"].text for e in entries],
-                "token_logprobs": [None if e["logprob"] is None else _finite(e["logprob"]) for e in entries],
+                "token_logprobs": [None if e["logprob"] is None else finite(e["logprob"]) for e in entries],
                 "top_logprobs": top_logprobs,
                 "text_offset": [e["token"].offset + (shift if k >= echoed else 0) for k, e in enumerate(entries)]}
 
@@ -295,11 +295,6 @@ def _summed_usage(prompts: list[ResponseBuilder], generated: list[ResponseBuilde
     completion = sum(b.completion_tokens for b in generated)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(b.cached_tokens for b in prompts)}}
-
-
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity: an impossible token's logprob is -9999.0 (as vLLM answers)."""
-    return max(float(logprob), -9999.0)
 
 
 def sse(obj: dict[str, Any]) -> bytes:
