@@ -140,9 +140,10 @@ class DecodeHooks(StepHooks):
             lp = done.meta.get("first_logprob")
             logprob = (lp[0], [(int(i), float(v)) for i, v in lp[1]]) if lp else None
             cached = _cached_tokens(done.meta.get("num_cached_tokens"))
+            prompt_lps = _prompt_logprobs(done.meta.get("prompt_logprobs"))
             req = engine.requests.get(rec.request_id)
             if rec.complete(engine, done, None if first is None else int(first), logprob,
-                            num_cached_tokens=cached) and req is not None:
+                            num_cached_tokens=cached, prompt_logprobs=prompt_lps) and req is not None:
                 skip_first_token_draw(engine, req)
                 self._count_saved(engine, rec.ticket.first_page)
             self._settle_table(rec)
@@ -167,6 +168,18 @@ class DecodeHooks(StepHooks):
 
 class RequestAborted(Exception):
     """The request was aborted on decode (the client went away)."""
+
+
+def _prompt_logprobs(value) -> list | None:
+    """The prompt logprobs a push notification carried (`PromptLogprob` tuples), or None when absent or
+    malformed (the HTTP handler then answers that they are unavailable)."""
+    if not isinstance(value, list):
+        return None
+    try:
+        return [(float(c), [(int(i), float(v)) for i, v in top], int(rank)) for c, top, rank in value]
+    except (TypeError, ValueError):
+        logger.warning("a KV push notification carried malformed prompt logprobs: ignored")
+        return None
 
 
 def _cached_tokens(value) -> int:

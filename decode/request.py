@@ -195,11 +195,11 @@ class RemoteRequest:
         self._to(S.ARRIVING)
 
     def complete(self, engine: LLMEngine, done: RecvDone, first_token: int | None, first_logprob,
-                 num_cached_tokens: int = 0) -> bool:
+                 num_cached_tokens: int = 0, prompt_logprobs: list | None = None) -> bool:
         """ARRIVING -> RUNNING: every push arrived; the request joins the running batch with its first token.
 
         `num_cached_tokens` (prompt tokens the prefill worker's prefix cache served) is reported in the
-        request's usage.
+        request's usage; `prompt_logprobs` (computed by the prefill worker) in its deltas.
 
         A completion seen while RESERVED (a push can only exist if the ticket left) passes through ARRIVING.
         Returns False, and fails the request, when the last push carried no first token or the engine no
@@ -213,7 +213,8 @@ class RemoteRequest:
         if req is not None:
             req.times.kv_wait_s = done.wait_s
         ok = first_token is not None and engine.complete_remote_prefill(
-            self.request_id, first_token, first_logprob, num_cached_tokens=num_cached_tokens)
+            self.request_id, first_token, first_logprob, num_cached_tokens=num_cached_tokens,
+            prompt_logprobs=prompt_logprobs)
         if not ok:  # the receiver is done with the pages: nothing writes into them any more
             why = "carried no first token" if first_token is None else "arrived for a request no longer waiting"
             self._to(S.FAILED)

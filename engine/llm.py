@@ -9,7 +9,7 @@ from tqdm import tqdm
 from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import CompletionOutput, RequestOutput
-from pd_cluster.engine.sampling.params import SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams, fanned_out
 
 
 class LLM:
@@ -40,7 +40,9 @@ class LLM:
 
         Args:
             prompts: one text, texts, or lists of token ids.
-            sampling_params: one for all, or one per prompt (default: `SamplingParams()`).
+            sampling_params: one for all, or one per prompt (default: `SamplingParams()`). ``n`` > 1 fans out
+                into ``n`` engine requests (`fanned_out`: seeds ``seed + i``), whose sequences come back together
+                in one `RequestOutput` (``outputs[i].index == i``), as vLLM's ``LLM`` returns them.
             use_tqdm: show a progress bar.
 
         Raises:
@@ -52,11 +54,20 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = self._add_all(prompts, params_list)
+        fans = [fanned_out(p) for p in params_list]
+        ids = self._add_all([pr for pr, f in zip(prompts, fans) for _ in f], [p for f in fans for p in f])
         results = self._run(ids, use_tqdm)
-        for rid, prompt in zip(ids, prompts):
-            results[rid].prompt = prompt if isinstance(prompt, str) else None
-        return [results[i] for i in ids]
+        outs, k = [], 0
+        for prompt, f in zip(prompts, fans):
+            group = [results[rid] for rid in ids[k:k + len(f)]]
+            k += len(f)
+            first = group[0]
+            first.prompt = prompt if isinstance(prompt, str) else None
+            for i, r in enumerate(group):
+                r.outputs[0].index = i
+            first.outputs = [r.outputs[0] for r in group]
+            outs.append(first)
+        return outs
 
     def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
         ids: list[str] = []

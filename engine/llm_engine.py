@@ -206,11 +206,13 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None,
-                                num_cached_tokens: int = 0) -> bool:
+                                num_cached_tokens: int = 0, prompt_logprobs=None) -> bool:
         """Decode role: the prompt's KV is in the reserved pages and prefill sampled `first_token_id`.
 
         `num_cached_tokens`: prompt tokens the prefill worker's cache served (this engine's own hits saved
         only their transfer); reported in ``RequestDelta.num_cached_tokens``. The arrived pages join the cache.
+        `prompt_logprobs`: the prompt's logprobs computed by the prefill worker (``PromptLogprob`` list), for a
+        request that asked for them; its deltas carry them as if computed here.
 
         A structured-output request replays the token into its fresh matcher here (`_on_token`); a token its
         grammar refuses fails the request.
@@ -223,6 +225,8 @@ class LLMEngine:
         self.scheduler.complete_remote(req)
         req.num_cached_tokens = min(max(int(num_cached_tokens), 0), req.num_prompt_tokens)
         req.times.prefill_done = req.times.prefill_done or time.monotonic()
+        if prompt_logprobs is not None and req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         self._on_token(req, first_token_id, first_logprob)
         return True
 

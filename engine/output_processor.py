@@ -30,6 +30,7 @@ class RequestState:
 
     detokenizer: IncrementalDetokenizer
     stream: bool
+    sent_prompt_logprobs: bool = False
 
     @property
     def needs_text_now(self) -> bool:
@@ -83,10 +84,13 @@ class OutputProcessor:
         stop string)."""
         state = self.states[req.request_id]
         if state.stream:
+            prompt_lps = None
+            if req.params.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+                prompt_lps, state.sent_prompt_logprobs = req.prompt_logprobs, True  # complete once a token exists
             self._deltas.append(RequestDelta(
                 req.request_id, [token], state.detokenizer.take_delta(False),
                 [logprob] if logprob is not None else None, False, None, None, req.num_prompt_tokens,
-                req.num_output_tokens, num_cached_tokens=req.num_cached_tokens or 0))
+                req.num_output_tokens, prompt_logprobs=prompt_lps, num_cached_tokens=req.num_cached_tokens or 0))
 
     def finish(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
         """`req` ended with `status`: its last delta carries everything not sent yet (an aborted or failed

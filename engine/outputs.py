@@ -7,6 +7,8 @@ from typing import Any
 
 Logprob = tuple[float, list[tuple[int, float]]]
 """(logprob of the chosen token, [(token id, logprob)] top-N)."""
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
+"""One prompt position: (logprob of the next prompt token, [(token id, logprob)] top-N, its rank, 1 = likeliest)."""
 
 
 @dataclass
@@ -21,7 +23,8 @@ class RequestDelta:
         finished, finish_reason (``stop``, ``length``, ``abort``, ``error``), stop_reason (the
             stop string or stop token id, else None).
         num_prompt_tokens, num_output_tokens: totals so far (for ``usage``).
-        prompt_logprobs: the prompt's logprobs, once, when complete.
+        prompt_logprobs: the prompt's logprobs (`PromptLogprob`, one per prompt token after the first), on the
+            first streamed delta and on the final one.
         error: with finish_reason ``error``, what failed (this request only; the batch went on).
         num_cached_tokens: prompt tokens whose KV came from the prefix cache (OpenAI's
             ``usage.prompt_tokens_details.cached_tokens``); 0 before admission.
@@ -36,7 +39,7 @@ class RequestDelta:
     stop_reason: int | str | None
     num_prompt_tokens: int
     num_output_tokens: int
-    prompt_logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
     times: Any = None  # engine.request.RequestTimes of a finished request, for metrics
     error: str | None = None
     num_cached_tokens: int = 0
@@ -96,7 +99,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache (vLLM's field)
 
     @property

@@ -96,7 +96,7 @@ class Request:
         self.generator: torch.Generator | None = None
         self.grammar: RequestGrammar | None = None  # structured output: the matcher, fed every output token
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = []  # `PromptLogprob`s
         self.num_retractions = 0
         self.times = RequestTimes()
 

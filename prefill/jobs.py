@@ -4,7 +4,9 @@ A job is one request sent by a decode worker with its `KVTicket` (the decode
 pages reserved for the prompt). After each engine step, the pages that step
 completed are pushed (`KVSender.push`); the push that reaches the end of the
 prompt carries the first token, and the prompt tokens this worker's prefix
-cache served (``num_cached_tokens``), in its notification. The job ends when the
+cache served (``num_cached_tokens``), in its notification; a request that asked for prompt logprobs
+(vLLM's ``prompt_logprobs``, ``echo`` with ``logprobs``) gets them there too: they need this worker's logits
+at every prompt position, which no other worker computes. The job ends when the
 sender reports every push complete (the prefill pages are freed) or failed
 (freed once no NIXL handle is left). An aborted job (decode went away, by
 HTTP, ``/abort`` or a NIXL cancel) logs one INFO line, whichever came first.
@@ -138,6 +140,8 @@ class PrefillHooks(StepHooks):
                 job.result.num_cached_tokens = int(req.num_cached_tokens or 0) if req is not None else 0
                 meta = {"first_token_id": job.result.first_token_id, "first_logprob": job.result.first_logprob,
                         "num_cached_tokens": job.result.num_cached_tokens}
+                if d.prompt_logprobs is not None:  # computed here, for every prompt position
+                    meta["prompt_logprobs"] = [_jsonable_prompt(lp) for lp in d.prompt_logprobs]
             self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready)
 
     def poll(self, engine: LLMEngine) -> None:
@@ -176,6 +180,11 @@ class PrefillHooks(StepHooks):
 
     def has_pending(self) -> bool:
         return bool(self.jobs) or self.sender.has_work
+
+
+def _jsonable_prompt(logprob) -> list:
+    chosen, top, rank = logprob
+    return [float(chosen), [[int(i), float(v)] for i, v in top], int(rank)]
 
 
 def _jsonable(logprob) -> list:

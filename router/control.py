@@ -141,13 +141,16 @@ class ControlPlane:
         for path in ("/tokenize", "/detokenize"):
             app.add_api_route(path, self._forward_tokenizer_call, methods=["POST"],
                               responses=error_responses(400, 401, 502, 503))
+        app.add_api_route("/tokenizer_info", self._forward_tokenizer_call, methods=["GET"],
+                          responses=error_responses(401, 502, 503))
 
         self._admin_routes(app)
         return app
 
     async def _forward_tokenizer_call(self, request: Request) -> Response:
-        """``/tokenize`` and ``/detokenize`` (vLLM's shape): answered by any usable decode or mixed worker, whose
-        status and body are passed through (they hold the tokenizer; the router does not)."""
+        """``/tokenize``, ``/detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes): answered by any usable decode
+        or mixed worker, whose status and body are passed through (they hold the tokenizer; the router does
+        not)."""
         self._check_api_key(request)
         workers = self.registry.usable(Role.DECODE) + self.registry.usable(Role.MIXED)
         if not workers:
@@ -157,8 +160,8 @@ class ControlPlane:
         timeout = httpx.Timeout(30.0, connect=self.config.limits.connect_timeout_secs)
         try:
             async with httpx.AsyncClient(timeout=timeout) as client:
-                r = await client.post(workers[0].url + request.url.path, content=await request.body(),
-                                      headers=headers)
+                r = await client.request(request.method, workers[0].url + request.url.path,
+                                         content=await request.body(), headers=headers)
         except httpx.HTTPError as exc:
             return _error(502, f"worker {workers[0].url} did not answer: {type(exc).__name__}",
                           code="worker_unreachable")

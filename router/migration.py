@@ -17,8 +17,8 @@ asks for them (``"return_token_ids": true``), the first chunk carries
 each chunk's choice carries the ``token_ids`` it adds. They are removed from
 what the client sees unless the client asked for them itself.
 
-Migrated are streams with one choice and none of ``echo``, ``best_of``,
-``suffix`` or ``prompt_logprobs`` (they are about the prompt, which a
+Migrated are streams with one choice (one prompt, ``n`` 1) and none of ``echo``,
+``best_of``, ``suffix`` or ``prompt_logprobs`` (they are about the prompt, which a
 continuation would answer again). Non-streamed requests send nothing before
 they finish, so a failed one is re-dispatched whole (see ``router.proxy``).
 """
@@ -39,7 +39,7 @@ def plan_body(data: dict[str, Any], chat: bool, raw: bytes | None = None) -> tup
     if not data.get("stream") or data.get("n", 1) not in (1, None):
         return None
     if data.get("echo") or data.get("suffix") or data.get("best_of") not in (None, 1) \
-            or data.get("prompt_logprobs") is not None:
+            or data.get("prompt_logprobs") is not None or _several_prompts(data.get("prompt")):
         return None
     client_ids = data.get("return_token_ids") is True
     opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
@@ -52,6 +52,11 @@ def plan_body(data: dict[str, Any], chat: bool, raw: bytes | None = None) -> tup
     if client_ids:
         return raw if raw is not None else json.dumps(data, separators=(",", ":")).encode(), tracker
     return json.dumps(dict(data, return_token_ids=True), separators=(",", ":")).encode(), tracker
+
+
+def _several_prompts(prompt: Any) -> bool:
+    """``prompt`` as a list of several texts or token-id lists (one choice per prompt)."""
+    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pd_cluster.engine.outputs import RequestDelta
-from pd_cluster.engine.sampling.params import SEED_RANGE, SamplingParams
+from pd_cluster.engine.sampling.params import SamplingParams, fanned_out
 from pd_cluster.serving.responses import ResponseBuilder
 
 
@@ -29,6 +29,7 @@ class ChoiceRun:
     stream: asyncio.Queue | None = None
     first: RequestDelta | None = None
     finished: bool = False
+    prompt: int = 0  # which prompt of the request (``prompt`` as a list)
 
 
 def choice_params(params: SamplingParams, count: int, keep_logprobs: bool) -> list[SamplingParams]:
@@ -43,20 +44,17 @@ def choice_params(params: SamplingParams, count: int, keep_logprobs: bool) -> li
     if count == 1:
         return [params]
     out = []
-    for i in range(count):
-        seed = params.seed
-        if seed is not None:
-            seed = seed + i if seed + i <= SEED_RANGE[1] else SEED_RANGE[0] + (seed + i - SEED_RANGE[1] - 1)
-        p = dataclasses.replace(params, seed=seed)
+    for p in fanned_out(dataclasses.replace(params, n=count)):
         if not keep_logprobs and p.logprobs is None:
             p = dataclasses.replace(p, logprobs=0)
         out.append(p)
     return out
 
 
-def best_of(runs: list[ChoiceRun], n: int) -> list[ChoiceRun]:
-    """The `n` runs with the highest cumulative logprob, best first, re-indexed 0..n-1."""
+def best_of(runs: list[ChoiceRun], n: int, base: int = 0) -> list[ChoiceRun]:
+    """The `n` runs (of one prompt) with the highest cumulative logprob, best first, re-indexed
+    base..base+n-1 (`base`: the prompt's first choice index)."""
     ranked = sorted(runs, key=lambda r: r.builder.cumulative_logprob, reverse=True)[:n]
     for i, r in enumerate(ranked):
-        r.builder.index = i
+        r.builder.index = base + i
     return ranked

@@ -43,7 +43,6 @@ REFUSED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "guided_decoding_backend": _none,
     "structured_outputs": _none,
     # other sampling and decoding controls
-    "prompt_logprobs": _none,
     "use_beam_search": _is(False),
     "length_penalty": _is(1.0, 1),
     "truncate_prompt_tokens": _none,

@@ -28,6 +28,7 @@ from pd_cluster.serving.body import parse_json_object, read_body
 from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.prompt_logprobs import PromptEcho
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
 from pd_cluster.serving.resume import Resumed, prepare_resumed
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
@@ -62,10 +63,11 @@ class PromptSource(ABC):
 
 
 class Prepared(NamedTuple):
-    """A validated, tokenized request (`tools`: chat only)."""
+    """A validated, tokenized request (`tools`: chat only; `prompts`: completions, one `PromptEcho` per prompt,
+    several when ``prompt`` is a list; chat: the one prompt)."""
 
     body: Any
-    prompt_ids: list[int]
+    prompts: list[PromptEcho]
     params: SamplingParams
     tools: ChatTools | None = None
     resumed: Resumed = Resumed([])  # ``resume_token_ids``: what an earlier attempt delivered
@@ -111,20 +113,26 @@ class OpenAIServing:
         arrival = time.monotonic()
         try:
             prep = await self._parse(request, kind)
-            body, prompt_ids = prep.body, prep.prompt_ids
+            body = prep.body
             n, count = body.num_choices, body.num_generated
             runs = []
-            for i, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
-                texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                builder = ResponseBuilder(kind, request_id, self.model_name, texts,
-                                          want_logprobs=prep.params.logprobs is not None,
-                                          prompt_token_ids=prompt_ids if body.return_token_ids else None,
-                                          index=i, tools=prep.tools)
-                builder.resume(prep.resumed.text)
-                # The engine's id is unique per attempt: a router retry of the same request may reach this worker
-                # while the failed attempt still holds its pages (waiting for the sender to stop writing into them).
-                runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder), params))
-            await self._start_all(request, prompt_ids, runs, prep.resumed.token_ids)
+            for p_i, prompt in enumerate(prep.prompts):
+                prompt_ids = prompt.token_ids
+                want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
+                for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
+                    texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                    builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                              want_logprobs=prep.params.logprobs is not None,
+                                              prompt_token_ids=prompt_ids if body.return_token_ids else None,
+                                              index=p_i * n + j, tools=prep.tools,
+                                              prompt=prompt if want_prompt else None)
+                    builder.resume(prep.resumed.text)
+                    # The engine's id is unique per attempt: a router retry of the same request may reach this
+                    # worker while the failed attempt still holds its pages (waiting for the sender to stop
+                    # writing into them).
+                    runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
+                                 prompt_ids))
+            await self._start_all(request, runs, prep.resumed.token_ids)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -134,7 +142,7 @@ class OpenAIServing:
                 logger.warning("request %s failed before the first token: %s %s", request_id, err.status, err.message)
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
-        choices = [r for r, _ in runs]
+        choices = [r for r, _, _ in runs]
         timings = [_Timing(self.metrics, arrival) for _ in choices]
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
@@ -155,12 +163,22 @@ class OpenAIServing:
         kwargs = body.sampling_kwargs()
         tools = None
         if kind == "completion":
-            prompt, param = body.single_prompt(), "prompt"
-            if isinstance(prompt, str):
-                self.tok.check_fits([prompt], param)
-                prompt_ids = self.tok.encode(prompt, body.add_special_tokens)
-            else:
-                prompt_ids = prompt
+            prompts = body.prompts()
+            echoes = []
+            for i, prompt in enumerate(prompts):  # each prompt must fit on its own
+                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                if isinstance(prompt, str):
+                    self.tok.check_fits([prompt], param)
+                ids = self.tok.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
+                self._check_length(len(ids), kwargs["max_tokens"], param, body.max_tokens_param)
+                text = prompt if isinstance(prompt, str) else (
+                    self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else "")
+                echoes.append(PromptEcho(text, ids, bool(body.echo), body.logprobs, body.prompt_logprobs,
+                                         body.echo_only))
+            params = SamplingParams(**kwargs)
+            resumed = prepare_resumed(self.tokenizer, echoes[0].token_ids, params, body.resumed_output(),
+                                      self.context_length)
+            return Prepared(body, echoes, params, None, resumed)
         else:
             conversation, param = body.conversation(), "messages"
             tools = chat_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_settings,
@@ -174,7 +192,7 @@ class OpenAIServing:
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
         resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
-        return Prepared(body, prompt_ids, params, tools, resumed)
+        return Prepared(body, [PromptEcho("", prompt_ids, prompt_top=body.prompt_logprobs)], params, tools, resumed)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
         """Blame the prompt when it leaves no room for one token, else the output budget."""
@@ -189,19 +207,20 @@ class OpenAIServing:
                                  f"Please reduce the length of the {param} or the completion.",
                             max_tokens_param, "context_length_exceeded")
 
-    async def _start_all(self, request: Request, prompt_ids: list[int],
-                         runs: list[tuple[ChoiceRun, SamplingParams]], resumed: list[int]) -> None:
-        """Start every choice and wait for each one's first delta; on any failure abort them all."""
-        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, prompt_ids, p, resumed)) for r, p in runs]
+    async def _start_all(self, request: Request, runs: list[tuple[ChoiceRun, SamplingParams, list[int]]],
+                         resumed: list[int]) -> None:
+        """Start every choice (of every prompt) and wait for each one's first delta; on any failure abort them
+        all."""
+        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, ids, p, resumed)) for r, p, ids in runs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
-            for r, _ in runs:
+            for r, _, _ in runs:
                 self.source.abort(r.engine_id)
             raise
-        for (r, _), (stream, first) in zip(runs, results):
+        for (r, _, _), (stream, first) in zip(runs, results):
             r.stream, r.first = stream, first
 
     async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -219,6 +238,10 @@ class OpenAIServing:
             raise HTTPError(503, "the request was aborted before its first token", None, "aborted")
         if (err := _request_error(first)) is not None and not first.new_token_ids:
             raise err
+        if params.prompt_logprobs is not None and first.prompt_logprobs is None:
+            self.source.abort(request_id)  # e.g. a prefill worker of an older version, which does not send them
+            raise HTTPError(502, "the prompt logprobs did not come with the first token (is the prefill worker of "
+                                 "an older version?)", None, "prompt_logprobs_unavailable")
         return stream, first
 
     def _abort_unfinished(self, runs: list[ChoiceRun]) -> None:
@@ -270,7 +293,8 @@ class OpenAIServing:
                     timings[i].on_finish(run.builder.finish_reason, d)
             if include_usage:
                 builders = [r.builder for r in runs]
-                yield builders[0].usage_chunk() if len(builders) == 1 else merged_usage_chunk(builders)
+                yield builders[0].usage_chunk() if len(builders) == 1 else merged_usage_chunk(
+                    builders, _one_per_prompt(runs))
             yield SSE_DONE
         finally:
             for t in pumps:
@@ -305,9 +329,21 @@ class OpenAIServing:
             raise
         if len(runs) == 1:
             return JSONResponse(runs[0].builder.full(), headers=headers)
-        chosen = best_of(runs, n) if len(runs) > n else runs
+        chosen: list[ChoiceRun] = []
+        for p_i in sorted({r.prompt for r in runs}):
+            mine = [r for r in runs if r.prompt == p_i]
+            chosen += best_of(mine, n, base=p_i * n) if len(mine) > n else mine
         unreturned = [r.builder for r in runs if r not in chosen]
-        return JSONResponse(merge_choices([r.builder for r in chosen], unreturned), headers=headers)
+        return JSONResponse(merge_choices([r.builder for r in chosen], unreturned, _one_per_prompt(runs)),
+                            headers=headers)
+
+
+def _one_per_prompt(runs: list[ChoiceRun]) -> list[ResponseBuilder]:
+    """One builder per prompt of the request (usage counts each prompt once)."""
+    seen: dict[int, ResponseBuilder] = {}
+    for r in runs:
+        seen.setdefault(r.prompt, r.builder)
+    return list(seen.values())
 
 
 def _request_error(d: RequestDelta) -> HTTPError | None:
@@ -376,7 +412,7 @@ class _Timing:
 
 def serving_routes(serving: "OpenAIServing") -> list:
     """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`: completions, chat,
-    models, and vLLM's ``/tokenize`` and ``/detokenize``."""
+    models, and vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
     from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
 
     tok = TokenizerRoutes(serving)
@@ -384,4 +420,5 @@ def serving_routes(serving: "OpenAIServing") -> list:
             ("/v1/chat/completions", serving.chat_completions, ["POST"]),
             ("/v1/models", serving.models, ["GET"]),
             ("/tokenize", tok.tokenize, ["POST"]),
-            ("/detokenize", tok.detokenize, ["POST"])]
+            ("/detokenize", tok.detokenize, ["POST"]),
+            ("/tokenizer_info", tok.tokenizer_info, ["GET"])]

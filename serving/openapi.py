@@ -182,6 +182,8 @@ _PATHS: dict[str, dict[str, Any]] = {
                               TokenizeRequest)},
     "/detokenize": {"post": _op("Detokenize token ids (vLLM)", _json(DetokenizeResponse, "the text"),
                                 DetokenizeRequest)},
+    "/tokenizer_info": {"get": _op("The tokenizer's configuration and chat template (vLLM)",
+                                   _json(None, "tokenizer_class, special tokens, chat_template, ..."))},
     "/health": {"get": _op("Liveness", _json(Health, "serving"), extra={"503": _json(Health, "starting, "
                                                                                        "draining or dead")})},
     "/get_load": {"get": _op("Load numbers for the router", _json(Load, "the load"))},

@@ -30,6 +30,8 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_SEQUENCES = 1024
+"""Most sequences one completions request may generate: prompts × (``best_of`` or ``n``)."""
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _INT64 = 2 ** 63
@@ -71,6 +73,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM: logprobs of every prompt token
     # structured outputs (OpenAI, and vLLM's extras); validated by `structured_output_from_request`
     response_format: Any = None
     guided_json: Any = None
@@ -92,7 +95,7 @@ class _Common(BaseModel):
             top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs,
             structured_output=structured_output_from_request(
                 self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
                 self.guided_grammar, self.guided_whitespace_pattern))
@@ -158,18 +161,19 @@ class CompletionRequest(_Common):
 
     prompt: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | list[TokenId] | list[
         list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, lt=2 ** 31)
+    max_tokens: int | None = Field(16, ge=0, lt=2 ** 31)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids).
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (texts or token ids), in order: one, or several (``prompt`` as a list of strings or of
+        token-id lists, as OpenAI and vLLM accept); each becomes its own requests.
 
         Raises:
-            RequestRejected: several prompts, an empty prompt, or a field that is not supported.
+            RequestRejected: an empty prompt, or a field that is not supported.
         """
         self._check_extras()
         if self.best_of is not None and self.best_of < self.num_choices:
@@ -178,28 +182,46 @@ class CompletionRequest(_Common):
         if self.stream and self.num_generated > self.num_choices:
             raise RequestRejected("best_of: streaming is not supported when best_of > n", param="best_of",
                                   code="unsupported_parameter")
-        if self.echo:
-            raise RequestRejected("echo: not supported", param="echo", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestRejected("max_tokens: 0 is only valid with echo=true (it scores the prompt without "
+                                  "generating)", param="max_tokens", code="invalid_value")
         if self.suffix:
             raise RequestRejected("suffix: not supported", param="suffix", code="unsupported_parameter")
         p = self.prompt
         if isinstance(p, str):
-            if not p:
-                raise RequestRejected("prompt: must not be empty", param="prompt")
-            return p
-        if not p:
+            prompts: list = [p]
+        elif not p:
             raise RequestRejected("prompt: must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            if not p[0]:
-                raise RequestRejected("prompt: must not be empty", param="prompt")
-            return p[0]  # type: ignore[return-value]
-        raise RequestRejected("prompt: only one prompt per request is supported", param="prompt",
-                              code="unsupported_parameter")
+        elif all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        else:
+            prompts = [x if isinstance(x, str) else list(x) for x in p]
+        for i, x in enumerate(prompts):
+            if not x:
+                raise RequestRejected("prompt: must not be empty", param="prompt" if len(prompts) == 1 else
+                                      f"prompt[{i}]")
+        if len(prompts) * self.num_generated > MAX_SEQUENCES:
+            raise RequestRejected(f"prompt: {len(prompts)} prompts x {self.num_generated} sequences each is more "
+                                  f"than the {MAX_SEQUENCES} sequences one request may generate; split the batch",
+                                  param="prompt", code="invalid_value")
+        if len(prompts) > 1 and self.resume_token_ids:
+            raise RequestRejected("resume_token_ids: only with one prompt", param="resume_token_ids",
+                                  code="unsupported_parameter")
+        return prompts
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        return dict(self._sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
+        """`SamplingParams` fields. ``max_tokens`` 0 (``echo``: score the prompt) runs one token, which the
+        response drops; ``echo`` with ``logprobs`` asks the engine for that many prompt logprobs."""
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return dict(self._sampling_kwargs(), max_tokens=1 if self.max_tokens == 0 else self.max_tokens,
+                    logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the prompt alone is returned (its generated token is dropped)."""
+        return self.max_tokens == 0
 
     @property
     def num_generated(self) -> int:

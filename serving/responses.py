@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd_cluster.engine.outputs import Logprob, RequestDelta
+from pd_cluster.serving.prompt_logprobs import PromptEcho, echo_entries, finite, vllm_prompt_logprobs
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tools.chat import ChatTools
 
@@ -36,6 +37,8 @@ class ResponseBuilder:
             ``prompt_token_ids`` and ``token_ids``.
         index: the choice's index.
         tools: chat: the request's tools, when the output may hold tool calls.
+        prompt: the prompt's side (`PromptEcho`): ``echo``, ``max_tokens`` 0 and vLLM's ``prompt_logprobs``;
+            None when the request asked for none of them.
     """
 
     kind: str
@@ -46,6 +49,7 @@ class ResponseBuilder:
     prompt_token_ids: list[int] | None = None
     index: int = 0
     tools: ChatTools | None = None
+    prompt: PromptEcho | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     text: list[str] = field(default_factory=list)
     entries: list[dict[str, Any]] = field(default_factory=list)
@@ -55,6 +59,7 @@ class ResponseBuilder:
     cached_tokens: int = 0
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
+    prompt_lps: list | None = None
 
     def __post_init__(self) -> None:
         self._tool_stream = self.tools.stream() if self.tools is not None and self.kind == "chat" else None
@@ -72,6 +77,14 @@ class ResponseBuilder:
 
     def add(self, d: RequestDelta) -> None:
         """Take one delta (call once per delta, before `chunk`)."""
+        if d.prompt_logprobs is not None and self.prompt_lps is None:
+            self.prompt_lps = d.prompt_logprobs
+        if self.drops_output:  # max_tokens 0: the one token the engine ran is not the client's
+            self.prompt_tokens = d.num_prompt_tokens
+            self.cached_tokens = max(self.cached_tokens, d.num_cached_tokens)
+            if d.finished:
+                self.finish_reason = "length" if d.finish_reason in ("length", "stop") else d.finish_reason
+            return
         self.text.append(d.new_text)
         self.token_ids.extend(d.new_token_ids)
         if d.new_logprobs:
@@ -82,6 +95,23 @@ class ResponseBuilder:
         self.cached_tokens = max(self.cached_tokens, d.num_cached_tokens)
         if d.finished:
             self.finish_reason = d.finish_reason
+
+    @property
+    def drops_output(self) -> bool:
+        return self.prompt is not None and self.prompt.drop_output
+
+    def _echo(self) -> tuple[str, list[dict[str, Any]]]:
+        """The echoed prompt's text and logprob entries (none without ``echo``)."""
+        p = self.prompt
+        if p is None or not p.echo:
+            return "", []
+        if not self.want_logprobs:
+            return p.text, []
+        return p.text, echo_entries(self.texts.tokenizer, p, self.prompt_lps, self.texts.skip_special)
+
+    def _vllm_prompt_logprobs(self, target: dict[str, Any]) -> None:
+        if self.prompt is not None and self.prompt.prompt_top is not None:
+            target["prompt_logprobs"] = vllm_prompt_logprobs(self.texts.tokenizer, self.prompt, self.prompt_lps)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` counts prompt tokens whose KV came
@@ -94,21 +124,27 @@ class ResponseBuilder:
     def _entry(self, token_id: int, lp: Logprob) -> dict[str, Any]:
         """One token's logprobs: its string in context, offset and bytes, and its top candidates'."""
         chosen_lp, top = lp
-        candidates = [(self.texts.candidate(i), _finite(v)) for i, v in top]
+        candidates = [(self.texts.candidate(i), finite(v)) for i, v in top]
         tok = self.texts.add(token_id)
-        return {"token": tok, "logprob": _finite(chosen_lp), "top": candidates}
+        return {"token": tok, "logprob": finite(chosen_lp), "top": candidates}
 
-    def _completion_logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        top_logprobs = []
+    def _completion_logprobs(self, entries: list[dict[str, Any]], echoed: int = 0,
+                             shift: int = 0) -> dict[str, Any]:
+        """OpenAI's completion logprobs; the first `echoed` entries are the prompt's, and the output's offsets
+        move by `shift` (the echoed text's length)."""
+        top_logprobs: list[dict[str, float] | None] = []
         for e in entries:
+            if e["top"] is None:  # the first prompt token: no context, no logprob
+                top_logprobs.append(None)
+                continue
             top: dict[str, float] = {}
             for c, v in e["top"]:
-                top.setdefault(c.text, v)  # two ids may decode to the same string: keep the likelier
+                top.setdefault(c.text, finite(v))  # two ids may decode to the same string: keep the likelier
             top_logprobs.append(top)
         return {"tokens": [e["token"].text for e in entries],
-                "token_logprobs": [e["logprob"] for e in entries],
+                "token_logprobs": [None if e["logprob"] is None else finite(e["logprob"]) for e in entries],
                 "top_logprobs": top_logprobs,
-                "text_offset": [e["token"].offset for e in entries]}
+                "text_offset": [e["token"].offset + (shift if k >= echoed else 0) for k, e in enumerate(entries)]}
 
     @staticmethod
     def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -130,7 +166,13 @@ class ResponseBuilder:
         text = "".join(self.text)
         lps = self._logprobs_for(self.entries)
         if self.kind == "completion":
-            choice = {"index": self.index, "text": text, "logprobs": lps, "finish_reason": self.finish_reason}
+            echo_text, echoed = self._echo()
+            if echo_text or echoed:
+                lps = self._completion_logprobs(echoed + self.entries, len(echoed), len(echo_text)) \
+                    if self.want_logprobs else None
+            choice = {"index": self.index, "text": echo_text + text, "logprobs": lps,
+                      "finish_reason": self.finish_reason}
+            self._vllm_prompt_logprobs(choice)
             obj = "text_completion"
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -144,6 +186,8 @@ class ResponseBuilder:
             obj = "chat.completion"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage()}
+        if self.kind == "chat":
+            self._vllm_prompt_logprobs(body)
         self._token_ids(body, choice, self.token_ids, True)
         return body
 
@@ -162,10 +206,18 @@ class ResponseBuilder:
     # ---- stream -------------------------------------------------------------------------
     def chunk(self, d: RequestDelta, first: bool) -> bytes:
         """The SSE event for one delta (the chat stream's first event also carries the role)."""
-        n = len(d.new_token_ids) if self.want_logprobs and d.new_logprobs else 0
-        lps = self._logprobs_for(self.entries[len(self.entries) - n:] if n else [])
+        n = len(d.new_token_ids) if self.want_logprobs and d.new_logprobs and not self.drops_output else 0
+        new = self.entries[len(self.entries) - n:] if n else []
+        lps = self._logprobs_for(new)
         if self.kind == "completion":
-            choice = {"index": self.index, "text": d.new_text, "logprobs": lps, "finish_reason": d.finish_reason}
+            echo_text, echoed = self._echo() if first else ("", [])
+            if self.prompt is not None and self.prompt.echo and self.want_logprobs and (echoed or new):
+                lps = self._completion_logprobs(echoed + new, len(echoed), len(self.prompt.text))
+            text = "" if self.drops_output else d.new_text
+            reason = self.finish_reason if d.finished and self.drops_output else d.finish_reason
+            choice = {"index": self.index, "text": echo_text + text, "logprobs": lps, "finish_reason": reason}
+            if first:
+                self._vllm_prompt_logprobs(choice)
             obj = "text_completion"
         else:
             if self._tool_stream is not None:
@@ -177,6 +229,8 @@ class ResponseBuilder:
             obj = "chat.completion.chunk"
         body = {"id": self.response_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice]}
+        if first and self.kind == "chat":
+            self._vllm_prompt_logprobs(body)
         self._token_ids(body, choice, d.new_token_ids, first)
         return sse(body)
 
@@ -203,6 +257,8 @@ class ResponseBuilder:
             body = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                     "model": self.model, "choices": [choice]}
             if k == 0:
+                if first:
+                    self._vllm_prompt_logprobs(body)
                 self._token_ids(body, choice, d.new_token_ids, first)
             out.append(sse(body))
         return b"".join(out)
@@ -213,33 +269,32 @@ class ResponseBuilder:
                     "choices": [], "usage": self.usage()})
 
 
-def merge_choices(builders: list[ResponseBuilder], extra: list[ResponseBuilder] = ()) -> dict[str, Any]:
-    """One response with every builder's choice, in order (each builder's ``index`` set already); ``usage``
-    counts the prompt once and the completion tokens of `builders` and `extra` (``best_of``'s unreturned
-    sequences were generated too)."""
+def merge_choices(builders: list[ResponseBuilder], extra: list[ResponseBuilder] = (),
+                  prompts: list[ResponseBuilder] | None = None) -> dict[str, Any]:
+    """One response with every builder's choice, in order (each builder's ``index`` set already).
+
+    ``usage`` counts each prompt once (`prompts`: one builder per prompt of the request; default the first
+    builder's) and the completion tokens of `builders` and `extra` (``best_of``'s unreturned sequences were
+    generated too)."""
     body = builders[0].full()
     body["choices"] = [b.full()["choices"][0] for b in builders]
-    completion = sum(b.completion_tokens for b in [*builders, *extra])
-    usage = builders[0].usage()
-    usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
-    body["usage"] = usage
+    body["usage"] = _summed_usage(prompts or builders[:1], [*builders, *extra])
     return body
 
 
-def merged_usage_chunk(builders: list[ResponseBuilder]) -> bytes:
-    """The stream's usage chunk for several choices (the prompt counted once)."""
+def merged_usage_chunk(builders: list[ResponseBuilder], prompts: list[ResponseBuilder] | None = None) -> bytes:
+    """The stream's usage chunk for several choices (each prompt counted once, as in `merge_choices`)."""
     b = builders[0]
-    usage = b.usage()
-    completion = sum(x.completion_tokens for x in builders)
-    usage.update(completion_tokens=completion, total_tokens=usage["prompt_tokens"] + completion)
     obj = "text_completion" if b.kind == "completion" else "chat.completion.chunk"
     return sse({"id": b.response_id, "object": obj, "created": b.created, "model": b.model, "choices": [],
-                "usage": usage})
+                "usage": _summed_usage(prompts or builders[:1], builders)})
 
 
-def _finite(logprob: float) -> float:
-    """JSON has no -Infinity: an impossible token's logprob is -9999.0 (as vLLM answers)."""
-    return max(float(logprob), -9999.0)
+def _summed_usage(prompts: list[ResponseBuilder], generated: list[ResponseBuilder]) -> dict[str, Any]:
+    prompt = sum(b.prompt_tokens for b in prompts)
+    completion = sum(b.completion_tokens for b in generated)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(b.cached_tokens for b in prompts)}}
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -4,6 +4,11 @@
 template) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``; ``/detokenize`` takes
 ``{"tokens": [int]}`` and answers ``{"prompt": str}``. Both run in the tokenizer thread and refuse
 texts that cannot fit the context before tokenizing them, like the completion endpoints.
+
+``GET /tokenizer_info`` answers vLLM's shape: the tokenizer's configuration (its ``init_kwargs``, special
+tokens as their strings, file paths left out), ``tokenizer_class`` and the ``chat_template``. lm-eval's
+``tokenizer_backend=remote`` reads it (``eos_token``, ``bos_token``, ``chat_template``) and then tokenizes
+through ``/tokenize``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class TokenizerRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         return await self._handle(request, self._detokenize)
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse(tokenizer_info(self.tok.tokenizer))
 
     async def _handle(self, request: Request, fn) -> Response:
         try:
@@ -70,3 +78,33 @@ class TokenizerRoutes:
             raise HTTPError(400, f"tokens[{bad}]: {body.tokens[bad]} is not a token id (the vocabulary has {vocab})",
                             f"tokens[{bad}]", "invalid_value")
         return {"prompt": self.tok.decode(body.tokens)}
+
+
+_PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    """vLLM's ``/tokenizer_info`` body for an HF tokenizer (module doc)."""
+    config = {k: v for k, v in dict(getattr(tokenizer, "init_kwargs", None) or {}).items() if k not in _PATH_KEYS}
+    config = _jsonable(config)
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = getattr(tokenizer, name, None)
+        if config.get(name) is None and value is not None:
+            config[name] = str(value)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None):
+        config["chat_template"] = tokenizer.chat_template
+    return config
+
+
+def _jsonable(obj: Any) -> Any:
+    """Special tokens (``AddedToken``) as their text; maps and lists walked; anything else JSON lacks as a string."""
+    if hasattr(obj, "content"):
+        return obj.content
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)

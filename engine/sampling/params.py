@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from pd_cluster.engine.errors import SamplingParamError
@@ -222,6 +222,22 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def fanned_out(params: SamplingParams) -> list[SamplingParams]:
+    """The ``n`` one-sequence params that generate `params`'s ``n`` sequences (the engine runs one per request).
+
+    As in vLLM's servers, a seeded request gives sequence ``i`` the seed ``seed + i`` (wrapping within
+    `SEED_RANGE`): the sequences differ, and the same request gives the same sequences again; an unseeded one
+    samples each independently.
+    """
+    out = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None:
+            seed = seed + i if seed + i <= SEED_RANGE[1] else SEED_RANGE[0] + (seed + i - SEED_RANGE[1] - 1)
+        out.append(replace(params, n=1, seed=seed))
+    return out
 
 
 def _is_int(x: object) -> bool:

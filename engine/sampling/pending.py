@@ -14,6 +14,8 @@ import torch
 from pd_cluster.engine.sampling.params import SamplingParams
 
 Logprob = tuple[float, list[tuple[int, float]]]
+PromptLogprob = tuple[float, list[tuple[int, float]], int]
+"""A prompt position: (logprob of the next prompt token, [(token id, logprob)] top-N, that token's rank)."""
 
 
 @dataclass

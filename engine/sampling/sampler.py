@@ -34,7 +34,7 @@ import torch
 
 from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.sampling.batch import SamplingBatch
-from pd_cluster.engine.sampling.pending import Logprob, PendingSample, SamplerOutput, DeviceLogprobs
+from pd_cluster.engine.sampling.pending import Logprob, PendingSample, PromptLogprob, SamplerOutput, DeviceLogprobs
 from pd_cluster.engine.sampling.grammar import apply_grammar_bitmask
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.sampling.penalties import apply_bans, apply_logit_bias, apply_penalties
@@ -355,16 +355,22 @@ def _arity(fn) -> int:
         return 2
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], n: int) -> list[Logprob]:
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], n: int) -> list[PromptLogprob]:
     """Logprobs of the actual next prompt tokens (raw distribution; top-N by `torch.topk`, no full sort).
 
     Args:
         logits: [L, V] logits at L consecutive prompt positions.
         next_ids: the L tokens that follow those positions.
         n: top-N to return per position (0..20).
+
+    Returns:
+        Per position ``(logprob of the next token, [(id, logprob)] top-N, rank)``: the rank of the next token
+        in the distribution (1 = the likeliest; vLLM's ``Logprob.rank``: 1 + the tokens strictly likelier).
     """
     logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(-1, torch.tensor(next_ids, device=logits.device)[:, None])[:, 0].tolist()
+    chosen_t = logp.gather(-1, torch.tensor(next_ids, device=logits.device)[:, None])
+    ranks = ((logp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     vals, ids = logp.topk(max(n, 1), dim=-1)
     vals, ids = vals.tolist(), ids.tolist()
-    return [(chosen[i], list(zip(ids[i][:n], vals[i][:n]))) for i in range(len(next_ids))]
+    return [(chosen[i], list(zip(ids[i][:n], vals[i][:n])), int(ranks[i])) for i in range(len(next_ids))]

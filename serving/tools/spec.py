@@ -116,13 +116,68 @@ def parse_tool_choice(tool_choice: object, tools: list[FunctionTool]) -> ToolCho
 
 def required_schema(tools: list[FunctionTool], parallel_tool_calls: bool = True) -> dict[str, Any]:
     """The JSON schema of a non-empty list of calls to `tools` (``tool_choice="required"``); exactly one call
-    when `parallel_tool_calls` is False (OpenAI's ``parallel_tool_calls``)."""
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.parameters},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+    when `parallel_tool_calls` is False (OpenAI's ``parallel_tool_calls``).
+
+    Each tool's ``parameters`` sits deep inside this schema, so its local references (``#/$defs/X``, which
+    pydantic writes for every nested model, ``#/definitions/X``, or ``#/...`` into itself) would point at this
+    schema's root: they are rewritten to definitions hoisted into the root's ``$defs``, one namespace per tool
+    (`_hoisted`)."""
+    defs: dict[str, Any] = {}
+    items = []
+    for k, t in enumerate(tools):
+        params = _hoisted(t.parameters, f"tool{k}", defs)
+        items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
+                                                        "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _hoisted(params: dict[str, Any], ns: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """`params` with its local definitions moved into `defs` under ``{ns}.{name}`` and every local ``$ref``
+    rewritten to match; a reference to the tool's own root (``#``, ``#/properties/...``) points at a copy of
+    the whole schema kept as ``defs[ns]``."""
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: rewrite(v) for k, v in node.items() if k not in _DEF_KEYS}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            out["$ref"] = _moved(ref, ns)
+            if not _is_def_ref(ref):
+                needs_root[0] = True
+        return out
+
+    needs_root = [False]
+    for key in _DEF_KEYS:
+        for name, sub in (params.get(key) or {}).items():
+            defs[f"{ns}.{name}"] = rewrite(sub)
+    body = rewrite(params)
+    if needs_root[0]:
+        defs[ns] = body
+    return body
+
+
+def _is_def_ref(ref: str) -> bool:
+    return any(ref.startswith(f"#/{k}/") for k in _DEF_KEYS)
+
+
+def _moved(ref: str, ns: str) -> str:
+    """Where a local reference of tool namespace `ns` points once its definitions are hoisted."""
+    for key in _DEF_KEYS:
+        prefix = f"#/{key}/"
+        if ref.startswith(prefix):
+            return f"#/$defs/{ns}.{ref[len(prefix):]}"
+    return f"#/$defs/{ns}{ref[1:]}"
 
 
 def tool_choice_structured_output(tools: list[FunctionTool], tool_choice: ToolChoice,

@@ -8,14 +8,18 @@ first ``{"tool_calls": [{"index", "id", "type": "function", "function":
 concatenates the pieces gets what the non-streamed response holds.
 
 - a named function (`FunctionTool`): the constrained output *is* the arguments; they stream as they come.
-- ``required``: the output is a JSON array of calls; it is parsed when complete, each call sent whole.
+- ``required``: the output is a JSON array of calls; each call's name is sent once complete and its
+  arguments stream as they come (`json_stream.CallScanner`). Output cut before any name (``max_tokens``) is
+  sent as content at the end.
 - ``auto`` with a parser: text streams as content until a call may begin (``<tool_call>`` for ``hermes``, a
-  leading ``{`` or ``<|python_tag|>`` for ``llama3_json``); from there the text is held back and sent as calls
-  once parsed (hermes: each closed block at once; llama3_json: at the end), or as content if it is not a call.
+  leading ``{`` or ``<|python_tag|>`` for ``llama3_json``). hermes: inside a block the name is sent once
+  complete and the arguments stream as they come; a block that never yields a name is parsed when closed
+  (content if it is not a call). llama3_json: held back and sent as calls at the end.
 """
 
 from __future__ import annotations
 
+from pd_cluster.serving.tools.json_stream import CallScanner
 from pd_cluster.serving.tools.parsers import HermesToolParser, Llama3JsonToolParser, ToolParser
 from pd_cluster.serving.tools.spec import FunctionTool, ToolCall, ToolChoice, forced_tool_calls
 
@@ -36,6 +40,10 @@ class ToolCallStream:
         self._holding = False  # a call may have begun: hold everything from here
         self._plain = False    # llama3_json: the output is plain text
         self._named: ToolCall | None = None
+        self._scanner = CallScanner(1) if tool_choice == "required" else None  # hermes: one per block
+        self._base = 0  # index of the scanner's first call
+        self._fed = 0  # hermes: characters of the open block fed to its scanner
+        self._index_of: dict[tuple[int, int], int] = {}  # (base, scanner's call) -> the call's index
 
     @property
     def tools_called(self) -> bool:
@@ -55,7 +63,7 @@ class ToolCallStream:
             return out + [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
         self._held += text
         if self.tool_choice == "required":
-            return []
+            return self._scan(self._take(len(self._held)))
         if isinstance(self.parser, HermesToolParser):
             return self._feed_hermes()
         if isinstance(self.parser, Llama3JsonToolParser):
@@ -68,13 +76,18 @@ class ToolCallStream:
             return []
         rest, self._held = self._held, ""
         if self.tool_choice == "required":
+            if self._scanner.announced:
+                return []
+            text = self._scanner.buf
             try:
-                calls = forced_tool_calls(rest, "required")
+                calls = forced_tool_calls(text, "required")
             except (ValueError, KeyError, TypeError):  # cut by max_tokens: the text is all there is
-                return self._content(rest)
+                return self._content(text)
             return [self._add(c) for c in calls]
         if self.parser is None or not rest:
             return self._content(rest)
+        if self._holding and self._scanner is not None and self._scanner.announced:
+            return []  # an unclosed last block (cut at EOS) whose call was streamed already
         found = self.parser.extract_tool_calls(rest)
         if not found.tools_called:
             return [] if self.tool_calls else self._content(rest)  # hermes: text after calls is dropped
@@ -94,15 +107,20 @@ class ToolCallStream:
                 piece = self._take(i)
                 out += [] if self.tool_calls else self._content(piece.rstrip())
                 self._holding = True
+                self._scanner, self._base, self._fed = CallScanner(0, max_calls=1), len(self.tool_calls), len(start)
             j = self._held.find(end)
+            upto = len(self._held) - _partial_suffix(self._held, end) if j < 0 else j
+            out += self._scan(self._held[self._fed:upto])
+            self._fed = max(self._fed, upto)
             if j < 0:
                 return out
             block = self._take(j + len(end))
-            found = self.parser.extract_tool_calls(block)
-            if not found.tools_called:  # malformed: it is content after all
-                out += self._content(block)
-            else:
-                out += [self._add(c) for c in found.tool_calls]
+            if not self._scanner.announced:  # no name was read as it came: parse the closed block
+                found = self.parser.extract_tool_calls(block)
+                if not found.tools_called:  # malformed: it is content after all
+                    out += self._content(block)
+                else:
+                    out += [self._add(c) for c in found.tool_calls]
             self._holding = False
 
     def _feed_llama3(self) -> list[dict]:
@@ -118,6 +136,18 @@ class ToolCallStream:
                 return []
             self._plain = True  # a call is only a whole output that starts with '{'
         return self._content(self._take(len(self._held)))
+
+    def _scan(self, text: str) -> list[dict]:
+        """Feed the call scanner; the deltas of the names and argument pieces it read."""
+        out = []
+        for kind, k, value in self._scanner.feed(text):
+            if kind == "name":
+                self._index_of[(self._base, k)] = len(self.tool_calls)
+                out.append(self._add(ToolCall(value, "")))
+            else:
+                index = self._index_of[(self._base, k)]
+                out.append({"tool_calls": [{"index": index, "function": {"arguments": value}}]})
+        return out
 
     # ---- pieces ----------------------------------------------------------------
     def _take(self, n: int) -> str:

@@ -54,7 +54,7 @@ def test_cluster_is_whole_after_the_table(cluster):
 
 
 def test_tokenize_and_detokenize_through_the_router(cluster):
-    """The router passes vLLM's /tokenize and /detokenize to a worker that holds the tokenizer."""
+    """The router passes vLLM's /tokenize, /detokenize and /tokenizer_info to a worker that holds the tokenizer."""
     with httpx.Client(base_url=cluster.router_url, timeout=30) as c:
         ids = c.post("/tokenize", json={"prompt": "Once upon a time"})
         assert ids.status_code == 200, ids.text
@@ -62,3 +62,8 @@ def test_tokenize_and_detokenize_through_the_router(cluster):
         assert ids.json()["count"] == len(tokens) > 0
         text = c.post("/detokenize", json={"tokens": tokens})
         assert text.status_code == 200 and "Once upon a time" in text.json()["prompt"]
+        info = c.get("/tokenizer_info")
+        assert info.status_code == 200, info.text
+        assert (info.json()["bos_token"], info.json()["eos_token"]) == ("<s>", "</s>")
+        decode = next(p for p in cluster.procs if p.role == "decode")
+        assert info.json() == httpx.get(decode.url + "/tokenizer_info", timeout=10).json()

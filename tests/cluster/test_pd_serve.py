@@ -1,5 +1,7 @@
 """Acceptance: `pd-serve` at 1P1D answers the real `openai` client with the reference greedy text (its decode
-worker with overlap scheduling, as on CUDA)."""
+worker with overlap scheduling, as on CUDA), and real clients of the prompt's side: lm-eval's loglikelihood
+(`local-completions`, several prompts per request, prompt logprobs computed by the prefill worker) equal to
+transformers', and LangChain's `OpenAI.batch`."""
 
 from __future__ import annotations
 
@@ -82,3 +84,122 @@ def _assert_transformers_agrees(prompt: str, text: str, out) -> None:
     hf_ids = list(hf_greedy(prompt, MAX_TOKENS, "fp32"))[:n]
     assert list(out.token_ids[:n]) == hf_ids
     assert prompt + text == tok.decode(tok(prompt).input_ids + hf_ids, skip_special_tokens=True)
+
+
+# ---- real clients of the prompt's side: lm-eval's loglikelihood, LangChain's batch, prompt logprobs in PD ------
+MC_DOCS = [
+    {"context": "Once upon a time, there was a little", "choices": [" girl", " car", " moon"], "label": 0},
+    {"context": "Lily went to the park with her", "choices": [" mom", " spoon", " rain"], "label": 0},
+    {"context": "The dog was very", "choices": [" happy", " blue", " under"], "label": 0},
+    {"context": "Tom liked to play with his", "choices": [" ball", " sky", " was"], "label": 0},
+    {"context": "One day, the sun was", "choices": [" hot", " shining", " sad"], "label": 1},
+]
+MC_TASK = """task: pd_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+"""
+
+
+def _hf_loglikelihood(context: str, continuation: str) -> tuple[float, bool]:
+    """transformers' log P(continuation | context) and greediness, on the token ids lm-eval's API models send
+    (`TemplateAPI._encode_pair`: trailing spaces move to the continuation; whole and context encoded without
+    special tokens; the continuation is the whole's tail)."""
+    import torch
+    from engine_reference import hf_model
+
+    model, tok = hf_model()
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
+    whole = tok(context + continuation, add_special_tokens=False).input_ids
+    ctx = tok(context, add_special_tokens=False).input_ids
+    with torch.no_grad():
+        logp = model(torch.tensor([whole])).logits.float().log_softmax(-1)[0]
+    rows = range(len(ctx) - 1, len(whole) - 1)
+    return (sum(logp[i, whole[i + 1]].item() for i in rows),
+            all(int(logp[i].argmax()) == whole[i + 1] for i in rows))
+
+
+@pytest.mark.timeout(600)
+def test_lm_eval_loglikelihood_batch_4_equals_transformers(pd_serve, tmp_path, monkeypatch):
+    import json
+
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (tmp_path / "pd_tiny_mc.yaml").write_text(MC_TASK.format(data=data))
+    out = lm_eval.simple_evaluate(
+        model="local-completions", tasks=["pd_tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        model_args={"base_url": pd_serve[0] + "/v1/completions", "model": "stories260K", "max_retries": 1,
+                    "tokenizer_backend": "remote"},  # /tokenizer_info and /tokenize through the router
+        batch_size=4, log_samples=True)
+    samples = out["samples"]["pd_tiny_mc"]
+    assert len(samples) == len(MC_DOCS)
+    for s in samples:
+        doc = s["doc"]
+        for (context, continuation), (resp,) in zip(s["arguments"], s["resps"]):
+            ll, greedy = resp
+            ref_ll, ref_greedy = _hf_loglikelihood(context, continuation)
+            assert context == doc["context"] and abs(ll - ref_ll) < 1e-4, (context, continuation, ll, ref_ll)
+            assert greedy == ref_greedy
+    assert 0.0 <= out["results"]["pd_tiny_mc"]["acc,none"] <= 1.0
+
+
+@pytest.mark.timeout(600)
+def test_prompt_logprobs_come_from_the_prefill_worker_exact(pd_serve):
+    from engine_reference import hf_model, hf_prompt_logprobs
+
+    _, tok = hf_model()
+    client = openai.OpenAI(base_url=pd_serve[0] + "/v1", api_key="unused", max_retries=0)
+    long_prompt = " ".join(PROMPTS) * 3  # a few hundred tokens: the notification carries every position's top-5
+    ids = tok(long_prompt).input_ids
+    assert 300 < len(ids) < 500
+    r = client.completions.create(model="stories260K", prompt=long_prompt, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 5})
+    plp = r.choices[0].model_dump()["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    ref = hf_prompt_logprobs(ids)
+    assert max(abs(e[str(t)]["logprob"] - v) for t, e, v in zip(ids[1:], plp[1:], ref)) < 1e-4
+    assert all(len(e) >= 5 for e in plp[1:])
+    # the same prompt again: the prefix cache must not skip the positions whose logprobs are asked
+    again = client.completions.create(model="stories260K", prompt=long_prompt, max_tokens=0, echo=True,
+                                      logprobs=1)
+    got = again.choices[0].logprobs.token_logprobs
+    assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:], ref)) < 1e-4
+    # streamed: the first chunk echoes the prompt with its logprobs; chat answers prompt_logprobs at the top
+    first = next(iter(client.completions.create(model="stories260K", prompt=long_prompt, max_tokens=3, echo=True,
+                                                logprobs=1, temperature=0, stream=True)))
+    assert first.choices[0].text.startswith(long_prompt)
+    streamed = first.choices[0].logprobs.token_logprobs
+    assert max(abs(a - b) for a, b in zip(streamed[1:len(ids)], ref)) < 1e-4
+    chat = [c.model_dump() for c in client.chat.completions.create(
+        model="stories260K", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=3, temperature=0,
+        stream=True, extra_body={"prompt_logprobs": 0})]
+    chat_ids = tok("<s>" + PROMPTS[1], add_special_tokens=False).input_ids
+    plp = chat[0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(chat_ids)
+    assert max(abs(e[str(t)]["logprob"] - v) for t, e, v in zip(chat_ids[1:], plp[1:],
+                                                                hf_prompt_logprobs(chat_ids))) < 1e-4
+
+
+@pytest.mark.timeout(600)
+def test_langchain_openai_batch(pd_serve, offline):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.OpenAI(base_url=pd_serve[0] + "/v1", api_key="unused", model="stories260K", max_tokens=MAX_TOKENS,
+                    temperature=0, max_retries=0)
+    prompts = PROMPTS[:4]
+    texts = llm.batch(prompts)  # one /v1/completions request with the four prompts
+    assert texts == [offline[p].text for p in prompts]

@@ -172,8 +172,17 @@ def test_logit_bias_outside_the_vocabulary_is_rejected_naming_the_field(llm):
     assert not llm.engine.has_work() and llm.engine.num_free_pages() == llm.engine.allocator.num_pages
 
 
-def test_n_above_one_is_refused_by_the_engine_naming_the_field(llm):
+def test_n_above_one_is_refused_by_the_engine_and_fanned_out_by_llm_generate(llm):
     from pd_cluster.engine.errors import RequestRejected
     with pytest.raises(RequestRejected) as err:
-        llm.generate("Once", SamplingParams(max_tokens=2, n=2))
+        llm.engine.add_request("n2", "Once", SamplingParams(max_tokens=2, n=2))
     assert err.value.param == "n" and not llm.engine.requests
+    # vLLM's LLM: one RequestOutput per prompt with n sequences; seeded, sequence i samples with seed + i
+    outs = llm.generate(["Once", "Sam had"], SamplingParams(max_tokens=12, n=3, temperature=1.0, seed=5))
+    assert len(outs) == 2 and [o.index for o in outs[0].outputs] == [0, 1, 2]
+    assert outs[0].prompt == "Once" and outs[1].prompt == "Sam had"
+    for out, prompt in zip(outs, ["Once", "Sam had"]):
+        singles = [llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5 + i))[0].text
+                   for i in range(3)]
+        assert [o.text for o in out.outputs] == singles and len(set(singles)) > 1
+    assert not llm.engine.requests and llm.engine.num_free_pages() == llm.engine.allocator.num_pages

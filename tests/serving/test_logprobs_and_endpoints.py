@@ -126,7 +126,70 @@ def test_tokenize_detokenize_version_models(worker, client):
         plain = c.post("/tokenize", json={"prompt": "Once upon a time", "add_special_tokens": False}).json()
         assert plain["tokens"] == t["tokens"][1:] and plain["token_strs"] is None
         assert c.post("/detokenize", json={"tokens": plain["tokens"]}).json() == {"prompt": "Once upon a time"}
+        info = c.get("/tokenizer_info").json()  # vLLM's shape, as lm-eval's remote tokenizer reads it
+        tok = worker.engine.tokenizer
+        assert (info["eos_token"], info["bos_token"]) == (tok.eos_token, tok.bos_token) == ("</s>", "<s>")
+        assert info["tokenizer_class"] == type(tok).__name__ and info["chat_template"] == tok.chat_template
+        assert "name_or_path" not in info and "vocab_file" not in info  # no local paths
         v = c.get("/version").json()
         assert isinstance(v["version"], str) and v["version"][0].isdigit()
     (card,) = client.models.list().data
     assert card.id == "stories260K" and card.model_dump()["max_model_len"] == worker.engine.context_length
+
+
+# ---- the prompt's side: echo, max_tokens 0, prompt_logprobs, several prompts (lm-eval's loglikelihood) ---------
+def test_echo_logprobs_of_several_prompts_equal_transformers(worker, client):
+    from engine_reference import hf_prompt_logprobs
+
+    prompts = PROMPTS[:4]
+    ids = [httpx.post(worker.url + "/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    # lm-eval's local-completions loglikelihood request: token ids, max_tokens 1, logprobs 1, echo
+    r = client.completions.create(model="stories260K", prompt=ids, max_tokens=1, logprobs=1, echo=True,
+                                  temperature=0, seed=1234)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 4
+    for c, p, tok in zip(r.choices, prompts, ids):
+        lp = c.logprobs
+        assert len(lp.token_logprobs) == len(tok) + 1  # every prompt token, then the generated one
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        ref = hf_prompt_logprobs(tok)
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(tok)], ref)) < 1e-4
+        for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) == 1 and max(top.values()) >= chosen - 1e-6
+        assert c.text.startswith(worker.engine.tokenizer.decode(tok, skip_special_tokens=True))
+        assert "".join(lp.tokens) == c.text
+    # max_tokens 0 with echo: the prompt alone, nothing generated
+    z = client.completions.create(model="stories260K", prompt=prompts[1], max_tokens=0, echo=True, logprobs=0)
+    assert z.choices[0].text == prompts[1] and z.usage.completion_tokens == 0
+    assert z.choices[0].finish_reason == "length"
+    assert z.choices[0].logprobs.token_logprobs[1:] == r.choices[1].logprobs.token_logprobs[1:len(ids[1])]
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="stories260K", prompt=prompts[1], max_tokens=0)
+
+
+def test_prompt_logprobs_vllm_shape_and_n_per_prompt(worker, client):
+    from engine_reference import hf_prompt_logprobs
+
+    r = client.completions.create(model="stories260K", prompt=["Once upon a time", "Sam had a red ball."],
+                                  max_tokens=4, n=2, temperature=1.0, seed=3, extra_body={"prompt_logprobs": 2})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]  # prompt i, choice j: index i * n + j
+    lengths = [httpx.post(worker.url + "/tokenize", json={"prompt": p}).json()["count"]
+               for p in ("Once upon a time", "Sam had a red ball.")]
+    assert r.usage.prompt_tokens == sum(lengths)  # each prompt once, whatever n
+    for c in r.choices:
+        prompt = "Once upon a time" if c.index < 2 else "Sam had a red ball."
+        ids = httpx.post(worker.url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
+        plp = c.model_dump()["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids)
+        for tok, entry, ref in zip(ids[1:], plp[1:], hf_prompt_logprobs(ids)):
+            assert abs(entry[str(tok)]["logprob"] - ref) < 1e-4
+            ranks = sorted(v["rank"] for v in entry.values())
+            assert ranks[:2] == [1, 2] or entry[str(tok)]["rank"] <= 2
+    streamed = ["", ""]
+    for chunk in client.completions.create(model="stories260K", prompt=["Once upon a time", "Sam had a red ball."],
+                                           max_tokens=4, temperature=0, echo=True, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    plain = client.completions.create(model="stories260K", prompt=["Once upon a time", "Sam had a red ball."],
+                                      max_tokens=4, temperature=0)
+    assert streamed == ["Once upon a time" + plain.choices[0].text, "Sam had a red ball." + plain.choices[1].text]

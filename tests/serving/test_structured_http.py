@@ -109,14 +109,18 @@ def test_auto_parses_hermes_calls(client):
     assert c.finish_reason == "tool_calls" and c.message.content == "Hi"
     assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
         ("get_weather", {"city": "Paris", "unit": "c"})]
-    content, calls, reasons = "", [], []
+    content, calls, reasons, pieces = "", {}, [], 0
     for ch in client.chat.completions.create(stream=True, **kw):
         d = ch.choices[0].delta
         content += d.content or ""
-        calls += [(t.function.name, json.loads(t.function.arguments)) for t in d.tool_calls or []]
+        for t in d.tool_calls or []:  # the name first, then the arguments in pieces (as vLLM and OpenAI stream)
+            slot = calls.setdefault(t.index, [t.function.name, ""])
+            slot[1] += t.function.arguments or ""
+            pieces += bool(t.function.arguments)
         reasons.append(ch.choices[0].finish_reason)
-    assert content == "Hi" and calls == [("get_weather", {"city": "Paris", "unit": "c"})]
-    assert reasons[-1] == "tool_calls"
+    assert content == "Hi" and [(n, json.loads(a)) for n, a in calls.values()] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    assert pieces > 2 and reasons[-1] == "tool_calls"
 
 
 def test_auto_refused_without_flag_and_none_is_plain():
@@ -192,3 +196,38 @@ def test_a_client_leaving_an_n3_stream_aborts_every_choice(worker):
             break
         time.sleep(0.05)
     assert load["num_running_reqs"] == 0 and load["num_free_pages"] == load["num_total_pages"]
+
+
+def test_pydantic_tool_with_nested_models(client):
+    """`openai.pydantic_function_tool` of a model with nested models: its ``parameters`` hold ``$defs`` and
+    ``$ref``s (and one recursive model), honoured under ``required`` (several tools in one schema) and a named
+    choice, and parsed back by the SDK."""
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=10)
+        zip: int = Field(ge=0, le=99999)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        home: Address
+        friends: list[Address] = Field(max_length=2)
+
+    class Tree(BaseModel):
+        value: int = Field(ge=0, le=9)
+        children: list["Tree"] = Field(max_length=1)
+
+    tools = [openai.pydantic_function_tool(Person), openai.pydantic_function_tool(Tree)]
+    assert "$defs" in tools[0]["function"]["parameters"] and "$defs" in tools[1]["function"]["parameters"]
+    models = {"Person": Person, "Tree": Tree}
+    for choice in ("required", {"type": "function", "function": {"name": "Person"}}):
+        for seed in range(2):
+            r = client.chat.completions.parse(model=None, messages=MSG, tools=tools, tool_choice=choice,
+                                              parallel_tool_calls=False, max_tokens=200, temperature=1.0,
+                                              seed=seed)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls", c
+            (call,) = c.message.tool_calls
+            parsed = call.function.parsed_arguments
+            assert isinstance(parsed, models[call.function.name])
+            assert parsed == models[call.function.name].model_validate_json(call.function.arguments)

@@ -61,3 +61,12 @@ def hf_greedy(prompt: str, max_new_tokens: int = 64, kv_dtype: str = "fp32") -> 
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, past_key_values=cache,
                              min_new_tokens=max_new_tokens)
     return tuple(out[0, ids.shape[1]:].tolist())
+
+
+def hf_prompt_logprobs(ids: list[int]) -> list[float]:
+    """transformers' log-softmax of the logits at each prompt position, at the next prompt token (fp32):
+    ``len(ids) - 1`` values, the reference for ``echo`` / ``prompt_logprobs``."""
+    model, _ = hf_model()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+    return [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
