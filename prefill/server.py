@@ -32,7 +32,7 @@ from pd_cluster.serving.errors import HTTPError
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
 from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info, worker_engine_loop
-from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
+from pd_cluster.prefill.jobs import ChunkDelay, PrefillHooks, PrefillJob
 from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
 from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
@@ -127,7 +127,7 @@ def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[s
     metrics = WorkerMetrics(registry, "prefill", engine.model_name)
     tconfig = config.transfer
     agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
-    hooks = PrefillHooks(sender, engine.device)
+    hooks = PrefillHooks(sender, engine.device, ChunkDelay.from_env())
     loop = worker_engine_loop(engine, hooks, lambda e, out, dt: metrics.on_step(e), exit_on_fatal)
     info = server_info(engine, dict(host_info or {}, kv_agent=agent.name, kv_incarnation=agent.incarnation))
     server = PrefillServer(engine, loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),

@@ -56,6 +56,8 @@ class RankTransfer:
         self.agent = TransferAgent(shard.pool, identity, role, config)
         metrics = TransferMetrics(registry or CollectorRegistry())
         self.sender = KVSender(self.agent, metrics) if role == "prefill" else None
+        if self.sender is not None:  # this rank's heartbeats: its own process computes its own chunks
+            self.sender.start_heartbeat()
         self.receiver = KVReceiver(self.agent, metrics) if role == "decode" else None
         self.peer_names: dict[str, str] = {}  # rank 0's name of a peer worker -> this rank's peer agent
 

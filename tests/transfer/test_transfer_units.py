@@ -121,6 +121,8 @@ def test_layout_hash_equals_the_engine_layout_hash():
     protocol.Stopped("r1@abc.1", "timeout", "push 3 did not complete", ack=True),
     protocol.Cancel("r1@abc.1", "aborted"),
     protocol.Ping(),
+    protocol.Alive(("r1@abc.1", "r2@abc.2")),
+    protocol.Alive(()),
 ])
 def test_messages_round_trip(msg):
     raw = protocol.encode(msg)
@@ -129,7 +131,8 @@ def test_messages_round_trip(msg):
     assert back == msg and getattr(back, "meta", None) == getattr(msg, "meta", None)
 
 
-@pytest.mark.parametrize("raw", [b"hello", b"pdkv1{not json", b'pdkv1{"t":"push","x":"a"}', b'pdkv1{"t":"what"}'])
+@pytest.mark.parametrize("raw", [b"hello", b"pdkv1{not json", b'pdkv1{"t":"push","x":"a"}', b'pdkv1{"t":"what"}',
+                                 b'pdkv1{"t":"alive","x":"r1@abc.1"}', b'pdkv1{"t":"alive"}'])
 def test_foreign_or_malformed_messages_are_refused(raw):
     with pytest.raises(ValueError):
         protocol.decode(raw)
