@@ -272,8 +272,12 @@ class TransferAgent:
             return False
 
     # ---- notifications -----------------------------------------------------
-    def send(self, peer: str, msg: protocol.Message) -> None:
+    def send(self, peer: str, msg: protocol.Message, progress_data: bool = True) -> None:
         """Send a standalone notification.
+
+        `progress_data` False progresses only the control agent (no memory registered): what the heartbeat
+        thread uses, so it never progresses the data agent's WRITEs (on GPU, their completion belongs to the
+        step loop's thread).
 
         Raises:
             PeerNotConnectedError, PeerDiedError, NixlTransferError.
@@ -286,7 +290,7 @@ class TransferAgent:
                 self._ctl.send_notif(peer + CONTROL_SUFFIX, protocol.encode(msg))
             except Exception as e:
                 raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
-            self._pump()  # progress once so the message leaves now, not at the next poll
+            self._pump(progress_data)  # progress once so the message leaves now, not at the next poll
 
     def take(self, *kinds: type) -> list[tuple[str, protocol.Message]]:
         """New messages of the given kinds, in arrival order, as ``(peer agent, message)``.
@@ -301,9 +305,10 @@ class TransferAgent:
             self._inbox = keep
         return out
 
-    def _pump(self) -> None:
+    def _pump(self, data: bool = True) -> None:
         with self._io_lock:
-            self._nixl.get_new_notifs()  # progresses the data endpoint (a TCP-only WRITE needs the target's progress)
+            if data:  # progresses the data endpoint (a TCP-only WRITE needs the target's progress)
+                self._nixl.get_new_notifs()
             notifs = self._ctl.get_new_notifs()
         for peer, raws in notifs.items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)

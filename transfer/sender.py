@@ -181,7 +181,7 @@ class KVSender:
         if ticket.page_size != self.agent.pool.page_size:
             raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
-        now = self._clock()
+        now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
             self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
@@ -305,7 +305,8 @@ class KVSender:
             for i in range(0, len(group), _ALIVE_IDS):  # a notification stays small (tens of ids)
                 part = group[i:i + _ALIVE_IDS]
                 try:
-                    self.agent.send(peer, protocol.Alive(tuple(j.ticket.transfer_id for j in part)))
+                    self.agent.send(peer, protocol.Alive(tuple(j.ticket.transfer_id for j in part)),
+                                    progress_data=False)
                 except TransferError as e:
                     logger.debug("KV transfer: heartbeat to %s failed: %s", peer, e)
                     break
