@@ -56,6 +56,7 @@ from pd_cluster.transfer.agent import DONE, ERR, TransferAgent
 from pd_cluster.transfer.descriptors import page_runs, run_descs, validate_pages
 from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
                              TransferTimeoutError)
+from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.ticket import KVTicket
 
@@ -146,8 +147,7 @@ class KVSender:
         self._next_ping = 0.0
         self._jobs_lock = threading.Lock()  # the heartbeat thread reads `_jobs`; the step loop changes it
         self._last_poll = clock()  # the step loop's last `poll` (heartbeats stop when it is hung)
-        self._beat_stop = threading.Event()
-        self._beat_thread: threading.Thread | None = None
+        self._beat = HeartbeatThread(self.heartbeat, self.config.heartbeat_period, lambda: agent.closed)
 
     @property
     def num_inflight(self) -> int:
@@ -317,24 +317,10 @@ class KVSender:
 
     def start_heartbeat(self) -> None:
         """Run `heartbeat` every `heartbeat_period` on a daemon thread until `stop_heartbeat` or the agent closes."""
-        if self._beat_thread is not None:
-            return
-        self._beat_thread = threading.Thread(target=self._beat_loop, name="kv-heartbeat", daemon=True)
-        self._beat_thread.start()
+        self._beat.start()
 
-    def stop_heartbeat(self, timeout: float = 5.0) -> None:
-        self._beat_stop.set()
-        if self._beat_thread is not None:
-            self._beat_thread.join(timeout)
-            self._beat_thread = None
-
-    def _beat_loop(self) -> None:
-        period = self.config.heartbeat_period
-        while not self._beat_stop.wait(period) and not self.agent.closed:
-            try:
-                self.heartbeat()
-            except Exception:  # noqa: BLE001 - the thread must go on; without it long chunks would time out
-                logger.exception("KV transfer: heartbeat round failed")
+    def stop_heartbeat(self) -> None:
+        self._beat.stop()
 
     # ---- internals -----------------------------------------------------------
     def _forget(self, job: _Job) -> None:
