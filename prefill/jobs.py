@@ -67,7 +67,7 @@ class ChunkDelay:
             value = float(seconds)
         except ValueError:
             value = -1.0
-        if not value > 0:
+        if not 0 < value < float("inf"):
             raise ValueError(f"{FAULT_CHUNK_DELAY_ENV}={raw!r}: expected <seconds>[:<request-id marker>], seconds > 0")
         logger.warning("fault injection: prefill chunks of requests matching %r compute %.2f s longer (%s)",
                        marker, value, FAULT_CHUNK_DELAY_ENV)
