@@ -64,16 +64,20 @@ class PrefillServer:
             rid = job_req.request_id
         except ValueError as e:
             return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
+        sender = self.hooks.sender
         try:
             await self._connect(job_req.decode_url, job_req.ticket)
             aloop = asyncio.get_running_loop()
             job = PrefillJob(rid, job_req.ticket, aloop.create_future(), aloop)
+            sender.announce(job_req.ticket)  # heartbeats name it while it waits for a long step to end
             await self.loop.call(lambda e: self.hooks.start(e, job, list(job_req.prompt_token_ids),
                                                             job_req.sampling, list(job_req.resumed_output_ids)))
         except asyncio.CancelledError:  # the server is stopping or decode went away during the handshake
+            sender.withdraw_announced(job_req.ticket.transfer_id)
             self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:  # noqa: BLE001 - every refusal is an OpenAI-format error body
+            sender.withdraw_announced(job_req.ticket.transfer_id)
             return _error(transfer_http_error(e), rid)
         try:
             result = await until_disconnect(request, job.future)

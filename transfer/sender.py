@@ -145,7 +145,8 @@ class KVSender:
         self._cancelled: OrderedDict[str, str] = OrderedDict()
         self._unacked: dict[str, float] = {}  # transfer id -> when to stop waiting for decode's Ack
         self._next_ping = 0.0
-        self._jobs_lock = threading.Lock()  # the heartbeat thread reads `_jobs`; the step loop changes it
+        self._jobs_lock = threading.Lock()  # the heartbeat thread reads `_jobs` and `_waiting`; others change them
+        self._waiting: dict[str, str] = {}  # tickets announced by the HTTP handler, not yet added: id -> decode agent
         self._last_poll = clock()  # the step loop's last `poll` (heartbeats stop when it is hung)
         self._beat = HeartbeatThread(self.heartbeat, self.config.heartbeat_period, lambda: agent.closed)
 
@@ -183,6 +184,7 @@ class KVSender:
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
+            self._waiting.pop(ticket.transfer_id, None)
             self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
 
@@ -280,6 +282,18 @@ class KVSender:
         return ev
 
     # ---- heartbeat -----------------------------------------------------------
+    def announce(self, ticket: KVTicket) -> None:
+        """A ticket arrived and waits for the engine thread (the current step may be a long chunk): heartbeats
+        name it until `add_request` or `withdraw_announced`. Safe from any thread; nothing is posted for it
+        before `add_request`."""
+        with self._jobs_lock:
+            self._waiting[ticket.transfer_id] = ticket.decode_agent
+
+    def withdraw_announced(self, transfer_id: str) -> None:
+        """The announced ticket will not be added (refused, or the request went away). Safe from any thread."""
+        with self._jobs_lock:
+            self._waiting.pop(transfer_id, None)
+
     def heartbeat(self) -> int:
         """Tell each decode peer that this process is alive and working on its transfers (`protocol.Alive`).
 
@@ -296,22 +310,26 @@ class KVSender:
             return 0
         with self._jobs_lock:
             jobs = [j for j in self._jobs.values() if j.error is None]
-        by_peer: dict[str, list[_Job]] = {}
+            waiting = list(self._waiting.items())
+        by_peer: dict[str, list[tuple[str, _Job | None]]] = {}
         for job in jobs:
             if now - job.live_since <= self.config.sender_idle_timeout:
-                by_peer.setdefault(job.peer, []).append(job)
+                by_peer.setdefault(job.peer, []).append((job.ticket.transfer_id, job))
+        for tid, peer in waiting:  # no push can be posted before `add_request`, which restarts its clock
+            if self.agent.is_connected(peer):
+                by_peer.setdefault(peer, []).append((tid, None))
         vouched = 0
         for peer, group in by_peer.items():
             for i in range(0, len(group), _ALIVE_IDS):  # a notification stays small (tens of ids)
                 part = group[i:i + _ALIVE_IDS]
                 try:
-                    self.agent.send(peer, protocol.Alive(tuple(j.ticket.transfer_id for j in part)),
-                                    progress_data=False)
+                    self.agent.send(peer, protocol.Alive(tuple(tid for tid, _ in part)), progress_data=False)
                 except TransferError as e:
                     logger.debug("KV transfer: heartbeat to %s failed: %s", peer, e)
                     break
-                for job in part:
-                    job.vouched = max(job.vouched, now)
+                for _, job in part:
+                    if job is not None:
+                        job.vouched = max(job.vouched, now)
                 vouched += len(part)
         return vouched
 
@@ -457,6 +475,7 @@ class KVSender:
             return
         # Not started here (ticket still on its way) or already over: nothing is in flight; confirm at once,
         # and remember it so a late ticket is refused.
+        self.withdraw_announced(msg.transfer_id)
         self._cancelled[msg.transfer_id] = peer
         while len(self._cancelled) > _TOMBSTONES:
             self._cancelled.popitem(last=False)

@@ -229,6 +229,13 @@ class TPSender(_TPProxy):
         on_ranks(self.driver, RankTransfer.sender_add, ticket.tickets)
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id)
 
+    def announce(self, ticket: TPTicket) -> None:
+        """Nothing: the ranks are reached only from the engine thread, so a ticket waiting for it gets no
+        heartbeat under TP (docs/transfer.md, Known limits)."""
+
+    def withdraw_announced(self, transfer_id: str) -> None:
+        """Nothing (see `announce`)."""
+
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
              ready_event=None) -> int:
         """`KVSender.push` on every rank. A `ready_event` cannot cross processes: when one is given, each rank

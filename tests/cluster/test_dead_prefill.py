@@ -73,20 +73,43 @@ KV_TIMEOUT, CHUNK_DELAY = 2.0, 2.5  # each chunk of a "slowchunk" request comput
 def _prefill_outlasting_the_kv_timeout(cluster) -> None:
     """Every prefill chunk of one request computes CHUNK_DELAY s > --kv-transfer-timeout (both sides): the
     prefill's heartbeats keep the transfer alive, so the router answers at once, without a retry (header and
-    metric), with the text of a request whose chunks were not slowed."""
+    metric), with the text of a request whose chunks were not slowed. A second request whose ticket reaches
+    that prefill during the long chunk (it waits for the step to end) is named by the heartbeats too."""
     body = {"model": "stories260K", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
     url = cluster.router_url
+    decode = next(p for p in cluster.procs if p.role == "decode")
+    prefills = [p for p in cluster.procs if p.role == "prefill"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            ref = await c.post(url + "/v1/completions", json=body, headers={"x-request-id": "reference-1"})
+            t = time.monotonic()
+            slow = asyncio.ensure_future(c.post(url + "/v1/completions", json=body,
+                                                headers={"x-request-id": "slowchunk-1"}))
+            busy = None
+            while busy is None and time.monotonic() - t < 10:  # the slow job is added: its first chunk computes
+                for p in prefills:
+                    if (await c.get(p.url + "/get_load")).json()["num_prefill_inflight_queue_reqs"]:
+                        busy = p
+                await asyncio.sleep(0.01)
+            assert busy is not None
+            behind = await c.post(decode.url + "/v1/completions", json=body, headers={
+                "X-Request-Id": "behind-1", "X-PD-Prefill-Url": busy.url})
+            behind_s = time.monotonic() - t
+            r = await slow
+            return ref, r, time.monotonic() - t, behind, behind_s
+
+    ref, r, elapsed, behind, behind_s = asyncio.run(run())
+    assert ref.status_code == 200, ref.text
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed, not hidden by a cache
+    assert elapsed > CHUNK_DELAY > KV_TIMEOUT  # a chunk did compute past the deadline
+    assert r.headers["x-pd-retries"] == "0" and ref.headers["x-pd-retries"] == "0"
+    assert behind.status_code == 200, behind.text  # waited for the long step, its deadline kept by heartbeats
+    assert behind.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert behind_s > CHUNK_DELAY
     with httpx.Client(timeout=60) as c:
-        ref = c.post(url + "/v1/completions", json=body, headers={"x-request-id": "reference-1"})
-        assert ref.status_code == 200, ref.text
-        t = time.monotonic()
-        r = c.post(url + "/v1/completions", json=body, headers={"x-request-id": "slowchunk-1"})
-        elapsed = time.monotonic() - t
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed, not hidden by a cache
-        assert elapsed > CHUNK_DELAY > KV_TIMEOUT  # a chunk did compute past the deadline
-        assert r.headers["x-pd-retries"] == "0" and ref.headers["x-pd-retries"] == "0"
         router = c.get(url + "/metrics").text
         assert "pd_router_retries_total{" not in router, [x for x in router.splitlines() if "retries" in x]
         for p in cluster.procs:

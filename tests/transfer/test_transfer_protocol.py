@@ -418,3 +418,39 @@ def test_a_hung_step_loop_is_vouched_for_only_up_to_the_step_timeout(sides):
     finally:
         d.agent.disconnect(q.agent.name)
         q.agent.close()
+
+
+def test_a_ticket_waiting_for_a_long_step_is_named_by_heartbeats_until_added_or_withdrawn(sides):
+    """A ticket arrives while the step loop computes a long chunk (it is added between steps): the HTTP handler
+    announces it, heartbeats name it meanwhile, and decode waits past T; once added, the transfer completes.
+    A withdrawn announcement is named no more, and decode's deadline ends that transfer."""
+    clock, p, d = sides
+    p.pool.kv[13] = 4
+    t = d.receiver.expect("queued-behind", [25], 10, p.agent.name)
+    gone = d.receiver.expect("refused-later", [26], 10, p.agent.name)
+    p.sender.announce(t)
+    p.sender.announce(gone)
+    for _ in range(6):  # 1.5 T: the step that runs when the tickets arrive
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 2
+        _deliver(d, p, t)
+    p.sender.withdraw_announced(gone.transfer_id)  # e.g. the engine refused the prompt
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [13], 10, meta={"first_token_id": 2}) == 1
+    done, failed = None, []
+    for _ in range(200):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        failed += ev.failed
+        done = done or (ev.completed[0] if ev.completed else None)
+        if done:
+            break
+    assert done is not None and done.transfer_id == t.transfer_id and not failed
+    for _ in range(5):  # the withdrawn ticket: no heartbeat names it; decode gives up after T
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 0
+        failed += d.receiver.poll().failed
+    assert [(f.transfer_id, type(f.error).__name__) for f in failed] == [(gone.transfer_id, "TransferTimeoutError")]
+    p.sender.poll()  # reads decode's cancel and confirms (no transfer of it in flight)
+    ev = drain(d, 50, p)
+    assert [r.pages for r in ev.released] == [(26,)]
