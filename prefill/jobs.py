@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +32,51 @@ from pd_cluster.transfer.interfaces import Sender
 from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")
+
+FAULT_CHUNK_DELAY_ENV = "PD_FAULT_PREFILL_CHUNK_DELAY"
+
+
+@dataclass(frozen=True)
+class ChunkDelay:
+    """Fault injection, for tests only: make prefill chunks compute longer.
+
+    Set ``PD_FAULT_PREFILL_CHUNK_DELAY=<seconds>[:<marker>]`` in a prefill worker's environment: after every
+    engine step that computed prompt tokens of a job whose request id contains ``marker`` (every job when no
+    marker is given), the engine thread sleeps ``seconds`` before that step's pushes, exactly as if the
+    chunk's forward pass had taken that much longer (the step loop polls nothing meanwhile; other threads
+    run). No flag exposes it: it exists to test that a long chunk does not fail a KV transfer.
+
+    Attributes:
+        seconds: the added compute time per step, in seconds (> 0).
+        marker: a substring of the request ids it applies to ("" : all).
+    """
+
+    seconds: float
+    marker: str = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ChunkDelay | None":
+        """The delay set in `environ`, or None.
+
+        Raises:
+            ValueError: a malformed value (named with the variable).
+        """
+        raw = environ.get(FAULT_CHUNK_DELAY_ENV)
+        if not raw:
+            return None
+        seconds, _, marker = raw.partition(":")
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{FAULT_CHUNK_DELAY_ENV}={raw!r}: expected <seconds>[:<request-id marker>], seconds > 0")
+        logger.warning("fault injection: prefill chunks of requests matching %r compute %.2f s longer (%s)",
+                       marker, value, FAULT_CHUNK_DELAY_ENV)
+        return cls(value, marker)
+
+    def applies(self, request_ids) -> bool:
+        return any(self.marker in rid for rid in request_ids)
 
 
 @dataclass
@@ -71,11 +118,13 @@ class PrefillHooks(StepHooks):
     Args:
         sender: the worker's sender.
         device: the engine's device (a CUDA event gates each push on GPU).
+        chunk_delay: fault injection for tests (`ChunkDelay`); None in production.
     """
 
-    def __init__(self, sender: Sender, device: torch.device) -> None:
+    def __init__(self, sender: Sender, device: torch.device, chunk_delay: ChunkDelay | None = None) -> None:
         self.sender = sender
         self.device = device
+        self.chunk_delay = chunk_delay
         self.jobs: dict[str, PrefillJob] = {}
 
     def start(self, engine: LLMEngine, job: PrefillJob, prompt_ids: list[int], params: SamplingParams,
@@ -119,6 +168,9 @@ class PrefillHooks(StepHooks):
                 self.sender.abort(job.ticket.transfer_id, f"the prefill engine failed the request: {d.error}")
         if not out.prefill_progress:
             return
+        if self.chunk_delay is not None and self.chunk_delay.applies(
+                p.request_id for p in out.prefill_progress if p.request_id in self.jobs):
+            time.sleep(self.chunk_delay.seconds)  # fault injection: this chunk computed longer
         firsts = {d.request_id: d for d in out.deltas if d.request_id in self.jobs and d.new_token_ids}
         ready = None
         if self.device.type == "cuda":

@@ -32,7 +32,7 @@ from pd_cluster.serving.errors import HTTPError
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import until_disconnect
 from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_worker_app, server_info, worker_engine_loop
-from pd_cluster.prefill.jobs import PrefillHooks, PrefillJob
+from pd_cluster.prefill.jobs import ChunkDelay, PrefillHooks, PrefillJob
 from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
 from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
@@ -64,16 +64,20 @@ class PrefillServer:
             rid = job_req.request_id
         except ValueError as e:
             return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
+        sender = self.hooks.sender
         try:
             await self._connect(job_req.decode_url, job_req.ticket)
             aloop = asyncio.get_running_loop()
             job = PrefillJob(rid, job_req.ticket, aloop.create_future(), aloop)
+            sender.announce(job_req.ticket)  # heartbeats name it while it waits for a long step to end
             await self.loop.call(lambda e: self.hooks.start(e, job, list(job_req.prompt_token_ids),
                                                             job_req.sampling, list(job_req.resumed_output_ids)))
         except asyncio.CancelledError:  # the server is stopping or decode went away during the handshake
+            sender.withdraw_announced(job_req.ticket.transfer_id)
             self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "decode closed the prefill request"))
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:  # noqa: BLE001 - every refusal is an OpenAI-format error body
+            sender.withdraw_announced(job_req.ticket.transfer_id)
             return _error(transfer_http_error(e), rid)
         try:
             result = await until_disconnect(request, job.future)
@@ -127,7 +131,7 @@ def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[s
     metrics = WorkerMetrics(registry, "prefill", engine.model_name)
     tconfig = config.transfer
     agent, sender = make_worker_transfer(engine, "prefill", tconfig, registry)
-    hooks = PrefillHooks(sender, engine.device)
+    hooks = PrefillHooks(sender, engine.device, ChunkDelay.from_env())
     loop = worker_engine_loop(engine, hooks, lambda e, out, dt: metrics.on_step(e), exit_on_fatal)
     info = server_info(engine, dict(host_info or {}, kv_agent=agent.name, kv_incarnation=agent.incarnation))
     server = PrefillServer(engine, loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),

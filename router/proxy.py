@@ -260,10 +260,12 @@ class GenerateHandler:
                     return self._reject(ex, 429, "queue_timeout", "every worker stayed at capacity; retry later",
                                         state.request_id, _RETRY_AFTER)
                 self.metrics.retries.labels(result.reason).inc()
+                state.retries += 1
                 continue
             tried.update(pair.urls())
             if attempt < attempts:
                 self.metrics.retries.labels(result.reason).inc()
+                state.retries += 1
                 await asyncio.sleep(backoff_seconds(self.config.retry, attempt, self._rng))
             attempt += 1
         return self._give_up(state, ex, last)
@@ -340,10 +342,12 @@ class GenerateHandler:
         if last is None:
             return self._reject(ex, 503, "no_workers", "no healthy worker is available", rid, _RETRY_AFTER)
         if last.status is not None and last.body:
-            extra = ((b"x-request-id", rid.encode()),)
+            extra = state.id_headers()
             if last.overloaded:  # the worker's refusal for capacity, relayed (retries are off)
                 extra += ((b"retry-after", b"%d" % max(1, round(last.retry_after or 1))),)
             ex.respond(last.status, last.body, b"application/json", extra)
             return last.status
         status = last.status or 502
-        return self._error(ex, status, f"all attempts failed; last: {last.reason}", rid, code=last.reason)
+        ex.respond(status, error_body(status, f"all attempts failed; last: {last.reason}", None, last.reason),
+                   extra=state.id_headers())
+        return status

@@ -10,6 +10,10 @@ stream that breaks, or stays silent past ``--upstream-idle-timeout-secs``, after
 an :class:`AttemptFailure` with ``after_start`` set: the caller migrates it (``router.migration``) or ends it
 with an error event.
 
+Every answer relayed from a worker carries ``X-Request-Id`` and ``X-PD-Retries``: how many times the router
+sent the request to a fresh pair after a failed attempt before answering (the events that
+``pd_router_retries_total`` counts by reason; ``0``: the first attempt answered).
+
 A streamed answer is relayed from the connection's callbacks: each piece of the body the worker sends is
 written to the client as it arrives, as bytes, without parsing it, unless the stream may migrate (then its
 events go through the :class:`~router.migration.StreamTracker`, which reads the token ids). When the client
@@ -36,6 +40,7 @@ from pd_cluster.router.upstream import Reply, UpstreamError, Upstreams
 
 _PASS_HEADERS = (b"content-type", b"cache-control")
 _FAILED_PEER = FAILED_PEER_HEADER.encode()
+RETRIES_HEADER = b"x-pd-retries"
 
 
 @dataclass
@@ -53,12 +58,17 @@ class RequestState:
     prefill_url: str | None = None   # the pair of the last attempt, for the request log
     decode_url: str | None = None
     attempts: int = 0
+    retries: int = 0  # fresh pairs tried after a failed attempt, before the response (X-PD-Retries)
     tracker: StreamTracker | None = None  # set when the stream may migrate
     upstream_body: bytes | None = None    # what goes to the worker (None: ``body`` unchanged)
     prompt: PromptTokens | None = None    # token ids for routing on KV events (``--tokenizer-path``)
 
     last_chunk_at: float = 0.0   # perf_counter of the last chunk relayed (ITL across migrations)
     clean: bool = True           # the last raw chunk relayed ended an SSE event
+
+    def id_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+        """``X-Request-Id`` and ``X-PD-Retries`` for the client's response."""
+        return (b"x-request-id", self.request_id.encode()), (RETRIES_HEADER, b"%d" % self.retries)
 
     def mark_finished(self) -> None:
         """The last byte is about to go out: a disconnect from now on is normal."""
@@ -191,8 +201,7 @@ class Relay:
             return AttemptFailure("token_ids_refused", None, 400, data)
         state.mark_finished()
         state.response_started = True
-        ex.respond(reply.status, data, reply.header(b"content-type") or b"application/json",
-                   ((b"x-request-id", state.request_id.encode()),))
+        ex.respond(reply.status, data, reply.header(b"content-type") or b"application/json", state.id_headers())
         return reply.status
 
 
@@ -214,7 +223,7 @@ class _StreamSink:
         state, ex = self.state, self.ex
         self.reply, self.relaying = reply, True
         if not state.response_started:
-            headers = [(b"x-request-id", state.request_id.encode())]
+            headers = list(state.id_headers())
             for name in _PASS_HEADERS:
                 value = reply.header(name)
                 if value is not None:

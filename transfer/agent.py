@@ -24,6 +24,10 @@ on another thread (`connects_off_thread`, `pd_cluster.transfer.http.aapply`).
 For that, both NIXL agents run with NIXL's read-write thread synchronisation
 (transfers share the lock, loading metadata takes it alone), connects are
 serialised by a lock of their own, and the inbox of messages has a lock.
+`send` may also come from the sender's heartbeat thread: every call into the
+NIXL agents outside `connect` (post, check, release, send, progress) holds
+one lock, so the two threads never drive a UCX worker at the same time; each
+of these calls is short and non-blocking.
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ class TransferAgent:
         self._inbox: list[tuple[str, protocol.Message]] = []
         self._inbox_lock = threading.Lock()
         self._connect_lock = threading.Lock()
+        self._io_lock = threading.RLock()  # the step loop and the heartbeat thread (module doc)
         self._closed = False
         self.connect_threads: list[int] = []  # thread ids that ran a handshake (tests and diagnostics)
 
@@ -186,7 +191,8 @@ class TransferAgent:
                 self._nixl.remove_remote_agent(info.agent_name)
                 raise
             try:  # start setting up the message connection now; the step loops' polls finish it
-                self._ctl.send_notif(info.agent_name + CONTROL_SUFFIX, protocol.encode(protocol.Ping()))
+                with self._io_lock:
+                    self._ctl.send_notif(info.agent_name + CONTROL_SUFFIX, protocol.encode(protocol.Ping()))
             except Exception as e:
                 logger.info("KV transfer: first probe to %s failed: %r", info.agent_name, e)
             self._peers[info.agent_name] = info  # last: the step loop may use the peer from here on
@@ -204,6 +210,10 @@ class TransferAgent:
             logger.info("KV transfer agent %s dropped peer %s", self.name, name)
 
     # ---- data --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def write(self, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes = b""):
         """Post one WRITE of `local` descriptors into the peer's `remote` ones.
 
@@ -219,6 +229,10 @@ class TransferAgent:
             PeerNotConnectedError, PeerDiedError, NixlTransferError.
         """
         info = self.peer(peer)
+        with self._io_lock:
+            return self._write(peer, info, local, remote, notif)
+
+    def _write(self, peer: str, info: AgentInfo, local: np.ndarray, remote: np.ndarray, notif: bytes):
         try:
             ldesc = self._nixl.get_xfer_descs(local, self.mem_type)
             rdesc = self._nixl.get_xfer_descs(remote, info.mem_type)
@@ -242,32 +256,41 @@ class TransferAgent:
             PeerDiedError: the peer disconnected.
         """
         try:
-            return self._nixl.check_xfer_state(handle)
+            with self._io_lock:
+                return self._nixl.check_xfer_state(handle)
         except Exception as e:
             raise _nixl_error(e, "checking a KV transfer", peer) from e
 
     def release(self, handle) -> bool:
         """Release a transfer handle, cancelling it if still active. False if NIXL cannot cancel it yet."""
         try:
-            handle.release()
+            with self._io_lock:
+                handle.release()
             return True
         except Exception as e:
             logger.debug("KV transfer: release of %r deferred: %r", handle, e)
             return False
 
     # ---- notifications -----------------------------------------------------
-    def send(self, peer: str, msg: protocol.Message) -> None:
+    def send(self, peer: str, msg: protocol.Message, progress_data: bool = True) -> None:
         """Send a standalone notification.
+
+        `progress_data` False progresses only the control agent (no memory registered): what the heartbeat
+        thread uses, so it never progresses the data agent's WRITEs (on GPU, their completion belongs to the
+        step loop's thread).
 
         Raises:
             PeerNotConnectedError, PeerDiedError, NixlTransferError.
         """
         self.peer(peer)
-        try:
-            self._ctl.send_notif(peer + CONTROL_SUFFIX, protocol.encode(msg))
-        except Exception as e:
-            raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
-        self._pump()  # progress once so the message leaves now, not at the next poll
+        with self._io_lock:
+            if self._closed:
+                raise PeerNotConnectedError(f"agent {self.name} is closed", peer=peer)
+            try:
+                self._ctl.send_notif(peer + CONTROL_SUFFIX, protocol.encode(msg))
+            except Exception as e:
+                raise _nixl_error(e, f"notifying {type(msg).__name__}", peer) from e
+            self._pump(progress_data)  # progress once so the message leaves now, not at the next poll
 
     def take(self, *kinds: type) -> list[tuple[str, protocol.Message]]:
         """New messages of the given kinds, in arrival order, as ``(peer agent, message)``.
@@ -282,9 +305,12 @@ class TransferAgent:
             self._inbox = keep
         return out
 
-    def _pump(self) -> None:
-        self._nixl.get_new_notifs()  # progresses the data endpoint (a TCP-only WRITE needs the target's progress)
-        for peer, raws in self._ctl.get_new_notifs().items():
+    def _pump(self, data: bool = True) -> None:
+        with self._io_lock:
+            if data:  # progresses the data endpoint (a TCP-only WRITE needs the target's progress)
+                self._nixl.get_new_notifs()
+            notifs = self._ctl.get_new_notifs()
+        for peer, raws in notifs.items():
             peer = peer.decode() if isinstance(peer, bytes) else str(peer)
             peer = peer.removesuffix(CONTROL_SUFFIX)
             for raw in raws:
@@ -302,7 +328,8 @@ class TransferAgent:
         """Drop all peers and deregister the pool. Call only when no transfer is in flight."""
         if self._closed:
             return
-        self._closed = True
+        with self._io_lock:  # a heartbeat in flight ends first; later ones find no peer
+            self._closed = True
         for name in list(self._peers):
             self.disconnect(name)
         try:

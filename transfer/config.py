@@ -2,9 +2,12 @@
 
 All deadlines derive from one number, ``--kv-transfer-timeout`` (seconds,
 default 30): see ``docs/transfer.md`` for the reasoning. In short, decode fails
-a transfer when no push arrived for that long; the sender stops posting after
-half of it without progress and cancels any single push older than a quarter
-of it, so by the time decode gives up a live sender has already stopped.
+a transfer when neither a push nor a heartbeat arrived for that long; the
+sender stops posting after half of it without progress or heartbeat and
+cancels any single push older than a quarter of it, so by the time decode
+gives up a live sender has already stopped. Heartbeats come from a thread of
+their own while the step loop is alive (it polled within
+``--kv-transfer-step-timeout``), so a long chunk is not a silence.
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ class TransferConfig:
             then from each push). Also bounds the sender (see the properties).
         heartbeat_interval: seconds between liveness probes (a tiny NIXL
             notification) to each peer with a transfer in progress; a dead peer
-            is detected within about this long.
+            is detected within about this long. The sender's heartbeats
+            (`protocol.Alive`) go at most this far apart, and at most a quarter
+            of `kv_transfer_timeout` (`heartbeat_period`).
+        step_timeout: seconds one engine step may run while the sender's
+            heartbeats keep its transfers alive: a step loop that has not
+            polled for longer is taken as hung, its heartbeats stop, and decode's
+            deadline ends its transfers. SGLang's ``--watchdog-timeout`` has the
+            same default for one forward batch.
         abort_quarantine: seconds decode keeps the pages of an aborted or timed-out
             transfer out of use when the sender neither confirms it stopped nor is
             known dead; None means `kv_transfer_timeout`.
@@ -48,6 +58,7 @@ class TransferConfig:
 
     kv_transfer_timeout: float = 30.0
     heartbeat_interval: float = 1.0
+    step_timeout: float = 300.0
     abort_quarantine: float | None = None
     backend: str = "UCX"
     ucx_tls: str | None = None
@@ -62,6 +73,8 @@ class TransferConfig:
             raise ValueError(f"kv_transfer_timeout must be > 0 seconds, got {self.kv_transfer_timeout}")
         if not 0 < self.heartbeat_interval <= self.kv_transfer_timeout:
             raise ValueError(f"heartbeat_interval must be in (0, kv_transfer_timeout], got {self.heartbeat_interval}")
+        if not self.step_timeout > 0:
+            raise ValueError(f"step_timeout must be > 0 seconds, got {self.step_timeout}")
         if self.abort_quarantine is not None and self.abort_quarantine < 0:
             raise ValueError(f"abort_quarantine must be >= 0, got {self.abort_quarantine}")
         if self.backend not in BACKENDS:
@@ -83,8 +96,13 @@ class TransferConfig:
 
     @property
     def sender_idle_timeout(self) -> float:
-        """Seconds without progress after which the sender stops a transfer and posts nothing more."""
+        """Seconds without progress or heartbeat after which the sender stops a transfer and posts nothing more."""
         return self.kv_transfer_timeout / 2
+
+    @property
+    def heartbeat_period(self) -> float:
+        """Seconds between the sender's heartbeats: `heartbeat_interval`, at most a quarter of the timeout."""
+        return min(self.heartbeat_interval, self.kv_transfer_timeout / 4)
 
     @property
     def quarantine(self) -> float:
@@ -94,9 +112,13 @@ class TransferConfig:
 
 TRANSFER_FLAGS: tuple[Flag, ...] = (
     Flag("--kv-transfer-timeout", "kv_transfer_timeout", float,
-         "decode: seconds without a KV push before a transfer fails (504); default %(default)s"),
+         "decode: seconds without a KV push or heartbeat from prefill before a transfer fails (504); "
+         "default %(default)s"),
     Flag("--kv-transfer-heartbeat-interval", "heartbeat_interval", float,
-         "seconds between liveness probes to peers with transfers in flight; default %(default)s"),
+         "seconds between liveness probes and heartbeats to peers with transfers in flight; default %(default)s"),
+    Flag("--kv-transfer-step-timeout", "step_timeout", float,
+         "prefill: seconds one engine step may compute while heartbeats keep its KV transfers alive; a step "
+         "loop silent longer is taken as hung; default %(default)s"),
     Flag("--kv-transfer-abort-quarantine", "abort_quarantine", float,
          "seconds decode keeps unconfirmed aborted pages unused; default: --kv-transfer-timeout"),
     Flag("--kv-transfer-backend", "backend", str, "the NIXL backend", choices=BACKENDS),

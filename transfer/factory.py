@@ -15,12 +15,16 @@ def make_worker_transfer(engine, role: str, config: TransferConfig, registry) ->
 
     Without TP: a `TransferAgent` with a `KVSender` / `KVReceiver`. With TP: a `RankTransfer` on every rank and
     rank 0's proxies `TPAgent` / `TPSender` / `TPReceiver` (`pd_cluster.transfer.tp`). Metrics go on
-    `registry` (rank 0's agent).
+    `registry` (rank 0's agent). Every sender (each rank's) runs its heartbeat thread (`KVSender.heartbeat`).
     """
     if engine.tp_driver is None:
         agent = TransferAgent(engine.pool, engine.loaded.identity, role, config)
         metrics = TransferMetrics(registry)
-        return agent, (KVSender(agent, metrics) if role == "prefill" else KVReceiver(agent, metrics))
+        if role != "prefill":
+            return agent, KVReceiver(agent, metrics)
+        sender = KVSender(agent, metrics)
+        sender.start_heartbeat()
+        return agent, sender
     from pd_cluster.transfer.tp import TPAgent, TPReceiver, TPSender, install
 
     infos = install(engine.tp_driver, role, config, engine.loaded.identity, registry)

@@ -9,7 +9,8 @@ unchanged. ``tests/transfer/test_transfer_interfaces.py`` checks both against
 them.
 
 All methods run in the worker's engine thread (the step loop) and never block
-on the network, except `Agent.connect` (see there).
+on the network, except `Agent.connect` (see there) and `Sender.announce` /
+`Sender.withdraw_announced`, which the prefill worker's HTTP handler calls.
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ class Sender(Protocol):
     def add_request(self, ticket: Ticket) -> None:
         """Accept decode's ticket. Raises `StalePeerError`, `PeerNotConnectedError`, `TransferAbortedError`,
         ValueError (see `KVSender.add_request`)."""
+        ...
+
+    def announce(self, ticket: Ticket) -> None:
+        """A ticket waits for the engine thread: heartbeats name it until `add_request` or `withdraw_announced`.
+        The one call besides the heartbeat's that may come from another thread (the HTTP handler's)."""
+        ...
+
+    def withdraw_announced(self, transfer_id: str) -> None:
+        """The announced ticket will not be added."""
         ...
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,

@@ -19,6 +19,12 @@ active messages, ordered per connection):
   while the sender keeps progressing.
 * `Ping` (either way, standalone): a liveness probe; sending it fails fast
   with a disconnect error when the peer's process is gone.
+* `Alive` (sender -> receiver, standalone): the heartbeat. The sender's
+  process is running and these transfers are its work (a chunk computing, or
+  the request queued): the receiver's deadline restarts for each of them. It
+  comes from a thread of its own, so a chunk that computes longer than the
+  deadline does not fail its transfer, while a frozen or dead process sends
+  none (`KVSender.heartbeat`).
 
 Wire form: ``b"pdkv1"`` followed by compact JSON.
 """
@@ -89,7 +95,14 @@ class Ping:
     """A liveness probe; carries nothing."""
 
 
-Message = Push | Stopped | Cancel | Ack | Ping
+@dataclass(frozen=True)
+class Alive:
+    """The heartbeat: the sender is alive and working on these transfers (ids of the receiver's tickets)."""
+
+    transfer_ids: tuple[str, ...]
+
+
+Message = Push | Stopped | Cancel | Ack | Ping | Alive
 
 
 def encode(msg: Message) -> bytes:
@@ -108,6 +121,8 @@ def encode(msg: Message) -> bytes:
         d = {"t": "ack", "x": msg.transfer_id, "w": msg.what}
     elif isinstance(msg, Ping):
         d = {"t": "ping"}
+    elif isinstance(msg, Alive):
+        d = {"t": "alive", "x": list(msg.transfer_ids)}
     else:
         raise TypeError(f"not a transfer message: {msg!r}")
     return MAGIC + json.dumps(d, separators=(",", ":")).encode()
@@ -135,6 +150,11 @@ def decode(raw: bytes) -> Message:
             return Ack(str(d["x"]), str(d["w"]))
         if kind == "ping":
             return Ping()
+        if kind == "alive":
+            ids = d["x"]
+            if not isinstance(ids, list):
+                raise TypeError(f"alive: transfer ids must be a list, got {type(ids).__name__}")
+            return Alive(tuple(str(x) for x in ids))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"malformed KV transfer message {raw[:64]!r}: {e!r}") from e
     raise ValueError(f"unknown KV transfer message kind {kind!r}")

@@ -22,7 +22,12 @@ it stopped (`Stopped`, sent after it released every handle), (b) the
 sender's process is gone (a liveness probe gets a disconnect), or (c) the
 quarantine (``abort_quarantine``, default ``kv_transfer_timeout``) has passed
 since the failure: the sender stops any push older than a quarter of the
-timeout and gives up after half of it without progress.
+timeout and gives up after half of it without progress or heartbeat.
+
+The deadline counts silence: a transfer fails when neither a push nor the
+sender's heartbeat (`protocol.Alive`, sent by a thread of its own while its
+step loop is alive, `KVSender.heartbeat`) named it for ``kv_transfer_timeout``,
+so a prefill chunk that computes longer than that does not fail it.
 """
 
 from __future__ import annotations
@@ -104,6 +109,7 @@ class _Expect:
     total: int = 0
     error: TransferError | None = None
     release_at: float = 0.0
+    heartbeats: int = 0
 
     @property
     def peer(self) -> str:
@@ -222,8 +228,11 @@ class KVReceiver:
         now = self._clock()
         ev = ReceiverEvents()
         self._drain_failures(ev)
-        for peer, msg in self.agent.take(protocol.Push, protocol.Stopped):
-            self._on_message(peer, msg, now, ev)
+        for peer, msg in self.agent.take(protocol.Push, protocol.Stopped, protocol.Alive):
+            if isinstance(msg, protocol.Alive):
+                self._on_alive(peer, msg, now)
+            else:
+                self._on_message(peer, msg, now, ev)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_interval
             self._heartbeat(now, ev)
@@ -232,10 +241,10 @@ class KVReceiver:
                 self._finish(job, now, ev)
             elif job.error is None and now - job.last_progress > self.config.kv_transfer_timeout:
                 self._fail(job, TransferTimeoutError(
-                    f"transfer {job.ticket.transfer_id} from {job.peer}: no push for "
+                    f"transfer {job.ticket.transfer_id} from {job.peer}: no push or heartbeat for "
                     f"{self.config.kv_transfer_timeout:.1f} s (--kv-transfer-timeout); {len(job.pushes)} pushes, "
-                    f"{job.pages_arrived}/{job.ticket.num_pages} pages arrived", transfer_id=job.ticket.transfer_id,
-                    peer=job.peer), now, cancel=True)
+                    f"{job.pages_arrived}/{job.ticket.num_pages} pages arrived, {job.heartbeats} heartbeats",
+                    transfer_id=job.ticket.transfer_id, peer=job.peer), now, cancel=True)
             elif job.error is not None and now >= job.release_at:
                 logger.warning("KV transfer %s: releasing %d pages after the %.1f s quarantine without the sender's "
                                "confirmation", job.ticket.transfer_id, job.ticket.num_pages, self.config.quarantine)
@@ -271,6 +280,15 @@ class KVReceiver:
             self._record(job, msg, now)
         except ProtocolError as e:
             self._fail(job, e, now, cancel=True)
+
+    def _on_alive(self, peer: str, msg: protocol.Alive, now: float) -> None:
+        """The sender is alive and working on these transfers: their deadlines restart (ours and the ticket's
+        peer's only; a failed transfer stays failed)."""
+        for tid in msg.transfer_ids:
+            job = self._jobs.get(tid)
+            if job is not None and job.peer == peer and job.error is None:
+                job.last_progress = max(job.last_progress, now)
+                job.heartbeats += 1
 
     def _record(self, job: _Expect, push: protocol.Push, now: float) -> None:
         t = job.ticket

@@ -18,9 +18,24 @@ push may wait for a CUDA event recorded after the chunk's forward pass: it is
 posted by the first `poll` that finds the event complete.
 
 Deadlines (from `TransferConfig`): a posted push older than `push_timeout` is
-cancelled, and a transfer without progress for `sender_idle_timeout` is
-stopped; both are shorter than decode's ``kv_transfer_timeout``, so a live
-sender has stopped writing before decode gives up. A stopped transfer is
+cancelled, and a transfer without progress or heartbeat for
+`sender_idle_timeout` is stopped; both are shorter than decode's
+``kv_transfer_timeout``, so a live sender has stopped writing before decode
+gives up.
+
+Heartbeats measure silence, not compute. A chunk's forward pass may run longer
+than the deadline (the last chunks of a 10M-token prompt take seconds each),
+and the step loop polls nothing meanwhile. So `heartbeat`, run every
+`heartbeat_period` by a thread of its own (`start_heartbeat`), sends decode an
+`Alive` naming this process's transfers: decode's deadline restarts for each.
+A process frozen (SIGSTOP, a VM pause) or killed sends none, so decode's
+deadline and its liveness probe find it as before; a step loop that has not
+polled for `step_timeout` is taken as hung and is vouched for no more. A
+heartbeat is never sent for a transfer already idle past
+`sender_idle_timeout` and counts from the time just before it was sent, so
+the rule "post nothing past `sender_idle_timeout` without progress or
+heartbeat" keeps every WRITE before decode's deadline for the last heartbeat
+it accepted (docs/transfer.md, Deadlines). A stopped transfer is
 reported only once every NIXL handle of it is released (cancelled or done),
 and only then does the sender tell decode it stopped: pages on both sides are
 reusable exactly when the events say so.
@@ -29,6 +44,7 @@ reusable exactly when the events say so.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -40,12 +56,14 @@ from pd_cluster.transfer.agent import DONE, ERR, TransferAgent
 from pd_cluster.transfer.descriptors import page_runs, run_descs, validate_pages
 from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
                              TransferTimeoutError)
+from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.ticket import KVTicket
 
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
+_ALIVE_IDS = 32  # transfer ids per heartbeat notification
 
 
 @dataclass(frozen=True)
@@ -97,10 +115,16 @@ class _Job:
     nbytes: int = 0
     error: TransferError | None = None
     ack: bool = False
+    vouched: float = 0.0  # when the last heartbeat naming it was sent (the clock just before the send)
 
     @property
     def peer(self) -> str:
         return self.ticket.decode_agent
+
+    @property
+    def live_since(self) -> float:
+        """The later of its last progress and its last heartbeat: what decode's deadline counts from, or later."""
+        return max(self.last_progress, self.vouched)
 
 
 class KVSender:
@@ -121,6 +145,10 @@ class KVSender:
         self._cancelled: OrderedDict[str, str] = OrderedDict()
         self._unacked: dict[str, float] = {}  # transfer id -> when to stop waiting for decode's Ack
         self._next_ping = 0.0
+        self._jobs_lock = threading.Lock()  # the heartbeat thread reads `_jobs` and `_waiting`; others change them
+        self._waiting: dict[str, str] = {}  # tickets announced by the HTTP handler, not yet added: id -> decode agent
+        self._last_poll = clock()  # the step loop's last `poll` (heartbeats stop when it is hung)
+        self._beat = HeartbeatThread(self.heartbeat, self.config.heartbeat_period, lambda: agent.closed)
 
     @property
     def num_inflight(self) -> int:
@@ -154,8 +182,10 @@ class KVSender:
         if ticket.page_size != self.agent.pool.page_size:
             raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
-        now = self._clock()
-        self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
+        now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
+        with self._jobs_lock:
+            self._waiting.pop(ticket.transfer_id, None)
+            self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
@@ -225,7 +255,7 @@ class KVSender:
 
     def poll(self) -> SenderEvents:
         """Advance every transfer: post ready pushes, reap completions, enforce deadlines, handle cancels."""
-        now = self._clock()
+        now = self._last_poll = self._clock()
         ev = SenderEvents()
         for peer, msg in self.agent.take(protocol.Cancel, protocol.Ack):
             if isinstance(msg, protocol.Ack):
@@ -245,13 +275,76 @@ class KVSender:
             if job.error is not None:
                 self._finish_stop(job, ev)
             elif job.last_issued and all(p.done for p in job.pushes):
-                del self._jobs[job.ticket.transfer_id]
+                self._forget(job)
                 ev.completed.append(SendDone(job.ticket.transfer_id, job.ticket.request_id, len(job.pushes),
                                              job.nbytes, now - job.started))
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
         return ev
 
+    # ---- heartbeat -----------------------------------------------------------
+    def announce(self, ticket: KVTicket) -> None:
+        """A ticket arrived and waits for the engine thread (the current step may be a long chunk): heartbeats
+        name it until `add_request` or `withdraw_announced`. Safe from any thread; nothing is posted for it
+        before `add_request`."""
+        with self._jobs_lock:
+            self._waiting[ticket.transfer_id] = ticket.decode_agent
+
+    def withdraw_announced(self, transfer_id: str) -> None:
+        """The announced ticket will not be added (refused, or the request went away). Safe from any thread."""
+        with self._jobs_lock:
+            self._waiting.pop(transfer_id, None)
+
+    def heartbeat(self) -> int:
+        """Tell each decode peer that this process is alive and working on its transfers (`protocol.Alive`).
+
+        Safe from any thread (`start_heartbeat` runs it on its own). Nothing is sent for a transfer that
+        already failed or has been idle (no progress, no heartbeat) past `sender_idle_timeout` (the step
+        loop stops it, posting nothing), nor at all while the step loop has not polled for `step_timeout`
+        (taken as hung). A failed send is left to the step loop's liveness probe.
+
+        Returns:
+            The number of transfers vouched for.
+        """
+        now = self._clock()
+        if now - self._last_poll > self.config.step_timeout:
+            return 0
+        with self._jobs_lock:
+            jobs = [j for j in self._jobs.values() if j.error is None]
+            waiting = list(self._waiting.items())
+        by_peer: dict[str, list[tuple[str, _Job | None]]] = {}
+        for job in jobs:
+            if now - job.live_since <= self.config.sender_idle_timeout:
+                by_peer.setdefault(job.peer, []).append((job.ticket.transfer_id, job))
+        for tid, peer in waiting:  # no push can be posted before `add_request`, which restarts its clock
+            if self.agent.is_connected(peer):
+                by_peer.setdefault(peer, []).append((tid, None))
+        vouched = 0
+        for peer, group in by_peer.items():
+            for i in range(0, len(group), _ALIVE_IDS):  # a notification stays small (tens of ids)
+                part = group[i:i + _ALIVE_IDS]
+                try:
+                    self.agent.send(peer, protocol.Alive(tuple(tid for tid, _ in part)), progress_data=False)
+                except TransferError as e:
+                    logger.debug("KV transfer: heartbeat to %s failed: %s", peer, e)
+                    break
+                for _, job in part:
+                    if job is not None:
+                        job.vouched = max(job.vouched, now)
+                vouched += len(part)
+        return vouched
+
+    def start_heartbeat(self) -> None:
+        """Run `heartbeat` every `heartbeat_period` on a daemon thread until `stop_heartbeat` or the agent closes."""
+        self._beat.start()
+
+    def stop_heartbeat(self) -> None:
+        self._beat.stop()
+
     # ---- internals -----------------------------------------------------------
+    def _forget(self, job: _Job) -> None:
+        with self._jobs_lock:
+            del self._jobs[job.ticket.transfer_id]
+
     def _post(self, job: _Job, p: _Push) -> None:
         """Post one push's WRITE, unless the transfer went idle past `sender_idle_timeout` first.
 
@@ -263,12 +356,13 @@ class KVSender:
         this check is posted before decode may reuse the pages. What stays open is a stall between this check
         and the WRITE call itself (docs/transfer.md, Known limits).
         """
-        idle = self._clock() - job.last_progress
+        idle = self._clock() - job.live_since
         if idle > self.config.sender_idle_timeout:
             tid = job.ticket.transfer_id
             self._stop(job, TransferTimeoutError(
-                f"transfer {tid}: push {p.msg.index} not posted, no progress for {idle:.1f} s (more than "
-                f"{self.config.sender_idle_timeout:.1f} s; this process was stalled)", transfer_id=tid, peer=job.peer))
+                f"transfer {tid}: push {p.msg.index} not posted, no progress or heartbeat for {idle:.1f} s (more "
+                f"than {self.config.sender_idle_timeout:.1f} s; this process was stalled)", transfer_id=tid,
+                peer=job.peer))
             return
         p.started = time.perf_counter()
         try:
@@ -338,9 +432,9 @@ class KVSender:
                     f"push {p.msg.index} of {tid} ({p.msg.nbytes} bytes) to {job.peer} did not complete in "
                     f"{self.config.push_timeout:.1f} s", transfer_id=tid, peer=job.peer))
                 return
-        if now - job.last_progress > self.config.sender_idle_timeout:
+        if now - job.live_since > self.config.sender_idle_timeout:
             self._stop(job, TransferTimeoutError(
-                f"transfer {tid} made no progress for {self.config.sender_idle_timeout:.1f} s "
+                f"transfer {tid} made no progress and sent no heartbeat for {self.config.sender_idle_timeout:.1f} s "
                 f"({len(job.pushes)} pushes issued)", transfer_id=tid, peer=job.peer))
 
     def _stop(self, job: _Job, error: TransferError) -> None:
@@ -361,7 +455,7 @@ class KVSender:
                     pending = True
         if pending:
             return
-        del self._jobs[job.ticket.transfer_id]
+        self._forget(job)
         if not isinstance(job.error, PeerDiedError):
             try:
                 self.agent.send(job.peer, protocol.Stopped(job.ticket.transfer_id, job.error.reason, str(job.error),
@@ -381,6 +475,7 @@ class KVSender:
             return
         # Not started here (ticket still on its way) or already over: nothing is in flight; confirm at once,
         # and remember it so a late ticket is refused.
+        self.withdraw_announced(msg.transfer_id)
         self._cancelled[msg.transfer_id] = peer
         while len(self._cancelled) > _TOMBSTONES:
             self._cancelled.popitem(last=False)

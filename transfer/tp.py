@@ -56,6 +56,8 @@ class RankTransfer:
         self.agent = TransferAgent(shard.pool, identity, role, config)
         metrics = TransferMetrics(registry or CollectorRegistry())
         self.sender = KVSender(self.agent, metrics) if role == "prefill" else None
+        if self.sender is not None:  # this rank's heartbeats: its own process computes its own chunks
+            self.sender.start_heartbeat()
         self.receiver = KVReceiver(self.agent, metrics) if role == "decode" else None
         self.peer_names: dict[str, str] = {}  # rank 0's name of a peer worker -> this rank's peer agent
 
@@ -226,6 +228,13 @@ class TPSender(_TPProxy):
             raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
         on_ranks(self.driver, RankTransfer.sender_add, ticket.tickets)
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id)
+
+    def announce(self, ticket: TPTicket) -> None:
+        """Nothing: the ranks are reached only from the engine thread, so a ticket waiting for it gets no
+        heartbeat under TP (docs/transfer.md, Known limits)."""
+
+    def withdraw_announced(self, transfer_id: str) -> None:
+        """Nothing (see `announce`)."""
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
              ready_event=None) -> int:

@@ -1,4 +1,6 @@
-"""Acceptance: a prefill worker dies with requests in flight; 2P1D retries on the other prefill, nothing hangs."""
+"""Acceptance: a prefill worker dies with requests in flight; 2P1D retries on the other prefill, nothing hangs.
+A prefill chunk that computes longer than the KV transfer timeout does not fail its transfer, while a frozen
+prefill is still cut off by that timeout."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import time
 import httpx
 import pytest
 from cluster_util import PROMPTS, running_cluster, wait_all_free, worker_loads
+
+from pd_cluster.prefill.jobs import FAULT_CHUNK_DELAY_ENV
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
@@ -63,12 +67,68 @@ def test_killed_prefill_is_retried_on_the_other_and_nothing_hangs():
         assert loads["prefill-1"]["num_free_pages"] == loads["prefill-1"]["num_total_pages"]
 
 
+KV_TIMEOUT, CHUNK_DELAY = 2.0, 2.5  # each chunk of a "slowchunk" request computes longer than the KV timeout
+
+
+def _prefill_outlasting_the_kv_timeout(cluster) -> None:
+    """Every prefill chunk of one request computes CHUNK_DELAY s > --kv-transfer-timeout (both sides): the
+    prefill's heartbeats keep the transfer alive, so the router answers at once, without a retry (header and
+    metric), with the text of a request whose chunks were not slowed. A second request whose ticket reaches
+    that prefill during the long chunk (it waits for the step to end) is named by the heartbeats too."""
+    body = {"model": "stories260K", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+    url = cluster.router_url
+    decode = next(p for p in cluster.procs if p.role == "decode")
+    prefills = [p for p in cluster.procs if p.role == "prefill"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            ref = await c.post(url + "/v1/completions", json=body, headers={"x-request-id": "reference-1"})
+            t = time.monotonic()
+            slow = asyncio.ensure_future(c.post(url + "/v1/completions", json=body,
+                                                headers={"x-request-id": "slowchunk-1"}))
+            busy = None
+            while busy is None and time.monotonic() - t < 10:  # the slow job is added: its first chunk computes
+                for p in prefills:
+                    if (await c.get(p.url + "/get_load")).json()["num_prefill_inflight_queue_reqs"]:
+                        busy = p
+                await asyncio.sleep(0.01)
+            assert busy is not None
+            behind = await c.post(decode.url + "/v1/completions", json=body, headers={
+                "X-Request-Id": "behind-1", "X-PD-Prefill-Url": busy.url})
+            behind_s = time.monotonic() - t
+            r = await slow
+            return ref, r, time.monotonic() - t, behind, behind_s
+
+    ref, r, elapsed, behind, behind_s = asyncio.run(run())
+    assert ref.status_code == 200, ref.text
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed, not hidden by a cache
+    assert elapsed > CHUNK_DELAY > KV_TIMEOUT  # a chunk did compute past the deadline
+    assert r.headers["x-pd-retries"] == "0" and ref.headers["x-pd-retries"] == "0"
+    assert behind.status_code == 200, behind.text  # waited for the long step, its deadline kept by heartbeats
+    assert behind.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
+    assert behind_s > CHUNK_DELAY
+    with httpx.Client(timeout=60) as c:
+        router = c.get(url + "/metrics").text
+        assert "pd_router_retries_total{" not in router, [x for x in router.splitlines() if "retries" in x]
+        for p in cluster.procs:
+            if p.role in ("prefill", "decode"):
+                m = c.get(p.url + "/metrics").text
+                assert "pd:kv_transfer_failed_total{" not in m, (p.name, [x for x in m.splitlines() if "failed" in x])
+
+
 @pytest.mark.timeout(600)
-def test_retry_with_the_same_request_id_while_the_failed_attempt_still_holds_pages():
+def test_retry_with_the_same_request_id_while_the_failed_attempt_still_holds_pages(monkeypatch):
     """A router retry reuses X-Request-Id; it must not collide with the failed attempt, whose decode pages stay
-    held (quarantined) while the frozen prefill cannot confirm it stopped writing into them."""
-    fast_deadline = ["--kv-transfer-timeout", "2"]
-    with running_cluster(2, 1, engine_argv=SLOW_PREFILL, role_argv={"decode": fast_deadline}) as cluster:
+    held (quarantined) while the frozen prefill cannot confirm it stopped writing into them. First, in the same
+    cluster: a prefill chunk longer than the KV timeout does not fail its transfer (the freeze below is still
+    cut off by that timeout: a frozen process sends no heartbeat)."""
+    fast_deadline = ["--kv-transfer-timeout", str(KV_TIMEOUT)]
+    monkeypatch.setenv(FAULT_CHUNK_DELAY_ENV, f"{CHUNK_DELAY}:slowchunk")
+    with running_cluster(2, 1, engine_argv=SLOW_PREFILL + ["--disable-radix-cache"],
+                         role_argv={"decode": fast_deadline, "prefill": fast_deadline}) as cluster:
+        _prefill_outlasting_the_kv_timeout(cluster)
         decode = next(p for p in cluster.procs if p.role == "decode")
         p0, p1 = (cluster.by_name(n) for n in ("prefill-0", "prefill-1"))
         body = {"model": "stories260K", "prompt": LONG, "max_tokens": 8, "temperature": 0}

@@ -30,10 +30,17 @@ def test_overloaded_decode_503_is_retried_on_the_other_decode_and_left_alone():
             FakeWorker("decode", FAST) as good, \
             RouterProc(["--prefill", p.url, "--decode", bad.url, good.url, *ROUTER]) as router:
         started = time.monotonic()
+        retries = []
         for i in range(6):
-            r = complete(router, f"req-503-{i}")
+            r = complete(router, f"req-503-{i}", stream=i == 0)  # the retried first one streams
             assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == " Once upon a time"
+            retries.append(r.headers["x-pd-retries"])
+            if i == 0:
+                events = [json.loads(x[6:]) for x in r.text.split("\n\n") if x.startswith("data: {")]
+                assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == " Once upon a time"
+            else:
+                assert r.json()["choices"][0]["text"] == " Once upon a time"
+        assert retries == ["1"] + ["0"] * 5  # the retry shows in the answer's headers, streamed or not
         assert time.monotonic() - started < 0.9  # all within the refuser's Retry-After (1 s, the default)
         m = router.metrics()
         # The first request went to `bad`, was refused and retried on `good`; `bad` then stayed busy, so
@@ -51,12 +58,15 @@ def test_dead_prefill_502_is_retried_with_another_prefill_and_leaves_rotation():
             RouterProc(["--prefill", p0.url, p1.url, "--decode", d.url, *ROUTER]) as router:
         p0.kill()
         started = time.monotonic()
+        headers = {}
         for i in range(10):
             r = complete(router, f"req-502-{i}")
             assert r.status_code == 200, r.text
+            headers[f"req-502-{i}"] = r.headers["x-pd-retries"]
         assert time.monotonic() - started < 20
         retried = [e["request_id"] for e in d.recent() if e["status"] == 502]
         assert retried, "the decode worker never saw the dead prefill"
+        assert headers == {rid: "1" if rid in retried else "0" for rid in headers}
         m = router.metrics()
         assert metric_value(m, "pd_router_retries_total", reason="status_502") == len(retried)
         # Structured logs: every retry line is JSON and names its request.

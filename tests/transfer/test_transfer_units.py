@@ -121,6 +121,8 @@ def test_layout_hash_equals_the_engine_layout_hash():
     protocol.Stopped("r1@abc.1", "timeout", "push 3 did not complete", ack=True),
     protocol.Cancel("r1@abc.1", "aborted"),
     protocol.Ping(),
+    protocol.Alive(("r1@abc.1", "r2@abc.2")),
+    protocol.Alive(()),
 ])
 def test_messages_round_trip(msg):
     raw = protocol.encode(msg)
@@ -129,7 +131,8 @@ def test_messages_round_trip(msg):
     assert back == msg and getattr(back, "meta", None) == getattr(msg, "meta", None)
 
 
-@pytest.mark.parametrize("raw", [b"hello", b"pdkv1{not json", b'pdkv1{"t":"push","x":"a"}', b'pdkv1{"t":"what"}'])
+@pytest.mark.parametrize("raw", [b"hello", b"pdkv1{not json", b'pdkv1{"t":"push","x":"a"}', b'pdkv1{"t":"what"}',
+                                 b'pdkv1{"t":"alive","x":"r1@abc.1"}', b'pdkv1{"t":"alive"}'])
 def test_foreign_or_malformed_messages_are_refused(raw):
     with pytest.raises(ValueError):
         protocol.decode(raw)
@@ -260,3 +263,30 @@ def test_kv_format_mismatch_is_fatal_and_an_unnamed_format_is_mha():
     assert [(m.field, m.convertible) for m in ms] == [("kv_format", False)]
     with pytest.raises(LayoutMismatchError, match="kv_format: local='mha' remote='mla'"):
         check_compatible(info("p-h-1-tp0-a"), info(kv_format="mla"))
+
+
+# ---- heartbeat thread -----------------------------------------------------------------------------------------
+def test_heartbeat_thread_beats_survives_a_failing_round_and_stops():
+    import threading
+
+    from pd_cluster.transfer.heartbeat import HeartbeatThread
+
+    rounds, closed, seen = [], threading.Event(), threading.Event()
+
+    def beat():
+        rounds.append(threading.get_ident())
+        if len(rounds) == 2:
+            raise RuntimeError("one bad round")  # logged; the next round still comes
+        if len(rounds) >= 4:
+            seen.set()
+
+    hb = HeartbeatThread(beat, 0.005, closed.is_set)
+    hb.start()
+    assert seen.wait(10) and hb.running
+    assert threading.get_ident() not in rounds  # never on the caller's (the step loop's) thread
+    closed.set()  # the agent closed: the thread ends by itself
+    hb._thread.join(10)
+    assert not hb.running
+    n = len(rounds)
+    hb.stop()
+    assert len(rounds) == n
