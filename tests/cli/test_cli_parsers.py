@@ -153,6 +153,14 @@ def test_pd_serve_takes_the_keys_itself():
     assert "give --api-key to pd-serve itself" in err.getvalue()
 
 
+def test_pd_serve_knows_the_router_grace_period_it_waits_for():
+    assert launch_serve.router_grace_period([]) == 180.0
+    assert launch_serve.router_grace_period(["--shutdown-grace-period-secs", "5"]) == 5.0
+    assert launch_serve.router_grace_period(["--shutdown-grace-period-secs=7", "--shutdown-grace-period-secs=2"]) == 2.0
+    with pytest.raises(ValueError, match="not a number"):
+        launch_serve.router_grace_period(["--shutdown-grace-period-secs", "soon"])
+
+
 # ---- one flag table ------------------------------------------------------------------------------
 def test_transfer_defaults_are_the_config_defaults():
     p = argparse.ArgumentParser(allow_abbrev=False)

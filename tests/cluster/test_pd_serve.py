@@ -3,6 +3,12 @@ worker with overlap scheduling, as on CUDA)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+
+import httpx
 import openai
 import pytest
 from cluster_util import PROMPTS, running_pd_serve
@@ -19,7 +25,8 @@ MAX_TOKENS = 40
 def pd_serve(tmp_path_factory):
     # the decode worker overlaps its steps as on CUDA (the prefill role never does); the texts must still
     # equal the offline engine's, which does not overlap
-    with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", ["--enable-overlap-schedule"]) as served:
+    with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", ["--enable-overlap-schedule"],
+                          with_process=True) as served:
         yield served
 
 
@@ -32,7 +39,7 @@ def offline():
 
 @pytest.mark.timeout(600)
 def test_default_cluster_is_1p1d(pd_serve):
-    _, manifest = pd_serve
+    _, manifest, _ = pd_serve
     assert sorted(w["role"] for w in manifest["workers"]) == ["decode", "prefill"]
 
 
@@ -82,3 +89,48 @@ def _assert_transformers_agrees(prompt: str, text: str, out) -> None:
     hf_ids = list(hf_greedy(prompt, MAX_TOKENS, "fp32"))[:n]
     assert list(out.token_ids[:n]) == hf_ids
     assert prompt + text == tok.decode(tok(prompt).input_ids + hf_ids, skip_special_tokens=True)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_drains_a_stream_in_flight_before_the_workers_stop(pd_serve, offline):
+    """Last in the module: it stops the cluster. A stream started before Ctrl-C ends with the full reference text;
+    meanwhile the router refuses new requests and the workers keep serving. The decode worker is frozen (SIGSTOP)
+    across the signal, so the stream is surely in flight when it arrives."""
+    url, manifest, proc = pd_serve
+    (prefill,) = [w for w in manifest["workers"] if w["role"] == "prefill"]
+    (decode,) = [w for w in manifest["workers"] if w["role"] == "decode"]
+    prompt = PROMPTS[3]
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    pieces, finish = [], None
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        os.kill(decode["pid"], signal.SIGSTOP)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            deadline = time.monotonic() + 10
+            while _router_takes_requests(url):
+                assert time.monotonic() < deadline, "the router still takes new requests 10 s after Ctrl-C"
+                time.sleep(0.1)
+            time.sleep(0.5)
+            assert proc.poll() is None
+            assert httpx.get(prefill["url"] + "/health", timeout=5).status_code == 200  # not stopped yet
+        finally:
+            os.kill(decode["pid"], signal.SIGCONT)
+        for line in lines:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            pieces.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+    assert "".join(pieces) == offline[prompt].text
+    assert finish == offline[prompt].finish_reason
+    assert proc.wait(60) == 0
+
+
+def _router_takes_requests(url: str) -> bool:
+    """False once the router drains: its /health is 503, or it stopped accepting connections."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
