@@ -86,7 +86,7 @@ class PrefillServer:
             return _error(transfer_http_error(result.error), rid)
         self.metrics.queue_time.observe(result.queue_s)
         self.metrics.prefill_time.observe(result.prefill_s)
-        self.metrics.request_success.labels(finish_reason="prefilled").inc()
+        self.metrics.prefill_requests.inc()  # the decode worker that finishes the request counts its success
         body = PrefillResponse(rid, result.num_pushes, result.nbytes,
                                PrefillTimings(result.queue_s, result.prefill_s, result.push_tail_s),
                                result.num_cached_tokens)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ import pytest
 from cluster_util import PROMPTS, running_pd_serve
 from engine_reference import hf_greedy
 
+from pd_cluster.bench import prom
 from pd_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
@@ -90,6 +92,66 @@ def _assert_transformers_agrees(prompt: str, text: str, out) -> None:
     assert list(out.token_ids[:n]) == hf_ids
     assert prompt + text == tok.decode(tok(prompt).input_ids + hf_ids, skip_special_tokens=True)
 
+
+@pytest.mark.timeout(300)
+def test_each_request_counts_once_summed_over_the_workers(pd_serve):
+    """What vLLM's dashboards sum over every pod: each PD request once in request_success (label finished_reason)
+    and in the per-request token histograms, each prompt once in the prefix-cache lookups."""
+    url, manifest, _ = pd_serve
+    workers = {w["role"]: w["url"] for w in manifest["workers"]}
+    scrape = lambda: {role: prom.parse(httpx.get(u + "/metrics", timeout=10).text) for role, u in workers.items()}
+    before = scrape()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    usages, max_tokens = [], [MAX_TOKENS, 7, 12, 25]
+    for prompt, n in zip(PROMPTS, max_tokens):
+        usages.append(client.completions.create(model="stories260K", prompt=prompt, max_tokens=n,
+                                                temperature=0).usage)
+    after = scrape()
+    total = lambda name: sum(prom.delta_sum(before[r], after[r], name) for r in workers)  # noqa: E731
+    n = len(usages)
+    assert total("vllm:request_success_total") == n
+    assert total("pd:request_success_total") == n
+    assert prom.delta_sum(before["prefill"], after["prefill"], "pd:prefill_requests_total") == n
+    by_reason = prom.delta_by_label(before["decode"], after["decode"], "vllm:request_success_total",
+                                    "finished_reason")
+    assert sum(by_reason.values()) == n and set(by_reason) <= {"length", "stop"}
+    assert total("vllm:request_prompt_tokens_count") == n
+    assert total("vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert total("vllm:request_generation_tokens_sum") == sum(u.completion_tokens for u in usages)
+    assert total("vllm:request_max_num_generation_tokens_sum") == sum(max_tokens)
+    assert total("vllm:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert total("vllm:prompt_tokens_total") <= sum(u.prompt_tokens for u in usages)  # cached tokens not computed
+    for role, sc in after.items():
+        info = [dict(labels) for (name, labels) in sc if name == "vllm:cache_config_info"]
+        assert len(info) == 1 and info[0]["block_size"] == "64" and info[0]["model_name"] == "stories260K", role
+
+
+@pytest.mark.timeout(300)
+def test_what_the_readme_says_port_8000_serves(pd_serve):
+    """README: the router's port serves the OpenAI API, /tokenize, /detokenize, /version, /openapi.json, /health,
+    /readiness and its own metrics (pd_router_*, labelled model_name); the vllm:* and pd:* metrics are the
+    workers'."""
+    url, manifest, _ = pd_serve
+    worker = manifest["workers"][0]["url"]
+    with httpx.Client(timeout=10) as c:
+        assert c.get(url + "/version").json() == c.get(worker + "/version").json()
+        assert c.get(url + "/v1/models").json()["data"][0]["id"] == "stories260K"
+        ids = c.post(url + "/tokenize", json={"model": "stories260K", "prompt": "Once upon a time"}).json()["tokens"]
+        assert c.post(url + "/detokenize", json={"model": "stories260K", "tokens": ids}).json()["prompt"] \
+            .endswith("Once upon a time")
+        assert c.get(url + "/openapi.json").json()["openapi"]
+        assert c.get(url + "/health").status_code == 200 and c.get(url + "/readiness").status_code == 200
+        text = c.get(url + "/metrics").text
+        assert not any(line.endswith("_created") or "_created{" in line for line in text.splitlines())
+        samples = [line for line in text.splitlines() if line.startswith("pd_router_")]
+        assert samples and all('model_name="stories260K"' in line for line in samples)
+        router = prom.parse(text)
+        assert router[("pd_router_requests_total", (("endpoint", "completions"), ("model_name", "stories260K"),
+                                                    ("status", "200")))] >= 1
+        assert "vllm:" not in text
+        readme = (Path(__file__).parents[2] / "README.md").read_text()
+        for claim in ("`/version`", "`pd_router_*`", "workers' ports"):
+            assert claim in readme
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_drains_a_stream_in_flight_before_the_workers_stop(pd_serve, offline):
