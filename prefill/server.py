@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.disagg.errors import transfer_http_error
@@ -62,6 +62,9 @@ class PrefillServer:
         try:
             job_req = PrefillRequest.from_json(await request.body())
             rid = job_req.request_id
+        except ClientDisconnect:  # decode gave up while sending the job: nothing was queued, nobody reads this
+            logger.info("prefill job: decode closed the connection before its body arrived")
+            return Response(status_code=CLIENT_CLOSED)
         except ValueError as e:
             return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
         try:
@@ -107,6 +110,8 @@ class PrefillServer:
     async def abort(self, request: Request) -> Response:
         try:
             rid = str(json.loads(await request.body())["request_id"])
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             return _error(HTTPError(400, f"malformed abort: {e!r}"), "?")
         self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "aborted by decode"))
