@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "up to this many seconds before the workers are stopped (the router's flag; default "
                         f"{ClusterSpec.shutdown_grace_period_secs:g})")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="the router's log lines: text, as the workers write theirs (default), or one JSON object "
+                        "per line (the Helm chart's default, for log collectors)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--manifest", help="write the processes' URLs and PIDs to this JSON file once ready")
     p.add_argument("--ray-address", default=None,
@@ -93,6 +96,15 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return out
 
 
+def router_argv_of(args: argparse.Namespace) -> list[str]:
+    """The router's flags: ``--log-format`` and ``--shutdown-grace-period-secs`` from ours, then the user's
+    ``--router-arg`` flags (later ones win, as in argparse)."""
+    out = ["--log-format", args.log_format]
+    if args.shutdown_grace_period_secs is not None:
+        out += ["--shutdown-grace-period-secs", str(args.shutdown_grace_period_secs)]
+    return out + list(args.router_arg)
+
+
 def router_grace_period(router_argv: list[str]) -> float:
     """The router's ``--shutdown-grace-period-secs`` in `router_argv` (the last one wins, as in argparse), else
     `ClusterSpec`'s default.
@@ -118,11 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--api-key", "--admin-api-key", "--internal-api-key"):
         if any(a == flag or a.startswith(flag + "=") for a in args.router_arg):
             parser.error(f"give {flag} to pd-serve itself, not through --router-arg (pd-serve needs the keys too)")
-    router_argv = list(args.router_arg)
-    if args.shutdown_grace_period_secs is not None:
-        if args.shutdown_grace_period_secs < 0:
-            parser.error("--shutdown-grace-period-secs must be >= 0")
-        router_argv += ["--shutdown-grace-period-secs", str(args.shutdown_grace_period_secs)]
+    if args.shutdown_grace_period_secs is not None and args.shutdown_grace_period_secs < 0:
+        parser.error("--shutdown-grace-period-secs must be >= 0")
+    router_argv = router_argv_of(args)
     try:
         grace = router_grace_period(router_argv)
     except ValueError as e:

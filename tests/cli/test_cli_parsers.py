@@ -153,6 +153,14 @@ def test_pd_serve_takes_the_keys_itself():
     assert "give --api-key to pd-serve itself" in err.getvalue()
 
 
+def test_pd_serve_router_logs_text_like_the_workers_unless_asked():
+    parse = launch_serve.build_parser().parse_args
+    assert launch_serve.router_argv_of(parse([]))[:2] == ["--log-format", "text"]
+    argv = launch_serve.router_argv_of(parse(["--log-format", "json", "--shutdown-grace-period-secs", "3",
+                                              "--router-arg=--prefill-policy=cache_aware"]))
+    assert argv == ["--log-format", "json", "--shutdown-grace-period-secs", "3.0", "--prefill-policy=cache_aware"]
+
+
 def test_pd_serve_knows_the_router_grace_period_it_waits_for():
     assert launch_serve.router_grace_period([]) == 180.0
     assert launch_serve.router_grace_period(["--shutdown-grace-period-secs", "5"]) == 5.0

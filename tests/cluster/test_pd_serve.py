@@ -154,6 +154,23 @@ def test_what_the_readme_says_port_8000_serves(pd_serve):
             assert claim in readme
 
 @pytest.mark.timeout(300)
+def test_without_an_api_key_decode_contacts_only_the_prefill_workers_it_was_told_about(pd_serve, offline):
+    _, manifest, _ = pd_serve
+    (prefill,) = [w["url"] for w in manifest["workers"] if w["role"] == "prefill"]
+    (decode,) = [w["url"] for w in manifest["workers"] if w["role"] == "decode"]
+    prompt = PROMPTS[0]
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    with httpx.Client(timeout=30) as c:
+        for evil in ("http://127.0.0.1:1", "http://169.254.169.254/latest", prefill + "/../other"):
+            r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": evil})
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["code"] == "prefill_url_not_allowed"
+        # a prefill worker of the cluster (pd-serve passed --prefill-urls) is accepted, without a key
+        r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": prefill})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline[prompt].text
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_drains_a_stream_in_flight_before_the_workers_stop(pd_serve, offline):
     """Last in the module: it stops the cluster. A stream started before Ctrl-C ends with the full reference text;
     meanwhile the router refuses new requests and the workers keep serving. The decode worker is frozen (SIGSTOP)
