@@ -29,7 +29,11 @@ def build_sources(config: RouterConfig) -> list[tuple[str, DiscoverySource]]:
     """Discovery sources named by the config (imports their clients lazily)."""
     sources: list[tuple[str, DiscoverySource]] = []
     if config.kubernetes is not None:
-        from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
+        try:
+            from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
+        except ImportError as e:  # an optional dependency since the client is 120 MB
+            raise SystemExit(f"pd-router: Kubernetes discovery needs the kubernetes client ({e}): "
+                             "pip install 'pd-cluster[k8s]'") from None
 
         sources.append(("kubernetes", KubernetesDiscovery(
             config.kubernetes, load_kube_config(config.kubernetes.kubeconfig))))

@@ -214,3 +214,14 @@ def test_the_three_role_apps_have_one_signature():
     assert signatures[0] == signatures[1] == signatures[2], signatures
     assert [name for name, _, _ in signatures[0]] == ["engine", "config", "host_info", "exit_on_fatal"]
     assert signatures[0][1][1] in (WorkerConfig, "WorkerConfig")
+
+
+def test_pd_bench_plot_without_matplotlib_says_which_extra_to_install(monkeypatch):
+    import importlib.util
+
+    from pd_cluster.bench.args import build_parser as bench_parser, to_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'pd-cluster\[plot\]'"):
+        to_config(bench_parser().parse_args(["--plot"]))
