@@ -330,35 +330,10 @@ class LocalCluster:
         `timeout` seconds to exit. Whatever is still running after its wait is SIGKILLed, and so is everything
         once `force` is set (a second Ctrl-C).
         """
-        self._signal([self.router], signal.SIGTERM)
-        self._wait_or_kill([self.router], self.spec.shutdown_grace_period_secs + timeout, force)
-        self._signal(self.procs, signal.SIGTERM)
-        self._wait_or_kill(self.procs, timeout, force)
-
-    @staticmethod
-    def _signal(procs: list[Proc], sig: int) -> None:
-        for p in procs:
-            if p.alive():
-                try:
-                    os.killpg(p.popen.pid, sig)
-                except ProcessLookupError:
-                    pass
-
-    def _wait_or_kill(self, procs: list[Proc], timeout: float, force: threading.Event | None) -> None:
-        """Wait until every one of `procs` exited, `timeout` seconds passed or `force` is set; SIGKILL the rest."""
-        deadline = time.monotonic() + timeout
-        while any(p.alive() for p in procs) and time.monotonic() < deadline and not (force and force.is_set()):
-            time.sleep(0.05)
-        left = [p for p in procs if p.alive()]
-        if left:
-            self._say(f"killing {', '.join(p.name for p in left)} (still running after the drain)")
-        self._signal(left, signal.SIGKILL)
-        for p in procs:
-            if p.popen is not None:
-                try:
-                    p.popen.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
+        signal_all([self.router], signal.SIGTERM)
+        wait_or_kill([self.router], self.spec.shutdown_grace_period_secs + timeout, force, self._say)
+        signal_all(self.procs, signal.SIGTERM)
+        wait_or_kill(self.procs, timeout, force, self._say)
 
     @property
     def manifest(self) -> dict:
@@ -370,6 +345,34 @@ class LocalCluster:
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.manifest, f, indent=2)
+
+
+def signal_all(procs: list[Proc], sig: int) -> None:
+    """Send `sig` to the process group of every one of `procs` still running."""
+    for p in procs:
+        if p.alive():
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def wait_or_kill(procs: list[Proc], timeout: float, force: threading.Event | None, say=print) -> None:
+    """Wait until every one of `procs` exited, `timeout` seconds passed or `force` is set; SIGKILL the rest (and
+    `say` which)."""
+    deadline = time.monotonic() + timeout
+    while any(p.alive() for p in procs) and time.monotonic() < deadline and not (force and force.is_set()):
+        time.sleep(0.05)
+    left = [p for p in procs if p.alive()]
+    if left:
+        say(f"killing {', '.join(p.name for p in left)} (still running after the drain)")
+    signal_all(left, signal.SIGKILL)
+    for p in procs:
+        if p.popen is not None:
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def router_tokenizer(engine_argv: list[str]) -> str:
