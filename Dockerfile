@@ -1,4 +1,5 @@
-# pd-cluster serving image: the CUDA runtime, Python, a CUDA build of torch, pd-cluster (with Ray),
+# pd-cluster serving image: the CUDA runtime, Python, a CUDA build of torch, pd-cluster (with Ray and the
+# Kubernetes client of the router's discovery),
 # the RDMA user-space libraries UCX needs for InfiniBand/RoCE, and what Triton needs to compile kernels.
 # It runs as a non-root user (UID 1000), which is what the Helm chart's security context expects.
 #
@@ -52,7 +53,7 @@ RUN python3 -m venv "$VIRTUAL_ENV" \
 
 # The project itself (not editable: the source tree is not needed at run time).
 COPY . /tmp/pd-cluster
-RUN pip install "/tmp/pd-cluster[gpu,ray]" && rm -rf /tmp/pd-cluster \
+RUN pip install "/tmp/pd-cluster[gpu,ray,k8s]" && rm -rf /tmp/pd-cluster \
  && pd-worker --help > /dev/null && pd-router --help > /dev/null && pd-bench --help > /dev/null
 
 # Ubuntu images ship a user with UID 1000; replace it with ours.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 
@@ -157,6 +158,8 @@ def to_config(ns: argparse.Namespace) -> BenchConfig:
     extra = json.loads(ns.extra_body) if ns.extra_body else {}
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
+    if ns.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'pd-cluster[plot]'")
     meta = []
     for kv in ns.metadata:
         k, sep, v = kv.partition("=")

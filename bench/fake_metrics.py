@@ -44,7 +44,7 @@ class FakeMetrics:
                              for ns in ("pd", "vllm") for kind, doc in (("queries", "looked up in"),
                                                                         ("hits", "found in"))] if prefix_cache else []
         self.request_success = Counter(
-            "pd:request_success", "finished requests", ["finish_reason"], registry=r
+            "pd:request_success", "finished requests", ["finished_reason"], registry=r
         )
         h = lambda name, doc: Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)  # noqa: E731
         self.ttft = h("pd:time_to_first_token_seconds", "arrival to first token")

@@ -341,7 +341,7 @@ class FakeServer:
         m.e2e.observe(time.monotonic() - t0)
         m.decode_time.observe(decode_s)
         m.generation_tokens.inc(job.n_tokens)
-        m.request_success.labels(finish_reason=job.finish_reason).inc()
+        m.request_success.labels(finished_reason=job.finish_reason).inc()
         if job.stream:
             tail = fmt.final_chunk() + (fmt.usage_chunk() if job.include_usage else b"") + b"data: [DONE]\n\n"
             if resp.started:

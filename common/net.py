@@ -47,3 +47,19 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` now (the `OSError`'s text, e.g. "Address already in use"),
+    or None when it could.
+
+    Binds as servers do (``SO_REUSEADDR``, so a port whose old connections linger in TIME_WAIT counts as free),
+    and only binds: nothing is left listening.
+    """
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None

@@ -8,6 +8,14 @@ sequence from byte-fallback tokens) is held back until the sequence completes.
 This is the algorithm of vLLM's ``detokenize_incrementally`` and HF's
 ``TextStreamer``, written on top of ``tokenizer.decode``.
 
+With a fast (Rust) tokenizer the same deltas come from ``tokenizers.decoders.DecodeStream`` (vLLM's
+``FastIncrementalDetokenizer``), which keeps its decode state instead of decoding a window twice per token, where
+it is exact: the tokenizer applies no ``clean_up_tokenization_spaces`` (DecodeStream does not), and the prompt
+context decodes to whole characters (DecodeStream would emit a prompt's incomplete tail with the first token).
+If DecodeStream refuses a token (it raises on a sequence it cannot continue), the request continues on the
+window algorithm from where the stream stopped, so the text is the same either way
+(``tests/engine/test_detokenizer.py`` compares both on real tokenizers, byte-fallback and unicode included).
+
 Stop strings: the text is cut before the first stop string (or after it with
 ``include_stop_str_in_output``); while streaming, any tail that could still
 grow into a stop string is held back.
@@ -16,6 +24,11 @@ grow into a stop string is held back.
 from __future__ import annotations
 
 from typing import Any
+
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
 
 INITIAL_PREFIX_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
@@ -31,11 +44,13 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: keep a matched stop string in the text.
         skip_special_tokens: drop special tokens from the text.
         min_tokens: stop strings are looked for only once more than this many tokens exist (as vLLM).
+        decode_stream: use ``DecodeStream`` where it is exact (module docstring); False: always the window
+            algorithm (the reference the tests compare with).
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str] | None = None,
                  include_stop_str_in_output: bool = False, skip_special_tokens: bool = True,
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, decode_stream: bool = True) -> None:
         self.tokenizer = tokenizer
         context = list(prompt_token_ids[-INITIAL_PREFIX_TOKENS:])
         self.ids: list[int] = context
@@ -49,6 +64,20 @@ class IncrementalDetokenizer:
         self.stop_matched: str | None = None
         self.min_tokens = min_tokens
         self.num_tokens = 0
+        self._stream, self._backend = self._open_stream(context) if decode_stream else (None, None)
+
+    def _open_stream(self, context: list[int]) -> tuple[Any, Any]:
+        """A ``DecodeStream`` primed with the prompt context and the tokenizer's Rust backend, or (None, None)
+        where it would not give the window algorithm's text."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if DecodeStream is None or backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return None, None
+        if context and REPLACEMENT_CHAR in self._decode(context):
+            return None, None
+        try:
+            return DecodeStream(ids=context, skip_special_tokens=self.skip_special), backend
+        except TypeError:  # a DecodeStream that cannot be primed
+            return None, None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
@@ -60,6 +89,16 @@ class IncrementalDetokenizer:
                 break
             self.ids.append(tok)
             self.num_tokens += 1
+            if self._stream is not None:
+                try:
+                    delta = self._stream.step(self._backend, tok)
+                except Exception:  # noqa: BLE001 - tokenizers raises a plain Exception; the window takes over
+                    self._stream = None
+                else:
+                    if delta:
+                        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                        self._append(delta)
+                    continue
             prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
             full = self._decode(self.ids[self.prefix_offset:])
             if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
@@ -97,6 +136,7 @@ class IncrementalDetokenizer:
 
     def add_all(self, token_ids: list[int]) -> None:
         """Decode a whole output at once (no stop strings): the same text as token-by-token, two decodes."""
+        self._stream = None  # its state would lag behind the window's from here on
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         self.ids.extend(token_ids)
         full = self._decode(self.ids[self.prefix_offset:])

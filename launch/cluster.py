@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
-from pd_cluster.common.net import free_port
+from pd_cluster.common.net import free_port, port_taken
 from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
 
@@ -72,6 +72,9 @@ class ClusterSpec:
         internal_api_key: the cluster's shared internal key, given to the router and every worker through
             their environment (`internal_key_env`); pd-serve generates one per cluster.
         restart: when to restart a process that exited (`tend`).
+        shutdown_grace_period_secs: how long `LocalCluster.stop` lets the router drain before it stops the
+            workers (the router's ``--shutdown-grace-period-secs``; `router_grace_period` reads it from
+            `router_argv`).
         role_gpus, num_gpus, tp_size, mem_fraction_given: GPU placement (`pd_cluster.launch.placement`):
             each role's devices (``--prefill-gpus`` ...), the host's device count (0: none, no placement),
             each worker's TP size, and whether ``--mem-fraction-static`` was given.
@@ -96,6 +99,7 @@ class ClusterSpec:
     num_gpus: int = 0
     tp_size: int = 1
     mem_fraction_given: bool = False
+    shutdown_grace_period_secs: float = 180.0
 
 
 class LocalCluster:
@@ -128,7 +132,7 @@ class LocalCluster:
         url = f"http://{self.spec.host}:{port}"
         argv = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
                 "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
-                *self.spec.role_argv.get(role, []), *self.placement.argv(name)]
+                *self.spec.role_argv.get(role, []), *self.placement.argv(name), *worker_auth_argv(self.spec)]
         prefill_urls = [q.url for q in self.procs if q.role == "prefill"]
         if role == "decode" and prefill_urls:  # the X-PD-Prefill-Url allow-list (prefill workers start first)
             argv += ["--prefill-urls", *prefill_urls]
@@ -139,7 +143,16 @@ class LocalCluster:
     # ---- lifecycle ---------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Spawn every process; with `timeout`, also `wait_ready` until the router's ``/readiness`` is 200
-        (``pd-serve``'s moment of "ready"; raises as `wait_ready` does)."""
+        (``pd-serve``'s moment of "ready"; raises as `wait_ready` does).
+
+        Raises:
+            RuntimeError: the router's port is taken (checked before anything starts, so that ``pd-serve`` never
+                reports ready while another server answers on its port).
+        """
+        reason = port_taken(self.spec.host, self.spec.router_port)
+        if reason is not None:
+            raise RuntimeError(f"the router cannot listen on {self.spec.host}:{self.spec.router_port} "
+                               f"(port {self.spec.router_port}: {reason}); stop what uses it or pass another --port")
         for p in self.procs + [self.router]:
             self._spawn(p)
         if timeout is not None:
@@ -308,24 +321,19 @@ class LocalCluster:
     def by_name(self, name: str) -> Proc:
         return next(p for p in self.procs + [self.router] if p.name == name)
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM everything (router first, so it stops taking requests), then SIGKILL what remains."""
-        order = [self.router] + self.procs
-        for p in order:
-            if p.alive():
-                try:
-                    os.killpg(p.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout
-        for p in order:
-            if p.popen is None:
-                continue
-            try:
-                p.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-                p.popen.wait(5)
+    def stop(self, timeout: float = 15.0, force: threading.Event | None = None) -> None:
+        """Drain, then stop: the router first, the workers once it has exited.
+
+        The router gets SIGTERM: it stops taking requests and lets those in flight (streams included) finish for
+        up to its ``--shutdown-grace-period-secs`` (`ClusterSpec.shutdown_grace_period_secs`), then exits. The
+        workers keep serving those requests meanwhile, and get SIGTERM only once the router is gone; each has
+        `timeout` seconds to exit. Whatever is still running after its wait is SIGKILLed, and so is everything
+        once `force` is set (a second Ctrl-C).
+        """
+        signal_all([self.router], signal.SIGTERM)
+        wait_or_kill([self.router], self.spec.shutdown_grace_period_secs + timeout, force, self._say)
+        signal_all(self.procs, signal.SIGTERM)
+        wait_or_kill(self.procs, timeout, force, self._say)
 
     @property
     def manifest(self) -> dict:
@@ -337,6 +345,34 @@ class LocalCluster:
     def write_manifest(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.manifest, f, indent=2)
+
+
+def signal_all(procs: list[Proc], sig: int) -> None:
+    """Send `sig` to the process group of every one of `procs` still running."""
+    for p in procs:
+        if p.alive():
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def wait_or_kill(procs: list[Proc], timeout: float, force: threading.Event | None, say=print) -> None:
+    """Wait until every one of `procs` exited, `timeout` seconds passed or `force` is set; SIGKILL the rest (and
+    `say` which)."""
+    deadline = time.monotonic() + timeout
+    while any(p.alive() for p in procs) and time.monotonic() < deadline and not (force and force.is_set()):
+        time.sleep(0.05)
+    left = [p for p in procs if p.alive()]
+    if left:
+        say(f"killing {', '.join(p.name for p in left)} (still running after the drain)")
+    signal_all(left, signal.SIGKILL)
+    for p in procs:
+        if p.popen is not None:
+            try:
+                p.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def router_tokenizer(engine_argv: list[str]) -> str:
@@ -358,6 +394,13 @@ def router_tokenizer_argv(spec: ClusterSpec) -> list[str]:
     if any(a.split("=")[0] in ("--tokenizer-path", "--tokenizer") for a in spec.router_argv):
         return []
     return ["--tokenizer-path", router_tokenizer(spec.engine_argv)]
+
+
+def worker_auth_argv(spec: ClusterSpec) -> list[str]:
+    """``["--internal-api-key-protects-v1"]`` when the router has an API key and the cluster an internal key: then
+    a worker's ``/v1/*`` (and ``/tokenize``, ``/detokenize``) answer only the router (which sends the internal key)
+    and clients holding that key, so the router's key cannot be bypassed by posting to a worker's port."""
+    return ["--internal-api-key-protects-v1"] if spec.api_key and spec.internal_api_key else []
 
 
 def internal_key_env(spec: ClusterSpec) -> dict[str, str]:

@@ -40,7 +40,7 @@ import httpx
 
 from pd_cluster.common.net import free_port
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready,
-                                       router_tokenizer_argv)
+                                      router_tokenizer_argv, worker_auth_argv)
 from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 
@@ -90,7 +90,7 @@ def plan_placement(tp_size: int | None, node_gpus: list[float]) -> RayPlacement:
 def worker_argv(role: str, host: str, port: int, spec: ClusterSpec) -> list[str]:
     """``pd-worker`` arguments of one instance, as `launch.cluster.LocalCluster` builds them."""
     return ["--role", role, "--host", host, "--port", str(port), "--advertise-url", f"http://{host}:{port}",
-            "--log-level", spec.log_level, *spec.engine_argv]
+            "--log-level", spec.log_level, *spec.engine_argv, *worker_auth_argv(spec)]
 
 
 def router_argv(spec: ClusterSpec, gcs_address: str, namespace: str) -> list[str]:

@@ -22,6 +22,7 @@ import os
 import secrets
 import sys
 
+from pd_cluster.common.process import exit_now
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list
@@ -45,7 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed workers with --colocated (default: num-prefill + num-decode)")
     p.add_argument("--router-arg", action="append", default=[], help="a flag for the router, e.g. "
                    "--router-arg=--prefill-policy=cache_aware (repeatable)")
+    p.add_argument("--shutdown-grace-period-secs", type=float, default=None,
+                   help="on Ctrl-C/SIGTERM the router stops taking requests and lets those in flight finish for "
+                        "up to this many seconds before the workers are stopped (the router's flag; default "
+                        f"{ClusterSpec.shutdown_grace_period_secs:g})")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="the router's log lines: text, as the workers write theirs (default), or one JSON object "
+                        "per line (the Helm chart's default, for log collectors)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--manifest", help="write the processes' URLs and PIDs to this JSON file once ready")
     p.add_argument("--ray-address", default=None,
@@ -88,12 +96,47 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return out
 
 
+def router_argv_of(args: argparse.Namespace) -> list[str]:
+    """The router's flags: ``--log-format`` and ``--shutdown-grace-period-secs`` from ours, then the user's
+    ``--router-arg`` flags (later ones win, as in argparse)."""
+    out = ["--log-format", args.log_format]
+    if args.shutdown_grace_period_secs is not None:
+        out += ["--shutdown-grace-period-secs", str(args.shutdown_grace_period_secs)]
+    return out + list(args.router_arg)
+
+
+def router_grace_period(router_argv: list[str]) -> float:
+    """The router's ``--shutdown-grace-period-secs`` in `router_argv` (the last one wins, as in argparse), else
+    `ClusterSpec`'s default.
+
+    Raises:
+        ValueError: the value is not a number.
+    """
+    grace = ClusterSpec.shutdown_grace_period_secs
+    for i, arg in enumerate(router_argv):
+        name, eq, value = arg.partition("=")
+        if name == "--shutdown-grace-period-secs":
+            text = value if eq else (router_argv[i + 1] if i + 1 < len(router_argv) else "")
+            try:
+                grace = float(text)
+            except ValueError:
+                raise ValueError(f"--shutdown-grace-period-secs: not a number: {text!r}") from None
+    return grace
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     for flag in ("--api-key", "--admin-api-key", "--internal-api-key"):
         if any(a == flag or a.startswith(flag + "=") for a in args.router_arg):
             parser.error(f"give {flag} to pd-serve itself, not through --router-arg (pd-serve needs the keys too)")
+    if args.shutdown_grace_period_secs is not None and args.shutdown_grace_period_secs < 0:
+        parser.error("--shutdown-grace-period-secs must be >= 0")
+    router_argv = router_argv_of(args)
+    try:
+        grace = router_grace_period(router_argv)
+    except ValueError as e:
+        parser.error(str(e))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
     internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
@@ -112,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
                        num_workers=args.num_workers, host=args.host, router_port=args.port,
                        engine_argv=passthrough_argv(args, parser) + tool_argv(args),
-                       router_argv=list(args.router_arg),
+                       router_argv=router_argv, shutdown_grace_period_secs=grace,
                        log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
                        internal_api_key=internal_api_key, restart=restart, role_gpus=role_gpus,
                        num_gpus=0 if args.ray_address else cuda_device_count(), tp_size=args.tp_size or 1,
@@ -127,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = LocalCluster(spec)
     except ValueError as e:  # a GPU list this host cannot satisfy
         parser.error(str(e))
-    return serve_until_stopped(cluster, args.startup_timeout, args.manifest, api_key)
+    exit_now(serve_until_stopped(cluster, args.startup_timeout, args.manifest, api_key))  # skip a slow teardown
+    return 0  # not reached
 
 
 if __name__ == "__main__":

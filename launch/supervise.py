@@ -13,15 +13,28 @@ import signal
 import sys
 import threading
 
+from pd_cluster.launch.cluster import LocalCluster
+
 
 def serve_until_stopped(cluster, startup_timeout: float, manifest_path: str | None,
                         api_key: str | None = None) -> int:
-    """0 after a clean stop, 1 when start-up failed."""
-    stop = threading.Event()
+    """0 after a clean stop, 1 when start-up failed.
+
+    The first Ctrl-C or SIGTERM stops the cluster as `cluster.stop` does (`LocalCluster.stop`: the router drains,
+    then the workers stop); a second one during that drain kills what is left at once.
+    """
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():
+            print("pd-serve: second stop signal: killing what is left", file=sys.stderr, flush=True)
+            force.set()
+        stop.set()
+
     try:
         cluster.start(startup_timeout)
-        signal.signal(signal.SIGINT, lambda *_: stop.set())  # after start: Ray installs handlers of its own
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, on_signal)  # after start: Ray installs handlers of its own
+        signal.signal(signal.SIGTERM, on_signal)
         _write_manifest(cluster, manifest_path)
         print(banner(cluster, api_key), flush=True)
         while not stop.wait(0.5):
@@ -31,8 +44,12 @@ def serve_until_stopped(cluster, startup_timeout: float, manifest_path: str | No
         print(f"pd-serve: {e}", file=sys.stderr)
         return 1
     finally:
-        print("pd-serve: stopping", file=sys.stderr)
-        cluster.stop()
+        print("pd-serve: stopping" + (" (the router drains first; Ctrl-C again to kill at once)" if stop.is_set()
+                                      else ""), file=sys.stderr, flush=True)
+        if isinstance(cluster, LocalCluster):
+            cluster.stop(force=force)
+        else:
+            cluster.stop()
     return 0
 
 

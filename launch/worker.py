@@ -20,6 +20,7 @@ import uuid
 
 import uvicorn
 
+from pd_cluster.common.process import exit_now
 from pd_cluster.engine.args import add_engine_args, config_from_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.tools.chat import add_tool_args, tool_settings_from_args
@@ -156,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     DrainedServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                  access_log=False, timeout_graceful_shutdown=config.timeout_graceful_shutdown)).run()
-    return 0
+    exit_now(0)  # the server drained and shut down: skip seconds of interpreter and torch teardown
+    return 0  # not reached
 
 
 if __name__ == "__main__":

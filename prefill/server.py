@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pd_cluster.disagg.errors import transfer_http_error
@@ -62,6 +62,9 @@ class PrefillServer:
         try:
             job_req = PrefillRequest.from_json(await request.body())
             rid = job_req.request_id
+        except ClientDisconnect:  # decode gave up while sending the job: nothing was queued, nobody reads this
+            logger.info("prefill job: decode closed the connection before its body arrived")
+            return Response(status_code=CLIENT_CLOSED)
         except ValueError as e:
             return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
         sender = self.hooks.sender
@@ -90,7 +93,7 @@ class PrefillServer:
             return _error(transfer_http_error(result.error), rid)
         self.metrics.queue_time.observe(result.queue_s)
         self.metrics.prefill_time.observe(result.prefill_s)
-        self.metrics.request_success.labels(finish_reason="prefilled").inc()
+        self.metrics.prefill_requests.inc()  # the decode worker that finishes the request counts its success
         body = PrefillResponse(rid, result.num_pushes, result.nbytes,
                                PrefillTimings(result.queue_s, result.prefill_s, result.push_tail_s),
                                result.num_cached_tokens)
@@ -111,6 +114,8 @@ class PrefillServer:
     async def abort(self, request: Request) -> Response:
         try:
             rid = str(json.loads(await request.body())["request_id"])
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             return _error(HTTPError(400, f"malformed abort: {e!r}"), "?")
         self.loop.call_soon(lambda e: self.hooks.abort(e, rid, "aborted by decode"))

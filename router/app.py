@@ -45,7 +45,7 @@ class RouterApp:
         lim = config.limits
         self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
                                           lim.queue_timeout_secs)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(model_name=lambda: ",".join(self.models.names()))
         self.tokenizer: RouterTokenizer | None = None
         if self.selector.needs_tokens:
             kv = config.policy.kv

@@ -20,6 +20,12 @@ the response header ``X-PD-Failed-Peer`` (``prefill``, ``decode`` or
   which finds the one that is really down.
 
 A mixed worker has no peer: everything it answers is its own.
+
+During a migration (an attempt that continues a stream whose first decode failed), a decode worker's claim
+that its prefill failed (header or code) is not charged either: the failing decode of the first attempt can
+break the prefill's side of a transfer (a frozen decode holds its connections), and in a 1P cluster an open
+prefill breaker blocks every request for its timeout. Both workers get an immediate health check instead, which
+finds a prefill that is really down.
 """
 
 from __future__ import annotations
@@ -71,11 +77,14 @@ def error_param(body: bytes | None) -> str | None:
     return _error_field(body, "param")
 
 
-def blame_status(status: int, body: bytes | None, failed_peer: str | None, pd: bool) -> Blame:
+def blame_status(status: int, body: bytes | None, failed_peer: str | None, pd: bool,
+                 migrating: bool = False) -> Blame:
     """Blame for a retriable status (502/503/504) answered by the decode (or mixed) worker.
 
     ``failed_peer``: the ``X-PD-Failed-Peer`` header, if any. ``pd``: the
-    attempt had a prefill worker (False for a mixed worker).
+    attempt had a prefill worker (False for a mixed worker). ``migrating``: the
+    attempt continues a stream that already started (module docstring: a
+    prefill blamed then is only probed).
     """
     code = error_code(body)
     if status == 503 or code in OVERLOAD_CODES:
@@ -83,6 +92,8 @@ def blame_status(status: int, body: bytes | None, failed_peer: str | None, pd: b
     if not pd:
         return Blame(Role.DECODE, code=code)
     peer = (failed_peer or "").strip().lower()
+    if migrating and (peer == "prefill" or (not peer and code in PREFILL_CODES)):
+        return Blame(None, ambiguous=True, code=code)
     if peer in ("prefill", "decode"):
         return Blame(Role(peer), code=code)
     if peer == "none":

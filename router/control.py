@@ -10,6 +10,7 @@ leaves its admin API open).
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import time
 from collections.abc import Callable
 from typing import Any
@@ -133,6 +134,10 @@ class ControlPlane:
             return Response(self.metrics.render(),
                             media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        @app.get("/version")
+        async def version() -> Response:
+            return JSONResponse({"version": package_version()})
+
         @app.get("/v1/models", responses=error_responses(401))
         async def models(request: Request) -> Response:
             self._check_api_key(request)
@@ -217,3 +222,11 @@ class ControlPlane:
             if removed is None:
                 raise HTTPException(404, f"no worker {url}")
             return JSONResponse({"removed": removed.url})
+
+
+def package_version() -> str:
+    """pd-cluster's installed version (the workers' ``/version`` answers the same), else ``0.1.0+source``."""
+    try:
+        return importlib.metadata.version("pd-cluster")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0+source"

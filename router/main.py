@@ -15,6 +15,7 @@ import os
 import signal
 from collections.abc import Sequence
 
+from pd_cluster.common.process import exit_now
 from pd_cluster.router.app import RouterApp
 from pd_cluster.router.args import parse_config
 from pd_cluster.router.config import RouterConfig
@@ -28,7 +29,11 @@ def build_sources(config: RouterConfig) -> list[tuple[str, DiscoverySource]]:
     """Discovery sources named by the config (imports their clients lazily)."""
     sources: list[tuple[str, DiscoverySource]] = []
     if config.kubernetes is not None:
-        from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
+        try:
+            from pd_cluster.router.discovery.kubernetes import KubernetesDiscovery, load_kube_config
+        except ImportError as e:  # an optional dependency since the client is 120 MB
+            raise SystemExit(f"pd-router: Kubernetes discovery needs the kubernetes client ({e}): "
+                             "pip install 'pd-cluster[k8s]'") from None
 
         sources.append(("kubernetes", KubernetesDiscovery(
             config.kubernetes, load_kube_config(config.kubernetes.kubeconfig))))
@@ -88,7 +93,7 @@ def serve(config: RouterConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_config(argv)
     setup_logging(config.log_level, config.log_format)
-    raise SystemExit(serve(config))
+    exit_now(serve(config))  # drained and shut down: skip the interpreter's slow teardown
 
 
 if __name__ == "__main__":

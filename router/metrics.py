@@ -7,7 +7,9 @@ walks its buckets on every update, a cost paid per token for the ITL. Per-worker
 load, in-flight), the queue depth and the cache-aware decisions are read from live objects at scrape time
 by `StateCollector`, so they cost nothing per request. Rare events (retries, migrations, failures,
 rejections) are ordinary ``prometheus_client`` counters. Each router owns its own ``CollectorRegistry`` (no
-process-global state).
+process-global state). As on the workers (vLLM's convention), every series carries a ``model_name`` label (the
+served model name; several names joined by ``,``; empty before a worker reported one), and no ``_created``
+series are exported.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pd_cluster.router.circuit import STATE_CODES
@@ -25,6 +28,9 @@ from pd_cluster.router.config import Role
 from pd_cluster.router.kv_index import KvIndex
 from pd_cluster.router.policies import CacheAware, Policy, effective_load
 from pd_cluster.router.workers import WorkerRegistry
+
+disable_created_metrics()  # no *_created series: no dashboard reads them (the workers' metrics do the same)
+MODEL_LABEL = "model_name"
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -85,8 +91,10 @@ class HotCollector(Collector):
 class RouterMetrics:
     """Metric objects of one router; ``render()`` gives the exposition text."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: Callable[[], str] = lambda: "") -> None:
         self.registry = CollectorRegistry()
+        self._exposed = CollectorRegistry()  # `registry`'s families with the model_name label
+        self._exposed.register(_ModelLabelled(self.registry, model_name))
         r = self.registry
         self.request_counts: dict[tuple[str, int], int] = {}
         self.worker_counts: dict[tuple[str, str], int] = {}
@@ -127,7 +135,21 @@ class RouterMetrics:
         self.registry.register(collector)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
+
+
+class _ModelLabelled(Collector):
+    """The families of `registry`, each sample labelled ``model_name`` (first)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: Callable[[], str]) -> None:
+        self.registry, self.model_name = registry, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        model = self.model_name()
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            out.samples = [s._replace(labels={MODEL_LABEL: model, **s.labels}) for s in fam.samples]
+            yield out
 
 
 class StateCollector(Collector):

@@ -182,7 +182,8 @@ class Relay:
                                   overloaded=True, retry_after=_retry_after(reply.header(b"retry-after")))
         if is_retriable_status(status):
             raw = reply.body()
-            blame = blame_status(status, raw, _text(reply.header(_FAILED_PEER)), pair.prefill is not None)
+            blame = blame_status(status, raw, _text(reply.header(_FAILED_PEER)), pair.prefill is not None,
+                                 migrating=state.response_started)
             overloaded = blame.role is None and not blame.ambiguous and (status == 503 or blame.code == "overloaded")
             return AttemptFailure(f"status_{status}", blame.role, status, raw, detail=blame.code or "",
                                   ambiguous=blame.ambiguous, after_start=state.response_started,

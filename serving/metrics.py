@@ -10,6 +10,12 @@ The ``vllm:`` names are what llm-d's endpoint picker, KEDA autoscaling recipes
 and vLLM's Grafana dashboards read (vLLM ``vllm/v1/metrics/loggers.py``). They
 are not separate metrics: at scrape time each ``pd:`` family in `VLLM_NAMES` is
 written a second time under its vLLM name, so the two can never disagree.
+
+Summed over every pod of a PD cluster, as those dashboards sum, each request counts once: the worker that
+finishes a request (decode or mixed) counts it in ``request_success`` and the per-request token histograms,
+while a prefill worker counts its ``/prefill`` jobs in ``pd:prefill_requests`` (no vLLM twin). Prompt tokens
+are counted where they are computed. The prefix-cache counters of a decode worker (its lookups of prompts a
+prefill worker already looked up) keep their ``pd:`` names but have no ``vllm:`` twins (`HIDDEN_TWINS`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.0
                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 MODEL_LABEL = "model_name"
+FINISHED_REASON = "finished_reason"  # vLLM's label of request_success (its dashboards group by it)
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks")
 
 # pd: family -> the vLLM (v1) families that carry the same value. Counters are named without
 # ``_total`` here, as prometheus_client names families; the samples end in ``_total``.
@@ -54,7 +62,21 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pd:request_queue_time_seconds": ("vllm:request_queue_time_seconds",),
     "pd:request_prefill_time_seconds": ("vllm:request_prefill_time_seconds",),
     "pd:request_decode_time_seconds": ("vllm:request_decode_time_seconds",),
+    "pd:request_prompt_tokens": ("vllm:request_prompt_tokens",),
+    "pd:request_generation_tokens": ("vllm:request_generation_tokens",),
+    "pd:request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
+    "pd:cache_config_info": ("vllm:cache_config_info",),
 }
+
+# The vLLM twins a role does not export, so that each figure is counted once per cluster (module docstring).
+HIDDEN_TWINS: dict[str, frozenset[str]] = {
+    "decode": frozenset({"pd:prefix_cache_queries", "pd:prefix_cache_hits", "pd:external_prefix_cache_queries",
+                         "pd:external_prefix_cache_hits"}),
+}
+
+# vLLM's request-size histograms use 1-2-5 buckets (``build_1_2_5_buckets``) up to the context length; ours go to
+# 10M tokens, the longest context a flag may ask.
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(8) for m in (1, 2, 5) if m * 10 ** e <= 10_000_000)
 
 # Attributes of `engine.stats` read for the prefix-cache counters (totals since start, in prompt
 # tokens: looked up in the prefix cache, and found there). Absent: the counters stay at 0.
@@ -69,7 +91,8 @@ class WorkerMetrics:
 
     Args:
         registry: where to expose (one per worker).
-        role: ``prefill``, ``decode`` or ``mixed`` (a constant label on nothing; exposed in `/server_info`).
+        role: ``prefill``, ``decode`` or ``mixed`` (a constant label on nothing; exposed in `/server_info`); a
+            decode worker exports no ``vllm:`` twins of its prefix-cache counters (`HIDDEN_TWINS`).
         model_name: the served model name, the value of every series' ``model_name`` label. None: taken
             from the engine (``engine.model_name``) at the first `on_step`; until then the label is empty,
             which Prometheus treats as absent.
@@ -92,7 +115,10 @@ class WorkerMetrics:
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = c("generation_tokens", "Tokens generated.")
         self.num_retracted_reqs = c("num_retracted_reqs", "Requests retracted because the pool was full.")
-        self.request_success = c("request_success", "Finished requests.", ("finish_reason",))
+        self.request_success = c("request_success", "Finished requests (on the worker that finishes them: decode or "
+                                 "mixed).", (FINISHED_REASON,))
+        self.prefill_requests = c("prefill_requests", "Prefill: /prefill jobs prefilled for a decode worker (the "
+                                  "decode worker counts the request in request_success).")
         self.prefix_cache_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "(0 while the engine does not count them).")
         self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache "
@@ -116,15 +142,27 @@ class WorkerMetrics:
         self.prefill_time = h("request_prefill_time_seconds", "Per request: prefill compute, first to last chunk.")
         self.transfer_time = h("request_transfer_time_seconds", "Per request: KV handover: waiting for the KV minus prefill queueing and compute.")
         self.decode_time = h("request_decode_time_seconds", "Per request: first decode step to finish.")
+        self.request_prompt_tokens = h("request_prompt_tokens", "Per finished request: prompt tokens.",
+                                       TOKEN_BUCKETS)
+        self.request_generation_tokens = h("request_generation_tokens", "Per finished request: generated tokens.",
+                                           TOKEN_BUCKETS)
+        self.request_max_num_generation_tokens = h("request_max_num_generation_tokens", "Per finished request: "
+                                                   "its max_tokens (the most it could generate).", TOKEN_BUCKETS)
+        self.cache_config_info = Gauge("pd:cache_config_info", "The KV cache's configuration, in labels (value 1).",
+                                       CACHE_CONFIG_LABELS, registry=own)
         self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0, "ext_queries": 0,
                       "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
+        self._cache_config_set = False
         registry.register(_Exposition(own, self))
 
     def on_step(self, engine: LLMEngine) -> None:
         """Refresh gauges and counters from the engine (engine thread)."""
         if self.model_name is None:
             self.model_name = str(engine.model_name)
+        if not self._cache_config_set:
+            self.cache_config_info.labels(**cache_config_labels(engine)).set(1)
+            self._cache_config_set = True
         load = engine.load()
         self.num_running_reqs.set(load["num_running_reqs"])
         self.num_queue_reqs.set(load["num_queue_reqs"])
@@ -156,10 +194,31 @@ class WorkerMetrics:
         self.hicache_host_used_tokens.set(host.num_used * host.page_size)
         self.hicache_host_total_tokens.set(host.max_total_num_tokens)
 
+    def on_request_finished(self, finished_reason: str, num_prompt_tokens: int, num_output_tokens: int,
+                            max_tokens: int | None) -> None:
+        """Count one request that finished on this worker (decode or mixed; asyncio thread)."""
+        self.request_success.labels(**{FINISHED_REASON: finished_reason}).inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        if max_tokens is not None:
+            self.request_max_num_generation_tokens.observe(max_tokens)
+
     def _inc(self, counter: Counter, key: str, total: int) -> None:
         if total > self._seen[key]:
             counter.inc(total - self._seen[key])
             self._seen[key] = total
+
+
+def cache_config_labels(engine: LLMEngine) -> dict[str, str]:
+    """vLLM's ``cache_config_info`` labels that have a meaning here (vLLM ``CacheConfig.metrics_info``): page size
+    as ``block_size``, the KV dtype, the prefix cache, device pages as ``num_gpu_blocks`` and host-tier pages as
+    ``num_cpu_blocks``."""
+    cache = engine.config.cache
+    host = getattr(engine, "host_tier", None)
+    return {"block_size": str(engine.layout.page_size), "cache_dtype": str(engine.layout.kv_cache_dtype),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "num_gpu_blocks": str(engine.allocator.num_pages),
+            "num_cpu_blocks": str(host.max_total_num_tokens // host.page_size) if host is not None else "0"}
 
 
 class _Exposition(Collector):
@@ -171,8 +230,11 @@ class _Exposition(Collector):
 
     def collect(self) -> Iterator[Metric]:
         model = self.metrics.model_name or ""
+        hidden = HIDDEN_TWINS.get(self.metrics.role, frozenset())
         for fam in self.own.collect():
             yield _relabel(fam, fam.name, model)
+            if fam.name in hidden:
+                continue
             for alias in VLLM_NAMES.get(fam.name, ()):
                 yield _relabel(fam, alias, model)
 

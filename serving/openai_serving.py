@@ -143,7 +143,7 @@ class OpenAIServing:
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
         choices = [r for r, _, _ in runs]
-        timings = [_Timing(self.metrics, arrival) for _ in choices]
+        timings = [_Timing(self.metrics, arrival, p.max_tokens) for _, p, _ in runs]
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
@@ -375,9 +375,10 @@ async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
 class _Timing:
     """Per-request latency metrics at the worker."""
 
-    def __init__(self, metrics: WorkerMetrics, arrival: float) -> None:
+    def __init__(self, metrics: WorkerMetrics, arrival: float, max_tokens: int | None = None) -> None:
         self.m = metrics
         self.arrival = arrival
+        self.max_tokens = max_tokens
         self.last: float | None = None
 
     def on_delta(self, d: RequestDelta) -> None:
@@ -394,7 +395,8 @@ class _Timing:
 
     def on_finish(self, finish_reason: str | None, d: RequestDelta) -> None:
         self.m.e2e.observe(time.monotonic() - self.arrival)
-        self.m.request_success.labels(finish_reason=finish_reason or "unknown").inc()
+        self.m.on_request_finished(finish_reason or "unknown", d.num_prompt_tokens, d.num_output_tokens,
+                                   self.max_tokens)
         t = d.times
         if t is None:
             return

@@ -234,11 +234,15 @@ async def soak(args, serve: Serve, reqs: list[dict], rate: float) -> dict:
 
 
 def router_counter(text: str, name: str) -> dict[str, float]:
+    """The samples of the router's counter `name`, summed by their ``reason`` label ("" when none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name):
-            label = line[len(name):].split(" ")[0].removeprefix('{reason="').removesuffix('"}')
-            out[label] = out.get(label, 0.0) + float(line.split()[-1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                label = sample.labels.get("reason", "")
+                out[label] = out.get(label, 0.0) + float(sample.value)
     return out
 
 

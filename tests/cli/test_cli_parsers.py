@@ -153,6 +153,22 @@ def test_pd_serve_takes_the_keys_itself():
     assert "give --api-key to pd-serve itself" in err.getvalue()
 
 
+def test_pd_serve_router_logs_text_like_the_workers_unless_asked():
+    parse = launch_serve.build_parser().parse_args
+    assert launch_serve.router_argv_of(parse([]))[:2] == ["--log-format", "text"]
+    argv = launch_serve.router_argv_of(parse(["--log-format", "json", "--shutdown-grace-period-secs", "3",
+                                              "--router-arg=--prefill-policy=cache_aware"]))
+    assert argv == ["--log-format", "json", "--shutdown-grace-period-secs", "3.0", "--prefill-policy=cache_aware"]
+
+
+def test_pd_serve_knows_the_router_grace_period_it_waits_for():
+    assert launch_serve.router_grace_period([]) == 180.0
+    assert launch_serve.router_grace_period(["--shutdown-grace-period-secs", "5"]) == 5.0
+    assert launch_serve.router_grace_period(["--shutdown-grace-period-secs=7", "--shutdown-grace-period-secs=2"]) == 2.0
+    with pytest.raises(ValueError, match="not a number"):
+        launch_serve.router_grace_period(["--shutdown-grace-period-secs", "soon"])
+
+
 # ---- one flag table ------------------------------------------------------------------------------
 def test_transfer_defaults_are_the_config_defaults():
     p = argparse.ArgumentParser(allow_abbrev=False)
@@ -198,3 +214,14 @@ def test_the_three_role_apps_have_one_signature():
     assert signatures[0] == signatures[1] == signatures[2], signatures
     assert [name for name, _, _ in signatures[0]] == ["engine", "config", "host_info", "exit_on_fatal"]
     assert signatures[0][1][1] in (WorkerConfig, "WorkerConfig")
+
+
+def test_pd_bench_plot_without_matplotlib_says_which_extra_to_install(monkeypatch):
+    import importlib.util
+
+    from pd_cluster.bench.args import build_parser as bench_parser, to_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ValueError, match=r"pip install 'pd-cluster\[plot\]'"):
+        to_config(bench_parser().parse_args(["--plot"]))

@@ -39,10 +39,10 @@ def _urls(cluster) -> tuple[str, str]:
 
 
 def _prefilled(url: str) -> float:
-    """The prefill worker's answered ``/prefill`` jobs (``pd:request_success{finish_reason="prefilled"}``)."""
+    """The prefill worker's answered ``/prefill`` jobs (``pd:prefill_requests_total``)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pd:request_success_total{") and 'finish_reason="prefilled"' in line)
+               if line.startswith("pd:prefill_requests_total{"))
 
 
 @pytest.mark.timeout(600)

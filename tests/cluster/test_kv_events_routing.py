@@ -44,11 +44,15 @@ def _counters(url: str) -> tuple[float, float]:
     return metric_value(text, "vllm:prefix_cache_queries_total"), metric_value(text, "vllm:prefix_cache_hits_total")
 
 
-def _router_metric(cluster, name: str) -> float:
+def _router_metric(cluster, name: str, **labels: str) -> float:
+    """The router's sample `name` whose labels include `labels` (every series also carries model_name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(cluster.router_url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith(name):
-            return float(line.split()[-1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
     return 0.0
 
 
@@ -131,8 +135,10 @@ def _run(kv_events: bool) -> dict:
         out["x_hits"] = [a[1] - b[1] for a, b in zip(after, before)]
         out["p"], out["q"] = p, q
         out["x_expected"] = len(_tokens(decode, X)) // PAGE * PAGE  # Q prefilled all of X: its full pages
-        out["by_events"] = _router_metric(cluster, 'pd_router_cache_aware_routed_total{role="prefill",source="kv_events"}')
-        out["by_tree"] = _router_metric(cluster, 'pd_router_cache_aware_routed_total{role="prefill",source="approx_tree"}')
+        out["by_events"] = _router_metric(cluster, "pd_router_cache_aware_routed_total", role="prefill",
+                                          source="kv_events")
+        out["by_tree"] = _router_metric(cluster, "pd_router_cache_aware_routed_total", role="prefill",
+                                        source="approx_tree")
     return out
 
 

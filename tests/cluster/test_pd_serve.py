@@ -5,11 +5,19 @@ transformers', and LangChain's `OpenAI.batch`."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
 import openai
 import pytest
 from cluster_util import PROMPTS, running_pd_serve
 from engine_reference import hf_greedy
 
+from pd_cluster.bench import prom
 from pd_cluster.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
@@ -21,7 +29,8 @@ MAX_TOKENS = 40
 def pd_serve(tmp_path_factory):
     # the decode worker overlaps its steps as on CUDA (the prefill role never does); the texts must still
     # equal the offline engine's, which does not overlap
-    with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", ["--enable-overlap-schedule"]) as served:
+    with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", ["--enable-overlap-schedule"],
+                          with_process=True) as served:
         yield served
 
 
@@ -34,7 +43,7 @@ def offline():
 
 @pytest.mark.timeout(600)
 def test_default_cluster_is_1p1d(pd_serve):
-    _, manifest = pd_serve
+    _, manifest, _ = pd_serve
     assert sorted(w["role"] for w in manifest["workers"]) == ["decode", "prefill"]
 
 
@@ -203,3 +212,125 @@ def test_langchain_openai_batch(pd_serve, offline):
     prompts = PROMPTS[:4]
     texts = llm.batch(prompts)  # one /v1/completions request with the four prompts
     assert texts == [offline[p].text for p in prompts]
+
+
+@pytest.mark.timeout(300)
+def test_each_request_counts_once_summed_over_the_workers(pd_serve):
+    """What vLLM's dashboards sum over every pod: each PD request once in request_success (label finished_reason)
+    and in the per-request token histograms, each prompt once in the prefix-cache lookups."""
+    url, manifest, _ = pd_serve
+    workers = {w["role"]: w["url"] for w in manifest["workers"]}
+    scrape = lambda: {role: prom.parse(httpx.get(u + "/metrics", timeout=10).text) for role, u in workers.items()}
+    before = scrape()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    usages, max_tokens = [], [MAX_TOKENS, 7, 12, 25]
+    for prompt, n in zip(PROMPTS, max_tokens):
+        usages.append(client.completions.create(model="stories260K", prompt=prompt, max_tokens=n,
+                                                temperature=0).usage)
+    after = scrape()
+    total = lambda name: sum(prom.delta_sum(before[r], after[r], name) for r in workers)  # noqa: E731
+    n = len(usages)
+    assert total("vllm:request_success_total") == n
+    assert total("pd:request_success_total") == n
+    assert prom.delta_sum(before["prefill"], after["prefill"], "pd:prefill_requests_total") == n
+    by_reason = prom.delta_by_label(before["decode"], after["decode"], "vllm:request_success_total",
+                                    "finished_reason")
+    assert sum(by_reason.values()) == n and set(by_reason) <= {"length", "stop"}
+    assert total("vllm:request_prompt_tokens_count") == n
+    assert total("vllm:request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert total("vllm:request_generation_tokens_sum") == sum(u.completion_tokens for u in usages)
+    assert total("vllm:request_max_num_generation_tokens_sum") == sum(max_tokens)
+    assert total("vllm:prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert total("vllm:prompt_tokens_total") <= sum(u.prompt_tokens for u in usages)  # cached tokens not computed
+    for role, sc in after.items():
+        info = [dict(labels) for (name, labels) in sc if name == "vllm:cache_config_info"]
+        assert len(info) == 1 and info[0]["block_size"] == "64" and info[0]["model_name"] == "stories260K", role
+
+
+@pytest.mark.timeout(300)
+def test_what_the_readme_says_port_8000_serves(pd_serve):
+    """README: the router's port serves the OpenAI API, /tokenize, /detokenize, /version, /openapi.json, /health,
+    /readiness and its own metrics (pd_router_*, labelled model_name); the vllm:* and pd:* metrics are the
+    workers'."""
+    url, manifest, _ = pd_serve
+    worker = manifest["workers"][0]["url"]
+    with httpx.Client(timeout=10) as c:
+        assert c.get(url + "/version").json() == c.get(worker + "/version").json()
+        assert c.get(url + "/v1/models").json()["data"][0]["id"] == "stories260K"
+        ids = c.post(url + "/tokenize", json={"model": "stories260K", "prompt": "Once upon a time"}).json()["tokens"]
+        assert c.post(url + "/detokenize", json={"model": "stories260K", "tokens": ids}).json()["prompt"] \
+            .endswith("Once upon a time")
+        assert c.get(url + "/openapi.json").json()["openapi"]
+        assert c.get(url + "/health").status_code == 200 and c.get(url + "/readiness").status_code == 200
+        text = c.get(url + "/metrics").text
+        assert not any(line.endswith("_created") or "_created{" in line for line in text.splitlines())
+        samples = [line for line in text.splitlines() if line.startswith("pd_router_")]
+        assert samples and all('model_name="stories260K"' in line for line in samples)
+        router = prom.parse(text)
+        assert router[("pd_router_requests_total", (("endpoint", "completions"), ("model_name", "stories260K"),
+                                                    ("status", "200")))] >= 1
+        assert "vllm:" not in text
+        readme = (Path(__file__).parents[2] / "README.md").read_text()
+        for claim in ("`/version`", "`pd_router_*`", "workers' ports"):
+            assert claim in readme
+
+@pytest.mark.timeout(300)
+def test_without_an_api_key_decode_contacts_only_the_prefill_workers_it_was_told_about(pd_serve, offline):
+    _, manifest, _ = pd_serve
+    (prefill,) = [w["url"] for w in manifest["workers"] if w["role"] == "prefill"]
+    (decode,) = [w["url"] for w in manifest["workers"] if w["role"] == "decode"]
+    prompt = PROMPTS[0]
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    with httpx.Client(timeout=30) as c:
+        for evil in ("http://127.0.0.1:1", "http://169.254.169.254/latest", prefill + "/../other"):
+            r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": evil})
+            assert r.status_code == 403, r.text
+            assert r.json()["error"]["code"] == "prefill_url_not_allowed"
+        # a prefill worker of the cluster (pd-serve passed --prefill-urls) is accepted, without a key
+        r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": prefill})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline[prompt].text
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_drains_a_stream_in_flight_before_the_workers_stop(pd_serve, offline):
+    """Last in the module: it stops the cluster. A stream started before Ctrl-C ends with the full reference text;
+    meanwhile the router refuses new requests and the workers keep serving. The decode worker is frozen (SIGSTOP)
+    across the signal, so the stream is surely in flight when it arrives."""
+    url, manifest, proc = pd_serve
+    (prefill,) = [w for w in manifest["workers"] if w["role"] == "prefill"]
+    (decode,) = [w for w in manifest["workers"] if w["role"] == "decode"]
+    prompt = PROMPTS[3]
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    pieces, finish = [], None
+    with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        os.kill(decode["pid"], signal.SIGSTOP)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            deadline = time.monotonic() + 10
+            while _router_takes_requests(url):
+                assert time.monotonic() < deadline, "the router still takes new requests 10 s after Ctrl-C"
+                time.sleep(0.1)
+            time.sleep(0.5)
+            assert proc.poll() is None
+            assert httpx.get(prefill["url"] + "/health", timeout=5).status_code == 200  # not stopped yet
+        finally:
+            os.kill(decode["pid"], signal.SIGCONT)
+        for line in lines:
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            pieces.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+    assert "".join(pieces) == offline[prompt].text
+    assert finish == offline[prompt].finish_reason
+    assert proc.wait(60) == 0
+
+
+def _router_takes_requests(url: str) -> bool:
+    """False once the router drains: its /health is 503, or it stopped accepting connections."""
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False

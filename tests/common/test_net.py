@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pd_cluster.common.net import ephemeral_range, free_port
+from pd_cluster.common.net import ephemeral_range, free_port, port_taken
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():
@@ -29,3 +29,13 @@ def test_a_port_taken_by_a_listener_is_skipped(monkeypatch):
         assert free_port() == free
     finally:
         taken.close()
+
+
+def test_port_taken_names_a_listener_and_not_a_closed_port():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert "in use" in port_taken("127.0.0.1", port)
+    assert port_taken("127.0.0.1", port) is None  # closed: free again, and the check left nothing listening
+    assert port_taken("127.0.0.1", port) is None

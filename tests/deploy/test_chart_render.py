@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 from chart_util import (CHART, KUBE_VERSION, NAMESPACE, NEWEST_KUBE_VERSION, VALUE_FILES, all_pod_templates, flag_value,
-                        load_values, min_kube_version, objects, one, render, render_notes, validate)
+                        load_values, min_kube_version, objects, one, render, render_at, render_notes, validate)
 
 CASES = [None, *VALUE_FILES]
 IDS = ["default", *[p.stem for p in VALUE_FILES]]
@@ -48,6 +48,12 @@ def test_values_files_above_the_chart_floor_are_refused_below_their_own(capfd):
         below = f"{min_kube_version(path).split('.')[0]}.{int(min_kube_version(path).split('.')[1]) - 1}"
         assert any("needs Kubernetes 1.33+" in m for m in _template_failures(path, below, capfd))
         assert _template_failures(path, min_kube_version(path), capfd) == []
+        # outside lint (helm template --kube-version, an install on an older cluster) the guard aborts the render
+        for version in (KUBE_VERSION, below):
+            with pytest.raises(helm.HelmRenderError, match=r"needs Kubernetes 1\.33\+"):
+                render_at(load_values(path), version)
+        for obj in render_at(load_values(path), min_kube_version(path)):
+            validate(obj, min_kube_version(path))
         with pytest.raises(jsonschema.ValidationError):  # why: its pods do not validate at the chart's floor
             for obj in render(load_values(path)):
                 validate(obj, KUBE_VERSION)
@@ -57,9 +63,10 @@ def test_values_files_above_the_chart_floor_are_refused_below_their_own(capfd):
 @pytest.mark.parametrize("version", ["floor", NEWEST_KUBE_VERSION])
 @pytest.mark.parametrize("path", CASES, ids=IDS)
 def test_every_object_validates_against_the_kubernetes_schemas(path, version):
-    """At the oldest Kubernetes each values file is for (the chart's kubeVersion or the file's own) and the newest."""
+    """At the oldest Kubernetes each values file is for (the chart's kubeVersion or the file's own) and the newest,
+    rendered as Helm renders for a cluster of that version."""
     version = min_kube_version(path) if version == "floor" else version
-    objs = render(load_values(path))
+    objs = render_at(load_values(path), version)
     used = {}
     for obj in objs:
         try:

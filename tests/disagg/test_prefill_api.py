@@ -90,3 +90,29 @@ def test_a_prefill_worker_that_predates_delta_tickets_refuses_them():
     assert OldTicket.from_dict(TICKET.to_dict()).dst_pages == TICKET.dst_pages  # full tickets still parse
     with pytest.raises(ValueError, match=r"2 pages for 50 tokens of page size 16 \(need 4\)"):
         OldTicket.from_dict(DELTA.to_dict())  # never read as "the prompt's first two pages go to 9 and 4"
+
+
+@pytest.mark.parametrize("path", ["prefill", "abort"])
+def test_a_decode_that_leaves_mid_body_gets_499_not_a_traceback(path, caplog):
+    """Starlette raises ClientDisconnect from ``request.body()`` when the peer closes mid-body (a decode that gave
+    up); the handler answers 499 (nobody reads it) instead of letting it escape as an unhandled exception."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from pd_cluster.prefill.server import CLIENT_CLOSED, PrefillServer
+
+    # the handlers read the body before touching the engine, the loop or the transfer agent
+    server = PrefillServer(None, None, None, None, None, None)  # type: ignore[arg-type]
+    messages = [{"type": "http.request", "body": b'{"request_id": "r1", "prompt_tok', "more_body": True},
+                {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    scope = {"type": "http", "method": "POST", "path": "/" + path, "query_string": b"",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")]}
+    with caplog.at_level("INFO"):
+        response = asyncio.run(getattr(server, path)(Request(scope, receive)))
+    assert response.status_code == CLIENT_CLOSED
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

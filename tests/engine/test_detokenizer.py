@@ -86,3 +86,41 @@ def test_whole_output_at_once_equals_streamed(tok, text):
     once = IncrementalDetokenizer(tok, prompt)
     once.add_all(out_ids)
     assert once.take_delta(True) == streamed.take_delta(True)
+
+
+def _deltas(tok, prompt, out, skip, decode_stream):
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, decode_stream=decode_stream)
+    used = d._stream is not None
+    deltas = []
+    for t in out:
+        d.add_tokens([t])
+        deltas.append(d.take_delta(False))
+    d.flush_pending()
+    deltas.append(d.take_delta(True))
+    return deltas, used
+
+
+def test_decode_stream_gives_the_window_algorithms_deltas_token_by_token(tok):
+    """tokenizers.DecodeStream, where used, yields exactly the deltas of the window algorithm: on the embedded
+    tokenizer (byte fallback for every non-ASCII character), for every split of real text into prompt and output,
+    and for random token sequences (prompts ending mid-character fall back to the window algorithm)."""
+    import random
+
+    cases = []
+    for text in ["Once upon a time" + TEXTS[0], "Lily said" + TEXTS[1], TEXTS[2] + TEXTS[1]]:
+        ids = tok(text).input_ids
+        cases += [(ids[:cut], ids[cut:]) for cut in range(1, len(ids))]
+    rng = random.Random(0)
+    specials = [tok.bos_token_id, tok.eos_token_id]
+    for _ in range(200):
+        prompt = [tok.bos_token_id] + [rng.randrange(3, tok.vocab_size) for _ in range(rng.randrange(0, 8))]
+        cases.append((prompt, [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(3, tok.vocab_size)
+                               for _ in range(rng.randrange(1, 30))]))
+    streamed = 0
+    for prompt, out in cases:
+        for skip in (True, False):
+            reference, _ = _deltas(tok, prompt, out, skip, decode_stream=False)
+            deltas, used = _deltas(tok, prompt, out, skip, decode_stream=True)
+            assert deltas == reference, (prompt, out, skip)
+            streamed += used
+    assert streamed > len(cases)  # DecodeStream did the work in most cases (not a vacuous comparison)

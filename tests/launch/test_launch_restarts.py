@@ -117,3 +117,27 @@ def test_a_child_started_from_a_short_lived_thread_outlives_that_thread():
     finally:
         proc.popen.kill()
         proc.popen.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_second_stop_signal_kills_what_the_drain_still_waits_for():
+    """`LocalCluster.stop`'s wait: a child that ignores SIGTERM (a drain that takes long) is waited for until its
+    timeout, unless `force` is set (pd-serve's second Ctrl-C): then it is SIGKILLed at once."""
+    import threading
+
+    from pd_cluster.launch.cluster import Proc, signal_all, wait_or_kill
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    p = Proc("slow-drain", "router", "http://unused", [])
+    p.popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    assert p.popen.stdout.readline() == "up\n"
+    signal_all([p], signal.SIGTERM)
+    force = threading.Event()
+    threading.Timer(0.5, force.set).start()
+    said: list[str] = []
+    started = time.monotonic()
+    wait_or_kill([p], 30.0, force, said.append)
+    assert time.monotonic() - started < 5  # not the 30 s timeout
+    assert p.popen.returncode == -signal.SIGKILL and said == ["killing slow-drain (still running after the drain)"]

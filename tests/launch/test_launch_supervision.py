@@ -1,4 +1,5 @@
-"""`pd-serve` on a real 1P1D cluster: ready with keys, restarts a killed worker, leaves no orphan when killed.
+"""`pd-serve` on a real 1P1D cluster: ready with keys, workers' /v1 closed to keyless posts, a second `pd-serve` on
+its port refused, restarts a killed worker, leaves no orphan when killed.
 
 One `pd-serve` process for the module (real router, real workers, real NIXL between them); the tests run in
 file order and the last one kills `pd-serve` itself with SIGKILL.
@@ -122,6 +123,37 @@ def test_a_killed_worker_is_restarted_and_serves_again_within_30_s(served, refer
     assert log.count(f"decode-0 (pid {decode['pid']}) exited") == 1  # one true line per event, no repetition
     assert "no decode worker is left" in log and "restarted decode-0" in log
     assert "keeps serving with the rest" not in log
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_v1_refuses_a_post_without_the_internal_key(served, reference):
+    """Under ``--api-key`` the workers' /v1 require the cluster's internal key: the router's key cannot be bypassed
+    by posting to a worker's port, even naming the real prefill worker."""
+    workers = json.loads(served["manifest"].read_text())["workers"]
+    (prefill,) = [w for w in workers if w["role"] == "prefill"]
+    (decode,) = [w for w in workers if w["role"] == "decode"]
+    body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    for worker in (decode, prefill):
+        # no key: 401; the router's key, which is not the internal key: 403
+        for headers, status in (({}, 401), ({"Authorization": f"Bearer {API_KEY}"}, 403)):
+            r = httpx.post(worker["url"] + "/v1/completions", json=body, timeout=10,
+                           headers={"X-PD-Prefill-Url": prefill["url"], **headers})
+            assert r.status_code == status, (worker["name"], headers, r.text)
+            assert r.json()["error"]["message"]
+    assert _complete(served["url"]) == reference  # the router, which sends the internal key, still gets answers
+
+
+@pytest.mark.timeout(120)
+def test_a_second_pd_serve_on_a_taken_port_exits_at_once_naming_it(served, reference, tmp_path):
+    port = int(served["url"].rsplit(":", 1)[1])
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest",
+                        str(tmp_path / "m.json"), *FAST_ENGINE], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"port {port}" in r.stderr and "already in use" in r.stderr, r.stderr
+    assert not (tmp_path / "m.json").exists()  # never reported ready
+    assert time.monotonic() - started < 30  # before any worker started (generous: the import alone takes seconds)
+    assert _complete(served["url"]) == reference  # the running cluster is untouched
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,8 @@ out). Breaker transitions are logged.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -102,3 +104,34 @@ def test_stream_from_a_worker_silent_past_the_first_byte_timeout_is_retried_else
         # silent before its first byte: a stuck prefill looks the same, so the decode is not blamed
         assert metric_value(m, "pd_router_upstream_failures_total", role="none", reason="idle_timeout") == 1
         assert metric_value(m, "pd_router_circuit_state", worker=slow.url) == 0
+
+
+def test_a_migration_blaming_the_prefill_does_not_open_its_breaker():
+    """A decode frozen mid-stream: the stream migrates to a decode that answers ``kv_transfer_peer_died`` (what
+    a real decode answered when the frozen one had broken the prefill's side of a transfer). With one prefill
+    worker, opening its breaker would refuse every new request; the router probes it instead."""
+    died = ["--answer-status", "502", "--answer-code", "kv_transfer_peer_died"]
+    token = ["--token-model", "--ttft-ms", "20", "--itl-ms", "40"]
+    with FakeWorker("prefill") as p, FakeWorker("decode", token) as d0, FakeWorker("decode", died) as d1, \
+            RouterProc(["--prefill", p.url, "--decode", d0.url, *ROUTER, "--cb-failure-threshold", "1",
+                        "--upstream-idle-timeout-secs", "1"]) as router:
+        body = {"model": "stories260K", "prompt": "a b c", "max_tokens": 30, "stream": True}
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            # d1 joins only now, so that no first attempt reaches it (that would be a prefill failure outside
+            # a migration); then d0 freezes and the stream migrates to d1
+            assert httpx.post(router.url + "/workers", json={"url": d1.url, "role": "decode"},
+                              timeout=5).status_code < 300
+            os.kill(d0.proc.pid, signal.SIGSTOP)
+            try:
+                rest = list(lines)
+            finally:
+                os.kill(d0.proc.pid, signal.SIGCONT)
+        assert any('"error"' in line for line in rest) or "data: [DONE]" in rest
+        assert any(req["status"] == 502 for req in d1.recent())  # the migration reached d1, which blamed p
+        m = router.metrics()
+        assert metric_value(m, "pd_router_circuit_state", worker=p.url) == 0
+        assert metric_value(m, "pd_router_upstream_failures_total", role="prefill") == 0
+        assert not [x for x in breaker_lines(router) if x["worker"] == p.url]

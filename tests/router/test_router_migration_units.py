@@ -139,6 +139,20 @@ def test_blame_table(status, code, peer, pd, role, ambiguous):
     assert (blame.role, blame.ambiguous) == (role, ambiguous)
 
 
+@pytest.mark.parametrize("code,peer,role,ambiguous", [
+    ("kv_transfer_peer_died", None, None, True),  # the frozen first decode may have broken the prefill's side
+    ("prefill_unreachable", None, None, True),
+    ("kv_transfer_timeout", "prefill", None, True),
+    ("kv_transfer_protocol", None, Role.DECODE, False),  # the continuing decode's own fault is still its own
+    ("kv_transfer_nixl_error", "decode", Role.DECODE, False),
+    ("overloaded", None, None, False),
+])
+def test_during_a_migration_no_breaker_counts_a_decode_blaming_its_prefill(code, peer, role, ambiguous):
+    body = json.dumps({"error": {"message": "m", "type": "server_error", "param": None, "code": code}}).encode()
+    blame = blame_status(502, body, peer, True, migrating=True)
+    assert (blame.role, blame.ambiguous) == (role, ambiguous)
+
+
 def test_breaker_transitions_are_logged(caplog):
     b = CircuitBreaker(CircuitBreakerConfig(failure_threshold=2, success_threshold=1,
                                             timeout_duration_secs=5), "http://w:1", "prefill")

@@ -152,7 +152,7 @@ def test_metrics_count_requests_latency_and_choices(cluster):
     for d in decode:
         assert metric_value(after, "pd_router_worker_healthy", worker=d.url) == 1
         assert metric_value(after, "pd_router_circuit_state", worker=d.url) == 0
-    assert "pd_router_queue_depth 0.0" in after
+    assert metric_value(after, "pd_router_queue_depth") == 0.0 and "pd_router_queue_depth{model_name=" in after
 
 
 def test_health_readiness_and_worker_list(cluster):

@@ -236,3 +236,15 @@ async def test_supervisor_cancels_overdue_requests_and_requests_whose_client_lef
         assert len(sup) == 0
     finally:
         ticker.cancel()
+
+
+def test_kubernetes_discovery_without_the_client_says_which_extra_to_install(monkeypatch):
+    import sys
+
+    from pd_cluster.router.main import build_sources
+
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # as if `pip install pd-cluster` without [k8s]
+    monkeypatch.delitem(sys.modules, "pd_cluster.router.discovery.kubernetes", raising=False)
+    config = parse_config(["--service-discovery", "--service-discovery-namespace", "ns", "--selector", "app=pd"])
+    with pytest.raises(SystemExit, match=r"pip install 'pd-cluster\[k8s\]'"):
+        build_sources(config)

@@ -135,16 +135,20 @@ def _wait_for_log(log, text: str, timeout: float = 5.0) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_decode_contacts_only_the_prefill_workers_it_was_told_about(served, reference):
+def test_under_an_api_key_the_workers_v1_needs_the_internal_key(served, internal_key, reference):
+    """pd-serve --api-key turns on the workers' --internal-api-key-protects-v1: the router's key cannot be bypassed
+    through a worker's port, whatever prefill URL is named (the allow-list of prefill URLs, which applies without
+    --api-key, is tested in tests/cluster/test_pd_serve.py)."""
     decode, prefill = served["decode"]["url"], served["prefill"]["url"]
     body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
     with httpx.Client(timeout=30) as c:
-        for evil in (f"http://{HOST}:1", "http://169.254.169.254/latest", prefill + "/../other"):
-            err = _openai_error(c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": evil}),
-                                403)
-            assert err["type"] == "permission_error" and err["code"] == "prefill_url_not_allowed"
-        # a prefill worker of the cluster (pd-serve passed --prefill-urls) is accepted, without the key
-        r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": prefill})
+        for url in (f"http://{HOST}:1", "http://169.254.169.254/latest", prefill):
+            err = _openai_error(c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": url}),
+                                401)
+            assert err["code"] == "invalid_internal_key"
+        # the internal key (what the router sends) is accepted
+        r = c.post(decode + "/v1/completions", json=body, headers={"X-PD-Prefill-Url": prefill,
+                                                                    "X-PD-Internal-Key": internal_key})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference
         load = c.get(decode + "/get_load").json()

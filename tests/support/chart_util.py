@@ -81,6 +81,23 @@ def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return out
 
 
+def render_at(values: dict[str, Any] | None, kube_version: str) -> list[dict[str, Any]]:
+    """As `render`, as ``helm template --kube-version`` or an install on a cluster of `kube_version` ("1.32")
+    renders it: ``.Capabilities.KubeVersion`` is that version, and a template's ``fail`` aborts the render
+    (raises ``helm_python.HelmRenderError``), unlike under lint, where Helm only logs it. helm-python's
+    ``Chart.render`` takes no Kubernetes version, so this passes Helm's own render option through its native
+    call."""
+    import json
+
+    from helm_python import _native
+
+    opts = {"name": RELEASE, "namespace": NAMESPACE, "kube_version": f"v{kube_version}.0"}
+    manifests = json.loads(_native.call_string("helm_render", chart()._raw(), json.dumps(values or {}),
+                                               json.dumps(opts)))
+    return [doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
 def render_notes(values: dict[str, Any] | None = None) -> str:
     manifests = chart().render(values=values or {}, name=RELEASE, namespace=NAMESPACE)
     return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))

@@ -46,23 +46,30 @@ def running_cluster(num_prefill: int = 1, num_decode: int = 1, colocated: bool =
 
 
 @contextlib.contextmanager
-def running_pd_serve(manifest: Path, argv=(), timeout: float = 240):
+def running_pd_serve(manifest: Path, argv=(), timeout: float = 240, with_process: bool = False):
     """Run the real `pd-serve` CLI (1P1D by default) with `FAST_ENGINE` + `argv`; yield (router URL, manifest
-    dict) once ready. On exit: Ctrl-C (SIGINT), exit status 0, and every worker process gone."""
+    dict), plus the `pd-serve` Popen with `with_process`, once ready. On exit, unless the test stopped it: Ctrl-C
+    (SIGINT) to the idle cluster, which must end within `IDLE_STOP_BOUND_S`. Then: exit status 0, and every
+    worker process gone."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--port", str(port), "--manifest",
                              str(manifest), "--log-level", "warning", *FAST_ENGINE, *argv],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    stop_secs = None
     try:
         deadline = time.monotonic() + timeout
         while not manifest.exists():
             assert proc.poll() is None, "pd-serve exited during start-up"
             assert time.monotonic() < deadline, "pd-serve not ready"
             time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", json.loads(manifest.read_text())
+        url = f"http://127.0.0.1:{port}"
+        yield (url, json.loads(manifest.read_text()), proc) if with_process else (url, json.loads(manifest.read_text()))
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        proc.wait(60)
+        if proc.poll() is None:
+            started = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+            proc.wait(60)
+            stop_secs = time.monotonic() - started
     assert proc.returncode == 0
     for w in json.loads(manifest.read_text())["workers"]:
         try:
@@ -70,6 +77,11 @@ def running_pd_serve(manifest: Path, argv=(), timeout: float = 240):
         except ProcessLookupError:
             continue
         raise AssertionError(f"worker {w['pid']} outlived pd-serve")
+    # idle, the router exits at once and so do the workers; measured 0.6 s on a 2-core machine, the bound is generous
+    assert stop_secs is None or stop_secs < IDLE_STOP_BOUND_S, f"idle Ctrl-C took {stop_secs:.1f} s"
+
+
+IDLE_STOP_BOUND_S = 10.0
 
 
 def worker_loads(cluster: LocalCluster) -> dict[str, dict]:
