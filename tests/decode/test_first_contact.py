@@ -113,7 +113,9 @@ def _first_contact(prefill_url: str, off_thread: bool) -> tuple[list[int], int, 
 def test_connect_to_a_new_prefill_runs_off_the_engine_thread(prefill):
     threads, engine_thread, gap = _first_contact(prefill.url, off_thread=True)
     assert len(threads) == 1 and threads[0] != engine_thread and threads[0] != threading.get_ident()
-    assert gap < CONNECT_S / 2, f"a stream waited {gap * 1e3:.0f} ms for a token while the handshake ran"
+    # a connect on the engine thread stalls every stream for CONNECT_S or more (the test below); 0.75 of it leaves
+    # room for a loaded 2-core machine's scheduling without letting a stall pass
+    assert gap < CONNECT_S * 0.75, f"a stream waited {gap * 1e3:.0f} ms for a token while the handshake ran"
 
 
 def test_an_agent_that_must_connect_in_the_engine_thread_does_stall(prefill):
