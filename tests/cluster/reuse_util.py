@@ -84,7 +84,10 @@ def prefill_held(turns: list[Turn], k: int, page: int, seen: list[int] | None = 
 
 COUNTERS = ("pd:kv_transfer_received_bytes_total", "pd:kv_transfer_saved_bytes_total",
             "pd:decode_local_prefill_requests_total", "pd:kv_transfer_bytes_total",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total")
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+            # a decode worker counts its lookups under these names only (no vllm: twins: each prompt is looked up
+            # once per cluster in vLLM's names, by the prefill)
+            "pd:prefix_cache_queries_total", "pd:prefix_cache_hits_total")
 
 
 def counters(url: str) -> dict[str, float]:

@@ -132,7 +132,7 @@ def _aclient(cluster) -> openai.AsyncOpenAI:
 def _warm(cluster) -> float:
     """Run the warm-up prompt; return the decode worker's prefix-cache hits so far."""
     _client(cluster).completions.create(model="stories260K", prompt=HEAD, max_tokens=8, temperature=0)
-    return counters(_urls(cluster)[1])["vllm:prefix_cache_hits_total"]
+    return counters(_urls(cluster)[1])["pd:prefix_cache_hits_total"]
 
 
 def _assert_no_page_in_use(cluster, name: str = "decode-0", timeout: float = 15.0) -> None:
@@ -159,7 +159,7 @@ def test_client_gone_mid_delta_transfer_leaks_no_decode_page():
                 return loads
 
         loads = asyncio.run(run())
-        assert counters(_urls(cluster)[1])["vllm:prefix_cache_hits_total"] > hits0  # it was a delta request
+        assert counters(_urls(cluster)[1])["pd:prefix_cache_hits_total"] > hits0  # it was a delta request
         assert loads["decode-0"]["num_free_pages"] < loads["decode-0"]["num_total_pages"]
         _assert_no_page_in_use(cluster)
         # the cached pages were neither lost nor overwritten: the same prompt again reuses them, exactly
@@ -185,5 +185,5 @@ def test_prefill_killed_mid_delta_transfer_leaks_no_decode_page():
 
         loads, status = asyncio.run(run())
         assert status in (502, 503), status
-        assert counters(_urls(cluster)[1])["vllm:prefix_cache_hits_total"] > hits0
+        assert counters(_urls(cluster)[1])["pd:prefix_cache_hits_total"] > hits0
         _assert_no_page_in_use(cluster)

@@ -98,7 +98,7 @@ def _pd_turns(engine_argv: list[str], turns: list[Turn], page_nbytes: int, reuse
                     dp["vllm:prompt_tokens_total"]) == ((n, held_p * PAGE, n - held_p * PAGE) if reuse else (0, 0, n))
             assert (dd["pd:kv_transfer_received_bytes_total"], dd["pd:kv_transfer_saved_bytes_total"],
                     dp["pd:kv_transfer_bytes_total"]) == (moved, held_d * page_nbytes, moved), k
-            assert (dd["vllm:prefix_cache_queries_total"], dd["vllm:prefix_cache_hits_total"]) == \
+            assert (dd["pd:prefix_cache_queries_total"], dd["pd:prefix_cache_hits_total"]) == \
                 ((n, held_d * PAGE) if reuse else (0, 0)), k
             assert dd["pd:decode_local_prefill_requests_total"] == 0
         if reuse:
