@@ -99,11 +99,11 @@ class DecodeHooks(StepHooks):
 
     # ---- the step loop --------------------------------------------------------------------------------
     def after_step(self, engine: LLMEngine, out: StepOutput) -> None:
-        for request_id, pages, num_cached_pages in out.reserved:
+        for request_id, pages, num_cached_pages, group_tables in out.reserved:
             rec = self._records.get(request_id)
             if rec is None:
                 continue
-            rec.reserve(engine, self.receiver, pages, num_cached_pages)
+            rec.reserve(engine, self.receiver, pages, num_cached_pages, group_tables)
             if rec.transfer_id is not None:
                 self._by_transfer[rec.transfer_id] = rec
             self._settle_table(rec)
@@ -124,9 +124,17 @@ class DecodeHooks(StepHooks):
             self._settle_table(rec)
 
     def _count_saved(self, engine: LLMEngine, num_pages: int) -> None:
+        """Count `num_pages` prompt pages this worker's prefix cache held (each group's page of them)."""
         if self.metrics is not None and num_pages:
-            # every TP rank holds its share of the heads in a page of `page_nbytes`
-            self.metrics.saved_bytes.inc(num_pages * engine.layout.page_nbytes * engine.config.parallel.tp_size)
+            # every TP rank holds its share of the heads in a page of `page_nbytes`; one page per KV group
+            self.metrics.saved_bytes.inc(num_pages * engine.kv_groups.num_groups * engine.layout.page_nbytes
+                                         * engine.config.parallel.tp_size)
+
+    def _count_window_skipped(self, engine: LLMEngine, rec: RemoteRequest) -> None:
+        """Count the pages of windowed KV groups the transfer skipped: behind the window, never read here."""
+        skipped = sum(f - rec.num_cached_pages for f in rec.ticket.group_first_pages)
+        if self.metrics is not None and skipped:
+            self.metrics.window_skipped_bytes.inc(skipped * engine.layout.page_nbytes * engine.config.parallel.tp_size)
 
     def poll(self, engine: LLMEngine) -> None:
         if not self._by_transfer and not self.receiver.has_work:
@@ -145,7 +153,8 @@ class DecodeHooks(StepHooks):
             if rec.complete(engine, done, None if first is None else int(first), logprob,
                             num_cached_tokens=cached, prompt_logprobs=prompt_lps) and req is not None:
                 skip_first_token_draw(engine, req)
-                self._count_saved(engine, rec.ticket.first_page)
+                self._count_saved(engine, rec.num_cached_pages)
+                self._count_window_skipped(engine, rec)
             self._settle_table(rec)
         for failed in ev.failed:
             rec = self._by_transfer.get(failed.transfer_id)

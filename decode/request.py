@@ -47,7 +47,7 @@ from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import settle_future
 from pd_cluster.transfer.interfaces import Receiver
 from pd_cluster.transfer.receiver import PagesReleased, RecvDone
-from pd_cluster.transfer.ticket import Ticket
+from pd_cluster.transfer.ticket import Ticket, group_slots
 
 logger = logging.getLogger("pd.decode")
 
@@ -111,6 +111,7 @@ class RemoteRequest:
         history: every state entered, in order.
         post: the handler's ``/prefill`` call once sent (handler-side).
         aborted: the handler aborted it (handler-side; the abort is logged and sent to prefill once).
+        num_cached_pages: the prompt's leading pages this worker's prefix cache held at RESERVED.
     """
 
     request_id: str
@@ -123,6 +124,7 @@ class RemoteRequest:
     history: list[RemoteState] = field(default_factory=lambda: [RemoteState.QUEUED])
     post: asyncio.Future | None = None
     aborted: bool = False
+    num_cached_pages: int = 0
 
     def __post_init__(self) -> None:
         self.ticket_future: asyncio.Future = self.aloop.create_future()
@@ -149,13 +151,16 @@ class RemoteRequest:
     def _settle(self, fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
         self.aloop.call_soon_threadsafe(settle_future, fut, result, error)
 
-    def reserve(self, engine: LLMEngine, receiver: Receiver, pages: list[int], num_cached_pages: int = 0) -> None:
+    def reserve(self, engine: LLMEngine, receiver: Receiver, pages: list[int], num_cached_pages: int = 0,
+                group_tables: list[list[int]] = ()) -> None:
         """QUEUED -> RESERVED: the scheduler gave the prompt `pages`; the receiver makes the ticket.
 
         Args:
-            pages: the whole prompt's page ids.
+            pages: the whole prompt's page ids (a hybrid pool's group 0 table).
             num_cached_pages: how many leading ones this worker's prefix cache held: the ticket covers
                 only the rest (a delta transfer), and the prefill worker pushes only those.
+            group_tables: a hybrid pool's block tables of KV groups 1..: the ticket covers, per group, the
+                pages its decode reads (`KVGroups.transfer_first_pages`: a windowed group's window only).
 
         If the receiver refuses (e.g. the prefill agent was dropped meanwhile), the request fails and its pages
         are released at once: no ticket exists, so nothing can be written.
@@ -163,9 +168,17 @@ class RemoteRequest:
         if self.state is not S.QUEUED:
             raise IllegalTransition(f"request {self.request_id}: pages reserved while {self.state.value}")
         req = engine.requests[self.request_id]
+        self.num_cached_pages = num_cached_pages
         try:
-            ticket = receiver.expect(self.request_id, pages[num_cached_pages:], req.num_tokens,
-                                     self.prefill_agent, num_cached_pages)
+            if engine.kv_groups.is_single:
+                ticket = receiver.expect(self.request_id, pages[num_cached_pages:], req.num_tokens,
+                                         self.prefill_agent, num_cached_pages)
+            else:
+                ps = engine.layout.page_size
+                firsts = engine.kv_groups.transfer_first_pages(req.num_tokens, ps, num_cached_pages)
+                slots = group_slots([pages, *group_tables], firsts, min(firsts), -(-req.num_tokens // ps))
+                ticket = receiver.expect(self.request_id, slots, req.num_tokens, self.prefill_agent, min(firsts),
+                                         firsts)
         except Exception as e:  # noqa: BLE001 - PeerNotConnectedError, ValueError: the request's own failure
             self._fail_now(engine, e)
             return

@@ -334,7 +334,8 @@ class LLMEngine:
     def _report_schedule(self, sched: SchedulerOutput, out: StepOutput) -> None:
         """What the scheduling itself decided (decode role: pages reserved, requests prefilled here)."""
         page = self.layout.page_size
-        out.reserved = [(r.request_id, list(r.block_table), r.num_computed_tokens // page) for r in sched.reserved]
+        out.reserved = [(r.request_id, list(r.block_table), r.num_computed_tokens // page,
+                         [list(t) for t in self.pages.tables(r)[1:]]) for r in sched.reserved]
         out.local_prefills = [r.request_id for r in sched.local_prefills]
 
     def _complete_step(self, step: LaunchedStep, out: StepOutput) -> None:
@@ -353,8 +354,9 @@ class LLMEngine:
             if item.end >= req.num_prompt_tokens and req.times.prefill_done is None:
                 req.times.prefill_done = now
             if self.role == "prefill":
-                out.prefill_progress.append(PrefillProgress(req.request_id, item.start, item.end,
-                                                            list(req.block_table), item.samples))
+                out.prefill_progress.append(PrefillProgress(
+                    req.request_id, item.start, item.end, list(req.block_table), item.samples,
+                    [list(t) for t in self.pages.tables(req)[1:]]))
         num_sampled = 0
         if result.sampler_output is not None:
             so = result.sampler_output

@@ -47,13 +47,15 @@ class RequestDelta:
 
 @dataclass
 class PrefillProgress:
-    """Prefill role: a step wrote the KV of prompt tokens ``[start, end)`` into `block_table`."""
+    """Prefill role: a step wrote the KV of prompt tokens ``[start, end)`` into `block_table` (and, in a hybrid
+    pool, `group_tables`: the block tables of KV groups 1.., `pd_cluster.engine.kv.groups`)."""
 
     request_id: str
     start: int
     end: int
     block_table: list[int]
     done: bool
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -64,7 +66,8 @@ class StepOutput:
         deltas: per request with news this step.
         prefill_progress: prefill role: the KV written this step, per request.
         reserved: decode role: requests whose prompt pages were just reserved: (request id, the prompt's
-            page ids, how many leading ones the prefix cache already held and need no transfer).
+            page ids, how many leading ones the prefix cache already held and need no transfer, the block tables
+            of KV groups 1.. in a hybrid pool: a windowed group's entries before its window are the null page).
         local_prefills: decode role: ids of remote requests admitted to be prefilled here
             (``--max-local-prefill-length``); no prefill worker is involved.
         num_tokens: tokens the forward pass computed.
@@ -72,7 +75,7 @@ class StepOutput:
 
     deltas: list[RequestDelta] = field(default_factory=list)
     prefill_progress: list[PrefillProgress] = field(default_factory=list)
-    reserved: list[tuple[str, list[int], int]] = field(default_factory=list)
+    reserved: list[tuple[str, list[int], int, list[list[int]]]] = field(default_factory=list)
     local_prefills: list[str] = field(default_factory=list)
     num_tokens: int = 0
 

@@ -194,7 +194,8 @@ class PrefillHooks(StepHooks):
                         "num_cached_tokens": job.result.num_cached_tokens}
                 if d.prompt_logprobs is not None:  # computed here, for every prompt position
                     meta["prompt_logprobs"] = [_jsonable_prompt(lp) for lp in d.prompt_logprobs]
-            self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready)
+            self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready,
+                             group_tables=prog.group_tables)
 
     def poll(self, engine: LLMEngine) -> None:
         if not self.jobs and not self.sender.has_work:  # poll also moves the last acknowledgement out

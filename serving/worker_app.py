@@ -338,4 +338,5 @@ def server_info(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[
         "max_running_requests": engine.max_running_requests,
         "layout_hash": layout.hash(),
         "tp_size": layout.tp_size,
+        **({"kv_groups": list(layout.kv_groups)} if layout.kv_groups else {}),
     }, **(extra or {}))

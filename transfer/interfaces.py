@@ -87,9 +87,10 @@ class Sender(Protocol):
         ...
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
-             ready_event=None) -> int:
-        """Push the pages `num_computed_tokens` completed; `ready_event` (``query() -> bool``) gates the post.
-        Returns the pages covered (0: none became complete)."""
+             ready_event=None, group_tables=()) -> int:
+        """Push the pages `num_computed_tokens` completed; `ready_event` (``query() -> bool``) gates the post;
+        `group_tables`: a hybrid pool's block tables of KV groups 1... Returns the pages covered (0: none became
+        complete)."""
         ...
 
     def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
@@ -112,9 +113,11 @@ class Receiver(Protocol):
     def num_waiting(self) -> int:
         ...
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> Ticket:
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0,
+               group_first_pages: tuple[int, ...] = ()) -> Ticket:
         """Register reserved `pages` for a prompt's KV from prompt page `first_page` on (the earlier ones are
-        held here already); the ticket goes to the prefill worker. Raises `PeerNotConnectedError`, ValueError."""
+        held here already; a hybrid pool's `pages` are slots per `group_first_pages`, `KVTicket`); the ticket
+        goes to the prefill worker. Raises `PeerNotConnectedError`, ValueError."""
         ...
 
     def abort(self, transfer_id: str, message: str = "aborted by decode") -> bool:

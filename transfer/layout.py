@@ -13,6 +13,9 @@ of its registered regions. A peer loads it once per agent incarnation.
   ``mla``: one latent per token), and KV heads when the TP size is the same.
   Pages from such a peer would decode to different numbers; no conversion
   keeps them exact. A peer that names no KV format (an older version) is ``mha``.
+  KV cache groups (a hybrid model's pool, ``engine/kv/groups.py``): which
+  layers a page holds, per group; a peer that names none keeps one group
+  (every layer in every page), whose pages hold other bytes.
 * convertible by a later version: page size (re-paging into token runs) and
   TP size / rank (slicing heads; the heads per rank then differ as well).
   This version refuses them too, rather than move bytes that mean something else.
@@ -33,7 +36,7 @@ from pd_cluster.transfer.errors import LayoutMismatchError, Mismatch
 PROTOCOL_VERSION = 1
 
 _FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "kv_cache_dtype", "k_scales", "v_scales", "order",
-          "kv_format")
+          "kv_format", "kv_groups")
 _TP = ("tp_size", "tp_rank")
 
 
@@ -185,5 +188,6 @@ def _view(info: AgentInfo) -> dict:
         "tp_rank": int(lay.get("tp_rank", 0)),
         "order": str(lay.get("order", "")),
         "kv_format": str(lay.get("kv_format", "mha")),
+        "kv_groups": [str(g) for g in lay.get("kv_groups", ())] or "one group",
         "page_nbytes": int(lay["page_nbytes"]),
     }

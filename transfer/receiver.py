@@ -149,7 +149,8 @@ class KVReceiver:
         """True while a transfer waits or a failed one's pages are not released: keep calling `poll`."""
         return bool(self._jobs)
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> KVTicket:
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0,
+               group_first_pages: tuple[int, ...] = ()) -> KVTicket:
         """Register reserved `pages` for a request's prompt KV and make the ticket for the prefill worker.
 
         The deadline starts now.
@@ -158,6 +159,8 @@ class KVReceiver:
             pages: the pages to fill, for the prompt's pages ``[first_page, ceil(num_tokens / page_size))``.
             num_tokens: the whole prompt's tokens.
             first_page: leading prompt pages this worker already holds (a delta transfer; `KVTicket`).
+            group_first_pages: a hybrid pool's first received page per KV group; `pages` are then the slots of
+                `KVTicket` (`group_slots`).
 
         Raises:
             PeerNotConnectedError: the prefill agent's metadata is not loaded.
@@ -169,7 +172,7 @@ class KVReceiver:
         self._seq += 1
         tid = f"{request_id}@{self.agent.incarnation}.{self._seq}"
         ticket = KVTicket(tid, request_id, self.agent.name, prefill_agent, tuple(int(p) for p in arr), num_tokens,
-                          self.agent.pool.page_size, first_page)
+                          self.agent.pool.page_size, first_page, tuple(group_first_pages))
         now = self._clock()
         self._jobs[tid] = _Expect(ticket, now, now)
         self.metrics.decode_transfer_queue.set(self.num_waiting)

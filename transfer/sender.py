@@ -58,7 +58,7 @@ from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StaleP
                              TransferTimeoutError)
 from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
-from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.ticket import KVTicket, group_slots
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,8 @@ class KVSender:
             StalePeerError: the ticket names another incarnation of this prefill agent.
             PeerNotConnectedError: decode's agent is not connected (fetch its info, `agent.connect`).
             TransferAbortedError: decode cancelled this transfer before it arrived here.
-            ValueError: duplicate transfer id, or pages outside decode's pool or a page-size mismatch.
+            ValueError: duplicate transfer id, pages outside decode's pool, or a page-size or KV-group-count
+                mismatch.
         """
         if ticket.prefill_agent != self.agent.name:
             raise StalePeerError(f"ticket {ticket.transfer_id} names prefill agent {ticket.prefill_agent}, but this "
@@ -181,6 +182,9 @@ class KVSender:
             raise ValueError(f"transfer {ticket.transfer_id} is already in progress")
         if ticket.page_size != self.agent.pool.page_size:
             raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
+        groups = getattr(self.agent.pool, "groups", None)
+        if groups is not None and ticket.num_groups != groups.num_groups:
+            raise ValueError(f"ticket for {ticket.num_groups} KV group(s), but this pool has {groups.num_groups}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
@@ -189,23 +193,26 @@ class KVSender:
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
-             ready_event=None) -> int:
+             ready_event=None, group_tables=()) -> int:
         """Push the pages that `num_computed_tokens` made complete (all remaining ones at the prompt's end).
 
         Args:
-            block_table: the request's prefill page ids so far (covering `num_computed_tokens`).
+            block_table: the request's prefill page ids so far (covering `num_computed_tokens`); a hybrid pool's
+                group 0 table.
+            group_tables: a hybrid pool's block tables of groups 1.. (the ticket's `group_first_pages` say which
+                of their pages decode receives: a windowed group's entries before those may be the null page).
             num_computed_tokens: prompt tokens whose KV is now written.
             meta: payload of the last push (e.g. ``{"first_token_id": 42}``); ignored otherwise.
             ready_event: an object with ``query() -> bool`` (a ``torch.cuda.Event``) recorded
                 after the forward pass; the push is posted once it is complete. None: post now.
 
         Returns:
-            The number of pages this push covers (0: no page at or after the ticket's ``first_page``
-            became complete; nothing posted).
+            The number of pages this push covers (0: no page decode receives became complete; nothing posted).
 
         Raises:
             KeyError: unknown transfer id.
-            ValueError: pages beyond the block table or the pool, or a push after the last.
+            ValueError: pages beyond the block tables or the pool, block tables for another number of KV groups
+                than the ticket's, or a push after the last.
         """
         job = self._jobs[transfer_id]
         if job.error is not None:
@@ -214,19 +221,25 @@ class KVSender:
             raise ValueError(f"transfer {transfer_id}: push after the last push")
         t = job.ticket
         last = num_computed_tokens >= t.num_tokens
-        # prompt page indices (job.sent_pages starts at t.first_page); the ticket's pages count from first_page
+        # prompt page indices (job.sent_pages starts at t.first_page); the ticket's pages are slots (`KVTicket.slot`)
         end = t.num_prompt_pages if last else min(num_computed_tokens // t.page_size, t.num_prompt_pages)
         if end <= job.sent_pages:
             return 0
-        if len(block_table) < end:
-            raise ValueError(f"transfer {transfer_id}: block table has {len(block_table)} pages, push needs {end}")
-        src = np.asarray(block_table[job.sent_pages:end], dtype=np.int64)
+        lo, hi = t.slot(job.sent_pages), t.slot(end)
+        if hi == lo:  # only pages behind a windowed group's window: decode reads none of them (never the last)
+            job.sent_pages = end
+            return 0
+        try:
+            src = np.asarray(group_slots([block_table, *group_tables], t.group_first_pages or (t.first_page,),
+                                         job.sent_pages, end), dtype=np.int64)
+        except ValueError as e:
+            raise ValueError(f"transfer {transfer_id}: {e} (push to page {end})") from e
         validate_pages(src, self.agent.pool.num_pages, "prefill")
-        dst = np.asarray(t.dst_pages[job.sent_pages - t.first_page:end - t.first_page], dtype=np.int64)
+        dst = np.asarray(t.dst_pages[lo:hi], dtype=np.int64)
         runs = page_runs(src, dst)
         nbytes = runs.num_pages * self.agent.page_nbytes
         index = len(job.pushes)
-        msg = protocol.Push(transfer_id, index, job.sent_pages - t.first_page, end - job.sent_pages, nbytes,
+        msg = protocol.Push(transfer_id, index, lo, hi - lo, nbytes,
                             total=index + 1 if last else 0, meta=(meta or {}) if last else None)
         info = self.agent.peer(job.peer)
         p = _Push(msg,

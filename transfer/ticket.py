@@ -15,10 +15,24 @@ a ticket that carries it has fewer pages than its ``num_tokens`` need, so a
 prefill worker that predates the field refuses it at parsing (400
 ``invalid_job``: the page count does not match) instead of pushing the prompt's
 first pages into the wrong decode pages.
+
+KV cache groups. A hybrid model's pool (``engine/kv/groups.py``) keeps one block
+table per group, and a windowed group's decode reads only the pages of its
+window. Such a ticket carries ``group_first_pages``: per group, the first
+prompt page decode receives (its own cached pages and, for a windowed group,
+the pages behind the window of its first query are not moved). Its
+``dst_pages`` are the *slots* of those pages in prompt-page order, group after
+group within a page (`group_slots`), so the pages a chunk completes are one
+contiguous run of slots and a push still covers ``[page_start, +num_pages)``
+of them. ``first_page`` is the smallest group's first page. The field is
+written only for a grouped pool; a prefill worker that predates it refuses the
+ticket (the page count does not match) or, at the handshake, the layout (the
+groups differ).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -38,6 +52,9 @@ class KVTicket:
         page_size: tokens per page (both sides agree; checked at the handshake).
         first_page: how many leading prompt pages decode already holds (its own prefix
             cache); they are not transferred. 0: the whole prompt is transferred.
+            With `group_first_pages`: their smallest.
+        group_first_pages: a grouped pool's first prompt page received per KV group (module doc);
+            empty for one group.
     """
 
     transfer_id: str
@@ -48,10 +65,17 @@ class KVTicket:
     num_tokens: int
     page_size: int
     first_page: int = 0
+    group_first_pages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         total = -(-self.num_tokens // self.page_size) if self.page_size > 0 else -1
         need = total - self.first_page
+        if self.group_first_pages:
+            firsts = self.group_first_pages
+            if self.num_tokens >= 1 and (min(firsts) != self.first_page or max(firsts) > total):
+                raise ValueError(f"ticket {self.transfer_id}: group first pages {list(firsts)} must lie in "
+                                 f"[0, {total}] with first_page={self.first_page} their smallest")
+            need = sum(total - f for f in firsts)
         if self.num_tokens >= 1 and not 0 <= self.first_page < total:
             raise ValueError(f"ticket {self.transfer_id}: first_page={self.first_page} must be in [0, {total}) "
                              f"for {self.num_tokens} tokens of page size {self.page_size}")
@@ -66,8 +90,18 @@ class KVTicket:
 
     @property
     def num_prompt_pages(self) -> int:
-        """Pages of the whole prompt: ``first_page + num_pages``."""
-        return self.first_page + len(self.dst_pages)
+        """Pages of the whole prompt: ``ceil(num_tokens / page_size)``."""
+        return -(-self.num_tokens // self.page_size)
+
+    @property
+    def num_groups(self) -> int:
+        """KV groups the pages cover (1 without `group_first_pages`)."""
+        return len(self.group_first_pages) or 1
+
+    def slot(self, page: int) -> int:
+        """Index into `dst_pages` of prompt page `page`'s first slot: how many slots come before it."""
+        firsts = self.group_first_pages or (self.first_page,)
+        return sum(max(min(page, self.num_prompt_pages) - f, 0) for f in firsts)
 
     def to_dict(self) -> dict:
         d = {"transfer_id": self.transfer_id, "request_id": self.request_id,
@@ -75,6 +109,8 @@ class KVTicket:
              "dst_pages": list(self.dst_pages), "num_tokens": self.num_tokens, "page_size": self.page_size}
         if self.first_page:  # only then: an older prefill worker must refuse it (module doc)
             d["first_page"] = self.first_page
+        if self.group_first_pages:
+            d["group_first_pages"] = list(self.group_first_pages)
         return d
 
     @classmethod
@@ -87,7 +123,8 @@ class KVTicket:
         try:
             return cls(str(d["transfer_id"]), str(d["request_id"]), str(d["decode_agent"]),
                        str(d["prefill_agent"]), tuple(int(p) for p in d["dst_pages"]),
-                       int(d["num_tokens"]), int(d["page_size"]), int(d.get("first_page", 0)))
+                       int(d["num_tokens"]), int(d["page_size"]), int(d.get("first_page", 0)),
+                       tuple(int(f) for f in d.get("group_first_pages", ())))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed KV ticket: {e!r}") from e
 
@@ -136,11 +173,39 @@ class TPTicket:
         """Leading prompt pages decode already holds (the same on every rank)."""
         return self.tickets[0].first_page
 
+    @property
+    def group_first_pages(self) -> tuple[int, ...]:
+        """A hybrid pool's first received page per KV group (the same on every rank)."""
+        return self.tickets[0].group_first_pages
+
     def to_dict(self) -> dict:
         return {"tp": [t.to_dict() for t in self.tickets]}
 
 
 Ticket = KVTicket | TPTicket
+
+
+def group_slots(tables: Sequence[Sequence[int]], firsts: Sequence[int], start: int, stop: int) -> list[int]:
+    """The page ids of prompt pages ``[start, stop)`` in slot order (module doc): for each page, the page of
+    every group that receives it (group ``g`` from page ``firsts[g]`` on), group 0 first.
+
+    Args:
+        tables: each group's block table (group 0 first), covering at least `stop` pages where received.
+        firsts: each group's first received page (`KVTicket.group_first_pages`, or ``(first_page,)``).
+
+    Raises:
+        ValueError: a table is too short, or the group counts differ.
+    """
+    if len(tables) != len(firsts):
+        raise ValueError(f"{len(tables)} block tables for {len(firsts)} KV groups")
+    out: list[int] = []
+    for page in range(start, stop):
+        for table, first in zip(tables, firsts):
+            if page >= first:
+                if page >= len(table):
+                    raise ValueError(f"a block table of {len(table)} pages has no page {page}")
+                out.append(table[page])
+    return out
 
 
 def parse_ticket(d: dict) -> Ticket:

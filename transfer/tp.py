@@ -81,14 +81,15 @@ class RankTransfer:
         self.sender.add_request(tickets[self.rank])
 
     def sender_push(self, tids: tuple[str, ...], block_table: list[int], end: int, meta: dict | None,
-                    gated: bool) -> int:
+                    group_tables: list[list[int]], gated: bool) -> int:
         """Push this rank's part; with `gated`, post it once this rank's forward pass has written the pages
         (a CUDA event recorded now, after the step's kernels were queued on this rank's stream)."""
         ready = None
         if gated and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return self.sender.push(tids[self.rank], block_table, end, meta=meta, ready_event=ready)
+        return self.sender.push(tids[self.rank], block_table, end, meta=meta, ready_event=ready,
+                                group_tables=group_tables)
 
     def sender_abort(self, tids: tuple[str, ...], message: str) -> bool:
         return self.sender.abort(tids[self.rank], message)
@@ -98,8 +99,9 @@ class RankTransfer:
         return ev, self.sender.has_work, self.sender.num_inflight
 
     def receiver_expect(self, request_id: str, pages: list[int], num_tokens: int, prefill0: str,
-                        first_page: int = 0) -> KVTicket:
-        return self.receiver.expect(request_id, pages, num_tokens, self.peer_names[prefill0], first_page)
+                        first_page: int = 0, group_first_pages: tuple[int, ...] = ()) -> KVTicket:
+        return self.receiver.expect(request_id, pages, num_tokens, self.peer_names[prefill0], first_page,
+                                    group_first_pages)
 
     def receiver_abort(self, tids: tuple[str, ...], message: str) -> bool:
         return self.receiver.abort(tids[self.rank], message)
@@ -237,12 +239,12 @@ class TPSender(_TPProxy):
         """Nothing (see `announce`)."""
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
-             ready_event=None) -> int:
+             ready_event=None, group_tables=()) -> int:
         """`KVSender.push` on every rank. A `ready_event` cannot cross processes: when one is given, each rank
         gates its part on an event of its own, recorded after its forward pass; None posts at once everywhere."""
         p = self.parts[transfer_id]
         return on_ranks(self.driver, RankTransfer.sender_push, p.tids, list(block_table), num_computed_tokens, meta,
-                        ready_event is not None, gather=False)
+                        [list(t) for t in group_tables], ready_event is not None, gather=False)
 
     def abort(self, transfer_id: str, message: str = "aborted by prefill") -> bool:
         p = self.parts.get(transfer_id)
@@ -286,9 +288,10 @@ class TPReceiver(_TPProxy):
     def num_waiting(self) -> int:
         return sum(1 for p in self.parts.values() if not p.failed and not p.aborted)
 
-    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0) -> TPTicket:
+    def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0,
+               group_first_pages: tuple[int, ...] = ()) -> TPTicket:
         tickets = on_ranks(self.driver, RankTransfer.receiver_expect, request_id, list(pages), num_tokens,
-                           prefill_agent, first_page)
+                           prefill_agent, first_page, tuple(group_first_pages))
         ticket = TPTicket(tuple(tickets))
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in tickets), request_id)
         return ticket

@@ -101,11 +101,11 @@ def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False) 
 
 def kv_groups(config: EngineConfig, arch: ArchConfig) -> KVGroups:
     """The pool's KV groups (`pd_cluster.engine.kv.groups`): by attention type for a model with sliding-window
-    or chunked layers in the mixed role, unless ``--disable-hybrid-kv-cache-manager``; one group otherwise (the
-    prefill and decode roles keep the layout KV transfers move, and an MLA or hierarchical-cache pool is
-    all-full or keeps every page)."""
+    or chunked layers, in every role, unless ``--disable-hybrid-kv-cache-manager``; one group otherwise (an MLA
+    or hierarchical-cache pool is all-full or keeps every page). A prefill and a decode worker compare their
+    groups at the KV transfer handshake (`KVLayout.kv_groups`)."""
     layers = arch.layer_attention
-    if (config.role != "mixed" or config.cache.disable_hybrid_kv_cache_manager or arch.mla is not None
+    if (config.cache.disable_hybrid_kv_cache_manager or arch.mla is not None
             or config.cache.enable_hierarchical_cache or all(spec.kind == "full" for spec in layers)):
         return single_group(arch.num_hidden_layers)
     return plan_kv_groups(layers)
@@ -130,7 +130,8 @@ def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup, groups: KV
                     head_dim=arch.head_dim, page_size=config.cache.page_size, kv_cache_dtype=kv_dtype,
                     k_scales=tuple(loaded.k_scales) if fp8 else ones, v_scales=tuple(loaded.v_scales) if fp8 else ones,
                     tp_size=tp.size, tp_rank=tp.rank,
-                    layers_per_page=0 if groups is None or groups.is_single else groups.layers_per_page)
+                    layers_per_page=0 if groups is None or groups.is_single else groups.layers_per_page,
+                    kv_groups=() if groups is None or groups.is_single else groups.signature())
 
 
 def check_triton(device: torch.device) -> None:

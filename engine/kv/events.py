@@ -130,6 +130,8 @@ class KVEventLog:
         if not pages:
             return
         with self._lock:
+            if parent_page is not None and parent_page not in self._pages:
+                return  # under a page never reported (behind a hollow node): not reported either
             parent = self._pages[parent_page][0] if parent_page is not None else None
             first_parent, hashes, flat = parent, [], []
             for page, toks in zip(pages, tokens):
@@ -145,8 +147,9 @@ class KVEventLog:
         if not pages:
             return
         with self._lock:
-            hashes = tuple(self._pages.pop(p)[0] for p in pages)
-            self._append(BlockRemoved(hashes), len(pages))
+            hashes = tuple(self._pages.pop(p)[0] for p in pages if p in self._pages)  # only pages reported stored
+            if hashes:
+                self._append(BlockRemoved(hashes), len(hashes))
 
     def _append(self, event: KVEvent, num_pages: int) -> None:
         self._seq += 1

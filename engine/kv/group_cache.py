@@ -86,7 +86,9 @@ class GroupedPrefixCache:
     def insert(self, group: int, token_ids: Sequence[int], block_table: Sequence[int], num_full_pages: int,
                chain: CacheChain) -> None:
         """`PrefixCache.insert` into `group`'s tree. The pages ``[chain.num_pages, num_full_pages)`` of
-        `block_table` must be live (never the null page: a windowed group frees a page only once inserted)."""
+        `block_table` must be live, or the null page in a windowed group whose request never held that page (a
+        PD decode's, `GroupedPageManager.reserve_remote`): a hollow node (a windowed group frees a page it held
+        only once inserted)."""
         self.trees[group].insert(token_ids, block_table, num_full_pages, chain)
 
     # ---- references ----------------------------------------------------------------------
@@ -140,6 +142,14 @@ class WindowPrefixCache(PrefixCache):
     def _is_evictable_leaf(self, node: _Node, stamp: int) -> bool:
         return (not node.evicted and node.page != NULL_PAGE and node.stamp == stamp
                 and self.allocator.refcount(node.page) == 1)
+
+    def prune_hollow(self, node: _Node) -> None:
+        """Remove `node` and its ancestors while they are hollow and childless (a request that inserted hollow
+        nodes ended before a page of its own followed them)."""
+        while node is not self.root and node.page == NULL_PAGE and not node.children and not node.evicted:
+            del node.parent.children[node.tokens]
+            node.evicted = True
+            node = node.parent
 
     def _evict_node(self, node: _Node) -> None:
         if node.children:  # hollow: the tokens stay, the page goes

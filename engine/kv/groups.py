@@ -125,6 +125,37 @@ class KVGroups:
         `KVGroup.max_pages`)."""
         return sum(g.max_pages(num_tokens, chunk, page_size) for g in self.groups)
 
+    def decode_first_pages(self, num_tokens: int, page_size: int) -> tuple[int, ...]:
+        """Per group, the first page of a request of `num_tokens` known tokens that its decode reads from its
+        first query (at position `num_tokens`) on: 0 for a full group, `KVGroup.first_needed_page` for a windowed
+        one. A group may read none of them (its value is then the page count), but the result always keeps the
+        last page in some group, so a PD transfer has a page to carry the first token (only a model whose every
+        layer is chunked, at a chunk boundary, needs this)."""
+        total = -(-num_tokens // page_size)
+        firsts = [g.first_needed_page(num_tokens, page_size) for g in self.groups]
+        if min(firsts) >= total:
+            firsts[0] = total - 1
+        return tuple(firsts)
+
+    def transfer_first_pages(self, num_tokens: int, page_size: int, num_cached_pages: int = 0) -> tuple[int, ...]:
+        """Per group, the first prompt page a PD decode receives for a request of `num_tokens` known tokens whose
+        first `num_cached_pages` pages its own prefix cache holds: every page from there on for a full group;
+        for a windowed group only those its decode reads (`decode_first_pages`).
+
+        Raises:
+            ValueError: `num_cached_pages` is not below the prompt's pages.
+        """
+        total = -(-num_tokens // page_size)
+        if not 0 <= num_cached_pages < total:
+            raise ValueError(f"{num_cached_pages} cached pages of a {total}-page prompt")
+        return tuple(max(num_cached_pages, f) for f in self.decode_first_pages(num_tokens, page_size))
+
+    def signature(self) -> tuple[str, ...]:
+        """One string per group, e.g. ``("full:3,7", "chunked(16):0,1,2", ...)``: its rule and its layers, in pool
+        order (`KVLayout.kv_groups`, compared at the KV transfer handshake)."""
+        return tuple(f"{g.kind if g.kind == 'full' else f'{g.kind}({g.rule[1]})'}:{','.join(map(str, g.layers))}"
+                     for g in self.groups)
+
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``full x12, chunked(8192) x12 x3 (12 layers a page)``."""
         counts: dict[tuple[str, int], list[int]] = {}

@@ -65,6 +65,8 @@ class KVLayout:
         page_nbytes: bytes of one page (all layers, K and V).
         layers_per_page: layer slots of one page when the layers form KV cache groups
             (`pd_cluster.engine.kv.groups`: a page then holds one group's layers); 0: every layer (one group).
+        kv_groups: the groups, one ``"<rule>:<layers>"`` string each in pool order (`KVGroups.signature`), so
+            two pools that exchange pages agree on which layers a page holds; empty for one group.
 
     Raises:
         ValueError: an unknown `kv_format`, or ``mla`` with more than one KV head.
@@ -82,6 +84,7 @@ class KVLayout:
     order: str = "page,layer,kv,head,token,dim"
     kv_format: str = "mha"
     layers_per_page: int = 0
+    kv_groups: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kv_format not in KV_FORMATS:
@@ -120,6 +123,10 @@ class KVLayout:
         d = asdict(self)
         if not self.layers_per_page:
             del d["layers_per_page"]  # one group: the layout (and its hash) of a pool without groups
+        if not self.kv_groups:
+            del d["kv_groups"]
+        else:
+            d["kv_groups"] = list(self.kv_groups)
         d["page_nbytes"] = self.page_nbytes
         return d
 

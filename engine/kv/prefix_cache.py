@@ -185,7 +185,8 @@ class PrefixCache:
 
         Args:
             token_ids: the request's tokens (at least ``num_full_pages * page_size``).
-            block_table: its page ids; the pages given must hold computed KV for those tokens.
+            block_table: its page ids; the pages given must hold computed KV for those tokens. A null entry (a
+                windowed group's page behind the window that the request never held) adds a hollow node.
             num_full_pages: how many leading pages are full and computed.
             chain: the request's position, advanced in place.
         """
@@ -193,10 +194,16 @@ class PrefixCache:
             return
         node, stamp = chain.node, next(self._clock)
         new: list[_Node] = []  # a chain: a new node has no children, so every later node is new too
+        hollow = False
         for i, key in enumerate(self._keys(token_ids, chain.num_pages, num_full_pages), start=chain.num_pages):
             child = node.children.get(key)
             page = block_table[i]
-            if child is None:
+            if page == NULL_PAGE:  # a windowed group's page the request never held (PD decode): tokens only
+                if child is None:
+                    child = _Node(key, NULL_PAGE, node)
+                    node.children[key] = child
+                    hollow = True
+            elif child is None:
                 child = _Node(key, page, node)
                 node.children[key] = child
                 self._by_page[page] = child
@@ -211,7 +218,7 @@ class PrefixCache:
             child.stamp = stamp
             node = child
         chain.node, chain.num_pages = node, num_full_pages
-        if new and self.observer is not None:
+        if new and self.observer is not None and not hollow:  # events never name a page behind a hollow node
             parent = new[0].parent
             self.observer.stored(None if parent is self.root else parent.page, [n.page for n in new],
                                  [n.tokens for n in new])

@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES), help="weights dtype")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--role", default="mixed", choices=ROLES,
-                   help="the worker's role: the mixed role frees local layers' pages behind their window; prefill "
-                        "and decode workers keep every page (default mixed)")
+                   help="the worker's role; every role frees local layers' pages behind their window, and PD "
+                        "transfers move only the window (default mixed)")
     p.add_argument("--chunked-prefill-size", type=int, default=DEFAULT_CHUNKED_PREFILL_SIZE,
                    help="as the engine's flag: a local layer holds its window plus one prefill chunk")
     p.add_argument("--context-length", type=int, default=131072)

@@ -4,16 +4,18 @@ SGLang's sizing rule: a GPU gives ``mem_fraction_static`` of its memory to
 weights plus KV pool; the pool is what the weights leave of it. The context
 length plays no part in sizing; it only caps what one request may ask for.
 
-Local (sliding-window or chunked) layers: in the mixed role the engine's hybrid
+Local (sliding-window or chunked) layers: in every role the engine's hybrid
 KV manager (`pd_cluster.engine.kv.groups`, ``ENGINE_FREES_WINDOW_PAGES``) keeps
 a local layer's pages only for its window or chunk plus the prefill chunk being
 computed, so a request's KV per token counts the global layers, and the local
 layers add a bounded amount per request. The arithmetic is the engine's: layers
 form groups of ``min(global, local)`` layers (a page holds one group's layers,
 vLLM's page-size unification), and a local group holds at most
-``ceil((span - 1 + chunked_prefill_size) / page_size) + 1`` pages. Prefill and
-decode workers (PD) keep one group, every layer's KV for every token, as do
-pools with the hierarchical cache: `make_plan` counts every layer there.
+``ceil((span - 1 + chunked_prefill_size) / page_size) + 1`` pages (a decode
+worker computes one token a step, so this bounds it too). Prefill and decode
+workers (PD) move and hold only a local group's window
+(`KVGroups.transfer_first_pages`). Pools with the hierarchical cache keep one
+group, every layer's KV for every token: `make_plan` counts every layer there.
 
 The KV dtype defaults to the engine's ``--kv-cache-dtype auto``: the model's
 dtype (FP8 weights are dequantised to bf16, so their KV is bf16).
@@ -28,9 +30,9 @@ from pd_cluster.engine.planner.spec import ModelSpec
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 KV_CACHE_DTYPES = ("auto", *KV_BYTES)
 # Whether the engine's KV pool frees the pages a sliding-window or chunked layer will not read again: it does, in
-# the mixed role (engine/kv/groups.py, engine/scheduler/group_pages.py); prefill and decode workers keep them.
+# every role (engine/kv/groups.py, engine/scheduler/group_pages.py; a PD transfer moves only the window's pages).
 ENGINE_FREES_WINDOW_PAGES = True
-WINDOW_ROLES = ("mixed",)
+WINDOW_ROLES = ("mixed", "prefill", "decode")
 ROLES = ("mixed", "prefill", "decode")
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # the engine's --chunked-prefill-size default
@@ -139,7 +141,7 @@ class Plan:
 
 def engine_frees_window_pages(spec: ModelSpec, inp: PlanInput) -> bool:
     """Whether the engine, deployed as `inp`, keeps only the window of `spec`'s local layers (module
-    docstring): the mixed role, without the hierarchical cache, a model with local layers and no MLA."""
+    docstring): without the hierarchical cache, a model with local layers and no MLA (any role)."""
     return (ENGINE_FREES_WINDOW_PAGES and inp.role in WINDOW_ROLES and not inp.enable_hierarchical_cache
             and spec.local_layers > 0 and not spec.is_mla)
 
@@ -199,7 +201,7 @@ def suggestions(plan: Plan) -> list[str]:
         mixed = make_plan(s, replace(inp, role="mixed", enable_hierarchical_cache=False))
         verdict = "fits" if mixed.fits else "still does not fit"
         why = ("without --enable-hierarchical-cache" if inp.enable_hierarchical_cache
-               else "a mixed-role worker (prefill and decode workers keep every page of local layers so far)")
+               else "a mixed-role worker")
         out.append(f"window pages freed: {why} gives {mixed.tokens_per_instance:,} tokens ({verdict})")
     if not out:
         out.append("none the engine offers: a running request's KV must fit one instance's GPUs (no live offload "

@@ -8,6 +8,10 @@ before the first key the next query sees) and puts the null page in their place,
 device block table is append-only: an entry replaced by the null page keeps its old id there, which no kernel
 reads (every attention path starts at the first visible position, `LayerAttention.first_visible`).
 
+In the decode role a request's prompt KV arrives from a prefill worker: `reserve_remote` holds only the pages its
+decode reads (a windowed group's window at its first query), and the cache adds the pages behind the window that
+it never held as hollow nodes (`WindowPrefixCache`), so later hits can pass through them.
+
 Admission (`pool_tokens`) counts what a request will hold at most in each group: every page for a full group,
 ``window - 1 + chunk`` tokens (plus the page it straddles) for a windowed one, so a long prompt on a
 window-only model needs a window's pages, not the prompt's.
@@ -108,6 +112,46 @@ class GroupedPageManager(PageManager):
             i += n
         return new
 
+    def _remote_firsts(self, req: Request) -> list[int]:
+        """Per group, the first page the decode of `req` reads: its first query is at ``req.num_tokens``."""
+        return list(self.groups.decode_first_pages(req.num_tokens, self.page_size))
+
+    def _remote_new_pages(self, req: Request, firsts: list[int]) -> int:
+        need = self.pages_for(req.num_tokens)
+        return sum(max(need - max(len(t), first), 0) for t, first in zip(self.tables(req), firsts))
+
+    def can_reserve_remote(self, req: Request) -> bool:
+        return self._remote_new_pages(req, self._remote_firsts(req)) <= self.num_available
+
+    def reserve_remote(self, req: Request) -> None:
+        """Decode role: hold, in every group, the pages of `req`'s known tokens that its decode will read: every
+        page for a full group, only those from the window of its first query (at ``req.num_tokens``) on for a
+        windowed one, whose earlier entries are the null page (a matched page there is given back). The prompt's
+        KV arrives in them (`KVGroups.transfer_first_pages` says which pages the transfer fills).
+
+        Raises:
+            OutOfPagesError: not enough free and evictable pages (no table changes).
+        """
+        firsts = self._remote_firsts(req)
+        n = self._remote_new_pages(req, firsts)
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        new = self.allocator.allocate(n)
+        need, i = self.pages_for(req.num_tokens), 0
+        for g, (group, table, first) in enumerate(zip(self.groups.groups, self.tables(req), firsts)):
+            if group.is_windowed:  # matched pages behind the window are never read here: back to the cache
+                stop = min(first, len(table))
+                dead = [p for p in table[:stop] if p != NULL_PAGE]
+                if dead:
+                    self._drop(g, dead)
+                    table[:stop] = [NULL_PAGE] * stop
+            nulls = max(min(first, need) - len(table), 0)
+            table.extend([NULL_PAGE] * nulls)
+            k = max(need - len(table), 0)
+            table.extend(new[i:i + k])
+            i += k
+
     def pool_tokens(self, req: Request, tokens: float) -> float:
         """Pool capacity, in tokens (pages x page size), that `req` still takes to hold ``tokens`` more tokens
         than it has computed: per group, its most pages at that length (`KVGroup.max_pages`) less the pages it
@@ -156,5 +200,7 @@ class GroupedPageManager(PageManager):
             live = [p for p in t if p != NULL_PAGE] + (chains[g].anchors if chains else [])
             if live:
                 self._drop(g, live)
+            if chains is not None and self.groups.groups[g].is_windowed:
+                self.cache.trees[g].prune_hollow(chains[g].node)
         req.block_table = []
         req.group_tables = []

@@ -60,6 +60,19 @@ class PageManager:
         """Free pages no later query of `req` reads (none here: every page stays); returns how many."""
         return 0
 
+    def tables(self, req: Request) -> list[list[int]]:
+        """`req`'s block table of every KV group, group 0 first (here: its one block table)."""
+        return [req.block_table]
+
+    def can_reserve_remote(self, req: Request) -> bool:
+        """Decode role: whether `reserve_remote` can hold `req`'s every known token now."""
+        return self.can_grow(req, req.num_tokens)
+
+    def reserve_remote(self, req: Request) -> None:
+        """Decode role: hold pages for every known token of `req` (past its matched prefix), for its prompt's
+        KV to arrive in. Raises `OutOfPagesError` as `grow`."""
+        self.grow(req, req.num_tokens)
+
     def can_grow(self, req: Request, num_tokens: int) -> bool:
         return self.extra_pages(req, num_tokens) <= self.num_available
 

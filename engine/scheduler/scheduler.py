@@ -290,9 +290,9 @@ class Scheduler:
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
         """Reserve pages for every known token beyond the matched prefix (`num_computed_tokens` until the KV
         arrives): the prompt and any resumed output, whose KV the prefill worker computes too."""
-        if not self.pages.can_grow(req, req.num_tokens):
+        if not self.pages.can_reserve_remote(req):
             return False
-        self.pages.grow(req, req.num_tokens)
+        self.pages.reserve_remote(req)
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req

@@ -87,7 +87,7 @@ COUNTERS = ("pd:kv_transfer_received_bytes_total", "pd:kv_transfer_saved_bytes_t
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
             # a decode worker counts its lookups under these names only (no vllm: twins: each prompt is looked up
             # once per cluster in vLLM's names, by the prefill)
-            "pd:prefix_cache_queries_total", "pd:prefix_cache_hits_total")
+            "pd:prefix_cache_queries_total", "pd:prefix_cache_hits_total", "pd:kv_transfer_window_skipped_bytes_total")
 
 
 def counters(url: str) -> dict[str, float]:

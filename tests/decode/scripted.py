@@ -54,7 +54,7 @@ class ScriptedReceiver:
     def num_waiting(self) -> int:
         return len(self.tickets)
 
-    def expect(self, request_id, pages, num_tokens, prefill_agent, first_page=0) -> KVTicket:
+    def expect(self, request_id, pages, num_tokens, prefill_agent, first_page=0, group_first_pages=()) -> KVTicket:
         self.calls.append(("expect", request_id))
         if self.refuse_expect is not None:
             raise self.refuse_expect
@@ -62,7 +62,7 @@ class ScriptedReceiver:
             raise PeerNotConnectedError(f"no metadata loaded for peer agent {prefill_agent}", peer=prefill_agent)
         self._seq += 1
         t = KVTicket(f"{request_id}@x.{self._seq}", request_id, DECODE_AGENT, prefill_agent,
-                     tuple(int(p) for p in pages), num_tokens, self.page_size, first_page)
+                     tuple(int(p) for p in pages), num_tokens, self.page_size, first_page, tuple(group_first_pages))
         self.tickets[t.transfer_id] = t
         return t
 

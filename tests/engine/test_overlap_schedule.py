@@ -199,7 +199,7 @@ def test_decode_role_with_pages_from_a_prefill_engine(reference):
         if not decode.has_work():
             break
         out = decode.step()
-        for rid, pages, _cached in out.reserved:
+        for rid, pages, _cached, _groups in out.reserved:
             n = len(pages)
             decode.pool.kv[torch.tensor(pages)] = prefill.pool.kv[torch.tensor(src[rid][:n])]
             prefill.release_request(rid)

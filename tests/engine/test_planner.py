@@ -46,7 +46,9 @@ def test_tp_beyond_kv_heads_replicates():
 def test_llama_4_scout_10m_context_on_one_h200_node():
     """The engine's own defaults (mixed role, --kv-cache-dtype auto = bf16): the 36 chunked layers hold only
     their chunk plus a prefill chunk (KV groups of 12 layers), so a token costs the 12 global layers' KV and 10M
-    tokens fit one TP-8 H200 instance. A decode worker keeps every layer's KV (one group) and does not fit."""
+    tokens fit one TP-8 H200 instance, in a mixed-role worker and in a PD decode worker alike (a PD transfer moves
+    only the chunked layers' window). With the hierarchical cache (one group) every layer's KV stays and 10M does
+    not fit."""
     spec = load_spec("llama-4-scout")
     assert (spec.global_layers, spec.local_layers, spec.local_span, spec.local_kind) == (12, 36, 8192, "chunked")
     assert abs(spec.num_params() - 108e9) < 2e9  # 109B total with the vision tower
@@ -60,7 +62,10 @@ def test_llama_4_scout_10m_context_on_one_h200_node():
     assert plan.fits and plan.tokens_per_instance > 10_000_000
     assert plan.tokens_per_instance == (plan.pool_per_gpu - plan.local_kv_bytes_per_gpu) // 6_144 // 64 * 64
     decode = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, role="decode"))
-    assert not decode.window_kv and decode.kv_bytes_per_token_per_gpu == 48 * 128 * 2 * 2 and not decode.fits
+    assert decode.window_kv and decode.tokens_per_instance == plan.tokens_per_instance and decode.fits
+    one = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, role="decode",
+                                    enable_hierarchical_cache=True))
+    assert not one.window_kv and one.kv_bytes_per_token_per_gpu == 48 * 128 * 2 * 2 and not one.fits
     fp8 = make_plan(spec, PlanInput(tp_size=8, context_length=10_000_000, kv_cache_dtype="fp8_e4m3"))
     assert fp8.kv_bytes_per_token_per_gpu == 12 * 128 * 2 == 3_072 and fp8.fits
 
@@ -141,12 +146,14 @@ def test_llama_4_scout_is_servable_and_says_what_its_pool_holds(capsys):
     assert unsupported_reason(load_spec("llama-4-scout")) is None
     decode = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000",
                      "--role", "decode", capsys=capsys)
-    assert "a decode worker keeps one KV group" in _row(decode, "KV bytes/token (per GPU)")
-    assert _row(decode, "asked context").endswith("does NOT fit one TP-8 instance")
-    assert "asked context fits" in _row(decode, "a mixed-role worker")
-    tips = [line for line in decode.splitlines() if line.startswith("to make it fit")]
-    assert any("window pages freed: a mixed-role worker" in t and "(fits)" in t for t in tips)
-    assert not any("host" in t for t in tips)
+    assert "the 36 chunked layers hold only their window" in _row(decode, "KV bytes/token (per GPU)")
+    assert _row(decode, "asked context").endswith("fits one TP-8 instance")
+    hicache = _render("--model", "llama-4-scout", "--tp-size", "8", "--context-length", "10000000",
+                      "--role", "decode", "--enable-hierarchical-cache", capsys=capsys)
+    assert "the hierarchical cache keeps one KV group" in _row(hicache, "KV bytes/token (per GPU)")
+    assert _row(hicache, "asked context").endswith("does NOT fit one TP-8 instance")
+    tips = [line for line in hicache.splitlines() if line.startswith("to make it fit")]
+    assert any("window pages freed: without --enable-hierarchical-cache" in t and "(fits)" in t for t in tips)
 
 
 def test_suggestions_name_only_what_the_engine_does(capsys):
@@ -171,7 +178,8 @@ def test_hybrid_families_layers_and_parameters(name, layers, total, active, caps
     assert abs(spec.num_params() - total) < 0.005e9, spec.num_params()
     if active:  # OpenAI counts the unembedding, not the embedding table (a lookup)
         assert abs(spec.active_params() - spec.vocab_size * spec.hidden_size - active) < 0.01e9
-    plan = make_plan(spec, PlanInput(tp_size=8, kv_cache_dtype="fp8_e4m3", role="decode"))  # one group: every layer
+    plan = make_plan(spec, PlanInput(tp_size=8, kv_cache_dtype="fp8_e4m3", role="decode",
+                                     enable_hierarchical_cache=True))  # one group: every layer
     assert plan.kv_bytes_per_token_per_gpu == spec.num_layers * max(spec.num_kv_heads // 8, 1) * spec.head_dim * 2
     text = _render("--model", name, "--tp-size", "8", capsys=capsys)
     assert f"{layers[1]} sliding" in _row(text, "model")

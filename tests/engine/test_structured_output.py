@@ -209,7 +209,7 @@ def _prefill_then_decode(prefill: LLMEngine, decode: LLMEngine, rid: str, params
     decode.add_remote_request(rid, ids, params)
     dst_pages = None
     for _ in range(10):
-        for r, pages, _ in decode.step().reserved:
+        for r, pages, *_ in decode.step().reserved:
             dst_pages = pages if r == rid else dst_pages
         if dst_pages is not None:
             break

@@ -48,8 +48,9 @@ class ScriptedDriver:
             self.next_events = [None] * self.size
             return [(ev, True, 0) for ev in evs]
         if method == "receiver_expect":
-            rid, pages, n, prefill0, first_page = args
-            return [KVTicket(f"{rid}@r{r}", rid, f"decode-r{r}", f"prefill-r{r}", tuple(pages), n, 16, first_page)
+            rid, pages, n, prefill0, first_page, group_first_pages = args
+            return [KVTicket(f"{rid}@r{r}", rid, f"decode-r{r}", f"prefill-r{r}", tuple(pages), n, 16, first_page,
+                             group_first_pages)
                     for r in range(self.size)]
         if method == "receiver_withdraw":
             return [PAGES] * self.size
