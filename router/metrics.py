@@ -105,8 +105,9 @@ class RouterMetrics:
         self.e2e = FastHistogram("pd_router_e2e_request_latency_seconds",
                                  "Arrival at the router to the end of the response.", E2E_BUCKETS)
         r.register(HotCollector(self))
-        self.retries = Counter("pd_router_retries", "Retries on a fresh pair, by reason.",
-                               ["reason"], registry=r)
+        self.retries = Counter("pd_router_retries",
+                               "Retries on a fresh pair, by reason and the worker's error code (if any).",
+                               ["reason", "code"], registry=r)
         self.migrations = Counter(
             "pd_router_migrations", "Streams moved to another pair after they started, by reason.",
             ["reason"], registry=r)

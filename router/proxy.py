@@ -259,12 +259,12 @@ class GenerateHandler:
                 if sup is not None and time.monotonic() - sup.started >= self.config.limits.queue_timeout_secs:
                     return self._reject(ex, 429, "queue_timeout", "every worker stayed at capacity; retry later",
                                         state.request_id, _RETRY_AFTER)
-                self.metrics.retries.labels(result.reason).inc()
+                self.metrics.retries.labels(result.reason, result.code).inc()
                 state.retries += 1
                 continue
             tried.update(pair.urls())
             if attempt < attempts:
-                self.metrics.retries.labels(result.reason).inc()
+                self.metrics.retries.labels(result.reason, result.code).inc()
                 state.retries += 1
                 await asyncio.sleep(backoff_seconds(self.config.retry, attempt, self._rng))
             attempt += 1

@@ -23,6 +23,7 @@ reads slower than the worker writes, reading from the worker stops until the cli
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from pd_cluster.router.upstream import Reply, UpstreamError, Upstreams
 _PASS_HEADERS = (b"content-type", b"cache-control")
 _FAILED_PEER = FAILED_PEER_HEADER.encode()
 RETRIES_HEADER = b"x-pd-retries"
+_CODE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 
 @dataclass
@@ -87,6 +89,7 @@ class AttemptFailure:
 
     ``ambiguous``: no breaker counts it, both workers get a health check now
     (``router.blame``). ``after_start``: the client's response had started.
+    ``detail``: the worker's error ``code`` for a failed status, else what broke.
     """
 
     reason: str
@@ -98,6 +101,15 @@ class AttemptFailure:
     after_start: bool = False
     overloaded: bool = False
     retry_after: float | None = None
+
+    @property
+    def code(self) -> str:
+        """The worker's error code for a failed status (``kv_transfer_timeout``, ``prefill_unreachable``...), as
+        a metric label: ``""`` when the worker named none or the attempt got no status, ``"other"`` when the
+        code is not a short lower-case name (a label's values stay few whatever a worker sends)."""
+        if self.status is None or not self.detail:
+            return ""
+        return self.detail if _CODE.fullmatch(self.detail) else "other"
 
 
 class Relay:

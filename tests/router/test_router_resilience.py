@@ -69,6 +69,8 @@ def test_dead_prefill_502_is_retried_with_another_prefill_and_leaves_rotation():
         assert headers == {rid: "1" if rid in retried else "0" for rid in headers}
         m = router.metrics()
         assert metric_value(m, "pd_router_retries_total", reason="status_502") == len(retried)
+        assert metric_value(m, "pd_router_retries_total", reason="status_502",
+                            code="prefill_unreachable") == len(retried)  # the decode's error code
         # Structured logs: every retry line is JSON and names its request.
         lines = [json.loads(line) for line in router.log().splitlines() if line.startswith("{")]
         failed = [entry for entry in lines if entry["msg"] == "attempt failed"]

@@ -248,3 +248,15 @@ def test_kubernetes_discovery_without_the_client_says_which_extra_to_install(mon
     config = parse_config(["--service-discovery", "--service-discovery-namespace", "ns", "--selector", "app=pd"])
     with pytest.raises(SystemExit, match=r"pip install 'pd-cluster\[k8s\]'"):
         build_sources(config)
+
+
+def test_retry_code_label_is_the_workers_error_code_and_stays_few_valued():
+    from pd_cluster.router.relay import AttemptFailure
+
+    assert AttemptFailure("status_502", Role.PREFILL, 502, b"{}", detail="kv_transfer_timeout").code == \
+        "kv_transfer_timeout"
+    assert AttemptFailure("status_502", None, 502, b"{}").code == ""  # the worker named no code
+    assert AttemptFailure("status_503", None, 503, b"{}", detail="Not A Code; 9 words").code == "other"
+    assert AttemptFailure("status_502", None, 502, b"{}", detail="x" * 49).code == "other"
+    # no status: the detail is what broke (free text), never a label
+    assert AttemptFailure("decode_unreachable", Role.DECODE, detail="connection refused").code == ""
