@@ -47,7 +47,6 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,73 +57,15 @@ from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StaleP
                              TransferTimeoutError)
 from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
+from pd_cluster.transfer.send_jobs import SendDone, SenderEvents, SendFailed, SendJob, SendPush
 from pd_cluster.transfer.ticket import KVTicket, group_slots
+
+__all__ = ["KVSender", "SendDone", "SendFailed", "SenderEvents"]
 
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
 _ALIVE_IDS = 32  # transfer ids per heartbeat notification
-
-
-@dataclass(frozen=True)
-class SendDone:
-    """Every push of a transfer completed; the request's prefill pages may be freed."""
-
-    transfer_id: str
-    request_id: str
-    num_pushes: int
-    nbytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class SendFailed:
-    """A transfer stopped with `error`; no handle of it is left, its prefill pages may be freed."""
-
-    transfer_id: str
-    request_id: str
-    error: TransferError
-
-
-@dataclass
-class SenderEvents:
-    completed: list[SendDone] = field(default_factory=list)
-    failed: list[SendFailed] = field(default_factory=list)
-
-
-@dataclass
-class _Push:
-    msg: protocol.Push
-    local: np.ndarray
-    remote: np.ndarray
-    ready: object | None
-    handle: object | None = None
-    posted_at: float = 0.0  # the sender's clock, for the push timeout
-    started: float = 0.0  # perf_counter before the post, for the latency and speed metrics
-    done: bool = False
-
-
-@dataclass
-class _Job:
-    ticket: KVTicket
-    started: float
-    last_progress: float
-    pushes: list[_Push] = field(default_factory=list)
-    sent_pages: int = 0  # prompt pages pushed or held by decode (starts at the ticket's first_page)
-    last_issued: bool = False
-    nbytes: int = 0
-    error: TransferError | None = None
-    ack: bool = False
-    vouched: float = 0.0  # when the last heartbeat naming it was sent (the clock just before the send)
-
-    @property
-    def peer(self) -> str:
-        return self.ticket.decode_agent
-
-    @property
-    def live_since(self) -> float:
-        """The later of its last progress and its last heartbeat: what decode's deadline counts from, or later."""
-        return max(self.last_progress, self.vouched)
 
 
 class KVSender:
@@ -141,7 +82,7 @@ class KVSender:
         self.metrics = metrics
         self.config = agent.config
         self._clock = clock
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, SendJob] = {}
         self._cancelled: OrderedDict[str, str] = OrderedDict()
         self._unacked: dict[str, float] = {}  # transfer id -> when to stop waiting for decode's Ack
         self._next_ping = 0.0
@@ -189,7 +130,7 @@ class KVSender:
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
             self._waiting.pop(ticket.transfer_id, None)
-            self._jobs[ticket.transfer_id] = _Job(ticket, now, now, sent_pages=ticket.first_page)
+            self._jobs[ticket.transfer_id] = SendJob(ticket, now, now, sent_pages=ticket.first_page)
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
@@ -242,7 +183,7 @@ class KVSender:
         msg = protocol.Push(transfer_id, index, lo, hi - lo, nbytes,
                             total=index + 1 if last else 0, meta=(meta or {}) if last else None)
         info = self.agent.peer(job.peer)
-        p = _Push(msg,
+        p = SendPush(msg,
                   run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
                             self.agent.device_id),
                   run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id),
@@ -324,7 +265,7 @@ class KVSender:
         with self._jobs_lock:
             jobs = [j for j in self._jobs.values() if j.error is None]
             waiting = list(self._waiting.items())
-        by_peer: dict[str, list[tuple[str, _Job | None]]] = {}
+        by_peer: dict[str, list[tuple[str, SendJob | None]]] = {}
         for job in jobs:
             if now - job.live_since <= self.config.sender_idle_timeout:
                 by_peer.setdefault(job.peer, []).append((job.ticket.transfer_id, job))
@@ -354,11 +295,11 @@ class KVSender:
         self._beat.stop()
 
     # ---- internals -----------------------------------------------------------
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: SendJob) -> None:
         with self._jobs_lock:
             del self._jobs[job.ticket.transfer_id]
 
-    def _post(self, job: _Job, p: _Push) -> None:
+    def _post(self, job: SendJob, p: SendPush) -> None:
         """Post one push's WRITE, unless the transfer went idle past `sender_idle_timeout` first.
 
         The check is made here, just before the WRITE, and not only in `poll`: a process frozen (SIGSTOP, a VM
@@ -388,7 +329,7 @@ class KVSender:
         if state == DONE:  # moved within the post itself (e.g. a shared-memory copy): its latency is the post's
             self._complete(job, p, p.posted_at)
 
-    def _complete(self, job: _Job, p: _Push, now: float) -> None:
+    def _complete(self, job: SendJob, p: SendPush, now: float) -> None:
         """The WRITE is done (flushed: the bytes are in decode's pages); now tell decode.
 
         The notification is sent on its own, after completion, rather than attached to the WRITE:
@@ -415,7 +356,7 @@ class KVSender:
     def _expect_ack(self, transfer_id: str, now: float) -> None:
         self._unacked[transfer_id] = now + self.config.sender_idle_timeout
 
-    def _advance(self, job: _Job, now: float) -> None:
+    def _advance(self, job: SendJob, now: float) -> None:
         tid = job.ticket.transfer_id
         for p in job.pushes:
             if p.done:
@@ -450,14 +391,14 @@ class KVSender:
                 f"transfer {tid} made no progress and sent no heartbeat for {self.config.sender_idle_timeout:.1f} s "
                 f"({len(job.pushes)} pushes issued)", transfer_id=tid, peer=job.peer))
 
-    def _stop(self, job: _Job, error: TransferError) -> None:
+    def _stop(self, job: SendJob, error: TransferError) -> None:
         job.error = error
         self.metrics.observe_failure(error.reason)
         log = logger.debug if isinstance(error, TransferAbortedError) else logger.warning  # the worker logs aborts
         log("KV transfer %s (request %s) to %s stopping: %s", job.ticket.transfer_id, job.ticket.request_id,
             job.peer, error)
 
-    def _finish_stop(self, job: _Job, ev: SenderEvents) -> None:
+    def _finish_stop(self, job: SendJob, ev: SenderEvents) -> None:
         """Release every handle; once none is left, tell decode and report the failure."""
         pending = False
         for p in job.pushes:
