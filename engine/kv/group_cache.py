@@ -145,7 +145,9 @@ class WindowPrefixCache(PrefixCache):
 
     def prune_hollow(self, node: _Node) -> None:
         """Remove `node` and its ancestors while they are hollow and childless (a request that inserted hollow
-        nodes ended before a page of its own followed them)."""
+        nodes ended before a page of its own followed them), so nodes without pages do not pile up. Another
+        request standing on that chain then inserts below a node out of the tree: its pages stay counted and
+        evictable, but no later hit reaches them."""
         while node is not self.root and node.page == NULL_PAGE and not node.children and not node.evicted:
             del node.parent.children[node.tokens]
             node.evicted = True
@@ -161,7 +163,9 @@ class WindowPrefixCache(PrefixCache):
             return
         self._remove(node)
         parent = node.parent
-        while parent is not self.root and parent.page == NULL_PAGE and not parent.children:
+        # an evicted (pruned) hollow node is already out of the tree: a request that stood on it when it was
+        # pruned inserted its own pages below it, and their eviction stops there
+        while parent is not self.root and not parent.evicted and parent.page == NULL_PAGE and not parent.children:
             del parent.parent.children[parent.tokens]  # a hollow node left childless: nothing to reach
             parent.evicted = True
             parent = parent.parent
