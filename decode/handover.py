@@ -118,22 +118,29 @@ class DecodeHooks(StepHooks):
                         req.num_prompt_tokens - cached, req.num_prompt_tokens, cached,
                         engine.config.scheduler.max_local_prefill_length)
             rec.run_locally()
-            self._count_saved(engine, cached // engine.layout.page_size)
+            self._count_saved(engine, cached // engine.layout.page_size, cached)  # what the local prefill reads
             if self.metrics is not None:
                 self.metrics.local_prefills.inc()
             self._settle_table(rec)
 
-    def _count_saved(self, engine: LLMEngine, num_pages: int) -> None:
-        """Count `num_pages` prompt pages this worker's prefix cache held (each group's page of them)."""
-        if self.metrics is not None and num_pages:
-            # every TP rank holds its share of the heads in a page of `page_nbytes`; one page per KV group
-            self.metrics.saved_bytes.inc(num_pages * engine.kv_groups.num_groups * engine.layout.page_nbytes
-                                         * engine.config.parallel.tp_size)
+    def _count_saved(self, engine: LLMEngine, num_cached_pages: int, position: int) -> None:
+        """Count the prompt pages this worker's prefix cache held that a query at `position` reads, one page per
+        KV group (a windowed group's pages behind that window are not a saving: nobody needed them)."""
+        if self.metrics is None or not num_cached_pages:
+            return
+        firsts = (engine.kv_groups.decode_first_pages(position, engine.layout.page_size)
+                  if not engine.kv_groups.is_single else (0,))
+        pages = sum(max(num_cached_pages - f, 0) for f in firsts)
+        # every TP rank holds its share of the heads in a page of `page_nbytes`
+        self.metrics.saved_bytes.inc(pages * engine.layout.page_nbytes * engine.config.parallel.tp_size)
 
     def _count_window_skipped(self, engine: LLMEngine, rec: RemoteRequest) -> None:
-        """Count the pages of windowed KV groups the transfer skipped: behind the window, never read here."""
-        skipped = sum(f - rec.num_cached_pages for f in rec.ticket.group_first_pages)
-        if self.metrics is not None and skipped:
+        """Count the pages of windowed KV groups behind the window of the first decode query: not transferred,
+        never read here (whether or not the cache held them)."""
+        if self.metrics is None or not rec.ticket.group_first_pages:
+            return
+        skipped = sum(engine.kv_groups.decode_first_pages(rec.ticket.num_tokens, engine.layout.page_size))
+        if skipped:
             self.metrics.window_skipped_bytes.inc(skipped * engine.layout.page_nbytes * engine.config.parallel.tp_size)
 
     def poll(self, engine: LLMEngine) -> None:
@@ -153,7 +160,7 @@ class DecodeHooks(StepHooks):
             if rec.complete(engine, done, None if first is None else int(first), logprob,
                             num_cached_tokens=cached, prompt_logprobs=prompt_lps) and req is not None:
                 skip_first_token_draw(engine, req)
-                self._count_saved(engine, rec.num_cached_pages)
+                self._count_saved(engine, rec.num_cached_pages, rec.ticket.num_tokens)
                 self._count_window_skipped(engine, rec)
             self._settle_table(rec)
         for failed in ev.failed:

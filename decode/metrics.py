@@ -17,13 +17,13 @@ class DecodeReuseMetrics:
 
     Attributes:
         saved_bytes: ``pd:kv_transfer_saved_bytes`` (bytes): prompt pages this worker's prefix cache held
-            when a remote request was admitted, times the page's bytes (all layers, K and V), counted
-            when the request starts running; these pages were not transferred.
+            when a remote request was admitted and its decode reads, times the page's bytes (all layers, K and
+            V; a hybrid pool: each KV group's page from its window on), counted when the request starts
+            running; these pages were not transferred.
         window_skipped_bytes: ``pd:kv_transfer_window_skipped_bytes`` (bytes): pages of a hybrid model's
             windowed KV groups (sliding-window or chunked layers) behind the window of the request's first
             decode query, times the page's bytes: its decode never reads them, so they were not transferred
-            (nor held here); counted when the request starts running. Pages this worker's prefix cache held
-            count in `saved_bytes` instead.
+            (nor held here, even where its prefix cache had them); counted when the request starts running.
         local_prefills: ``pd:decode_local_prefill_requests``: remote requests prefilled here because their
             uncached rest was at most ``--max-local-prefill-length`` tokens (no ``/prefill`` call).
     """

@@ -73,7 +73,8 @@ class PrefillRequest:
 
     @property
     def decode_cached_pages(self) -> int:
-        """Leading prompt pages the decode worker already holds: not pushed (``ticket.first_page``)."""
+        """Leading prompt pages no KV group of the decode worker receives (``ticket.first_page``): those its own
+        cache holds, and for a model whose every layer is windowed, also those behind every window."""
         return self.ticket.first_page
 
     def to_dict(self) -> dict:

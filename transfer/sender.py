@@ -148,7 +148,8 @@ class KVSender:
                 after the forward pass; the push is posted once it is complete. None: post now.
 
         Returns:
-            The number of pages this push covers (0: no page decode receives became complete; nothing posted).
+            The number of pages (slots: a hybrid pool's page of one group) this push covers (0: no page decode
+            receives became complete; nothing posted).
 
         Raises:
             KeyError: unknown transfer id.

@@ -25,9 +25,10 @@ the pages behind the window of its first query are not moved). Its
 group within a page (`group_slots`), so the pages a chunk completes are one
 contiguous run of slots and a push still covers ``[page_start, +num_pages)``
 of them. ``first_page`` is the smallest group's first page. The field is
-written only for a grouped pool; a prefill worker that predates it refuses the
-ticket (the page count does not match) or, at the handshake, the layout (the
-groups differ).
+written only for a grouped pool. A prefill worker that predates it never gets
+such a ticket: the handshake refuses its layout first (the new side compares
+``kv_groups``, which an old layout lacks); its parser would not always refuse
+one (at a chunk and page boundary the page count can match).
 """
 
 from __future__ import annotations
@@ -177,6 +178,10 @@ class TPTicket:
     def group_first_pages(self) -> tuple[int, ...]:
         """A hybrid pool's first received page per KV group (the same on every rank)."""
         return self.tickets[0].group_first_pages
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tickets[0].num_tokens
 
     def to_dict(self) -> dict:
         return {"tp": [t.to_dict() for t in self.tickets]}

@@ -23,12 +23,15 @@ instead), and the page -> hash map holds one entry per cached page.
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 import threading
 import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 ROOT_HASH = 0
 """The parent hash of a prompt's first page."""
@@ -131,7 +134,10 @@ class KVEventLog:
             return
         with self._lock:
             if parent_page is not None and parent_page not in self._pages:
-                return  # under a page never reported (behind a hollow node): not reported either
+                # under a page never reported (a windowed group 0's hollow path on a PD decode): left out, so the
+                # router is never told of a page it could not reach by hash
+                logger.debug("KV events: %d pages cached under unreported page %d left out", len(pages), parent_page)
+                return
             parent = self._pages[parent_page][0] if parent_page is not None else None
             first_parent, hashes, flat = parent, [], []
             for page, toks in zip(pages, tokens):

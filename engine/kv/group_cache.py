@@ -143,11 +143,26 @@ class WindowPrefixCache(PrefixCache):
         return (not node.evicted and node.page != NULL_PAGE and node.stamp == stamp
                 and self.allocator.refcount(node.page) == 1)
 
+    def insert(self, token_ids: Sequence[int], block_table: Sequence[int], num_full_pages: int,
+               chain: CacheChain) -> None:
+        """`PrefixCache.insert`, after putting back the request's path when its chain's node left the tree
+        meanwhile (a hollow or given-back node evicted or pruned while the request ran): the tokens' nodes from
+        the root, hollow where missing, so what the request inserts stays reachable."""
+        if chain.node is not self.root and chain.node.evicted:
+            node = self.root
+            for key in self._keys(token_ids, 0, chain.num_pages):
+                child = node.children.get(key)
+                if child is None:
+                    child = _Node(key, NULL_PAGE, node)
+                    node.children[key] = child
+                node = child
+            chain.node = node
+        super().insert(token_ids, block_table, num_full_pages, chain)
+
     def prune_hollow(self, node: _Node) -> None:
         """Remove `node` and its ancestors while they are hollow and childless (a request that inserted hollow
         nodes ended before a page of its own followed them), so nodes without pages do not pile up. Another
-        request standing on that chain then inserts below a node out of the tree: its pages stay counted and
-        evictable, but no later hit reaches them."""
+        request standing on that chain puts the path back at its next insert (`insert`)."""
         while node is not self.root and node.page == NULL_PAGE and not node.children and not node.evicted:
             del node.parent.children[node.tokens]
             node.evicted = True

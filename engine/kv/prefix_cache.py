@@ -203,7 +203,9 @@ class PrefixCache:
                     child = _Node(key, NULL_PAGE, node)
                     node.children[key] = child
                     hollow = True
-            elif child is None:
+                node = child  # not stamped: a page there is not this request's, its place in the LRU order stays
+                continue
+            if child is None:
                 child = _Node(key, page, node)
                 node.children[key] = child
                 self._by_page[page] = child
