@@ -93,7 +93,8 @@ def run_mode(model: Path, one_group: bool, lengths: list[int], seed: int) -> lis
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1000, 4000, 8000], help="prompt tokens")
     ap.add_argument("--chunk", type=int, default=512, help="the chunked layers' attention chunk, tokens")
     ap.add_argument("--seed", type=int, default=0)

@@ -42,9 +42,9 @@ def test_the_step_table_is_what_the_device_run_expects():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(560)
 def test_dry_run_writes_every_file_within_its_budget(tmp_path):
-    budget = 240
+    budget = 400  # steps end early on a quiet machine (about 180 s); the shares leave room for a loaded one
     done, wall = _run(tmp_path, "--budget-s", str(budget), timeout=budget + 60)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert {p.name for p in tmp_path.iterdir()} == FILES
