@@ -87,7 +87,8 @@ class KVSender:
         self._unacked: dict[str, float] = {}  # transfer id -> when to stop waiting for decode's Ack
         self._next_ping = 0.0
         self._jobs_lock = threading.Lock()  # the heartbeat thread reads `_jobs` and `_waiting`; others change them
-        self._waiting: dict[str, str] = {}  # tickets announced by the HTTP handler, not yet added: id -> decode agent
+        self._waiting: dict[str, tuple[str, float]] = {}  # announced, not yet added: id -> (decode agent, when)
+        self._ended: OrderedDict[str, None] = OrderedDict()  # the last transfers forgotten (late announcements)
         self._last_poll = clock()  # the step loop's last `poll` (heartbeats stop when it is hung)
         self._beat = HeartbeatThread(self.heartbeat, self.config.heartbeat_period, lambda: agent.closed)
 
@@ -241,8 +242,16 @@ class KVSender:
         """A ticket arrived and waits for the engine thread (the current step may be a long chunk): heartbeats
         name it until `add_request` or `withdraw_announced`. Safe from any thread; nothing is posted for it
         before `add_request`."""
+        self.announce_id(ticket.transfer_id, ticket.decode_agent)
+
+    def announce_id(self, transfer_id: str, decode_agent: str) -> None:
+        """`announce` by id. An announcement that comes after `add_request` (under TP it travels apart from the
+        step loop's commands, `pd_cluster.transfer.tp`) is dropped, for a transfer in flight or one of the
+        last `_TOMBSTONES` that ended or that decode cancelled. An announcement left waiting longer than
+        `step_timeout` is dropped by the heartbeat (no step takes that long), so none is named forever."""
         with self._jobs_lock:
-            self._waiting[ticket.transfer_id] = ticket.decode_agent
+            if not (transfer_id in self._jobs or transfer_id in self._ended or transfer_id in self._cancelled):
+                self._waiting[transfer_id] = (decode_agent, self._clock())
 
     def withdraw_announced(self, transfer_id: str) -> None:
         """The announced ticket will not be added (refused, or the request went away). Safe from any thread."""
@@ -265,7 +274,9 @@ class KVSender:
             return 0
         with self._jobs_lock:
             jobs = [j for j in self._jobs.values() if j.error is None]
-            waiting = list(self._waiting.items())
+            for tid in [t for t, (_, since) in self._waiting.items() if now - since > self.config.step_timeout]:
+                del self._waiting[tid]  # never added nor withdrawn (a lost add, a late announcement)
+            waiting = [(tid, peer) for tid, (peer, _) in self._waiting.items()]
         by_peer: dict[str, list[tuple[str, SendJob | None]]] = {}
         for job in jobs:
             if now - job.live_since <= self.config.sender_idle_timeout:
@@ -299,6 +310,9 @@ class KVSender:
     def _forget(self, job: SendJob) -> None:
         with self._jobs_lock:
             del self._jobs[job.ticket.transfer_id]
+            self._ended[job.ticket.transfer_id] = None
+            while len(self._ended) > _TOMBSTONES:
+                self._ended.popitem(last=False)
 
     def _post(self, job: SendJob, p: SendPush) -> None:
         """Post one push's WRITE, unless the transfer went idle past `sender_idle_timeout` first.
@@ -430,10 +444,11 @@ class KVSender:
             return
         # Not started here (ticket still on its way) or already over: nothing is in flight; confirm at once,
         # and remember it so a late ticket is refused.
-        self.withdraw_announced(msg.transfer_id)
-        self._cancelled[msg.transfer_id] = peer
-        while len(self._cancelled) > _TOMBSTONES:
-            self._cancelled.popitem(last=False)
+        with self._jobs_lock:  # in one step with the withdrawal: a late announcement (TP) sees it cancelled
+            self._waiting.pop(msg.transfer_id, None)
+            self._cancelled[msg.transfer_id] = peer
+            while len(self._cancelled) > _TOMBSTONES:
+                self._cancelled.popitem(last=False)
         try:
             self.agent.send(peer, protocol.Stopped(msg.transfer_id, "aborted", "no transfer in flight", ack=True))
             self._expect_ack(msg.transfer_id, self._clock())

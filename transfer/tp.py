@@ -18,6 +18,7 @@ unchanged:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,6 +41,9 @@ MIN_POLL_INTERVAL_S = 0.001  # a poll is two collectives; the step loop may ask 
 class RankTransfer:
     """One rank's agent and sender or receiver (installed on every rank by `install`).
 
+    The methods in ``SIDE_METHODS`` are safe from any thread: rank 0 posts them to the other ranks outside the
+    step loop (`pd_cluster.engine.executor.tp.TPDriver.post`).
+
     Args:
         shard: the rank's `pd_cluster.engine.executor.shard.Shard` (its pool is registered).
         tp: the rank's `TPGroup`.
@@ -49,6 +53,8 @@ class RankTransfer:
         registry: rank 0's: the worker's Prometheus registry, so its metrics are served; other ranks: None (a
             private one).
     """
+
+    SIDE_METHODS = frozenset({"sender_announce", "sender_withdraw_announced"})
 
     def __init__(self, shard, tp, role: str, config, identity: str, registry: CollectorRegistry | None = None) -> None:
         self.rank = tp.rank
@@ -79,6 +85,13 @@ class RankTransfer:
 
     def sender_add(self, tickets: tuple[KVTicket, ...]) -> None:
         self.sender.add_request(tickets[self.rank])
+
+    def sender_announce(self, parts: tuple[tuple[str, str], ...]) -> None:
+        """`KVSender.announce_id` for this rank's part: `parts` is every rank's (transfer id, decode agent)."""
+        self.sender.announce_id(*parts[self.rank])
+
+    def sender_withdraw_announced(self, tids: tuple[str, ...]) -> None:
+        self.sender.withdraw_announced(tids[self.rank])
 
     def sender_push(self, tids: tuple[str, ...], block_table: list[int], end: int, meta: dict | None,
                     group_tables: list[list[int]], gated: bool) -> int:
@@ -221,6 +234,11 @@ class _TPProxy:
 class TPSender(_TPProxy):
     """Rank 0's `KVSender` for all ranks."""
 
+    def __init__(self, driver) -> None:
+        super().__init__(driver)
+        self._announced: dict[str, tuple[str, ...]] = {}  # announced, not yet added: transfer id -> ranks' ids
+        self._announced_lock = threading.Lock()  # the HTTP handler announces; the engine thread adds
+
     @property
     def num_inflight(self) -> int:
         return len(self.parts)
@@ -228,15 +246,30 @@ class TPSender(_TPProxy):
     def add_request(self, ticket: TPTicket) -> None:
         if not isinstance(ticket, TPTicket) or len(ticket.tickets) != self.size:
             raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
-        on_ranks(self.driver, RankTransfer.sender_add, ticket.tickets)
+        on_ranks(self.driver, RankTransfer.sender_add, ticket.tickets)  # raises: the caller withdraws the ticket
+        with self._announced_lock:
+            self._announced.pop(ticket.transfer_id, None)
         self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id)
 
     def announce(self, ticket: TPTicket) -> None:
-        """Nothing: the ranks are reached only from the engine thread, so a ticket waiting for it gets no
-        heartbeat under TP (docs/transfer.md, Known limits)."""
+        """`KVSender.announce` on every rank, from the caller's thread (the HTTP handler's) while the engine
+        thread may be inside a long step: rank 0's at once, the others' through the driver's side channel
+        (`TPDriver.post`), so every rank's heartbeats name its part of the ticket while it waits."""
+        if not isinstance(ticket, TPTicket) or len(ticket.tickets) != self.size:
+            raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
+        parts = tuple((t.transfer_id, t.decode_agent) for t in ticket.tickets)
+        with self._announced_lock:
+            self._announced[ticket.transfer_id] = tuple(t for t, _ in parts)
+        self._rank0().sender_announce(parts)
+        self.driver.post(EXTENSION, RankTransfer.sender_announce.__name__, parts)
 
     def withdraw_announced(self, transfer_id: str) -> None:
-        """Nothing (see `announce`)."""
+        """`KVSender.withdraw_announced` on every rank, as `announce` reached them."""
+        with self._announced_lock:
+            tids = self._announced.pop(transfer_id, None)
+        if tids is not None:
+            self._rank0().sender_withdraw_announced(tids)
+            self.driver.post(EXTENSION, RankTransfer.sender_withdraw_announced.__name__, tids)
 
     def push(self, transfer_id: str, block_table, num_computed_tokens: int, meta: dict | None = None,
              ready_event=None, group_tables=()) -> int:

@@ -12,12 +12,22 @@ Python object is pickled. Any other command (capture, install, ext, ping,
 stop) has a `COMMAND_MAGIC` header followed by a pickled ``(name, args,
 gather)``, run as the method of the same name of `RankServer`. Commands carry
 host data only, so each rank builds its tensors on its own device.
+
+Besides the step loop's commands, rank 0 can post a call to the other ranks
+from any thread (`TPDriver.post`): a pipe per rank, read by a thread of that
+rank, which runs an installed extension's method declared safe from any thread
+(the extension's ``SIDE_METHODS``). Nothing waits for it and nothing comes
+back. It exists for what must reach the ranks while the step loop is busy, e.g.
+a KV transfer ticket that arrives during a long prefill chunk and needs the
+ranks' heartbeats to name it (`pd_cluster.transfer.tp.TPSender.announce`).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
+import threading
 from importlib import import_module
 from typing import Any
 
@@ -86,6 +96,34 @@ class RankServer:
         """Call a method of an installed extension."""
         return getattr(self.extensions[name], method)(*args)
 
+    def side(self, name: str, method: str, *args: Any) -> Any:
+        """Call, from the side-channel thread, an extension method listed in its class's ``SIDE_METHODS``.
+
+        Raises:
+            KeyError: no extension `name` is installed.
+            ValueError: `method` is not declared safe from any thread.
+        """
+        ext = self.extensions[name]
+        if method not in getattr(type(ext), "SIDE_METHODS", ()):
+            raise ValueError(f"{type(ext).__name__}.{method} is not in SIDE_METHODS")
+        return getattr(ext, method)(*args)
+
+
+def _serve_side(conn, server: RankServer) -> None:
+    """A rank's side-channel thread: run each posted ``(name, method, args)`` until rank 0 closes the pipe."""
+    while True:
+        try:
+            name, method, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        except Exception:  # noqa: BLE001 - a message that does not unpickle or unpack: skip it, keep serving
+            logger.exception("tp rank %d: unreadable posted call", server.tp.rank)
+            continue
+        try:
+            server.side(name, method, *args)
+        except Exception:  # noqa: BLE001 - nobody waits for a posted call: log it and serve the next
+            logger.exception("tp rank %d: posted %s.%s failed", server.tp.rank, name, method)
+
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """Rank r runs on ``cuda:r`` (offset by the configured index) on GPUs, on the CPU otherwise."""
@@ -98,13 +136,16 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConfig, log_level: int) -> None:
+def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConfig, log_level: int,
+               side=None) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     device = rank_device(config, rank)
     if device.type == "cpu":
         torch.set_num_threads(config.device.cpu_threads)
     tp = init_tp_group(rank, size, master, device)
     server = RankServer(build_shard(config, device, tp), tp, device)
+    if side is not None:
+        threading.Thread(target=_serve_side, args=(side, server), daemon=True, name=f"tp{rank}-side").start()
     while True:
         header = tp.broadcast_tensor(torch.empty(HEADER_LEN, dtype=torch.int64)).numpy()
         if int(header[0]) == STEP_MAGIC:
@@ -141,10 +182,19 @@ class TPDriver:
         master = ("127.0.0.1", free_port())
         ctx = mp.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
-        self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level), daemon=True,
-                                  name=f"tp-rank-{r}") for r in range(1, size)]
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]  # (reader, writer): the side channel
+        self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level, pipes[r - 1][0]),
+                                  daemon=True, name=f"tp-rank-{r}") for r in range(1, size)]
         for p in self.procs:
             p.start()
+        for reader, _ in pipes:
+            reader.close()  # the rank holds its own copy
+        self._side = [writer for _, writer in pipes]
+        self._posts = [queue.SimpleQueue() for _ in self._side]  # `post` -> rank r's writer thread
+        self._posters = [threading.Thread(target=self._forward_posts, args=(r,), daemon=True, name=f"tp-post-{r}")
+                         for r in range(1, size)]
+        for t in self._posters:
+            t.start()
         self.device = rank_device(config, 0)
         self.tp = init_tp_group(0, size, master, self.device)
         self.local: RankServer | None = None
@@ -176,6 +226,24 @@ class TPDriver:
         if errors:
             raise errors[0]  # the rank's own exception (e.g. a layout mismatch), so callers can tell them apart
         return results
+
+    def post(self, name: str, method: str, *args: Any) -> None:
+        """Run extension `name`'s `method` (listed in its ``SIDE_METHODS``) with `args` on ranks 1..N-1, off their
+        step loops, without waiting (rank 0's part is the caller's to run). Safe from any thread and never
+        blocks: a thread of rank 0 per rank writes that rank's pipe, so a stalled rank delays only its own
+        calls. Posted calls run in order on each rank, but in no order with the step loop's commands. A rank
+        that is gone is skipped (the step loop's next command reports it). Keep `args` small: a transfer id,
+        not a block table."""
+        for q in self._posts:
+            q.put((name, method, args))
+
+    def _forward_posts(self, rank: int) -> None:
+        conn, posts = self._side[rank - 1], self._posts[rank - 1]
+        while (item := posts.get()) is not None:
+            try:
+                conn.send(item)
+            except (OSError, ValueError) as e:  # BrokenPipeError: the rank is gone
+                logger.debug("tp rank %d: posted %s.%s not delivered: %s", rank, item[0], item[1], e)
 
     def _check_alive(self) -> None:
         dead = [p.name for p in self.procs if not p.is_alive()]
@@ -228,8 +296,15 @@ class TPDriver:
                 self._send_command("stop", (), False)
             except Exception as e:  # noqa: BLE001 - the ranks may be gone already
                 logger.warning("could not tell the tensor-parallel ranks to stop: %s", e)
+        for q in self._posts:
+            q.put(None)
         for p in self.procs:
             p.join(timeout)
             if p.is_alive():
                 p.kill()
+                p.join(timeout)
+        for t, conn in zip(self._posters, self._side):
+            t.join(timeout)  # its rank is gone: a write blocked on it has failed
+            if not t.is_alive():
+                conn.close()
         self.tp.destroy()

@@ -70,8 +70,9 @@ def test_killed_prefill_is_retried_on_the_other_and_nothing_hangs():
 KV_TIMEOUT, CHUNK_DELAY = 2.0, 2.5  # each chunk of a "slowchunk" request computes longer than the KV timeout
 
 
-def _prefill_outlasting_the_kv_timeout(cluster) -> None:
-    """Every prefill chunk of one request computes CHUNK_DELAY s > --kv-transfer-timeout (both sides): the
+def _prefill_outlasting_the_kv_timeout(cluster, chunk_delay: float = CHUNK_DELAY,
+                                       kv_timeout: float = KV_TIMEOUT) -> None:
+    """Every prefill chunk of one request computes `chunk_delay` s > --kv-transfer-timeout (both sides): the
     prefill's heartbeats keep the transfer alive, so the router answers at once, without a retry (header and
     metric), with the text of a request whose chunks were not slowed. A second request whose ticket reaches
     that prefill during the long chunk (it waits for the step to end) is named by the heartbeats too."""
@@ -104,11 +105,11 @@ def _prefill_outlasting_the_kv_timeout(cluster) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed, not hidden by a cache
-    assert elapsed > CHUNK_DELAY > KV_TIMEOUT  # a chunk did compute past the deadline
+    assert elapsed > chunk_delay > kv_timeout  # a chunk did compute past the deadline
     assert r.headers["x-pd-retries"] == "0" and ref.headers["x-pd-retries"] == "0"
     assert behind.status_code == 200, behind.text  # waited for the long step, its deadline kept by heartbeats
     assert behind.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
-    assert behind_s > CHUNK_DELAY
+    assert behind_s > chunk_delay
     with httpx.Client(timeout=60) as c:
         router = c.get(url + "/metrics").text
         assert "pd_router_retries_total{" not in router, [x for x in router.splitlines() if "retries" in x]
@@ -116,6 +117,22 @@ def _prefill_outlasting_the_kv_timeout(cluster) -> None:
             if p.role in ("prefill", "decode"):
                 m = c.get(p.url + "/metrics").text
                 assert "pd:kv_transfer_failed_total{" not in m, (p.name, [x for x in m.splitlines() if "failed" in x])
+
+
+@pytest.mark.timeout(600)
+def test_tp2_prefill_chunk_outlasting_the_kv_timeout_keeps_every_rank_alive(monkeypatch):
+    """The same under tensor parallelism (prefill and decode at TP 2): a ticket that reaches the prefill worker
+    during the long chunk is announced to every rank (rank 0's side channel to rank 1), so each rank's
+    heartbeats name its part while the engine thread sleeps. A longer timeout than above (4 s: heartbeats every
+    1 s, a 2 s idle stop) leaves four engine processes on a small machine room; the chunk is 1.5 times it."""
+    kv_timeout, chunk_delay = 4.0, 6.0
+    deadline = ["--kv-transfer-timeout", str(kv_timeout)]
+    monkeypatch.setenv(FAULT_CHUNK_DELAY_ENV, f"{chunk_delay}:slowchunk")
+    with running_cluster(1, 1, engine_argv=SLOW_PREFILL + ["--disable-radix-cache", "--tp-size", "2"],
+                         role_argv={"decode": deadline, "prefill": deadline}) as cluster:
+        _prefill_outlasting_the_kv_timeout(cluster, chunk_delay, kv_timeout)
+        loads = wait_all_free(cluster, timeout=10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
 
 
 @pytest.mark.timeout(600)

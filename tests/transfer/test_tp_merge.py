@@ -33,11 +33,21 @@ class ScriptedDriver:
         self.size = size
         self.calls: list[tuple] = []
         self.next_events: list = [None] * size
-        # rank 0's own RankTransfer: only its metrics are read (the worker serves them)
+        # rank 0's own RankTransfer: its metrics are read (the worker serves them); announcements are recorded
         self.metrics = TransferMetrics(CollectorRegistry())
+        self.rank0_calls: list[tuple] = []
         rank0 = SimpleNamespace(sender=SimpleNamespace(metrics=self.metrics),
-                                receiver=SimpleNamespace(metrics=self.metrics))
+                                receiver=SimpleNamespace(metrics=self.metrics),
+                                sender_announce=lambda parts: self.rank0_calls.append(("sender_announce", parts)),
+                                sender_withdraw_announced=lambda tids: self.rank0_calls.append(
+                                    ("sender_withdraw_announced", tids)))
         self.local = SimpleNamespace(extensions={EXTENSION: rank0})
+        self.posts: list[tuple] = []
+
+    def post(self, ext, method, *args):
+        """`TPDriver.post`: what goes to ranks 1..N-1 over the side channel."""
+        assert ext == EXTENSION and method in RankTransfer.SIDE_METHODS
+        self.posts.append((method, args))
 
     def call(self, name, ext, method, *args, gather=False):
         assert name == "ext" and ext == EXTENSION
@@ -137,6 +147,29 @@ def test_sender_push_honours_ready_event(sender):
     pushes = d.methods("sender_push")
     assert [c[1][-1] for c in pushes] == [False, True]
     assert pushes[1][1][:4] == (("r@r0", "r@r1"), [7, 8], 20, {"first_token_id": 5})
+
+
+def test_announce_reaches_every_rank_off_the_step_loop_until_added_or_withdrawn():
+    """A ticket waiting for a long step: rank 0 announces its own part at once and posts every rank's (id, decode
+    agent) to the others (no block table crosses the side channel); a withdrawal follows the same way, and an
+    added ticket is not withdrawn later (nothing is posted)."""
+    d = ScriptedDriver()
+    s = TPSender(d)
+    waiting, added = _tp_ticket("w"), _tp_ticket("a")
+    parts = (("w@r0", "decode-r0"), ("w@r1", "decode-r1"))
+    s.announce(waiting)
+    s.announce(added)
+    assert d.rank0_calls[0] == ("sender_announce", parts) and d.posts[0] == ("sender_announce", (parts,))
+    assert d.calls == []  # nothing went through the step loop's channel
+    s.add_request(added)
+    s.withdraw_announced(added.transfer_id)  # already added: nothing to withdraw
+    s.withdraw_announced(waiting.transfer_id)
+    s.withdraw_announced(waiting.transfer_id)  # once only
+    withdrawn = [c for c in d.posts if c[0] == "sender_withdraw_announced"]
+    assert withdrawn == [("sender_withdraw_announced", (("w@r0", "w@r1"),))]
+    assert d.rank0_calls[-1] == ("sender_withdraw_announced", ("w@r0", "w@r1")) and len(d.rank0_calls) == 3
+    with pytest.raises(ValueError, match="one ticket per rank"):
+        s.announce(KVTicket("x", "x", "d", "p", PAGES, 20, 16))
 
 
 def test_rank_calls_name_real_methods():

@@ -454,3 +454,11 @@ def test_a_ticket_waiting_for_a_long_step_is_named_by_heartbeats_until_added_or_
     p.sender.poll()  # reads decode's cancel and confirms (no transfer of it in flight)
     ev = drain(d, 50, p)
     assert [r.pages for r in ev.released] == [(26,)]
+    p.sender.announce(t)  # late (under TP it travels apart from add_request): a finished transfer is not named
+    p.sender.announce_id(gone.transfer_id, d.agent.name)  # nor one that ended by a cancel
+    assert p.sender.heartbeat() == 0
+    p.sender.announce_id("never-added", d.agent.name)  # neither added nor withdrawn (a lost add)
+    assert p.sender.heartbeat() == 1
+    clock.t += p.sender.config.step_timeout + 1
+    p.sender.poll()  # the step loop is alive; no step waits that long: the announcement is dropped
+    assert p.sender.heartbeat() == 0
