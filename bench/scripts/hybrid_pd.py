@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from pd_cluster.bench import prom
 from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
 
 PAGE = 16
@@ -51,13 +52,8 @@ def build_model(folder: Path, chunk: int, max_len: int) -> None:
     AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(folder)
 
 
-def _counters(url: str) -> dict[str, float]:
-    out = {name: 0.0 for name in COUNTERS}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in out:
-            out[name] = float(value)
-    return out
+def _scrape(url: str) -> prom.Scrape:
+    return prom.parse(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def run_mode(model: Path, one_group: bool, lengths: list[int], seed: int) -> list[dict]:
@@ -75,17 +71,17 @@ def run_mode(model: Path, one_group: bool, lengths: list[int], seed: int) -> lis
         for n in lengths:
             rng = random.Random(seed + n)
             ids = [rng.randrange(3, 500) for _ in range(n)]
-            before = _counters(decode)
+            before = _scrape(decode)
             t0 = time.perf_counter()
             r = httpx.post(cluster.router_url + "/v1/completions", timeout=600, json={
                 "model": model.name, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True})
             seconds = time.perf_counter() - t0
             r.raise_for_status()
-            after = _counters(decode)
+            after = _scrape(decode)
             rows.append({"tokens": n, "mode": "one group" if one_group else "groups",
-                         "received": after[COUNTERS[0]] - before[COUNTERS[0]],
-                         "skipped": after[COUNTERS[1]] - before[COUNTERS[1]], "seconds": seconds,
+                         "received": prom.delta_sum(before, after, COUNTERS[0]),
+                         "skipped": prom.delta_sum(before, after, COUNTERS[1]), "seconds": seconds,
                          "token_ids": r.json()["choices"][0]["token_ids"], "groups": info.get("kv_groups", [])})
     finally:
         cluster.stop()
