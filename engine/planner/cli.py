@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", type=float, default=0.88)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="as the engine's flag; auto (its default): the model's dtype")
-    p.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES), help="weights dtype")
+    p.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES),
+                   help="weights dtype in memory; fp8 is a what-if (the engine has no FP8 GEMM: NOT SERVABLE)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--role", default="mixed", choices=ROLES,
                    help="the worker's role; every role frees local layers' pages behind their window, and PD "
@@ -93,6 +94,10 @@ def _kv_layers(plan: Plan) -> str:
 def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     s, inp = plan.spec, plan.inp
     refused = unsupported_reason(s)
+    if inp.weight_dtype == "fp8":  # a what-if: kept for planning FP8 GEMMs (docs/moe.md), not a deployment today
+        refused = ((refused + "; ") if refused else "") + (
+            "--dtype fp8: the engine has no FP8 GEMM and holds weights in bf16, fp16 or fp32 (FP8 checkpoints are "
+            "dequantised on load), so this sizes a deployment it cannot run")
     limit = context_limit(s)
     n = inp.context_length
     beyond = n > limit.tokens
@@ -127,7 +132,10 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                                      + (f"one latent x {s.global_layers} layers, the same on every GPU)" if s.is_mla
                                         else f"{plan.kv_heads_per_gpu} KV head(s) x {_kv_layers(plan)})")),
         ("weights per GPU", _gib(plan.weights_per_gpu)),
-        ("KV pool per GPU", _gib(plan.pool_per_gpu)),
+        ("KV pool per GPU", _gib(plan.pool_per_gpu) if plan.weights_fit else
+         f"none: the weights ({_gib(plan.weights_per_gpu)}) exceed the static budget "
+         f"({_gib(plan.static_budget_per_gpu)}: mem_fraction_static {inp.mem_fraction_static} x "
+         f"{_gib(inp.gpu_memory)}) by {_gib(-plan.pool_per_gpu)}"),
         ("pool tokens per GPU / instance", f"{plan.tokens_per_instance:,}"),
         ("pool tokens per node", f"{plan.tokens_per_node:,} ({plan.instances_per_node} instance(s))"),
         ("longest single request", f"{plan.tokens_per_instance:,} tokens"),
@@ -172,9 +180,13 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                      "documents) made for the longer context")
     for tip in suggestions(plan):
         lines.append(f"{'to make it fit':<{width}}  {tip}")
-    lines.append(f"{'start-up':<{width}}  the pool is sized from the memory budget, not --context-length: "
-                 f"a server with --context-length {inp.context_length:,} starts with the same "
-                 f"{_gib(plan.pool_per_gpu)} pool per GPU as one with 4,096; pages are taken as sequences grow")
+    if not plan.weights_fit:
+        lines.append(f"{'start-up':<{width}}  refused: the weights leave no KV pool in the static budget, so the "
+                     "engine does not start with this deployment, whatever --context-length")
+    else:
+        lines.append(f"{'start-up':<{width}}  the pool is sized from the memory budget, not --context-length: "
+                     f"a server with --context-length {inp.context_length:,} starts with the same "
+                     f"{_gib(plan.pool_per_gpu)} pool per GPU as one with 4,096; pages are taken as sequences grow")
     return "\n".join(lines)
 
 

@@ -125,6 +125,17 @@ class Plan:
     def fits(self) -> bool:
         return self.tokens_per_instance >= self.inp.context_length
 
+    @property
+    def static_budget_per_gpu(self) -> int:
+        """Bytes of one GPU for weights plus KV pool: ``gpu_memory * mem_fraction_static`` (SGLang's rule)."""
+        return int(self.inp.gpu_memory * self.inp.mem_fraction_static)
+
+    @property
+    def weights_fit(self) -> bool:
+        """Whether the weights leave any KV pool in the static budget; when they do not, the engine cannot start
+        (its KV sizing refuses a budget that holds no page, `pd_cluster.engine.kv.sizing.plan_pool`)."""
+        return self.pool_per_gpu > 0
+
     def requests_at_once(self, num_tokens: int) -> int:
         """How many requests of `num_tokens` tokens (page-rounded) fit in one instance's KV pool together."""
         padded = -(-num_tokens // self.inp.page_size) * self.inp.page_size
@@ -188,6 +199,8 @@ def suggestions(plan: Plan) -> list[str]:
     if plan.fits:
         return []
     s, inp = plan.spec, plan.inp
+    if not plan.weights_fit:
+        return _weight_suggestions(plan)
     out = []
     if inp.tp_size < inp.gpus_per_node:
         full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
@@ -206,4 +219,25 @@ def suggestions(plan: Plan) -> list[str]:
     if not out:
         out.append("none the engine offers: a running request's KV must fit one instance's GPUs (no live offload "
                    "to host memory, no context parallelism)")
+    return out
+
+
+def _weight_suggestions(plan: Plan) -> list[str]:
+    """When the weights alone exceed the static budget, KV choices cannot help: say what could."""
+    s, inp = plan.spec, plan.inp
+    out = []
+    if inp.tp_size < inp.gpus_per_node:
+        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
+        verdict = ("fits" if full.fits else "still does not fit") if full.weights_fit else "the weights still do not fit"
+        out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
+    need = plan.weights_per_gpu / inp.gpu_memory
+    if need < 1:
+        out.append(f"a larger static share: the weights alone take {need:.2f} of each GPU, so "
+                   f"--mem-fraction-static must exceed {need:.2f} before any KV page fits")
+    if not out:
+        quant = (" (its FP8 checkpoint is dequantised to the model dtype on load: the engine has no FP8 GEMM)"
+                 if s.fp8_weight_block else "")
+        out.append(f"none the engine offers: the {inp.weight_dtype} weights need {plan.weights_per_gpu / 2**30:,.2f} "
+                   f"GiB per GPU at TP {inp.tp_size}{quant}, and tensor parallelism stays within one node's "
+                   f"{inp.gpus_per_node} GPUs")
     return out
