@@ -14,7 +14,13 @@ concatenates the pieces gets what the non-streamed response holds.
 - ``auto`` with a parser: text streams as content until a call may begin (``<tool_call>`` for ``hermes``, a
   leading ``{`` or ``<|python_tag|>`` for ``llama3_json``). hermes: inside a block the name is sent once
   complete and the arguments stream as they come; a block that never yields a name is parsed when closed
-  (content if it is not a call). llama3_json: held back and sent as calls at the end.
+  (content if it is not a call). llama3_json: when the output (after an optional ``<|python_tag|>``) starts
+  with ``{``, the ``;``-separated call objects are read as they come: each name is sent once complete and its
+  ``parameters`` stream; output that never yields a name is parsed at the end (content if it is not a call).
+
+As in vLLM, a call whose name was sent stands: output cut after it (``max_tokens``, ``finish_reason`` ``length``)
+leaves that call with the arguments sent so far, where the complete text, not being valid JSON, is content in
+the non-streamed response.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ class ToolCallStream:
         self._named: ToolCall | None = None
         self._scanner = CallScanner(1) if tool_choice == "required" else None  # hermes: one per block
         self._base = 0  # index of the scanner's first call
-        self._fed = 0  # hermes: characters of the open block fed to its scanner
+        self._fed = 0  # hermes: characters of the open block fed to its scanner; llama3_json: of the output
+        self._calls_at: int | None = None  # llama3_json: where the call objects begin (-1: not a '{')
         self._index_of: dict[tuple[int, int], int] = {}  # (base, scanner's call) -> the call's index
 
     @property
@@ -125,17 +132,36 @@ class ToolCallStream:
 
     def _feed_llama3(self) -> list[dict]:
         if self._holding:
-            return []
+            return self._scan_llama3()
         tag = Llama3JsonToolParser.python_tag
         body = self._held.lstrip()
         if not self._plain:
             if not body or (tag.startswith(body) and body != tag):
                 return []  # nothing yet, or maybe the tag: decided when more text comes
             if body.startswith("{") or body.startswith(tag):
-                self._holding = True  # the output is a call (or not JSON at all): decided at the end
-                return []
+                self._holding = True  # the output is a call (or not JSON at all): held to the end
+                return self._scan_llama3()
             self._plain = True  # a call is only a whole output that starts with '{'
         return self._content(self._take(len(self._held)))
+
+    def _scan_llama3(self) -> list[dict]:
+        """Stream the calls of a held llama3_json output once its objects begin with '{' (the parser's rule)."""
+        if self._calls_at is None:
+            tag = Llama3JsonToolParser.python_tag
+            lead = len(self._held) - len(self._held.lstrip())
+            if self._held.startswith(tag, lead):
+                lead += len(tag)
+            rest = self._held[lead:]
+            if not rest.strip():
+                return []  # the first character after the tag is still to come
+            self._calls_at = lead + len(rest) - len(rest.lstrip()) if rest.lstrip().startswith("{") else -1
+            if self._calls_at >= 0:
+                self._scanner, self._base, self._fed = CallScanner(0), len(self.tool_calls), self._calls_at
+        if self._calls_at < 0:
+            return []  # not JSON: parsed (as content) at the end
+        out = self._scan(self._held[self._fed:])
+        self._fed = len(self._held)
+        return out
 
     def _scan(self, text: str) -> list[dict]:
         """Feed the call scanner; the deltas of the names and argument pieces it read."""

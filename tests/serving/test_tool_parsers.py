@@ -202,7 +202,10 @@ CANNED = {
                "<tool_call>{broken}</tool_call>"],
     "llama3_json": ['{"name": "get_weather", "parameters": {"city": "Rome", "unit": "fahrenheit"}}',
                     '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
-                    "Sure, {\"name\": \"a\"} is not a call here.", "<|python", '{"name": "a", "parameters": {'],
+                    "Sure, {\"name\": \"a\"} is not a call here.", "<|python",
+                    '<|python_tag|> {"parameters": {"x": [1, {"y": "}"}]}, "name": "late"}',
+                    '<|python_tag|>print("{\\"name\\": 1}")', '\n  {"name": "q", "parameters": "{\\"a\\": 1}"}',
+                    '{"name": "a", "parameters": {"s": "x;y"}} ; {"name": "b", "arguments": {}}', '{"nom": 1}'],
 }
 
 
@@ -218,9 +221,28 @@ def test_streamed_auto_tool_calls_add_up_to_the_non_streamed_result(parser, size
         assert _parsed(calls) == _parsed([(c.name, c.arguments) for c in full.tool_calls]), text
         assert content == full.content, text
         assert stream.tools_called == full.tools_called
-        if parser == "hermes" and size == 1 and full.tools_called:  # the arguments arrive in pieces
+        # the arguments arrive in pieces (those written before the name, or quoted, are sent whole)
+        if size == 1 and full.tools_called and '"parameters": "' not in text and '"late"' not in text:
             pieces = [tc for d in deltas for tc in d.get("tool_calls", []) if "id" not in tc]
             assert len(pieces) > 2 * len(calls), text
+
+
+def test_llama3_json_sends_each_name_before_the_output_ends():
+    """The first call's name and the start of its arguments go out while the model is still writing the second
+    call; output cut after a name (max_tokens) keeps that call with the arguments sent so far, as vLLM streams it,
+    where the complete text (not valid JSON) is content."""
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "book_table", "param'
+    stream = ToolCallStream("auto", get_tool_parser("llama3_json"))
+    early = [d for i in range(0, len(text), 4) for d in stream.feed(text[i:i + 4])]
+    names = [tc["function"]["name"] for d in early for tc in d["tool_calls"] if "id" in tc]
+    assert names == ["get_weather", "book_table"] and stream.tools_called
+    assert "".join(tc["function"]["arguments"] for d in early for tc in d["tool_calls"]
+                   if tc["index"] == 0) == '{"city": "Rome"}'
+    assert stream.finish() == []
+    cut = '{"name": "a", "parameters": {"k": [1, 2'
+    content, calls, _ = _stream(ToolCallStream("auto", get_tool_parser("llama3_json")), cut, 3)
+    assert content is None and calls == [("a", '{"k": [1, 2')]
+    assert not get_tool_parser("llama3_json").extract_tool_calls(cut).tools_called
 
 
 def _parsed(calls: list[tuple[str, str]]) -> list[tuple[str, object]]:
