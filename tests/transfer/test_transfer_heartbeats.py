@@ -1,0 +1,157 @@
+"""Heartbeats, with two real NIXL agents in one process and a controllable clock: a long chunk is not a silence;
+a frozen or hung step loop still is, and a ticket that waits for a long step is named until it is added or
+withdrawn."""
+
+from __future__ import annotations
+
+import torch
+from protocol_kit import T, Side, drain, sides  # noqa: F401  (sides: the module's fixture)
+
+from pd_cluster.transfer import protocol
+from pd_cluster.transfer.config import TransferConfig
+
+
+# ---- heartbeats: a long chunk is not a silence; a frozen or hung step loop still is --------------------------
+def _deliver(d: Side, p: Side, t) -> None:
+    """Decode's step loop polls while prefill's is busy computing (only its heartbeat thread sends)."""
+    for _ in range(20):
+        p.agent.take()  # UCX progress of the prefill side's endpoint, as its heartbeat thread's sends do
+        assert not d.receiver.poll().failed
+
+
+def test_heartbeats_keep_a_chunk_longer_than_the_timeout_alive(sides):
+    """A chunk computes for 1.5 T (the step loop polls nothing): heartbeats every T/4 keep both deadlines, the
+    next push is posted and the transfer completes with the right bytes."""
+    clock, p, d = sides
+    p.pool.kv[3:5] = 5
+    t = d.receiver.expect("long-chunk", [20, 21], 32, p.agent.name)
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [3, 4], 16) == 1
+    for _ in range(100):
+        p.sender.poll()
+        d.receiver.poll()
+        if d.receiver.progress(t.transfer_id):
+            break
+    for _ in range(6):  # 6 x T/4: the next chunk computes longer than decode's deadline
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 1
+        _deliver(d, p, t)
+    assert p.sender.push(t.transfer_id, [3, 4], 32, meta={"first_token_id": 9}) == 1  # posted, not refused
+    done = None
+    for _ in range(200):
+        ev = p.sender.poll()
+        assert not ev.failed, ev.failed
+        got = d.receiver.poll()
+        assert not got.failed, got.failed
+        if got.completed:
+            done = got.completed[0]
+            break
+    assert done is not None and done.meta == {"first_token_id": 9}
+    assert torch.equal(d.pool.read_pages([20, 21]), p.pool.read_pages([3, 4]))
+
+
+def test_without_heartbeats_a_frozen_sender_is_cut_off_and_cannot_revive_its_transfer(sides):
+    """Frozen (SIGSTOP: the heartbeat thread is frozen too) for more than T after a heartbeat: decode fails the
+    transfer; on waking, the heartbeat thread vouches for nothing (idle past T/2) and the push is not posted."""
+    clock, p, d = sides
+    p.pool.kv[10:12] = 3
+    t = d.receiver.expect("frozen", [22, 23], 32, p.agent.name)
+    p.sender.add_request(t)
+    clock.t += T / 4
+    assert p.sender.heartbeat() == 1
+    _deliver(d, p, t)
+    d.pool.kv[22:24] = 0
+    clock.t += T + 0.1  # frozen: no heartbeat
+    ev = d.receiver.poll()
+    assert [type(f.error).__name__ for f in ev.failed] == ["TransferTimeoutError"]
+    assert "no push or heartbeat" in str(ev.failed[0].error) and "1 heartbeats" in str(ev.failed[0].error)
+    assert p.sender.heartbeat() == 0  # woken: the heartbeat thread ran first, and vouched for nothing
+    assert p.sender.push(t.transfer_id, [10, 11], 32, meta={"first_token_id": 1}) == 2  # accepted, not posted
+    ev = p.sender.poll()
+    assert [f.error.reason for f in ev.failed] == ["timeout"] and "not posted" in str(ev.failed[0].error)
+    ev = drain(d, 50, p)
+    assert [r.why for r in ev.released] == ["sender stopped"]
+    assert torch.count_nonzero(d.pool.read_pages([22, 23])) == 0
+
+
+def test_a_hung_step_loop_is_vouched_for_only_up_to_the_step_timeout(sides):
+    """A process alive but whose step loop stopped polling: its heartbeats stop after --kv-transfer-step-timeout,
+    then decode's deadline ends the transfer; an Alive from another agent or for a failed transfer changes nothing."""
+    clock, p, d = sides
+    q = Side("prefill", clock, TransferConfig(kv_transfer_timeout=T, heartbeat_interval=0.5, step_timeout=T))
+    q.agent.connect(d.agent.info)
+    d.agent.connect(q.agent.info)
+    try:
+        t = d.receiver.expect("hung", [24], 10, q.agent.name)
+        q.sender.add_request(t)
+        q.sender.poll()
+        vouched = []
+        for _ in range(12):  # 3 T with no poll: vouched for while the step may still be computing (T)
+            clock.t += T / 4
+            vouched.append(q.sender.heartbeat())
+            p.agent.send(d.agent.name, protocol.Alive((t.transfer_id,)))  # another agent's: ignored
+            for _ in range(20):
+                q.agent.take()
+                p.agent.take()
+                ev = d.receiver.poll()
+                if ev.failed:
+                    break
+            if ev.failed:
+                break
+        assert vouched[:4] == [1, 1, 1, 1] and vouched[4:] == [0] * len(vouched[4:]), vouched
+        assert [type(f.error).__name__ for f in ev.failed] == ["TransferTimeoutError"]
+        assert T * 2 - 0.01 <= T / 4 * len(vouched) <= 2 * T + T / 4  # the last heartbeat (at T) + T
+        q.agent.send(d.agent.name, protocol.Alive((t.transfer_id,)))  # a failed transfer stays failed
+        ev = drain(d, 50, q, p)
+        assert not ev.completed and not ev.failed and d.receiver.num_quarantined == 1
+        ev = q.sender.poll()  # the step loop resumes: it reads decode's cancel, stops and says so
+        assert [(f.error.reason, f.error.side) for f in ev.failed] == [("aborted", "decode")]
+        ev = drain(d, 50, q, p)
+        assert [r.why for r in ev.released] == ["sender stopped"]
+    finally:
+        d.agent.disconnect(q.agent.name)
+        q.agent.close()
+
+
+def test_a_ticket_waiting_for_a_long_step_is_named_by_heartbeats_until_added_or_withdrawn(sides):
+    """A ticket arrives while the step loop computes a long chunk (it is added between steps): the HTTP handler
+    announces it, heartbeats name it meanwhile, and decode waits past T; once added, the transfer completes.
+    A withdrawn announcement is named no more, and decode's deadline ends that transfer."""
+    clock, p, d = sides
+    p.pool.kv[13] = 4
+    t = d.receiver.expect("queued-behind", [25], 10, p.agent.name)
+    gone = d.receiver.expect("refused-later", [26], 10, p.agent.name)
+    p.sender.announce(t)
+    p.sender.announce(gone)
+    for _ in range(6):  # 1.5 T: the step that runs when the tickets arrive
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 2
+        _deliver(d, p, t)
+    p.sender.withdraw_announced(gone.transfer_id)  # e.g. the engine refused the prompt
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [13], 10, meta={"first_token_id": 2}) == 1
+    done, failed = None, []
+    for _ in range(200):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        failed += ev.failed
+        done = done or (ev.completed[0] if ev.completed else None)
+        if done:
+            break
+    assert done is not None and done.transfer_id == t.transfer_id and not failed
+    for _ in range(5):  # the withdrawn ticket: no heartbeat names it; decode gives up after T
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 0
+        failed += d.receiver.poll().failed
+    assert [(f.transfer_id, type(f.error).__name__) for f in failed] == [(gone.transfer_id, "TransferTimeoutError")]
+    p.sender.poll()  # reads decode's cancel and confirms (no transfer of it in flight)
+    ev = drain(d, 50, p)
+    assert [r.pages for r in ev.released] == [(26,)]
+    p.sender.announce(t)  # late (under TP it travels apart from add_request): a finished transfer is not named
+    p.sender.announce_id(gone.transfer_id, d.agent.name)  # nor one that ended by a cancel
+    assert p.sender.heartbeat() == 0
+    p.sender.announce_id("never-added", d.agent.name)  # neither added nor withdrawn (a lost add)
+    assert p.sender.heartbeat() == 1
+    clock.t += p.sender.config.step_timeout + 1
+    p.sender.poll()  # the step loop is alive; no step waits that long: the announcement is dropped
+    assert p.sender.heartbeat() == 0
