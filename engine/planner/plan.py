@@ -201,11 +201,7 @@ def suggestions(plan: Plan) -> list[str]:
     s, inp = plan.spec, plan.inp
     if not plan.weights_fit:
         return _weight_suggestions(plan)
-    out = []
-    if inp.tp_size < inp.gpus_per_node:
-        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
-        verdict = "fits" if full.fits else "still does not fit"
-        out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
+    out = _more_tp(plan)
     if inp.kv_dtype != "fp8_e4m3":
         fp8 = make_plan(s, replace(inp, kv_cache_dtype="fp8_e4m3"))
         verdict = "fits" if fp8.fits else "still does not fit"
@@ -225,11 +221,7 @@ def suggestions(plan: Plan) -> list[str]:
 def _weight_suggestions(plan: Plan) -> list[str]:
     """When the weights alone exceed the static budget, KV choices cannot help: say what could."""
     s, inp = plan.spec, plan.inp
-    out = []
-    if inp.tp_size < inp.gpus_per_node:
-        full = make_plan(s, replace(inp, tp_size=inp.gpus_per_node))
-        verdict = ("fits" if full.fits else "still does not fit") if full.weights_fit else "the weights still do not fit"
-        out.append(f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})")
+    out = _more_tp(plan)
     need = plan.weights_per_gpu / inp.gpu_memory
     if need < 1:
         out.append(f"a larger static share: the weights alone take {need:.2f} of each GPU, so "
@@ -241,3 +233,13 @@ def _weight_suggestions(plan: Plan) -> list[str]:
                    f"GiB per GPU at TP {inp.tp_size}{quant}, and tensor parallelism stays within one node's "
                    f"{inp.gpus_per_node} GPUs")
     return out
+
+
+def _more_tp(plan: Plan) -> list[str]:
+    """The more-TP tip (TP over the whole node), with its verdict; none when TP already spans the node."""
+    inp = plan.inp
+    if inp.tp_size >= inp.gpus_per_node:
+        return []
+    full = make_plan(plan.spec, replace(inp, tp_size=inp.gpus_per_node))
+    verdict = ("fits" if full.fits else "still does not fit") if full.weights_fit else "the weights still do not fit"
+    return [f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})"]
