@@ -188,3 +188,16 @@ def test_a_generation_config_folder_replaces_the_models(eot_model, tmp_path):
     assert eot not in llm.engine.eos_token_ids and later in llm.engine.eos_token_ids
     out = llm.generate([prompt])[0].outputs[0]  # the folder's defaults: greedy, 20 tokens at most
     assert out.token_ids == greedy[:min(greedy.index(later) + 1, 20)]
+
+
+def test_pd_generate_takes_the_defaults_under_its_flags(eot_model, monkeypatch, capsys):
+    from pd_cluster.launch import generate
+
+    folder = eot_model[0]
+    received = []
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params: received.append(params) or [])
+    base = ["Hi", "--model", str(folder), "--kv-cache-memory", "16MiB"]
+    for argv in ([], ["--temperature", "0", "--max-tokens", "5"], ["--generation-config", "vllm"]):
+        generate.main(base + argv)
+    assert [(p.temperature, p.top_p, p.max_tokens) for p in received] == [(0.6, 0.9, 64), (0.0, 0.9, 5),
+                                                                          (0.0, 1.0, 64)]
