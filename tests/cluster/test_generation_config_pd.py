@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
 from cluster_util import running_pd_serve
-from random_models import build_with_end_of_turn, prompt_ids
+from random_models import build_with_end_of_turn, hf_stop
 
 from pd_cluster.engine import LLM, SamplingParams
 
@@ -25,12 +24,9 @@ SEED = 11
 def served(tmp_path_factory):
     """(openai client, prompt ids, transformers' greedy tokens with no stop, the end-of-turn id, the folder)."""
     folder = tmp_path_factory.mktemp("eot")
-    prompt = prompt_ids(1)[0]
-    model, greedy, eot = build_with_end_of_turn(folder, prompt, MAX_TOKENS, temperature=0.6, top_p=0.9,
-                                                do_sample=True)
-    with torch.no_grad():  # transformers' own stop, from the same file
-        hf = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS)[0, len(prompt):]
-    assert hf.tolist() == greedy[:greedy.index(eot) + 1]
+    model, prompt, greedy, eot = build_with_end_of_turn(folder, MAX_TOKENS, temperature=0.6, top_p=0.9,
+                                                        do_sample=True)
+    assert hf_stop(model, prompt, MAX_TOKENS) == greedy[:greedy.index(eot) + 1]  # transformers' own stop
     argv = ["--model", str(folder), "--served-model-name", NAME]
     with running_pd_serve(tmp_path_factory.mktemp("pd") / "manifest.json", argv) as (url, manifest):
         assert sorted(w["role"] for w in manifest["workers"]) == ["decode", "prefill"]

@@ -8,8 +8,7 @@ import json
 import logging
 
 import pytest
-import torch
-from random_models import build_with_end_of_turn, prompt_ids
+from random_models import build_with_end_of_turn, hf_stop
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.model.generation_config import GenerationDefaults, load_generation_config
@@ -134,20 +133,16 @@ def test_start_up_log_names_what_was_taken_and_not_applied(tmp_path, caplog):
 # ---- the engine, offline, against transformers -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eot_model(tmp_path_factory):
-    """(folder, prompt ids, transformers model, its greedy continuation with no stop, the end-of-turn id)."""
+    """(folder, transformers model, prompt ids, its greedy continuation with no stop, the end-of-turn id)."""
     folder = tmp_path_factory.mktemp("eot")
-    prompt = prompt_ids(1)[0]
-    model, greedy, eot = build_with_end_of_turn(folder, prompt, MAX_TOKENS, temperature=0.6, top_p=0.9,
-                                                do_sample=True)
-    return folder, prompt, model, greedy, eot
+    return (folder, *build_with_end_of_turn(folder, MAX_TOKENS, temperature=0.6, top_p=0.9, do_sample=True))
 
 
 def test_offline_greedy_stops_at_the_added_eos_as_transformers_generate(eot_model):
-    folder, prompt, model, greedy, eot = eot_model
-    with torch.no_grad():  # transformers reads the same generation_config.json (its eos list)
-        hf = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS)[0, len(prompt):]
+    folder, model, prompt, greedy, eot = eot_model
     k = greedy.index(eot)
-    assert hf.tolist() == greedy[:k + 1] and k >= 4  # transformers stops there, and not at once
+    # transformers reads the same generation_config.json (its eos list): it stops there, and not at once
+    assert hf_stop(model, prompt, MAX_TOKENS) == greedy[:k + 1] and k >= 4
     llm = LLM(model=str(folder), kv_cache_memory="16MiB")
     assert eot in llm.engine.eos_token_ids
     out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].outputs[0]
@@ -160,7 +155,7 @@ def test_offline_greedy_stops_at_the_added_eos_as_transformers_generate(eot_mode
 
 
 def test_offline_defaults_are_the_generation_configs_unless_params_are_given(eot_model):
-    folder, prompt, *_ = eot_model
+    folder, _, prompt, *_ = eot_model
     llm = LLM(model=str(folder), kv_cache_memory="16MiB")
     received = []
     add = llm.engine.add_request
@@ -172,7 +167,7 @@ def test_offline_defaults_are_the_generation_configs_unless_params_are_given(eot
 
 
 def test_vllm_mode_takes_the_engine_defaults_and_still_stops_at_the_eos(eot_model):
-    folder, prompt, _, greedy, eot = eot_model
+    folder, _, prompt, greedy, eot = eot_model
     llm = LLM(model=str(folder), kv_cache_memory="16MiB", generation_config="vllm")
     assert llm.get_default_sampling_params() == SamplingParams()
     out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0].outputs[0]
@@ -180,7 +175,7 @@ def test_vllm_mode_takes_the_engine_defaults_and_still_stops_at_the_eos(eot_mode
 
 
 def test_a_generation_config_folder_replaces_the_models(eot_model, tmp_path):
-    folder, prompt, _, greedy, eot = eot_model
+    folder, _, prompt, greedy, eot = eot_model
     k = greedy.index(eot)
     later = next(t for i, t in enumerate(greedy) if i > k and t not in greedy[:i] and t > 2)
     _write(tmp_path, eos_token_id=later, max_new_tokens=20, temperature=0.0)
