@@ -28,7 +28,9 @@ import json
 import logging
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 logger = logging.getLogger("engine")
@@ -82,9 +84,12 @@ class GenerationDefaults:
     mode: str = "vllm"
     source: str | None = None
     eos_token_ids: tuple[int, ...] = ()
-    sampling: dict[str, Any] = field(default_factory=dict, hash=False)
+    sampling: Mapping[str, Any] = field(default_factory=dict, hash=False)
     max_tokens_cap: bool = False
     not_applied: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sampling", MappingProxyType(dict(self.sampling)))  # read-only, as the rest
 
     @property
     def default_max_tokens(self) -> int | None:
