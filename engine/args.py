@@ -58,6 +58,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--served-model-name", "model.served_model_name", str, "Model name in the API (default: folder name)."),
     Flag("--seed", "model.seed", int, "Seed of dummy weights and of unseeded sampling.",
          aliases=("--random-seed",)),
+    Flag("--generation-config", "model.generation_config", str,
+         "auto (default): the model's generation_config.json gives EOS ids and default sampling parameters; "
+         "vllm: the engine's defaults (its EOS ids still stop); or a folder to read generation_config.json from."),
     Flag("--page-size", "cache.page_size", int, "Tokens per KV page, 1..256 (default 64)."),
     Flag("--kv-cache-dtype", "cache.kv_cache_dtype", _kv_dtype, "auto, bf16, fp16, fp32 or fp8_e4m3."),
     Flag("--mem-fraction-static", "cache.mem_fraction_static", float,

@@ -63,6 +63,10 @@ class ModelConfig:
             config's shape, for benchmarks without weights; as vLLM's flag).
         served_model_name: the name in ``/v1/models``; default: the folder name.
         seed: seed of the dummy weights.
+        generation_config: ``auto`` (the model folder's ``generation_config.json``: its EOS ids end generation
+            and its sampling fields are the requests' defaults), ``vllm`` (the engine's defaults; the folder's EOS
+            ids still apply) or a folder to read ``generation_config.json`` from (vLLM's flag;
+            `pd_cluster.engine.model.generation_config`).
     """
 
     model: str | None = None
@@ -71,8 +75,11 @@ class ModelConfig:
     load_format: str = "auto"
     served_model_name: str | None = None
     seed: int = 0
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if not self.generation_config:
+            raise ValueError("generation_config must be auto, vllm or a folder, got an empty string")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.load_format not in ("auto", "safetensors", "dummy"):

@@ -33,6 +33,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no params (vLLM's method): the generation config's sampling
+        fields (``--generation-config``; ``max_new_tokens`` as ``max_tokens``) over `SamplingParams`' defaults.
+        Params passed to `generate` are used as given (vLLM's ``LLM`` does not merge them either); the
+        generation config's EOS ids end every request."""
+        return SamplingParams(**self.engine.generation.sampling)
+
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -40,7 +47,7 @@ class LLM:
 
         Args:
             prompts: one text, texts, or lists of token ids.
-            sampling_params: one for all, or one per prompt (default: `SamplingParams()`). ``n`` > 1 fans out
+            sampling_params: one for all, or one per prompt (default: `get_default_sampling_params`). ``n`` > 1 fans out
                 into ``n`` engine requests (`fanned_out`: seeds ``seed + i``), whose sequences come back together
                 in one `RequestOutput` (``outputs[i].index == i``), as vLLM's ``LLM`` returns them.
             use_tqdm: show a progress bar.
@@ -50,7 +57,7 @@ class LLM:
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")

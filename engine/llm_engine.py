@@ -23,6 +23,7 @@ from pd_cluster.engine.config import EngineConfig, format_size
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
+from pd_cluster.engine.model.generation_config import load_generation_config
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.group_cache import GroupedPrefixCache
@@ -63,6 +64,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         check_model_folder(config.model.path)  # before the tokenizer: a Hub id must not reach transformers
+        # EOS ids and default sampling parameters (--generation-config), refused keys before any weight loads
+        self.generation = load_generation_config(config.model.generation_config, config.model.path)
         self.config = config
         self.role = config.role
         self.tp_driver = None
@@ -141,7 +144,8 @@ class LLMEngine:
 
     # ---- start-up ------------------------------------------------------------
     def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.arch.eos_token_ids)
+        """config.json's, the tokenizer's and the generation config's EOS ids (vLLM's stop set)."""
+        ids = set(self.arch.eos_token_ids) | set(self.generation.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
         return tuple(sorted(ids))
@@ -156,6 +160,7 @@ class LLMEngine:
             format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
             backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on",
             self.overlap.describe())
+        self.generation.log(self.eos_token_ids)
 
     # ---- requests --------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -21,9 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 prog="pd-generate", description="Offline generation on one engine (mixed role).")
     p.add_argument("prompts", nargs="*", help="prompts (default: one example prompt)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="default: the generation config's max_new_tokens, else 64")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the generation config's, else 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="default: the generation config's, else 1")
     p.add_argument("--sampling-seed", type=int, default=None)
     p.add_argument("--log-level", default="warning")
     add_engine_args(p)
@@ -47,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompts or ["Once upon a time"]
     engine_args = {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS}
     llm = LLM(**engine_args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            seed=args.sampling_seed)
+    # the generation config's sampling fields (--generation-config) under the flags given
+    given = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                               ("top_p", args.top_p)) if v is not None}
+    defaults = {"max_tokens": 64, "temperature": 0.0, **llm.engine.generation.sampling}
+    params = SamplingParams(**{**defaults, **given}, seed=args.sampling_seed)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
@@ -29,7 +30,7 @@ from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.prompt_logprobs import PromptEcho
-from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
+from pd_cluster.serving.protocol import NO_DEFAULTS, ChatCompletionRequest, CompletionRequest
 from pd_cluster.serving.resume import Resumed, prepare_resumed
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
@@ -83,10 +84,13 @@ class OpenAIServing:
         context_length: the engine's context length (tokens): ``/v1/models`` and the length checks.
         metrics: the worker's metrics.
         tool_settings: the worker's ``--tool-call-parser`` and ``--enable-auto-tool-choice``.
+        generation: the engine's generation config (``--generation-config``): the defaults of the sampling
+            fields and ``max_tokens`` that a request does not set.
     """
 
     def __init__(self, source: PromptSource, tokenizer: Any, model_name: str, context_length: int,
-                 metrics: WorkerMetrics, tool_settings: ToolSettings | None = None) -> None:
+                 metrics: WorkerMetrics, tool_settings: ToolSettings | None = None,
+                 generation: GenerationDefaults = NO_DEFAULTS) -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -94,6 +98,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tok = Tokenization(tokenizer, context_length)
         self.tool_settings = tool_settings or ToolSettings()
+        self.generation = generation
 
     # ---- routes ------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -160,21 +165,25 @@ class OpenAIServing:
         body = validate_body(model, data)
         if body.model is not None and body.model != self.model_name:
             raise HTTPError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
-        kwargs = body.sampling_kwargs()
+        kwargs = body.sampling_kwargs(self.generation)
         tools = None
         if kind == "completion":
             prompts = body.prompts()
             echoes = []
-            for i, prompt in enumerate(prompts):  # each prompt must fit on its own
-                param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
-                    self.tok.check_fits([prompt], param)
+                    self.tok.check_fits([prompt], _prompt_param(prompts, i))
                 ids = self.tok.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
-                self._check_length(len(ids), kwargs["max_tokens"], param, body.max_tokens_param)
                 text = prompt if isinstance(prompt, str) else (
                     self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else "")
                 echoes.append(PromptEcho(text, ids, bool(body.echo), body.logprobs, body.prompt_logprobs,
                                          body.echo_only))
+            longest = max(len(e.token_ids) for e in echoes)  # one max_tokens for every prompt of the request
+            kwargs["max_tokens"] = self.generation.resolve_max_tokens(kwargs["max_tokens"],
+                                                                      self.context_length - longest)
+            for i, echo in enumerate(echoes):  # each prompt must fit on its own
+                self._check_length(len(echo.token_ids), kwargs["max_tokens"], _prompt_param(prompts, i),
+                                   body.max_tokens_param)
             params = SamplingParams(**kwargs)
             resumed = prepare_resumed(self.tokenizer, echoes[0].token_ids, params, body.resumed_output(),
                                       self.context_length)
@@ -189,6 +198,8 @@ class OpenAIServing:
             prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools)
             if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
                 prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+        kwargs["max_tokens"] = self.generation.resolve_max_tokens(kwargs["max_tokens"],
+                                                                  self.context_length - len(prompt_ids))
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
         resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
@@ -359,6 +370,11 @@ def _raise_error(d: Any) -> Any:
     if isinstance(d, BaseException):
         raise d
     return d
+
+
+def _prompt_param(prompts: list, i: int) -> str:
+    """The body path of prompt `i`: ``prompt``, or ``prompt[i]`` among several."""
+    return "prompt" if len(prompts) == 1 else f"prompt[{i}]"
 
 
 async def until_disconnect(request: Request, task: asyncio.Future) -> Any:

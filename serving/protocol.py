@@ -5,7 +5,8 @@ vLLM and SGLang accept (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``add_special_tokens``, ``return_token_ids``,
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``)
-are accepted too. ``response_format`` and the ``guided_*`` fields become a
+are accepted too. Sampling fields a request does not set take the generation config's defaults
+(``--generation-config``). ``response_format`` and the ``guided_*`` fields become a
 `StructuredOutput`; chat ``tools`` / ``tool_choice`` are validated here and
 enforced or parsed by `tools/chat.py`. Nothing that changes the output is ignored: a field is
 honoured, or refused with a 400 naming it (`fields.py` lists which).
@@ -21,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pd_cluster.engine.errors import RequestRejected
+from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
 from pd_cluster.engine.sampling.structured import structured_output_from_request
 from pd_cluster.serving.fields import check_extra_fields
@@ -34,6 +36,8 @@ MAX_SEQUENCES = 1024
 """Most sequences one completions request may generate: prompts × (``best_of`` or ``n``)."""
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+NO_DEFAULTS = GenerationDefaults()
+"""No generation config: the engine's own defaults (``--generation-config vllm`` without EOS ids)."""
 _INT64 = 2 ** 63
 
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -88,25 +92,34 @@ class _Common(BaseModel):
     def _check_extras(self) -> None:
         check_extra_fields(self.model_extra or {}, "chat" if isinstance(self, ChatCompletionRequest) else "completion")
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: GenerationDefaults) -> dict[str, Any]:
+        """`SamplingParams` fields; `defaults` (the generation config, ``--generation-config``) fill the sampling
+        fields the request does not set (an explicit value, ``temperature: 1.0`` included, wins)."""
         kw: dict[str, Any] = dict(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k, min_p=self.min_p or 0.0, seed=self.seed,
+            temperature=defaults.pick("temperature", self.temperature, 1.0),
+            top_p=defaults.pick("top_p", self.top_p, 1.0),
+            top_k=defaults.pick("top_k", self._given("top_k"), -1),
+            min_p=defaults.pick("min_p", self._given("min_p"), 0.0), seed=self.seed,
             stop=self.stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, prompt_logprobs=self.prompt_logprobs,
             structured_output=structured_output_from_request(
                 self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
                 self.guided_grammar, self.guided_whitespace_pattern))
-        kw.update(self._penalties())
+        kw.update(self._penalties(defaults))
         return kw
 
-    def _penalties(self) -> dict[str, Any]:
+    def _given(self, name: str) -> Any:
+        """The request's value of `name`, or None when the body does not set it (its model default aside)."""
+        return getattr(self, name) if name in self.model_fields_set else None
+
+    def _penalties(self, defaults: GenerationDefaults) -> dict[str, Any]:
         """Penalties and logit bias for `SamplingParams`, refused by name where the engine lacks the field."""
         wanted: dict[str, Any] = {}
-        for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
+        repetition = defaults.pick("repetition_penalty", self._given("repetition_penalty"), 1.0)
+        for name, value, default in (("presence_penalty", self.presence_penalty, 0.0),
+                                     ("frequency_penalty", self.frequency_penalty, 0.0),
+                                     ("repetition_penalty", repetition, 1.0)):
             if value is not None and value != default:
                 wanted[name] = value
         if self.logit_bias:
@@ -209,13 +222,14 @@ class CompletionRequest(_Common):
                                   code="unsupported_parameter")
         return prompts
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """`SamplingParams` fields. ``max_tokens`` 0 (``echo``: score the prompt) runs one token, which the
-        response drops; ``echo`` with ``logprobs`` asks the engine for that many prompt logprobs."""
+    def sampling_kwargs(self, defaults: GenerationDefaults = NO_DEFAULTS) -> dict[str, Any]:
+        """`SamplingParams` fields (``max_tokens`` as sent: `GenerationDefaults.resolve_max_tokens` applies the
+        default once the prompt's length is known). ``max_tokens`` 0 (``echo``: score the prompt) runs one token,
+        which the response drops; ``echo`` with ``logprobs`` asks the engine for that many prompt logprobs."""
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        return dict(self._sampling_kwargs(), max_tokens=1 if self.max_tokens == 0 else self.max_tokens,
+        return dict(self._sampling_kwargs(defaults), max_tokens=1 if self.max_tokens == 0 else self.max_tokens,
                     logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
@@ -300,12 +314,13 @@ class ChatCompletionRequest(_Common):
         self._check_extras()
         return [m.for_template(i) for i, m in enumerate(self.messages)]
 
-    def sampling_kwargs(self) -> dict[str, Any]:
+    def sampling_kwargs(self, defaults: GenerationDefaults = NO_DEFAULTS) -> dict[str, Any]:
+        """`SamplingParams` fields (``max_tokens`` as sent, see `CompletionRequest.sampling_kwargs`)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestRejected("top_logprobs: requires logprobs=true", param="top_logprobs")
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return dict(self._sampling_kwargs(), max_tokens=limit, logprobs=n_logprobs)
+        return dict(self._sampling_kwargs(defaults), max_tokens=limit, logprobs=n_logprobs)
 
     @property
     def max_tokens_param(self) -> str:

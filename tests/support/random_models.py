@@ -207,3 +207,39 @@ class RelativeNoiseCache(DynamicCache):
 def row_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Mean over positions of ||out - ref|| / ||ref|| (per-position logit vectors)."""
     return ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).mean().item()
+
+
+def build_with_end_of_turn(out_dir: Path, max_new_tokens: int = 24, first: int = 4,
+                           **generation) -> tuple[object, list[int], list[int], int]:
+    """A tiny random Llama (`build` ``llama-gqa4``) whose ``generation_config.json`` adds to ``eos_token_id`` an
+    end-of-turn id that greedy decoding of the first `prompt_ids` prompt reaches: the first token of transformers' greedy continuation,
+    from index `first` on, that it has not generated before (so the stop cannot come earlier, and the test cannot
+    pass by stopping at once). `generation` adds keys to the file (``temperature=0.6``, ...).
+
+    Returns:
+        (the transformers model, the prompt's ids, their greedy continuation of `max_new_tokens` tokens with no
+        stop, the id added).
+    """
+    from transformers import GenerationConfig
+
+    prompt = prompt_ids(1)[0]
+    model = build("llama-gqa4", out_dir)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    greedy = out[0, len(prompt):].tolist()
+    eot = next(t for i, t in enumerate(greedy) if i >= first and t not in greedy[:i] and t > 2)
+    path = Path(out_dir) / "generation_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(eos_token_id=[cfg["eos_token_id"], eot], **generation)
+    path.write_text(json.dumps(cfg, indent=2))
+    model.generation_config = GenerationConfig.from_pretrained(out_dir)
+    return model, prompt, greedy, eot
+
+
+def hf_stop(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' ``generate()`` greedy continuation of `prompt`, stopped by the model's own generation config
+    (its ``eos_token_id`` list)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt):].tolist()
