@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 import tempfile
 import time
@@ -198,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         write_results(run, chosen)
         print(f"[first_contact] step {step.name}: {res.status} ({res.detail}) in {res.wall_s:.0f} s of "
               f"{res.share_s:.0f}", flush=True)
-    text = (out / "results.md").read_text()  # the summary (steps, targets, checks, skips, errors), not the tables
-    print(text.split("\n## env:")[0].split("\n## kernels:")[0][:10000], flush=True)
+    data = json.loads((out / "results.json").read_text())  # the summary: steps, targets, checks, skips, errors
+    print(report.markdown(data, summary_only=True)[-10000:], flush=True)
     return 0 if all(r.status == "ok" for r in run.results.values()) else 1
 
 

@@ -61,7 +61,8 @@ def _verdict(t: dict) -> str:
     return {True: "met", False: "**MISSED**", None: "not measured"}[t["met"]]
 
 
-def markdown(data: dict) -> str:
+def markdown(data: dict, summary_only: bool = False) -> str:
+    """The results as markdown; with `summary_only`, without the steps' own tables."""
     run = data["run"]
     lines = ["# GPU first contact: results", "",
              f"- started {run['started']}; command: `{run['command']}`",
@@ -99,7 +100,7 @@ def markdown(data: dict) -> str:
     if data["errors"]:
         lines += ["", "## Errors", ""]
         lines += _table(["step", "what", "error"], [[e["step"], e["what"], e["error"]] for e in data["errors"]])
-    for s in data["steps"]:
+    for s in [] if summary_only else data["steps"]:
         part = data["parts"].get(s["name"])
         if part and part.get("sections"):
             lines += ["", f"## {s['name']}: {s['what']}", ""]
