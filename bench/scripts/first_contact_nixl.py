@@ -88,7 +88,7 @@ def _pool(nbytes: int, use_cuda: bool, fill: bool):
 
 def _sums(buf, offsets, lengths) -> int:
     import torch
-    return int(sum(int(buf[int(o):int(o) + int(n)].to(torch.int64).sum()) for o, n in zip(offsets, lengths)))
+    return sum(int(buf[int(o):int(o) + int(n)].sum(dtype=torch.int64)) for o, n in zip(offsets, lengths))
 
 
 def _wait(conn, agent):

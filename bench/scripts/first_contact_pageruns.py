@@ -76,7 +76,7 @@ class _Live:
         self.sent = 0        # prompt pages pushed so far (prefill side, from first_page)
 
 
-def simulate(num_pages: int, page_size: int = 64, chunk: int = 8192, num_requests: int = 1000, warmup: int = 300,
+def simulate(num_pages: int, page_size: int = 64, chunk: int = 8192, num_requests: int = 600, warmup: int = 200,
              probe_lengths: tuple[int, ...] = (2048, 8192), probes_each: int = 3, max_output: int = 512,
              max_prefills: int = 8, seed: int = 0) -> PoolHistory:
     """Replay the trace through a prefill and a decode page manager of `num_pages` pages each (module doc).
