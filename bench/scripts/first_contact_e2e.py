@@ -132,6 +132,7 @@ def pd_checks(part: Part, clusters: dict, refs: dict, prompts: list[str], tokens
                 t0 = time.monotonic()
                 texts, ids = pd.complete(cluster, name, prompts, tokens[name], timeout_s=max(10.0, deadline - t0))
             except Exception:
+                print(pd.tails(cluster), flush=True)  # the workers' last lines, into the run's log
                 sec.rows.append(Row([name, "failed", "", "", ""]))
                 part.check(f"{name}: PD 1P1D == offline torch reference", False, "the cluster failed (see errors)")
                 raise

@@ -130,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             part.info("ready_s", {"1P1D": round(ready[0], 1), "colocated": round(ready[1], 1)})
         if len(clusters) == 2 and "ready_s" in part.data["info"]:
             with part.guard("TTFT at 2k and 8k"):
-                measure(part, clusters[0], clusters[1], lengths, min(config["vocab_size"], 32000),
-                        REQUESTS if not dry else 2, deadline)
+                try:
+                    measure(part, clusters[0], clusters[1], lengths, min(config["vocab_size"], 32000),
+                            REQUESTS if not dry else 2, deadline)
+                except Exception:
+                    print("\n".join(pd.tails(c) for c in clusters), flush=True)  # into the run's log
+                    raise
     finally:
         pd.stop_all(clusters)
     return finish(part)

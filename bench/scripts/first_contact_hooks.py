@@ -4,8 +4,9 @@ be on this branch yet.
 Each hook names a module of ``pd_cluster.bench.scripts`` (`HOOKS`). When the module is absent the hook is a skip
 with that reason. When it is there, in order of preference:
 
-1. it defines ``first_contact_sections(device, ceilings, smoke) -> list[Section]`` (`gpu_common.Section`,
-   `gpu_common.Ceilings`): it is called in this process and each table is recorded as it returns;
+1. its source defines ``first_contact_sections(device, ceilings, smoke) -> list[Section]``
+   (`gpu_common.Section`, `gpu_common.Ceilings`): it is imported and called in this process, and each table is
+   recorded as it returns;
 2. otherwise it is run as ``python -m pd_cluster.bench.scripts.<name>`` (``--smoke`` in a dry run) within its
    share of the step's time; its output goes to the run's log, and the markdown tables it prints (``### title``,
    then a ``| ... |`` table) are recorded as sections. A non-zero exit status or a stop at its share is an error.
@@ -20,6 +21,7 @@ import importlib.util
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from pd_cluster.bench.scripts.first_contact_part import Part, finish, load_ceilings, start_part
 from pd_cluster.bench.scripts.gpu_common import Row, Section
@@ -53,12 +55,13 @@ def sections_from_markdown(text: str) -> list[Section]:
 
 def run_hook(part: Part, name: str, what: str, device, work, smoke: bool, deadline: float) -> None:
     module = f"{PACKAGE}.{name}"
-    if importlib.util.find_spec(module) is None:
+    spec = importlib.util.find_spec(module)
+    if spec is None:
         part.skip(f"{what} ({name})", f"not on this branch: bench/scripts/{name}.py is absent")
         return
-    mod = importlib.import_module(module)
-    fn = getattr(mod, "first_contact_sections", None)
-    if fn is not None:
+    source = Path(spec.origin).read_text(errors="replace") if spec.origin else ""
+    if "def first_contact_sections(" in source:  # read, not imported, first: a script may act at import
+        fn = importlib.import_module(module).first_contact_sections
         ceil = load_ceilings(work, device, smoke)
         for sec in fn(device, ceil, smoke):
             part.section(sec)

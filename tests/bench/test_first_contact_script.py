@@ -166,7 +166,7 @@ def test_dry_run_writes_its_three_files_within_its_budget(tmp_path):
     assert {p.name for p in out.iterdir()} == set(fc.FILES), done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert {s["name"]: s["status"] for s in data["steps"]} == dict.fromkeys(STEP_NAMES, "ok"), \
-        (out / "results.md").read_text()[:6000]
+        json.dumps([data["steps"], data["errors"]], indent=1)[:8000]  # a loaded machine may stop a step at its share
     assert done.returncode == 0 and wall <= budget + 20
     assert {t["key"] for t in data["targets"]} >= set(TARGETS)  # each target measured (toy numbers)
     assert data["errors"] == [] and all(c["passed"] for c in data["checks"])
@@ -220,3 +220,22 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hook_module_without_the_function_runs_as_a_script_and_its_tables_are_kept(tmp_path, monkeypatch):
+    pkg = tmp_path / "fc_cli_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("import sys\nprint('### MXFP4 MoE\\n\\n| tokens | us |\\n|---|---|\\n| 64 | 12.5 |\\n')\n"
+                                "sys.exit(3 if '--smoke' in sys.argv else 0)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(hooks, "PACKAGE", "fc_cli_pkg")
+    part = Part(None, "quant")
+    hooks.run_hook(part, "cli", "what", "cpu", tmp_path, False, time.monotonic() + 60)
+    assert [(s["title"], s["rows"][0]["cells"]) for s in part.data["sections"]] == [("MXFP4 MoE", ["64", "12.5"])]
+    with pytest.raises(RuntimeError, match="exited with 3"):  # a failing script is an error; its tables stay
+        hooks.run_hook(part, "cli", "what", "cpu", tmp_path, True, time.monotonic() + 60)
+    assert len(part.data["sections"]) == 2
