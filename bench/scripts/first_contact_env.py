@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     part.info("python", platform.python_version())
     part.info("platform", platform.platform())
     part.info("cpus", os.cpu_count())
-    part.info("packages", [ln[2:] for ln in pkg_lines])
+    part.info("packages", [ln[2:].split(" (/")[0] for ln in pkg_lines])  # name: version, without the path
     part.info("device", [ln[2:] for ln in dev_lines])
     part.info("nvidia_smi", smi)
     part.check("the Triton self-check passes on " + str(device), ok, line[2:])
