@@ -9,9 +9,10 @@ weights and KV, page 16:
    scheduling) must give the same tokens as the torch reference backend without graphs or overlap (a check).
    Both are shown against transformers' own greedy loop on CPU (full recompute), and stories260K's first prompt
    against the continuation Karpathy published for it (a check).
-2. **PD**: a 1P1D cluster per model (router, prefill and decode workers, NIXL between them), all four started
-   together at the step's start on the one device (``--kv-cache-memory`` each); every completion through the
-   router must equal the offline torch reference's text (a check).
+2. **PD**: a 1P1D cluster per model (router, prefill and decode workers, NIXL between them), each started as
+   soon as its checkpoint is written, so all four come up together while the offline checks run, on the one
+   device (``--kv-cache-memory`` each); every completion through the router must give the offline torch
+   reference's token ids (a check; texts are compared and shown too).
 3. stories260K in bf16 weights with FP8 KV, Triton against torch: leading tokens that agree (reported, not a
    check: rounding differs by path), on a GPU only.
 
