@@ -199,6 +199,8 @@ def test_a_step_past_its_share_is_stopped_with_its_children_and_the_next_still_r
         return [sys.executable, "-c", f"open({str(run.part_path(step.name))!r}, 'w').write('{{}}')"]
 
     monkeypatch.setattr(fc, "step_command", command)
+    # equal weights: the hanging step gets (16 s - the 10 s kept for a stop) / 2, the next what is left after it
+    monkeypatch.setattr(fc, "STEPS", (fc.Step("decode", 1, 1, "m", "hangs"), fc.Step("env", 1, 1, "m", "quick")))
     t0 = time.monotonic()
     rc = fc.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget-s", "16",
                   "--steps", "decode,env"])
