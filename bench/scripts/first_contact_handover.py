@@ -4,9 +4,10 @@ that is the KV transfer itself.
 Two clusters on the one device, started together: a 1P1D cluster (router, prefill and decode workers, NIXL over
 UCX's ``cuda_ipc`` between them) and a colocated one (router and one mixed worker), every worker with
 Llama-3.1-8B's shapes (the planner's bundled config, ``--load-format dummy``: seeded random bf16 weights), FP8 KV,
-pages of 64, CUDA graphs and the Triton backend (the CUDA defaults). Prompts are random token ids of exactly
-2,048 and 8,192 tokens (one prefill chunk each), a fresh prompt per request (no prefix-cache hit); each request
-asks for one token (``max_tokens`` 1), so its latency at the client is its TTFT through the router. After one
+pages of 64, CUDA graphs and the Triton backend (the CUDA defaults). Prompts are random token ids below 512 (the
+embedded tokenizer's, which the workers are given) of exactly 2,048 and 8,192 tokens, one prefill chunk each, a
+fresh prompt per request (no prefix-cache hit); each request asks for one token (``max_tokens`` 1), so its
+latency at the client is its TTFT through the router. After one
 warm-up request per length and cluster, `REQUESTS` requests per length go to each cluster, alternating, one at a
 time (the clusters never run together).
 
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(clusters) == 2 and "ready_s" in part.data["info"]:
             with part.guard("TTFT at 2k and 8k"):
                 try:
-                    measure(part, clusters[0], clusters[1], lengths, min(config["vocab_size"], 32000),
+                    # ids the embedded tokenizer knows (its 512), as in the dry run: the router and workers take
+                    # the same path for every prompt; the dummy model's compute does not depend on the ids
+                    measure(part, clusters[0], clusters[1], lengths, min(config["vocab_size"], 512),
                             REQUESTS if not dry else 2, deadline)
                 except Exception:
                     print("\n".join(pd.tails(c) for c in clusters), flush=True)  # into the run's log
