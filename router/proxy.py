@@ -319,7 +319,7 @@ class GenerateHandler:
             self.metrics.migrations.labels(failure.reason).inc()
             log.warning("migrating request", extra={
                 "request_id": state.request_id, "reason": failure.reason,
-                "migration": tracker.migrations, "tokens_relayed": len(tracker.generated),
+                "migration": tracker.migrations, "tokens_relayed": tracker.num_relayed,
                 "from_decode": state.decode_url, "decode": pair.decode.url,
                 "prefill": pair.prefill.url if pair.prefill else None})
             result = await self._run_on(pair, state, ex, state.path, tracker.continuation_body())
