@@ -46,6 +46,7 @@ class RouterApp:
         self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
                                           lim.queue_timeout_secs)
         self.metrics = RouterMetrics(model_name=lambda: ",".join(self.models.names()))
+        self.registry.on_breaker_transition = lambda role, to: self.metrics.cb_transitions.labels(role, to).inc()
         self.tokenizer: RouterTokenizer | None = None
         if self.selector.needs_tokens:
             kv = config.policy.kv
@@ -106,9 +107,11 @@ class RouterApp:
 
     def _fail_inflight(self, worker: Worker) -> None:
         """A worker is dead: its in-flight attempts fail now and are retried or migrated."""
+        self.metrics.worker_deaths.labels(worker.role.value).inc()
         count = self.generate.supervisor.fail_upstream(worker.url)
+        self.metrics.inflight_failed.labels(worker.role.value).inc(count)
         if count:
-            log.warning("failing in-flight requests of an unhealthy worker", extra={
+            log.warning("failing in-flight requests of a dead worker", extra={
                 "worker": worker.url, "role": worker.role.value, "requests": count})
 
     def server(self) -> HttpServer:

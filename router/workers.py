@@ -125,7 +125,7 @@ class Worker:
             "busy": self.busy_until > now, "slow_checks": self.slow_checks,
             "inflight": self.inflight, "served_model_name": self.served_model_name,
             "progress": None if self.progress < 0 else self.progress,
-            "progress_age_secs": None if self.progress < 0 else round(now - self.progress_at, 3),
+            "progress_age_secs": None if self.progress_at == float("-inf") else round(now - self.progress_at, 3),
             "load": None if load is None else {
                 "num_running_reqs": load.num_running_reqs, "num_queue_reqs": load.num_queue_reqs,
                 "waiting": load.waiting, "token_usage": load.token_usage,
@@ -150,6 +150,7 @@ class WorkerRegistry:
         self._on_added: list[Listener] = []
         self._on_removed: list[Listener] = []
         self.version = 0  # bumped on every change of membership or of what a worker reported (`touch`)
+        self.on_breaker_transition: Callable[[str, str], None] | None = None  # given to each new breaker
 
     def touch(self) -> None:
         """A worker's reported facts (served model name) changed."""
@@ -176,7 +177,8 @@ class WorkerRegistry:
                 raise ValueError(f"{url} is registered as {existing.role.value}, not {role.value}")
             return existing
         worker = Worker(url=url, role=role, source=source,
-                        breaker=CircuitBreaker(self._circuit, url, role.value), healthy=healthy, checked=healthy)
+                        breaker=CircuitBreaker(self._circuit, url, role.value, self.on_breaker_transition),
+                        healthy=healthy, checked=healthy)
         self._workers[url] = worker
         self._by_role[role].append(worker)
         self.version += 1

@@ -14,6 +14,7 @@ breakers' bookkeeping are checked on them.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -90,6 +91,7 @@ async def test_a_late_answer_is_life_and_a_progressing_silent_worker_stays_ready
     monitor, worker, upstreams, events = await _monitor(url)
     try:
         assert await monitor.check(worker) and worker.healthy
+        json.dumps(worker.describe(time.monotonic()), allow_nan=False)  # GET /workers, before any progress
         w.delay = 1.7 * TIMEOUT  # every answer late, each one life
         await _tick(monitor, worker, 8, TIMEOUT)
         await asyncio.sleep(2 * TIMEOUT)
@@ -102,6 +104,8 @@ async def test_a_late_answer_is_life_and_a_progressing_silent_worker_stays_ready
             monitor._spawn(monitor.check(worker))
             await asyncio.sleep(TIMEOUT)
         assert worker.healthy and events == []
+        view = worker.describe(time.monotonic())
+        assert view["progress"] == w.steps and view["progress_age_secs"] < 1 and not view["dead"]
     finally:
         await monitor.close()
         await upstreams.close()
