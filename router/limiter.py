@@ -6,8 +6,10 @@ queue of bounded length for at most the queue timeout; past the queue, or on
 timeout, it is rejected (the router answers 429 with ``Retry-After``). A request
 takes one slot per sequence it asks for (its *cost*: prompts × ``n``), so a
 1,000-prompt request counts as 1,000 one-prompt requests do; a cost above the
-limit takes every slot (it runs alone). The queue is first come, first served:
-a small request does not overtake a large one waiting for room.
+limit takes every slot (it runs alone). Waiters are admitted in arrival order
+as their cost fits; one that does not fit yet does not hold back smaller ones
+behind it that do (backfilling: a large request waits for room at most its
+queue timeout, instead of every small request waiting behind it).
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ class ConcurrencyLimiter:
         return max(1, cost) if self.max_running <= 0 else min(max(1, cost), self.max_running)
 
     def try_acquire(self, cost: int = 1) -> bool:
-        """Take `cost` slots at once if they are free (and nobody queued before); False: call `acquire`."""
+        """Take `cost` slots at once if they are free; False: call `acquire`."""
         slots = self._slots(cost)
-        if self.max_running <= 0 or (self.running + slots <= self.max_running and not self._waiters):
+        if self.max_running <= 0 or self.running + slots <= self.max_running:
             self.running += slots
             return True
         return False
@@ -78,16 +80,15 @@ class ConcurrencyLimiter:
         self._wake()
 
     def _wake(self) -> None:
-        while self._waiters:
-            fut, slots = self._waiters[0]
-            if fut.done():
-                self._waiters.popleft()
+        """Admit, in arrival order, every waiter whose cost fits now."""
+        for item in list(self._waiters):
+            fut, slots = item
+            if not fut.done() and self.running + slots > self.max_running > 0:
                 continue
-            if self.running + slots > self.max_running > 0:
-                return
-            self._waiters.popleft()
-            self.running += slots
-            fut.set_result(None)
+            self._waiters.remove(item)
+            if not fut.done():
+                self.running += slots
+                fut.set_result(None)
 
     def _remove(self, fut: asyncio.Future[None]) -> None:
         for item in self._waiters:

@@ -45,19 +45,21 @@ def test_the_prompt_cap_is_a_router_flag():
 
 
 @pytest.mark.asyncio
-async def test_the_limiter_counts_cost_and_keeps_arrival_order():
+async def test_the_limiter_counts_cost_and_a_waiter_that_does_not_fit_holds_back_no_one():
     lim = ConcurrencyLimiter(max_running=1010, queue_size=4, queue_timeout_secs=5)
     assert lim.try_acquire(1000) and lim.running == 1000
     assert lim.try_acquire(1) and lim.running == 1001  # a one-prompt request still fits
     assert not lim.try_acquire(20)  # 1,021 > 1,010: as 20 one-prompt requests would, it waits
     big = asyncio.ensure_future(lim.acquire(20))
-    small = asyncio.ensure_future(lim.acquire(1))  # behind the big one: it does not overtake it
     await asyncio.sleep(0.01)
-    assert not big.done() and not small.done() and lim.queued == 2
+    assert lim.try_acquire(1) and lim.running == 1002  # fits: not held back by the 20-prompt waiter
+    bigger = asyncio.ensure_future(lim.acquire(30))
+    await asyncio.sleep(0.01)
+    assert not big.done() and not bigger.done() and lim.queued == 2
     lim.release(1000)
     await asyncio.sleep(0.01)
-    assert big.done() and small.done() and lim.running == 1 + 20 + 1
-    for cost in (1, 20, 1):
+    assert big.done() and bigger.done() and lim.running == 2 + 20 + 30  # in arrival order, as they fit
+    for cost in (1, 1, 20, 30):
         lim.release(cost)
     assert lim.running == 0
     # a request above the whole limit takes every slot: it runs alone
