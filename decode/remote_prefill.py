@@ -100,11 +100,13 @@ class RemotePrefill(PromptSource):
             logger.warning("decode accepts any X-PD-Prefill-Url: set --prefill-urls or an internal key "
                            "(PD_INTERNAL_API_KEY) so that it contacts only the cluster's prefill workers")
         self.http_timeout = http_timeout
-        # no pool limit: the /prefill calls in flight are bounded by the requests holding reserved pages, and a
-        # call waiting for a pooled connection would wait behind other requests' whole prefills
+        # No pool limit: the /prefill calls in flight are bounded by the requests holding reserved pages, and a
+        # call waiting for a pooled connection would wait behind other requests' whole prefills. Idle
+        # connections expire well before the prefill server's keep-alive timeout (uvicorn: 5 s), so a call is
+        # never written into a connection the server is closing.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0), headers=(
             {INTERNAL_KEY_HEADER: internal_api_key} if internal_api_key else None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0))
         self._notices: set[asyncio.Task] = set()  # `/abort` notices in flight
 
     def _check_allowed(self, url: str, headers: dict[str, str]) -> None:

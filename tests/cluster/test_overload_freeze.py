@@ -8,7 +8,10 @@
    sent while it runs waits for it), fails nothing, and a one-prompt request sent after it is served at once
    (the workers interleave the big request's sequences with it) instead of after its 1,000 prefills; 1,025
    prompts are refused with a 400 naming ``prompt``.
-3. decode-0 killed (SIGKILL) under ``n`` = 2 and two-prompt streams: every stream migrates and ends exact.
+3. Both decodes frozen for a moment with non-streamed requests on them: both answer exactly (before, the
+   router failed them as ``worker_dead`` and, finding no healthy decode, gave up: ``502 all attempts failed;
+   last: worker_dead``, the flaky failure of ``test_decode_reuse_is_exact[fp32-64]`` in full suite runs).
+4. decode-0 killed (SIGKILL) under ``n`` = 2 and two-prompt streams: every stream migrates and ends exact.
 """
 
 from __future__ import annotations
@@ -148,6 +151,36 @@ def test_a_1000_prompt_request_counts_as_its_prompts_and_does_not_hold_back_the_
     print(f"\n1,000-prompt request {took_a:.1f} s; one-prompt request alone {alone['b'][1]:.2f} s, "
           f"sent after it {took_b:.2f} s")
     assert took_b < took_a / 2, (took_a, took_b)
+
+
+def test_non_streamed_requests_survive_every_decode_freezing_for_a_moment(cluster, want):
+    """The flaky ``502 all attempts failed; last: worker_dead`` of a full suite run: a busy decode missed three
+    health checks during a non-streamed request, its request was failed as if the decode were dead, and with no
+    healthy decode left the retry gave up. Both decodes frozen for FREEZE seconds here: nothing fails."""
+    before = router_counts(cluster.router_url)
+    body = {"model": "stories260K", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    out: dict = {}
+    threads = [threading.Thread(target=_post, args=(cluster.router_url, dict(body, prompt=PROMPTS[i]), out, i))
+               for i in range(2)]  # round robin: one on each decode
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    decodes = [cluster.by_name(f"decode-{i}") for i in range(2)]
+    for d in decodes:
+        os.kill(d.pid, signal.SIGSTOP)
+    try:
+        time.sleep(FREEZE)
+    finally:
+        for d in decodes:
+            os.kill(d.pid, signal.SIGCONT)
+    for t in threads:
+        t.join(300)
+    for i in range(2):
+        r = out[i][0]
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[PROMPTS[i]]
+    after = router_counts(cluster.router_url)
+    assert after["inflight_failed"] == before["inflight_failed"] and after["retries"] == before["retries"]
 
 
 def test_killing_a_decode_under_several_choice_streams_ends_every_stream_exactly(cluster, want):
