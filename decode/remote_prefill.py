@@ -9,8 +9,11 @@ handshake and the connection of the ``/prefill`` call are retried with backoff
 while they fail for slowness (a timeout, a 503), until the request's deadline
 (the router's ``X-PD-Deadline-Ms``, passed on to ``/prefill``;
 `pd_cluster.common.deadline`); a refused connection is not retried: the prefill
-worker is gone (502 ``prefill_unreachable``), and slowness past the deadline is
-nobody's fault (504 ``kv_transfer_metadata_unreachable`` or ``prefill_timeout``). The ticket covers only the
+worker is gone (502 ``prefill_unreachable``, and every transfer from it fails),
+and slowness past the deadline is nobody's fault (504 ``kv_transfer_metadata_unreachable``
+or ``prefill_timeout``), nor is one ``/prefill`` connection that closed before its
+answer while the worker may be alive (502 ``prefill_connection_lost``: only this
+request fails; the router's probes decide whether the prefill worker is gone). The ticket covers only the
 pages this worker's prefix cache lacks (its ``first_page``); when the engine
 decides to prefill the short uncached rest itself (``--max-local-prefill-length``)
 no ticket exists and no ``/prefill`` call is made. The request's life, and
@@ -230,10 +233,15 @@ class RemotePrefill(PromptSource):
             resp = post.result()
         except httpx.TimeoutException as e:  # slow, not gone: nobody's fault (the router's breakers skip it)
             msg = f"the prefill worker did not answer in time: {e!r}"
-            raise _PrefillFailed(HTTPError(504, msg, None, "prefill_timeout"), peer_gone=True) from e
+            raise _PrefillFailed(HTTPError(504, msg, None, "prefill_timeout")) from e
         except httpx.HTTPError as e:
-            msg = f"prefill worker unreachable or died: {e!r}"
-            raise _PrefillFailed(HTTPError(502, msg, None, "prefill_unreachable"), peer_gone=True) from e
+            if connection_refused(e, reset=True):  # a fact: the prefill worker is gone; fail all its transfers
+                msg = f"prefill worker unreachable or died: {e!r}"
+                raise _PrefillFailed(HTTPError(502, msg, None, "prefill_unreachable"), peer_gone=True) from e
+            # this one connection closed: the prefill worker may be alive (its other transfers go on; the
+            # receiver's heartbeat finds a dead one), so nobody is blamed before the router's probes decide
+            msg = f"the connection to the prefill worker closed before its answer: {e!r}"
+            raise _PrefillFailed(HTTPError(502, msg, None, "prefill_connection_lost")) from e
         if resp.status_code == 200:
             self._record_timings(request_id, resp)
             return
@@ -245,7 +253,9 @@ class RemotePrefill(PromptSource):
                 raise _PrefillFailed(err, refused=True)
             raise _PrefillFailed(HTTPError(502, f"prefill failed: {err.message}", None, err.code), refused=True)
         status = 504 if err.status == 504 else 502
-        raise _PrefillFailed(HTTPError(status, f"prefill failed: {err.message}", None, err.code))
+        # the prefill worker's own failure: never this worker's `internal_error` (which the router blames on decode)
+        code = "prefill_error" if err.code in (None, "", "internal_error") else err.code
+        raise _PrefillFailed(HTTPError(status, f"prefill failed: {err.message}", None, code))
 
     def _on_prefill_answer(self, request_id: str, f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:

@@ -170,14 +170,19 @@ def fetch_error(url: str, e: httpx.HTTPError) -> MetadataFetchError:
                               slow=isinstance(e, httpx.TimeoutException))
 
 
-def connection_refused(e: BaseException) -> bool:
-    """True when `e` (an httpx error) is a refused connection: nothing listens on the peer's port."""
-    while e is not None:
-        if isinstance(e, ConnectionRefusedError):
+def connection_refused(e: BaseException, reset: bool = False) -> bool:
+    """True when `e` (an httpx error) is a refused connection: nothing listens on the peer's port. With `reset`,
+    a connection the peer reset counts too (its process went away mid-call)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ConnectionRefusedError) or (reset and isinstance(e, ConnectionResetError)):
             return True
-        if isinstance(e, httpx.ConnectError) and "refused" in str(e).lower():
+        text = str(e).lower()
+        if isinstance(e, httpx.ConnectError) and "refused" in text:
             return True
-        e = e.__cause__ or e.__context__
+        if reset and isinstance(e, httpx.ReadError) and "reset" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
     return False
 
 

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="connections: seconds of requests per connection")
     p.add_argument("--serve-arg", action="append", default=[], help="a flag for pd-serve (repeatable)")
     p.add_argument("--json", default=None, help="write every row here")
+    p.add_argument("--keep-logs", default=None, help="copy each run's pd-serve log (router and workers) here")
     return p.parse_args(argv)
 
 
@@ -108,7 +110,9 @@ class Serve:
         return {"inflight_failed_by_health": total("pd_router_inflight_failed_by_health_total"),
                 "breakers_opened": total("pd_router_cb_state_transitions_total", 'to_state="open"'),
                 "workers_dead": total("pd_router_worker_deaths_total"),
-                "migrations": total("pd_router_migrations_total"), "retries": total("pd_router_retries_total")}
+                "migrations": total("pd_router_migrations_total"), "retries": total("pd_router_retries_total"),
+                "retry_reasons": sorted({line.split("{")[1].split("}")[0] for line in text.splitlines()
+                                         if line.startswith("pd_router_retries_total{")})}
 
 
 async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
@@ -294,11 +298,17 @@ def main(argv=None) -> int:
     rows = []
     for run in range(1, args.runs + 1):
         with tempfile.TemporaryDirectory(prefix="pd-overload-") as tmp:
-            row = runner(args, run, Path(tmp))
+            try:
+                row = runner(args, run, Path(tmp))
+            finally:
+                if args.keep_logs:
+                    Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                    shutil.copy(Path(tmp) / "pd-serve.log", Path(args.keep_logs) / f"{args.scenario}-run{run}.log")
         rows.append(row)
         print("| " + " | ".join(str(row[c]) for c in cols) + " |", flush=True)
-        if row.get("failures"):
-            print(f"  run {run} failures: {row['failures']}", file=sys.stderr, flush=True)
+        if row.get("failures") or row.get("retry_reasons"):
+            print(f"  run {run} failures: {row['failures']}; retries: {row['retry_reasons']}", file=sys.stderr,
+                  flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
