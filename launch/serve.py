@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on Ctrl-C/SIGTERM the router stops taking requests and lets those in flight finish for "
                         "up to this many seconds before the workers are stopped (the router's flag; default "
                         f"{ClusterSpec.shutdown_grace_period_secs:g})")
+    p.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="the most prompts one completions request may hold (the router's flag; past it 400; "
+                        "default 1024)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="the router's log lines: text, as the workers write theirs (default), or one JSON object "
@@ -97,11 +100,13 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def router_argv_of(args: argparse.Namespace) -> list[str]:
-    """The router's flags: ``--log-format`` and ``--shutdown-grace-period-secs`` from ours, then the user's
-    ``--router-arg`` flags (later ones win, as in argparse)."""
+    """The router's flags: ``--log-format``, ``--shutdown-grace-period-secs`` and ``--max-prompts-per-request``
+    from ours, then the user's ``--router-arg`` flags (later ones win, as in argparse)."""
     out = ["--log-format", args.log_format]
     if args.shutdown_grace_period_secs is not None:
         out += ["--shutdown-grace-period-secs", str(args.shutdown_grace_period_secs)]
+    if args.max_prompts_per_request is not None:
+        out += ["--max-prompts-per-request", str(args.max_prompts_per_request)]
     return out + list(args.router_arg)
 
 

@@ -99,7 +99,9 @@ HEALTH_FLAGS: tuple[Flag, ...] = (
 )
 LIMIT_FLAGS: tuple[Flag, ...] = (
     Flag("--max-concurrent-requests", "limits.max_concurrent_requests", int,
-         "requests in flight at once; -1: unlimited"),
+         "sequences in flight at once (a request counts one per prompt and choice); -1: unlimited"),
+    Flag("--max-prompts-per-request", "limits.max_prompts_per_request", int,
+         "prompts in one completions request; past it 400"),
     Flag("--queue-size", "limits.queue_size", int, "requests waiting for a slot; past it 429 with Retry-After"),
     Flag("--queue-timeout-secs", "limits.queue_timeout_secs", float, None),
     Flag("--max-payload-size", "limits.max_payload_size", int, "largest request body in bytes; past it 413"),

@@ -181,10 +181,14 @@ class LimitsConfig:
     ``upstream_first_byte_timeout_secs``: from sending a request to the first
     byte of the worker's answer (a worker answers with its first token, so this
     bounds queueing plus prefill: keep it above the longest prefill).
-    ``upstream_idle_timeout_secs``: between two chunks of a streamed answer.
-    Past either, the attempt fails and the request is retried or migrated.
-    Both apply to streamed requests only (a non-streamed answer is silent
-    until complete; the health check and the request timeout bound it).
+    ``upstream_idle_timeout_secs``: between two chunks of a streamed answer,
+    and the longest a worker may show no sign of life at all (no byte, no
+    probe answer, no progress) while it holds an attempt. Past either, the
+    attempt fails and the request is retried or migrated; a worker whose step
+    or transfer counters advance is never failed for a silent stream
+    (``router.supervisor``).
+    ``max_prompts_per_request``: prompts in one completions request; past it,
+    400 (each prompt costs one admission slot per ``n``, ``router.limiter``).
     ``max_header_bytes`` / ``max_header_count``: past either (names and values
     summed, in bytes), a request gets 431 before anything else is read; the
     count is vLLM's ``--h11-max-header-count`` default, the size nginx's
@@ -192,6 +196,7 @@ class LimitsConfig:
     """
 
     max_concurrent_requests: int = 1024
+    max_prompts_per_request: int = 1024
     queue_size: int = 256
     queue_timeout_secs: float = 30.0
     max_payload_size: int = 32 * 1024 * 1024

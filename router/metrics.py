@@ -117,6 +117,15 @@ class RouterMetrics:
         self.rejected = Counter("pd_router_rejected_requests",
                                 "Requests refused by the router itself, by reason.",
                                 ["reason"], registry=r)
+        self.cb_transitions = Counter("pd_router_cb_state_transitions",
+                                      "Circuit breaker transitions, by role and the state entered.",
+                                      ["role", "to_state"], registry=r)
+        self.worker_deaths = Counter("pd_router_worker_deaths",
+                                     "Workers found dead (connection refused or reset after they were seen alive).",
+                                     ["role"], registry=r)
+        self.inflight_failed = Counter("pd_router_inflight_failed_by_health",
+                                       "Attempts in flight failed because their worker was found dead.",
+                                       ["role"], registry=r)
 
     def count_request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

@@ -1,7 +1,8 @@
 """The generate endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
 
 Order of checks, each with its OpenAI-format error: draining (503), API key (401), body size (413), JSON
-(400), model (404), admission (429 with ``Retry-After``). Then up to ``--retry-max-retries`` attempts, each
+(400), model (404), prompts over ``--max-prompts-per-request`` (400), admission by cost (429 with
+``Retry-After``: a request holds one slot of ``--max-concurrent-requests`` per sequence, ``router.limiter``). Then up to ``--retry-max-retries`` attempts, each
 on a fresh pair, with backoff and jitter between them; the whole request runs under
 ``--request-timeout-secs``. A client that disconnects cancels the request, which closes the upstream
 connection, so the worker aborts it and frees its pages.
@@ -148,6 +149,10 @@ class GenerateHandler:
         if parsed.model is not None and not self.models.accepts(parsed.model):
             return self._error(ex, 404, f"The model `{parsed.model}` does not exist.", rid, "model",
                                "model_not_found")
+        cap = self.config.limits.max_prompts_per_request
+        if 0 < cap < parsed.num_prompts:
+            return self._error(ex, 400, f"'prompt' holds {parsed.num_prompts} prompts; at most {cap} are accepted "
+                               "in one request (--max-prompts-per-request)", rid, "prompt", "invalid_value")
         state = RequestState(rid, ex.path.decode(), ex.body, parsed, ex.arrived)
         if parsed.stream and self.config.retry.migration_limit > 0:
             plan = plan_body(parsed.data, chat, ex.body)
@@ -165,16 +170,17 @@ class GenerateHandler:
         try:
             if ex.client_gone:
                 raise asyncio.CancelledError()
+            cost = state.parsed.cost  # one slot per sequence: prompts x n
             try:
-                if not self.limiter.try_acquire():
-                    await self.limiter.acquire()
+                if not self.limiter.try_acquire(cost):
+                    await self.limiter.acquire(cost)
             except Overloaded as exc:
                 return self._reject(ex, 429, exc.reason, "too many requests in flight; retry later",
                                     state.request_id, _RETRY_AFTER)
             try:
                 return await self._forward(state, ex)
             finally:
-                self.limiter.release()
+                self.limiter.release(cost)
         except asyncio.CancelledError:
             if sup.timed_out:
                 sup.task.uncancel()
@@ -222,8 +228,8 @@ class GenerateHandler:
         request = RouteRequest(state.parsed.text if self._needs_text else "", attempt, state.prompt)
         woken = False
         while True:
-            pair = self.selector.choose(request, tried)
-            if pair is not None or not self.selector.can_pair():
+            pair = self.selector.choose(request, tried, state.parsed.cost)
+            if pair is not None or not self.selector.may_pair():
                 if woken:
                     self.gate.admitted()  # let the next waiter look too
                 return pair
@@ -313,7 +319,7 @@ class GenerateHandler:
             self.metrics.migrations.labels(failure.reason).inc()
             log.warning("migrating request", extra={
                 "request_id": state.request_id, "reason": failure.reason,
-                "migration": tracker.migrations, "tokens_relayed": len(tracker.generated),
+                "migration": tracker.migrations, "tokens_relayed": tracker.num_relayed,
                 "from_decode": state.decode_url, "decode": pair.decode.url,
                 "prefill": pair.prefill.url if pair.prefill else None})
             result = await self._run_on(pair, state, ex, state.path, tracker.continuation_body())

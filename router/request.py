@@ -26,9 +26,11 @@ class InvalidRequest(ValueError):
 
 class ParsedRequest:
     """``model`` (``None`` when absent), ``stream``, the body as parsed (``data``), and the prompt as routing
-    text (``text``, computed on first use)."""
+    text (``text``, computed on first use). ``num_prompts``: the prompts of a completions request (a list of
+    texts or of token-id lists is several; 1 for a chat). ``cost``: the sequences it asks the workers to
+    generate, ``num_prompts × max(n, best_of)``: what it counts against the router's admission."""
 
-    __slots__ = ("model", "stream", "data", "chat", "_text")
+    __slots__ = ("model", "stream", "data", "chat", "_text", "num_prompts", "cost")
 
     def __init__(self, model: str | None, stream: bool, data: dict[str, Any], chat: bool) -> None:
         self.model = model
@@ -36,6 +38,8 @@ class ParsedRequest:
         self.data = data
         self.chat = chat
         self._text: str | None = None
+        self.num_prompts = 1 if chat else count_prompts(data.get("prompt"))
+        self.cost = self.num_prompts * max(_positive(data.get("n")), _positive(data.get("best_of")))
 
     @property
     def text(self) -> str:
@@ -78,6 +82,19 @@ def prompt_text(prompt: Any) -> str:
         if isinstance(first, list):
             return "\x00".join(",".join(str(t) for t in p) for p in prompt if isinstance(p, list))
     return ""
+
+
+def count_prompts(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds: a list of texts or of token-id lists is one per item;
+    a text or one list of token ids is one."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
+def _positive(value: Any) -> int:
+    """``n`` or ``best_of`` as a count (1 when absent or not a positive integer: the worker refuses those)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def parse_request(body: bytes, chat: bool) -> ParsedRequest:

@@ -34,6 +34,7 @@ class Pair:
 
     decode: Worker
     prefill: Worker | None = None
+    extra: int = 0  # sequences of the request beyond its first (``router.capacity``)
     _prefill_held: bool = True
     _decode_held: bool = True
     on_prefill_done: Callable[[], None] | None = field(default=None, repr=False)
@@ -45,6 +46,7 @@ class Pair:
         if self.prefill is not None and self._prefill_held:
             self._prefill_held = False
             self.prefill.inflight -= 1
+            self.prefill.inflight_extra -= self.extra
             if self.on_prefill_done is not None:
                 self.on_prefill_done()
             if self.on_release is not None:
@@ -55,6 +57,7 @@ class Pair:
         if self._decode_held:
             self._decode_held = False
             self.decode.inflight -= 1
+            self.decode.inflight_extra -= self.extra
             if self.on_decode_done is not None:
                 self.on_decode_done()
             if self.on_release is not None:
@@ -123,8 +126,17 @@ class PairSelector:
         usable = self.registry.usable
         return bool((usable(Role.PREFILL) and usable(Role.DECODE)) or usable(Role.MIXED))
 
-    def choose(self, request: RouteRequest, tried: set[str]) -> Pair | None:
-        """A pair for ``request`` avoiding ``tried`` URLs when possible; ``None`` if none usable."""
+    def may_pair(self) -> bool:
+        """True when a pair may become usable without a restart: each role has a worker that is not dead (it is
+        starting, not ready for a moment, or its breaker is open); a request then waits for it (within the
+        queue timeout) instead of being refused."""
+        def alive(role: Role) -> bool:
+            return any(not w.dead for w in self.registry.of_role(role))
+        return (alive(Role.PREFILL) and alive(Role.DECODE)) or alive(Role.MIXED)
+
+    def choose(self, request: RouteRequest, tried: set[str], cost: int = 1) -> Pair | None:
+        """A pair for ``request`` avoiding ``tried`` URLs when possible; ``None`` if none usable. ``cost``: the
+        request's sequences (``router.capacity`` counts a request once for room, whatever its cost)."""
         decode = self._pick(Role.DECODE, request, tried)
         prefill = self._pick(Role.PREFILL, request, tried) if decode is not None else None
         if decode is not None and prefill is not None:
@@ -134,9 +146,11 @@ class PairSelector:
             if mixed is None:
                 return None
             pair = Pair(decode=mixed)
+        pair.extra = max(0, cost - 1)
         for w in (pair.decode, pair.prefill):
             if w is not None:
                 w.inflight += 1
+                w.inflight_extra += pair.extra
                 w.sent_since_report += 1
         pair.on_decode_done = self.policies[pair.decode.role].track(pair.decode, request)
         if pair.prefill is not None:

@@ -31,7 +31,7 @@ from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.prompt_logprobs import PromptEcho
 from pd_cluster.serving.protocol import NO_DEFAULTS, ChatCompletionRequest, CompletionRequest
-from pd_cluster.serving.resume import Resumed, prepare_resumed
+from pd_cluster.serving.resume import NOTHING, Resumed, prepare_resumed_choices
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tokenization import Tokenization
@@ -71,7 +71,7 @@ class Prepared(NamedTuple):
     prompts: list[PromptEcho]
     params: SamplingParams
     tools: ChatTools | None = None
-    resumed: Resumed = Resumed([])  # ``resume_token_ids``: what an earlier attempt delivered
+    resumed: list[Resumed | None] = []  # ``resume_token_ids`` per choice (None: finished before); []: none
 
 
 class OpenAIServing:
@@ -125,19 +125,22 @@ class OpenAIServing:
                 prompt_ids = prompt.token_ids
                 want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
                 for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
-                    texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                    resumed = prep.resumed[p_i * n + j] if prep.resumed else NOTHING
+                    if resumed is None:  # this choice finished in an earlier attempt of the stream
+                        continue
+                    texts = resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
                     builder = ResponseBuilder(kind, request_id, self.model_name, texts,
                                               want_logprobs=prep.params.logprobs is not None,
                                               prompt_token_ids=prompt_ids if body.return_token_ids else None,
                                               index=p_i * n + j, tools=prep.tools,
                                               prompt=prompt if want_prompt else None)
-                    builder.resume(prep.resumed.text)
+                    builder.resume(resumed.text)
                     # The engine's id is unique per attempt: a router retry of the same request may reach this
                     # worker while the failed attempt still holds its pages (waiting for the sender to stop
                     # writing into them).
                     runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
-                                 prompt_ids))
-            await self._start_all(request, runs, prep.resumed.token_ids)
+                                 prompt_ids, resumed.token_ids))
+            await self._start_all(request, runs)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -147,8 +150,8 @@ class OpenAIServing:
                 logger.warning("request %s failed before the first token: %s %s", request_id, err.status, err.message)
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
-        choices = [r for r, _, _ in runs]
-        timings = [_Timing(self.metrics, arrival, p.max_tokens) for _, p, _ in runs]
+        choices = [r for r, _, _, _ in runs]
+        timings = [_Timing(self.metrics, arrival, p.max_tokens) for _, p, _, _ in runs]
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
@@ -185,8 +188,8 @@ class OpenAIServing:
                 self._check_length(len(echo.token_ids), kwargs["max_tokens"], _prompt_param(prompts, i),
                                    body.max_tokens_param)
             params = SamplingParams(**kwargs)
-            resumed = prepare_resumed(self.tokenizer, echoes[0].token_ids, params, body.resumed_output(),
-                                      self.context_length)
+            resumed = prepare_resumed_choices(self.tokenizer, [e.token_ids for e in echoes], params,
+                                              body.resumed_output(), body.num_choices, self.context_length)
             return Prepared(body, echoes, params, None, resumed)
         else:
             conversation, param = body.conversation(), "messages"
@@ -202,7 +205,8 @@ class OpenAIServing:
                                                                   self.context_length - len(prompt_ids))
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
-        resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
+        resumed = prepare_resumed_choices(self.tokenizer, [prompt_ids], params, body.resumed_output(),
+                                          body.num_choices, self.context_length)
         return Prepared(body, [PromptEcho("", prompt_ids, prompt_top=body.prompt_logprobs)], params, tools, resumed)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
@@ -218,20 +222,21 @@ class OpenAIServing:
                                  f"Please reduce the length of the {param} or the completion.",
                             max_tokens_param, "context_length_exceeded")
 
-    async def _start_all(self, request: Request, runs: list[tuple[ChoiceRun, SamplingParams, list[int]]],
-                         resumed: list[int]) -> None:
-        """Start every choice (of every prompt) and wait for each one's first delta; on any failure abort them
-        all."""
-        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, ids, p, resumed)) for r, p, ids in runs]
+    async def _start_all(self, request: Request,
+                         runs: list[tuple[ChoiceRun, SamplingParams, list[int], list[int]]]) -> None:
+        """Start every choice (of every prompt; each with the output it resumes) and wait for each one's first
+        delta; on any failure abort them all."""
+        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, ids, p, resumed))
+                 for r, p, ids, resumed in runs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
-            for r, _, _ in runs:
+            for r, _, _, _ in runs:
                 self.source.abort(r.engine_id)
             raise
-        for (r, _, _), (stream, first) in zip(runs, results):
+        for (r, _, _, _), (stream, first) in zip(runs, results):
             r.stream, r.first = stream, first
 
     async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -200,6 +200,8 @@ _PATHS: dict[str, dict[str, Any]] = {
                                             "schema": {"type": "integer", "minimum": m, "maximum": 10 ** 18 - 1}}
                                            for n, m in (("since", 0), ("limit", 1))])},
     "/abort": {"post": _op("Abort a prefill job (called by decode workers)", _json(None, "aborted"))},
+    "/kv_transfer/connect": {"post": _op("Handshake with the worker the body names (called by decode workers "
+                                         "before they report ready)", _json(None, "the agent met"))},
 }
 
 

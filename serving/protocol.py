@@ -85,8 +85,9 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
-    # pd-cluster: continue a stream after output already delivered (the router's request migration)
-    resume_token_ids: list[TokenId] | None = None
+    # pd-cluster: continue a stream after output already delivered (the router's request migration): one list,
+    # or with several choices one list per choice (index order), null for a choice that already finished
+    resume_token_ids: list[TokenId] | list[list[TokenId] | None] | None = None
 
     # ---- what the engine does with them ----------------------------------------------------
     def _check_extras(self) -> None:
@@ -134,25 +135,31 @@ class _Common(BaseModel):
                                       code="unsupported_parameter")
         return wanted
 
-    def resumed_output(self) -> list[int]:
-        """``resume_token_ids``: output tokens generated and delivered by an earlier attempt of this stream.
+    def resumed_output(self) -> list[list[int] | None]:
+        """``resume_token_ids`` per choice: output tokens generated and delivered by an earlier attempt of this
+        stream ([] when absent; `pd_cluster.serving.resume.prepare_resumed_choices` checks the count).
 
         Generation continues after them as if this server had generated them: they count toward ``max_tokens``,
         ``min_tokens``, penalties and ``usage.completion_tokens``; a grammar and a seeded generator replay them;
-        their text is not sent again. Only for one streamed choice.
+        their text is not sent again. With one choice, one list; with several (``n`` > 1, several prompts), one
+        list per choice in index order, ``null`` for a choice that already finished (it is not generated again).
 
         Raises:
-            RequestRejected: with ``stream`` false or several sequences.
+            RequestRejected: with ``stream`` false, with ``best_of`` above ``n``, or one flat list for several
+                choices.
         """
-        if not self.resume_token_ids:
+        ids = self.resume_token_ids
+        if not ids:
             return []
         if not self.stream:
             raise RequestRejected("resume_token_ids: only with stream=true", param="resume_token_ids",
                                   code="unsupported_parameter")
-        if self.num_generated > 1:
-            raise RequestRejected("resume_token_ids: only with one sequence (n=1, no best_of)",
-                                  param="resume_token_ids", code="unsupported_parameter")
-        return list(self.resume_token_ids)
+        if self.num_generated > self.num_choices:
+            raise RequestRejected("resume_token_ids: not with best_of above n", param="resume_token_ids",
+                                  code="unsupported_parameter")
+        if all(isinstance(t, int) for t in ids):
+            return [list(ids)]  # type: ignore[arg-type]
+        return [None if x is None else list(x) for x in ids]  # type: ignore[union-attr]
 
     @property
     def include_usage(self) -> bool:
@@ -217,9 +224,6 @@ class CompletionRequest(_Common):
             raise RequestRejected(f"prompt: {len(prompts)} prompts x {self.num_generated} sequences each is more "
                                   f"than the {MAX_SEQUENCES} sequences one request may generate; split the batch",
                                   param="prompt", code="invalid_value")
-        if len(prompts) > 1 and self.resume_token_ids:
-            raise RequestRejected("resume_token_ids: only with one prompt", param="resume_token_ids",
-                                  code="unsupported_parameter")
         return prompts
 
     def sampling_kwargs(self, defaults: GenerationDefaults = NO_DEFAULTS) -> dict[str, Any]:

@@ -182,6 +182,7 @@ class WorkerState:
         self.info = info
         self.extra_load = extra_load or (lambda: {})
         self._stopping = False
+        self.starting: str | None = None  # why the worker is not ready yet (``/health`` answers 503 meanwhile)
 
     @property
     def draining(self) -> bool:
@@ -194,7 +195,7 @@ class WorkerState:
     @property
     def load(self) -> dict[str, Any]:
         """Current load, read without stopping the engine (counters only; a step may be mid-way)."""
-        return dict(self.loop.engine.load(), **self.extra_load())
+        return dict(self.loop.engine.load(), **self.loop.progress, **self.extra_load())
 
 
 ENGINE_DEAD_EXIT_CODE = 70
@@ -253,10 +254,15 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     install_error_handlers(app)
 
     async def health(request: Request) -> Response:
+        # Readiness: 503 while the worker cannot take new work (starting, draining, engine dead). The progress
+        # counters tell a router that a slow answer comes from a busy worker, not a stalled one.
         if state.draining or not state.loop.alive:
             reason = "engine loop is not running" if not state.loop.alive else "draining"
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if state.starting is not None:
+            return JSONResponse({"status": "starting", "reason": state.starting, **state.loop.progress},
+                                status_code=503)
+        return JSONResponse({"status": "ok", **state.loop.progress})
 
     async def get_load(request: Request) -> Response:
         return JSONResponse(state.load)
