@@ -128,6 +128,9 @@ class QuantLinear(nn.Module):
 
     def _load_int4(self, r0: int, r1: int, t: dict[str, torch.Tensor | None]) -> None:
         q, scales, zeros, g_idx = t["qweight"], t["scales"], t.get("zeros"), t.get("g_idx")
+        if g_idx is not None and r0 == 0 and scales.shape[0] != self.scales.shape[0]:
+            # act order under a split of the input columns: every rank keeps all of the groups' scales
+            self.scales = torch.empty(scales.shape[0], self.out_features, device=self.qweight.device)
         self._check("qweight", tuple(q.shape), (self.qweight.shape[0], r1 - r0))
         self._check("scales", tuple(scales.shape), (self.scales.shape[0], r1 - r0))
         self.qweight[:, r0:r1].copy_(q)
