@@ -13,6 +13,8 @@ times ``a_scale[m] * b_scale[n]``. One kernel covers every scale layout through 
 * ``A_FP8`` False: W8A16, the activations unquantised and the weight tile converted to their dtype.
 
 ``BLOCK_K`` divides ``GROUP_K`` and ``A_GROUP_K`` (the launcher checks), so each tile reads one scale per row.
+The activation kernel rounds to the E4M3 grid itself before the cast (`_round_to_e4m3`), so its values equal
+the torch reference's on the GPU and in the interpreter alike.
 Hopper multiplies E4M3 tiles natively; under Triton's interpreter (no FP8 ``tl.dot``) the tiles are converted to
 float32 first (``DOT_FP32``), exactly (every E4M3 value is a float32). M only sizes the grid and the masks
 (``do_not_specialize``), so a model compiles one variant per layer shape and tile choice
@@ -40,6 +42,21 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@triton.jit
+def _round_to_e4m3(v):
+    """`v` (float32, within +-448) rounded to the nearest E4M3 value, ties to even, in float32 arithmetic: the
+    grid step at |v| is 2^(max(e, -6) - 3) (e = |v|'s exponent, read from its bits; -6 is E4M3's smallest normal
+    exponent), and ``(|v| + c) - c`` with ``c = step * 2^23`` rounds to it (IEEE round to nearest even). The cast
+    that follows is then exact on any implementation (Triton's interpreter drops the carry into the next binade
+    when it rounds itself, triton #8322; the GPU's cvt.rn gives these same values)."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    c = ((e + 20 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    return tl.where(v < 0, -r, r)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _group_quant_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, eps, scale_ub,
                         GROUP: tl.constexpr, BLOCK: tl.constexpr, HAS_UB: tl.constexpr):
@@ -63,7 +80,7 @@ def _group_quant_kernel(X, Q, S, M, K, stride_x, stride_q, stride_s, eps, scale_
         mask = (cols < K) & (cols < start + GROUP)
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         q = tl.math.div_rn(x, scale)
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+        q = _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
         tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
 
 
