@@ -176,22 +176,24 @@ class QuantLinear(nn.Module):
         align = self.scheme.block[0] if self.scheme.block else 1
         return max(align, rows // align * align)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype; `add_bias` False leaves the bias out (added after an all-reduce)."""
         if self.use_kernels:
             from pd_cluster.engine.quant.kernels import quant_linear
 
-            return quant_linear(self, x)
-        return self.reference(x)
+            return quant_linear(self, x, add_bias)
+        return self.reference(x, add_bias)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """The weight-only reference path (module docstring): output tiles of dequantised rows."""
         n, step = self.out_features, self._tile_rows()
+        bias_all = self.bias if add_bias else None
         if step >= n:
-            return F.linear(x, self.dequantized(dtype=x.dtype), self.bias)
+            return F.linear(x, self.dequantized(dtype=x.dtype), bias_all)
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, step):
             r1 = min(r0 + step, n)
-            bias = self.bias[r0:r1] if self.bias is not None else None
+            bias = bias_all[r0:r1] if bias_all is not None else None
             out[..., r0:r1] = F.linear(x, self.dequantized((r0, r1), x.dtype), bias)
         return out
 

@@ -69,7 +69,8 @@ def is_quantized(module: str, scheme: WeightScheme | None, get: Reader) -> bool:
 
 
 def read_module(module: str, scheme: WeightScheme, get: Reader, split: Split = Split()) -> dict[str, torch.Tensor]:
-    """This rank's tensors of quantised `module` in `QuantLinear.load_part`'s form.
+    """This rank's tensors of quantised `module` in `QuantLinear.load_part`'s form (int4 adds ``shape``: this
+    rank's (N, K)).
 
     Raises:
         ValueError: a tensor missing or of an unexpected shape, or a split that cuts a block, a group or a packed
@@ -177,4 +178,4 @@ def _read_int4(module: str, scheme: WeightScheme, need, get: Reader, split: Spli
                                                    need("scales")[g0:g1, r0:r1], None, scheme.layout == GPTQ_V2)
     if zeros is not None and scheme.symmetric and scheme.layout == PACKED:
         raise ValueError(f"{module}: weight_zero_point in a symmetric scheme")
-    return {"qweight": qweight, "scales": scales, "zeros": zeros, "g_idx": g_idx}
+    return {"qweight": qweight, "scales": scales, "zeros": zeros, "g_idx": g_idx, "shape": (r1 - r0, c1 - c0)}
