@@ -30,10 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_cluster.engine.model.config_check import check_config, fp8_weight_block, rope_dict
+from pd_cluster.engine.model.config_check import check_config, rope_dict
 from pd_cluster.engine.model.family_config import family_fields, language_model_config
 from pd_cluster.engine.layer_attention import LayerAttention, gemma3_rope, layer_attention_from_hf, uniform
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
+from pd_cluster.engine.model.linear_layers import linear_layers
+from pd_cluster.engine.quant.scheme import QuantScheme, read_quant_scheme
+from pd_cluster.engine.quant import support
+from pd_cluster.engine.quant.tp import check_splits
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -76,8 +80,8 @@ class ArchConfig:
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
         moe: the mixture-of-experts layers (`MoEConfig`), None for a dense model.
         partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
-        fp8_weight_block: the checkpoint's linear weights are block-quantised FP8 in blocks of this
-            (rows, columns), dequantised on load (`fp8_weights`); None for unquantised weights.
+        quant: the checkpoint's weight quantisation (`pd_cluster.engine.quant.scheme.QuantScheme`), None for
+            unquantised weights.
         hidden_act: the dense MLP's gate activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
         norm_style: how an RMSNorm applies its weight: ``llama`` (``w * round(x_normed)``), ``gemma``
             (``round((1 + w) * x_normed)`` in float32) or ``float`` (``round(w * x_normed)`` in float32, gpt-oss).
@@ -115,7 +119,7 @@ class ArchConfig:
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None
-    fp8_weight_block: tuple[int, int] | None = None
+    quant: QuantScheme | None = None
     o_proj_bias: bool = False
     hidden_act: str = "silu"
     norm_style: str = "llama"
@@ -171,7 +175,8 @@ class ArchConfig:
 
     def check_tp(self, tp_size: int, expert_parallel: bool = False) -> None:
         """Refuse a TP size that does not divide the KV heads (MLA: the attention heads; the latent is
-        replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`).
+        replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`), or
+        that cuts a quantised layer's blocks, groups or packed words (`pd_cluster.engine.quant.tp`).
 
         Raises:
             ValueError: naming the sizes.
@@ -184,6 +189,8 @@ class ArchConfig:
                              f"and intermediate_size ({self.intermediate_size})")
         if self.moe is not None:
             check_moe_parallel(self.moe, tp_size, expert_parallel)
+        if self.quant is not None:
+            check_splits(linear_layers(self), self.quant, tp_size)
 
     def _attention_params(self, layer: int = 0) -> int:
         h = self.hidden_size
@@ -229,18 +236,21 @@ class ArchConfig:
         return self.vocab_size * h + layers + h + head
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
-        """Build from a parsed HF ``config.json``.
+    def from_dict(cls, cfg: dict[str, Any], folder: str | Path | None = None) -> "ArchConfig":
+        """Build from a parsed HF ``config.json`` (of the checkpoint `folder`, where a ``quantize_config.json``
+        is looked for and which refusals name).
 
         Raises:
             ValueError: the architecture is not a supported one, or a key that changes the math has a value
-                the engine does not implement (named; `config_check.check_config`).
+                the engine does not implement (named; `config_check.check_config`, and for the weights'
+                quantisation `pd_cluster.engine.quant.scheme.read_quant_scheme`).
         """
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architectures {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        quant = _quant(cfg, folder)
         cfg = language_model_config(cfg, arch)
         check_config(cfg, arch)
         heads = int(cfg["num_attention_heads"])
@@ -288,7 +298,7 @@ class ArchConfig:
             moe=_moe(cfg, arch),
             partial_rotary_factor=partial,
             mla=mla,
-            fp8_weight_block=_fp8_weight_block(cfg),
+            quant=quant,
             **fields,
         )
 
@@ -302,7 +312,7 @@ class ArchConfig:
         """
         folder = check_model_folder(path)
         with open(folder / "config.json") as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(json.load(f), folder)
 
 
 def check_model_folder(path: str | Path) -> Path:
@@ -389,9 +399,18 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _fp8_weight_block(cfg: dict[str, Any]) -> tuple[int, int] | None:
-    quant = cfg.get("quantization_config")
-    return fp8_weight_block(quant) if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
+def _quant(cfg: dict[str, Any], folder: str | Path | None) -> QuantScheme | None:
+    """The weights' quantisation; MXFP4 (gpt-oss's experts) is refused until the MoE kernel computes it.
+
+    Raises:
+        QuantConfigError: a format or value the engine does not compute, naming it and its file.
+    """
+    quant = read_quant_scheme(cfg, folder)
+    for w in quant.weight_schemes if quant is not None else ():
+        if w.kind == "mxfp4" and w.kind not in support.EXPERT_KINDS_KEPT:
+            raise quant.refuse("quant_method", quant.method, "MXFP4 experts (gpt-oss) are read but the engine's MoE "
+                                                             "kernel does not compute them yet")
+    return quant
 
 
 def _moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:

@@ -12,6 +12,9 @@ A key is in one of three sets:
 * changing the math, with values the engine does not compute: refused here with a `ValueError` naming the
   key, its value and what is supported. The rules are below, one function per rule.
 
+The weights' quantisation (``quantization_config``) is read, and refused where the engine does not compute it,
+by `pd_cluster.engine.quant.scheme` (called by `ArchConfig.from_dict`), which also reads the side files.
+
 transformers decides what a key means per model class; the rules follow its classes (5.24): e.g. Qwen2 and
 Qwen3 apply ``sliding_window`` only to layers ``>= max_window_layers``, while Mistral applies it to every layer;
 Gemma 3's class never applies ``attn_logit_softcapping`` (Gemma 2's does), so a Gemma 3 config that sets it is
@@ -29,8 +32,6 @@ ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU: gelu with the tanh approximation
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 PHI3_ROPE_TYPES = ("default", "longrope", "su", "yarn")  # Phi3Config renames su and yarn to longrope
-# Weight quantisation schemes the loader dequantises: block-FP8 (DeepSeek-V3's format; `fp8_weights`)
-QUANT_METHODS: tuple[str, ...] = ("fp8",)
 
 # Keys of other model families that change the math: refused when set (not None), when true, or when a
 # multiplier other than 1, unless the family reads them (`FAMILY_KEYS`).
@@ -61,7 +62,6 @@ def check_config(cfg: dict[str, Any], architecture: str) -> None:
     _biases(cfg, architecture)
     _rope(cfg, architecture)
     layer_attention_from_hf(cfg, architecture, 10000.0, None)  # an unknown layer type is refused by name
-    _quantization(cfg)
     _family(cfg, architecture)
     own = FAMILY_KEYS.get(architecture, ())
     for key in FOREIGN_VALUES + FOREIGN_FLAGS + FOREIGN_SCALES:
@@ -119,41 +119,6 @@ def _rope(cfg: dict[str, Any], architecture: str) -> None:
         raise refuse("partial_rotary_factor", factor, f"rotary over the whole head for {architecture}")
     if "mrope_section" in scaling or scaling.get("mrope_interleaved"):
         raise refuse("rope_scaling.mrope_section", scaling.get("mrope_section"), "1-D positions only")
-
-
-def _quantization(cfg: dict[str, Any]) -> None:
-    quant = cfg.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    kv_only = (isinstance(quant, dict) and method == "compressed-tensors" and not quant.get("config_groups")
-               and quant.get("kv_cache_scheme"))  # llm-compressor's FP8 KV scales alone: weights unquantised
-    if method not in QUANT_METHODS and not kv_only:
-        raise refuse("quantization_config.quant_method", method,
-                     "unquantised weights" + (f" or {', '.join(QUANT_METHODS)}" if QUANT_METHODS else ""))
-    if method == "fp8":
-        fp8_weight_block(quant)
-
-
-def fp8_weight_block(quant: dict[str, Any]) -> tuple[int, int]:
-    """The ``weight_block_size`` of a ``quant_method: fp8`` config (block-quantised E4M3 weights with
-    ``weight_scale_inv``, dequantised on load by `pd_cluster.engine.model.fp8_weights`).
-
-    Raises:
-        ValueError: a per-tensor FP8 config (no ``weight_block_size``), another ``fmt`` than e4m3, or static
-            activation scales, named.
-    """
-    block = quant.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                        for b in block)):
-        raise refuse("quantization_config.weight_block_size", block,
-                     "fp8 weights in blocks, [rows, columns] with a weight_scale_inv per block (DeepSeek-V3's)")
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise refuse("quantization_config.fmt", quant.get("fmt"), "e4m3 FP8 weights")
-    if quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise refuse("quantization_config.activation_scheme", quant.get("activation_scheme"),
-                     "dynamic (the weights are dequantised; no static activation scales are applied)")
-    return int(block[0]), int(block[1])
 
 
 def _family(cfg: dict[str, Any], architecture: str) -> None:

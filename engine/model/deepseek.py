@@ -49,6 +49,7 @@ from pd_cluster.engine.model.llama import MLP, RMSNorm
 from pd_cluster.engine.model.moe import SparseMoE
 from pd_cluster.engine.model.rope import RotaryEmbedding, deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import make_linear
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
 
@@ -63,15 +64,15 @@ class MLAAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads // tp.size
         h, q_out = cfg.hidden_size, self.num_heads * m.qk_head_dim
         if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, q_out, bias=False)
+            self.q_proj = make_linear(h, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.q_a_proj = make_linear(h, m.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, m.latent_dim, bias=False)
+            self.q_b_proj = make_linear(m.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = make_linear(h, m.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * m.v_head_dim, h, bias=False)
+        self.kv_b_proj = make_linear(m.kv_lora_rank, self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = make_linear(self.num_heads * m.v_head_dim, h, bias=False)
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
@@ -153,7 +154,7 @@ class DeepseekForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, tp, expert_parallel)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -36,6 +36,7 @@ from pd_cluster.engine.model.layers import MLP, Attention, RMSNorm
 from pd_cluster.engine.model.moe import SharedExperts, SparseMoE
 from pd_cluster.engine.model.rope import RotaryEmbedding, deinterleave_rope_rows, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import make_linear
 
 __all__ = ["MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm"]
 
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.ropes = nn.ModuleList(ropes)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, expert_parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

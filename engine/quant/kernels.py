@@ -19,13 +19,12 @@ import torch
 from pd_cluster.engine.attention.triton.fp8_gemm import fp8_gemm, quantize_activations
 from pd_cluster.engine.attention.triton.int4_gemm import int4_gemm
 from pd_cluster.engine.quant.fp8 import FP8_MAX, SCALE_EPS, quantize_fp8
-from pd_cluster.engine.quant.linear import QuantLinear
 from pd_cluster.engine.quant.weight_scheme import INT4
 
 
-def quant_linear(layer: QuantLinear, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-    """`layer` applied to x [..., K] through the kernels: [..., N] in x's dtype (without the bias if not
-    `add_bias`)."""
+def quant_linear(layer, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+    """`layer` (a `pd_cluster.engine.quant.linear.QuantLinear`, which calls this) applied to x [..., K] through the
+    kernels: [..., N] in x's dtype (without the bias if not `add_bias`)."""
     k, n = layer.in_features, layer.out_features
     x2 = x.reshape(-1, k)
     s = layer.scheme
@@ -37,7 +36,7 @@ def quant_linear(layer: QuantLinear, x: torch.Tensor, add_bias: bool = True) -> 
     return out.view(*x.shape[:-1], n)
 
 
-def _fp8_linear(layer: QuantLinear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     s, k = layer.scheme, layer.in_features
     if s.activations == "none":
         return fp8_gemm(x, None, k, layer.weight, layer.weight_scale, s.block, x.dtype, bias)
@@ -59,7 +58,7 @@ def _fp8_linear(layer: QuantLinear, x: torch.Tensor, bias: torch.Tensor | None) 
     return fp8_gemm(a, a_scale, group, layer.weight, layer.weight_scale, s.block, x.dtype, bias)
 
 
-def _scaled_mm_fits(x: torch.Tensor, layer: QuantLinear) -> bool:
+def _scaled_mm_fits(x: torch.Tensor, layer) -> bool:
     """Whether ``torch._scaled_mm``'s rowwise FP8 GEMM takes this case (CUDA sm_89+, bf16 out, K, N % 16)."""
     return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and x.dtype == torch.bfloat16
             and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)

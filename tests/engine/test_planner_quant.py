@@ -57,3 +57,44 @@ def test_dense_fp8_and_int4_layers_split_over_ranks_and_the_rest_replicated():
             assert wb.quantized == int(linear / tp * bits / 8) and wb.quantized_params == linear
             assert wb.replicated == rest * 2 and wb.plain == 0
     assert weight_bytes(arch, None, 2, 2).total == linear * 2 // 2 + rest * 2
+
+
+def _render(*argv: str, capsys) -> str:
+    from pd_cluster.engine.planner.cli import main
+
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _row(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys, monkeypatch):
+    """`pd-plan --model deepseek-v3 --tp-size 8` on 8 x H200: with the MoE kernel keeping FP8 experts the weights
+    take 82.43 GiB a GPU and the pool gets the rest of the static budget; while the experts load dequantised
+    (this engine's loader today) they take 158.54 GiB and the engine would not start."""
+    from pd_cluster.engine.quant import support
+
+    today = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
+    assert _row(today, "weights per GPU").endswith("158.54 GiB") and "NOT" not in _row(today, "engine support")
+    monkeypatch.setattr(support, "EXPERT_KINDS_KEPT", frozenset({"fp8"}))
+    text = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
+    assert _row(text, "weights per GPU").endswith("82.43 GiB")
+    assert _row(text, "KV pool per GPU").endswith(f"{123.55 - 82.43:.2f} GiB")
+    assert "668.0B of 671.0B parameters kept quantised" in _row(text, "engine support")
+    pool = int(143771 * 2**20 * 0.88) - 88_511_366_000  # the static budget less the weights, bytes
+    assert _row(text, "pool tokens per GPU / instance").endswith(f"{pool // 70_272 // 64 * 64:,}")  # 628,288
+    assert _row(text, "asked context").endswith("fits one TP-8 instance")
+
+
+def test_pd_plan_gpt_oss_120b_sizes_its_mxfp4_experts_at_4_25_bits(capsys, monkeypatch):
+    from pd_cluster.engine.quant import support
+
+    text = _render("--model", "gpt-oss-120b", capsys=capsys)
+    assert _row(text, "weights per GPU").endswith("60.77 GiB")  # as released; the engine refuses MXFP4 today
+    assert "NOT SERVABLE" in _row(text, "asked context")
+    monkeypatch.setattr(support, "EXPERT_KINDS_KEPT", frozenset({"mxfp4"}))
+    text = _render("--model", "gpt-oss-120b", capsys=capsys)
+    assert _row(text, "weights per GPU").endswith("60.77 GiB") and "NOT SERVABLE" not in text
+    assert _row(text, "asked context").endswith("fits one TP-1 instance")
