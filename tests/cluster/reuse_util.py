@@ -7,7 +7,6 @@ cache holds and so what each counter must show.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -105,14 +104,3 @@ def counters(url: str) -> dict[str, float]:
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: after[k] - before.get(k, 0.0) for k in after}
-
-
-def wait_urls_free(workers: dict[str, str], timeout: float) -> dict[str, dict]:
-    """Poll each worker's /get_load until every page is free (bounded by `timeout`); return the last loads."""
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=10) as c:
-        while True:
-            loads = {role: c.get(u + "/get_load").json() for role, u in workers.items()}
-            if all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()) or time.monotonic() > deadline:
-                return loads
-            time.sleep(0.05)

@@ -4,11 +4,14 @@ full-recompute greedy loop, through the real `openai` client; every page comes b
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 from cluster_util import running_pd_serve
 from random_models import build, hf_greedy_full, prompt_ids
-from reuse_util import counters, wait_urls_free
+from reuse_util import counters
 
 ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "8"]
 
@@ -28,9 +31,19 @@ def test_qwen3_moe_1p1d_over_nixl_equals_transformers(tmp_path):
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_dump()["token_ids"] == want, ids
         workers = {w["role"]: w["url"] for w in manifest["workers"]}
-        loads = wait_urls_free(workers, timeout=10)
+        loads = _wait_all_free(workers, timeout=10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
         pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]
         received = counters(workers["decode"])["pd:kv_transfer_received_bytes_total"]
         assert pushed == received > 0  # the KV came over NIXL, not recomputed on decode
 
+
+def _wait_all_free(workers: dict[str, str], timeout: float) -> dict[str, dict]:
+    """Poll each worker's /get_load until every page is free (bounded by `timeout`); return the last loads."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=10) as c:
+        while True:
+            loads = {role: c.get(u + "/get_load").json() for role, u in workers.items()}
+            if all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()) or time.monotonic() > deadline:
+                return loads
+            time.sleep(0.05)

@@ -11,7 +11,8 @@ import pytest
 from cluster_util import running_pd_serve
 from quant_checkpoints import write_quantized
 from random_models import build, hf_greedy_full, prompt_ids
-from reuse_util import counters, wait_urls_free
+from reuse_util import counters
+from test_moe_pd_serve import _wait_all_free
 from transformers import AutoModelForCausalLM
 
 ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "8"]
@@ -34,6 +35,6 @@ def test_quantised_1p1d_over_nixl_equals_transformers_on_the_twin(fmt, tmp_path)
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
             assert r.choices[0].model_dump()["token_ids"] == want, ids
         workers = {w["role"]: w["url"] for w in manifest["workers"]}
-        loads = wait_urls_free(workers, timeout=10)
+        loads = _wait_all_free(workers, timeout=10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
         assert counters(workers["decode"])["pd:kv_transfer_received_bytes_total"] > 0  # pushed over NIXL
