@@ -88,7 +88,8 @@ def _target(name: str, fused: dict[str, tuple[str, int]]) -> tuple[str, int | No
 
 
 def plan_quantized(arch: ArchConfig, tensors: CheckpointTensors, fused: dict[str, tuple[str, int]],
-                   prefix: str = "", skipped: tuple[str, ...] = ()) -> dict[str, WeightScheme]:
+                   prefix: str = "", skipped: tuple[str, ...] = (),
+                   renames: tuple[tuple[str, str], ...] = ()) -> dict[str, WeightScheme]:
     """The model's layers to build quantised: ``{model module name: WeightScheme}`` (module docstring).
 
     Raises:
@@ -107,7 +108,7 @@ def plan_quantized(arch: ArchConfig, tensors: CheckpointTensors, fused: dict[str
             continue
         ws = scheme.for_module(module) if scheme is not None else None
         quantized = is_quantized(prefix + module, ws, tensors)
-        name = weight_map.canonical(module.removeprefix("model.")) + ".weight"
+        name = weight_map.canonical(module.removeprefix("model."), renames) + ".weight"
         if quantized and ws is None:
             where = scheme.source if scheme is not None else "config.json (no quantization_config)"
             raise ValueError(f"{stored} is stored quantised but {where} leaves {module} unquantised; refusing to load "
