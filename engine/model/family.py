@@ -48,6 +48,9 @@ class Family:
         language_model_prefix: the checkpoint's prefix of the served language model's tensors (multimodal).
         skipped_prefixes: tensor name prefixes that are not read (a vision tower).
         weight_renames: ``(old, new)`` parts of checkpoint names, replaced in order (`weight_map.canonical`).
+        expert_projections: the checkpoint names of one routed expert's gate, up and down projections
+            (``mlp.experts.{e}.<name>``), or None when the experts are stored stacked (one ``experts`` tensor per
+            projection and layer); `pd_cluster.engine.model.linear_layers` names the quantised layers by them.
         model_class: ``module:Class`` of the model (`model`).
     """
 
@@ -64,6 +67,7 @@ class Family:
     language_model_prefix: str = ""
     skipped_prefixes: tuple[str, ...] = ()
     weight_renames: tuple[tuple[str, str], ...] = ()
+    expert_projections: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     model_class: str = DECODER
 
     # --- reading the config --------------------------------------------------------------------------------
@@ -98,7 +102,6 @@ class Family:
             moe=moe if moe is not None and moe.moe_layers else None,  # DeepSeek with every layer dense: dense
             partial_rotary_factor=partial,
             mla=self.mla(cfg, scaling),
-            fp8_weight_block=rules.fp8_weight_block_of(cfg),
         )
         return {**fields, **self.fields(cfg)}
 
@@ -185,7 +188,6 @@ class Family:
         rules.check_biases(cfg, self.architecture, self.attention_bias_built)
         self.check_rope(cfg)
         self.layer_kinds(cfg)  # an unknown layer type is refused by name
-        rules.check_quantization(cfg)
         self.check_family(cfg)
         rules.check_foreign_keys(cfg, self.own_keys, self.foreign_key_reason)
 
