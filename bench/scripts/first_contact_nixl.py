@@ -55,8 +55,10 @@ def _descs(base: int, offsets: np.ndarray, lengths: np.ndarray, dev: int) -> np.
 def _agent(name: str, overrides: dict):
     from nixl._api import nixl_agent, nixl_agent_config
 
+    from pd_cluster.transfer import ucx_env
     from pd_cluster.transfer.config import TransferConfig
     c = TransferConfig()
+    ucx_env.apply(c)  # the workers' UCX environment (ucx_env's module doc)
     kwargs = dict(enable_prog_thread=c.enable_progress_thread, backends=[c.backend], num_threads=c.num_threads)
     try:
         from nixl._api import nixl_thread_sync_t
