@@ -42,7 +42,8 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[st
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_decode_prealloc_queue_reqs": hooks.num_prealloc,
         "num_decode_transfer_queue_reqs": receiver.num_waiting})
-    serving = OpenAIServing(source, engine.tokenizer, engine.model_name, engine.context_length, metrics, config.tools)
+    serving = OpenAIServing(source, engine.tokenizer, engine.model_name, engine.context_length, metrics, config.tools,
+                            page_size=engine.layout.page_size)
 
     async def shutdown() -> None:
         await source.close()

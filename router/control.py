@@ -26,6 +26,7 @@ from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body
 from pd_cluster.router.health import HealthMonitor
 from pd_cluster.router.kv_index import KvIndex
+from pd_cluster.router.text_map import TextMap
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.openapi import document_generate_routes, error_responses
@@ -64,9 +65,10 @@ class ControlPlane:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
                  metrics: RouterMetrics, models: ModelNames,
                  is_draining: Callable[[], bool], can_route: Callable[[], bool],
-                 kv_index: KvIndex | None = None) -> None:
+                 kv_index: KvIndex | None = None, text_map: TextMap | None = None) -> None:
         self.config = config
         self.kv_index = kv_index
+        self.text_map = text_map
         self.registry = registry
         self.monitor = monitor
         self.metrics = metrics
@@ -180,12 +182,17 @@ class ControlPlane:
 
     def _describe(self, worker: Worker, now: float) -> dict[str, Any]:
         """A worker's ``/workers`` entry; with KV events, its index: ``synced``, ``fresh``, ``instance_id``,
-        ``seq`` (the last event applied), ``pages``."""
+        ``seq`` (the last event applied), ``pages``; for a worker whose text-to-page map is polled,
+        ``text_map``: ``fresh``, ``instance_id``, ``seq`` (the last entry applied)."""
         out = worker.describe(now)
         w = self.kv_index.get(worker.url) if self.kv_index is not None else None
         if w is not None:
             out["kv_index"] = {"synced": w.synced, "fresh": self.kv_index.fresh(worker.url, now),
                                "instance_id": w.instance_id, "seq": w.seq, "pages": len(w.blocks)}
+        source = self.text_map.source(worker.url) if self.text_map is not None else None
+        if source is not None:
+            out["text_map"] = {"fresh": now - source.polled_at <= self.text_map.stale_secs,
+                               "instance_id": source.instance_id, "seq": source.seq}
         return out
 
     def _admin_routes(self, app: FastAPI) -> None:

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_cluster.engine.kv.text_map import TextMapLog
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
@@ -83,16 +84,19 @@ class OpenAIServing:
         context_length: the engine's context length (tokens): ``/v1/models`` and the length checks.
         metrics: the worker's metrics.
         tool_settings: the worker's ``--tool-call-parser`` and ``--enable-auto-tool-choice``.
+        page_size: the KV page size: the worker publishes its text-to-page map (``GET /kv_text_map``,
+            `serving.text_map`); None: no map.
     """
 
     def __init__(self, source: PromptSource, tokenizer: Any, model_name: str, context_length: int,
-                 metrics: WorkerMetrics, tool_settings: ToolSettings | None = None) -> None:
+                 metrics: WorkerMetrics, tool_settings: ToolSettings | None = None,
+                 page_size: int | None = None) -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = context_length
         self.metrics = metrics
-        self.tok = Tokenization(tokenizer, context_length)
+        self.tok = Tokenization(tokenizer, context_length, TextMapLog(page_size) if page_size else None)
         self.tool_settings = tool_settings or ToolSettings()
 
     # ---- routes ------------------------------------------------------------------
@@ -169,7 +173,11 @@ class OpenAIServing:
                 param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                 if isinstance(prompt, str):
                     self.tok.check_fits([prompt], param)
-                ids = self.tok.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
+                one = data if len(prompts) == 1 else None  # the map covers a single prompt
+                if isinstance(prompt, str):
+                    ids = self.tok.encode(prompt, body.add_special_tokens, one)
+                else:
+                    ids = self.tok.prompt_ids(prompt, one) if one is not None else prompt
                 self._check_length(len(ids), kwargs["max_tokens"], param, body.max_tokens_param)
                 text = prompt if isinstance(prompt, str) else (
                     self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else "")
@@ -186,9 +194,8 @@ class OpenAIServing:
             if tools.structured_output is not None:
                 kwargs["structured_output"] = tools.structured_output
             self.tok.check_fits([m["content"] for m in conversation], param)
-            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools)
-            if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
-                prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools,
+                                           body.add_special_tokens, data)
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
         resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
@@ -418,9 +425,12 @@ def serving_routes(serving: "OpenAIServing") -> list:
     from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
 
     tok = TokenizerRoutes(serving)
-    return [("/v1/completions", serving.completions, ["POST"]),
-            ("/v1/chat/completions", serving.chat_completions, ["POST"]),
-            ("/v1/models", serving.models, ["GET"]),
-            ("/tokenize", tok.tokenize, ["POST"]),
-            ("/detokenize", tok.detokenize, ["POST"]),
-            ("/tokenizer_info", tok.tokenizer_info, ["GET"])]
+    routes = [("/v1/completions", serving.completions, ["POST"]),
+              ("/v1/chat/completions", serving.chat_completions, ["POST"]),
+              ("/v1/models", serving.models, ["GET"]),
+              ("/tokenize", tok.tokenize, ["POST"]),
+              ("/detokenize", tok.detokenize, ["POST"]),
+              ("/tokenizer_info", tok.tokenizer_info, ["GET"])]
+    if serving.tok.text_map is not None:
+        routes.append(("/kv_text_map", tok.kv_text_map, ["GET"]))
+    return routes

@@ -198,7 +198,19 @@ _PATHS: dict[str, dict[str, Any]] = {
                                    "docs/router.md)", _json(None, "an event batch")),
                                parameters=[{"name": n, "in": "query", "required": False,
                                             "schema": {"type": "integer", "minimum": m, "maximum": 10 ** 18 - 1}}
-                                           for n, m in (("since", 0), ("limit", 1))])},
+                                           for n, m in (("since", 0), ("limit", 1))]
+                               + [{"name": "token_ids", "in": "query", "required": False,
+                                   "schema": {"type": "string", "enum": ["true", "false"]},
+                                   "description": "false: stored pages without their token ids"},
+                                  {"name": "hashes", "in": "query", "required": False,
+                                   "schema": {"type": "string", "enum": ["list", "packed"]},
+                                   "description": "packed: block_hashes as base64 of little-endian u64"}])},
+    "/kv_text_map": {"get": dict(_op("Text-to-page map entries after `since` (called by the router; "
+                                     "docs/router.md)", _json(None, "entries, base64")),
+                                 parameters=[{"name": n, "in": "query", "required": False,
+                                              "schema": {"type": "integer", "minimum": m,
+                                                         "maximum": 10 ** 18 - 1}}
+                                             for n, m in (("since", 0), ("limit", 1))])},
     "/abort": {"post": _op("Abort a prefill job (called by decode workers)", _json(None, "aborted"))},
 }
 

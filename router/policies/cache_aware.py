@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from pd_cluster.common.routing_text import BLOCK_CHARS, MAX_BLOCKS, block_hashes
+
 from pd_cluster.router.config import CacheAwareConfig, KvRoutingConfig
 from pd_cluster.router.kv_index import KvIndex, PromptTokens
 from pd_cluster.router.policies.base import (
@@ -47,6 +49,7 @@ from pd_cluster.router.policies.base import (
     require_candidates,
 )
 from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
+from pd_cluster.router.text_map import TextMap
 
 
 class CacheAware(Policy):
@@ -54,17 +57,19 @@ class CacheAware(Policy):
 
     Counts its decisions in ``hits``, ``misses``, ``balanced`` (a hit: the chosen worker holds part of the
     prompt, by the tree or by its events), and by source in ``by_events`` and ``by_tree``.
-    ``index``: the workers' KV event index (None: the tree only).
+    ``index``: the workers' KV event index (None: the tree only). ``text_map``: what the workers' text-to-page
+    maps said (untokenized prompts are scored on the index through it; None: only prompts with token ids are).
     """
 
     name = "cache_aware"
     needs_load = True
 
     def __init__(self, config: CacheAwareConfig, clock: Callable[[], float], index: KvIndex | None = None,
-                 kv: KvRoutingConfig | None = None) -> None:
+                 kv: KvRoutingConfig | None = None, text_map: TextMap | None = None) -> None:
         self.config = config
         self.kv = kv or KvRoutingConfig()
         self.index = index
+        self.text_map = text_map
         self._clock = clock
         self.tree = ApproxPrefixTree(config.block_chars, config.max_tree_size, clock)
         self.hits = 0
@@ -72,38 +77,55 @@ class CacheAware(Policy):
         self.balanced = 0
         self.by_events = 0
         self.by_tree = 0
+        self._routed: tuple[RouteRequest | None, list[int], float] = (None, [], 0.0)
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
-        hashes = self.tree.path_hashes(request.text)
-        if self._events_usable(candidates, request):
+        now = self._clock()
+        if self._events_usable(candidates, request, now):
             self.by_events += 1
-            choice = self._by_kv_state(candidates, request.prompt)
+            if request.prompt is not None:
+                prompt = request.prompt
+                return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt))
+            hashes = block_hashes(request.text)
+            self._routed = (request, hashes, now)
+            return self._by_kv_state(candidates, TextPages(self, request.text, hashes))
+        self.by_tree += 1
+        hashes = self.tree.path_hashes(request.text)
+        loads = [effective_load(c) for c in candidates]
+        if self._imbalanced(loads):
+            self.balanced += 1
+            choice = self._least_loaded(candidates, loads, None)
         else:
-            self.by_tree += 1
-            loads = [effective_load(c) for c in candidates]
-            if self._imbalanced(loads):
-                self.balanced += 1
-                choice = self._least_loaded(candidates, loads, None)
-            else:
-                choice = self._by_prefix(candidates, loads, hashes, len(request.text))
+            choice = self._by_prefix(candidates, loads, hashes, len(request.text))
         if hashes:
-            self.tree.insert(hashes, choice.url)
+            self.tree.insert(hashes, choice.url, now)
         return choice
 
-    def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest) -> bool:
-        if self.index is None or request.prompt is None:
+    def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest, now: float) -> bool:
+        index = self.index
+        if index is None:
             return False
-        now = self._clock()
-        return all(self.index.fresh(c.url, now) for c in candidates)
+        if request.prompt is None:
+            if self.text_map is None or not request.text:
+                return False
+            for c in candidates:
+                w = index.get(c.url)
+                if w is None or not index.fresh(c.url, now) or not self.text_map.fresh(w.page_size, now):
+                    return False
+            return True
+        return all(index.fresh(c.url, now) for c in candidates)
 
-    def _by_kv_state(self, candidates: Sequence[Candidate], prompt: PromptTokens) -> Candidate:
+    def _by_kv_state(self, candidates: Sequence[Candidate],
+                     cached_pages: Callable[[Candidate], tuple[int, int]]) -> Candidate:
+        """The choice on the workers' KV state; ``cached_pages(c)``: (leading pages of the prompt `c` holds, the
+        prompt's pages)."""
         index, weight = self.index, self.kv.overlap_score_weight
         loads = [live_load(c) for c in candidates]
         fractions = []
         for c in candidates:
-            cached, total = index.cached_pages(c.url, prompt)
-            fractions.append((cached / total if total else 0.0, cached))
+            cached, total = cached_pages(c)
+            fractions.append((min(1.0, cached / total) if total else 0.0, cached))
         # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
         balanced = not self._imbalanced(loads)
         by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
@@ -125,10 +147,16 @@ class CacheAware(Policy):
         return best
 
     def track(self, choice: Candidate, request: RouteRequest) -> Callable[[], None] | None:
-        """Count the prompt's pages as pending on `choice` (see `KvIndex.predict`); returns what to call when
-        the worker's part of the request has ended."""
-        if self.index is None or request.prompt is None:
+        """Count the prompt's pages as pending on `choice` (see `KvIndex.predict`; an untokenized prompt: its text
+        blocks, `KvIndex.predict_text`); returns what to call when the worker's part of the request has ended."""
+        if self.index is None:
             return None
+        if request.prompt is None:
+            routed, hashes, at = self._routed
+            if routed is not request:  # routed by the tree
+                return None
+            route = self.index.predict_text(choice.url, hashes, at)
+            return None if route is None else (lambda: KvIndex.done(route, self._clock()))
         w = self.index.get(choice.url)
         if w is None or w.page_size < 1:
             return None
@@ -178,3 +206,47 @@ class CacheAware(Policy):
     def evict(self) -> None:
         """Drop entries idle longer than the eviction interval."""
         self.tree.evict_idle(self.config.eviction_interval_secs)
+
+
+class TextPages:
+    """``cached_pages`` of an untokenized prompt (its routing `text` and `hashes`, `block_hashes`): per worker, the
+    leading mapped pages it holds (`TextMap.lookup`, then the worker's `KvIndex` entry), or, when more, the pages
+    of the leading blocks routed to it and still pending (`RecentText`: its events may not say yet)."""
+
+    def __init__(self, policy: CacheAware, text: str, hashes: list[int]) -> None:
+        self.policy = policy
+        self.text = text
+        self.hashes = hashes
+        self._by_size: dict[int, tuple[list[tuple[int, int, int]], int, float]] = {}
+
+    def _resolved(self, page_size: int) -> tuple[list[tuple[int, int, int]], int, float]:
+        got = self._by_size.get(page_size)
+        if got is None:
+            tmap = self.policy.text_map
+            resolved = tmap.lookup(page_size, self.hashes)
+            chars_per_page = tmap.chars_per_token(page_size) * page_size
+            whole = len(self.text) <= BLOCK_CHARS * MAX_BLOCKS  # the last hash names the whole text
+            if whole and resolved and resolved[-1][0] == len(self.hashes) - 1:
+                total = resolved[-1][2]
+            else:
+                total = max(int(len(self.text) / chars_per_page), resolved[-1][2] if resolved else 0)
+            got = self._by_size[page_size] = (resolved, total, chars_per_page)
+        return got
+
+    def __call__(self, c: Candidate) -> tuple[int, int]:
+        w = self.policy.index.get(c.url)
+        if w is None or w.page_size < 1:
+            return 0, 0
+        resolved, total, chars_per_page = self._resolved(w.page_size)
+        cached = 0
+        for _, page, pages in resolved:
+            if not w.holds(page):
+                break
+            cached = pages
+        if w.text.routes:
+            depth = w.text.depth(self.hashes)
+            if depth == len(self.hashes):
+                cached = total
+            elif depth:
+                cached = max(cached, min(total, int(depth * BLOCK_CHARS / chars_per_page)))
+        return cached, total

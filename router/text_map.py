@@ -1,0 +1,197 @@
+"""The router's side of the workers' text-to-page maps (``GET /kv_text_map``): routing text on KV events, untokenized.
+
+A worker that tokenizes a prompt (decode and mixed roles) publishes entries ``(text hash, page hash, pages)``: the
+text up to some block of the prompt's routing text (``common/routing_text.py``) determines its first ``pages``
+pages, the last of which has that page hash (``serving/text_map.py``). `TextMap` keeps them, per page size, in one
+LRU map bounded by ``max_entries`` (a hit refreshes an entry). A new prompt's block hashes are looked up
+(`TextMap.lookup`): the mapped blocks give page hashes that each worker's `KvIndex` entry holds or not, exactly as
+the hashes of the prompt's token ids would, at the cost of one dict lookup per 64 characters.
+
+Every source is polled for the entries after the last sequence number it gave (``since``); a new ``instance_id``
+starts that source over. Entries are facts about text and tokens, not about a cache, so nothing is dropped when a
+source fails or restarts; a source only counts as *fresh* (the map is used) while its last good poll is at most
+``stale_secs`` old. Pure Python, no I/O; the event loop is the only thread that touches it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from itertools import repeat
+
+from pd_cluster.common.routing_text import BLOCK_CHARS, unpack_entries
+
+
+
+@dataclass
+class Source:
+    """One worker publishing a text-to-page map, as of its last good poll."""
+
+    instance_id: str = ""
+    seq: int = 0
+    page_size: int = 0
+    polled_at: float = float("-inf")
+    chars_per_token: float = 0.0
+
+
+class TextMap:
+    """Text hash -> (page hash, pages), per page size, learned from the workers.
+
+    Args:
+        max_entries: entries held at most over all page sizes (least recently used first out).
+        stale_secs: a source whose last good poll is older does not make the map usable.
+    """
+
+    def __init__(self, max_entries: int = 1 << 19, stale_secs: float = 2.0) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self.stale_secs = stale_secs
+        self._maps: dict[int, OrderedDict[int, tuple[int, int]]] = {}  # page size -> text hash -> (page hash, pages)
+        self._sources: dict[str, Source] = {}
+        self._size = 0
+        self.entries_received = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def since(self, url: str) -> int | None:
+        """The ``since`` of the next poll of `url` (None: everything the source holds)."""
+        s = self._sources.get(url)
+        return s.seq if s is not None and s.instance_id else None
+
+    def source(self, url: str) -> Source | None:
+        """What the last good poll of `url` said (``instance_id``, ``seq``, ``page_size``, ``polled_at``)."""
+        return self._sources.get(url)
+
+    def forget(self, url: str) -> None:
+        """A source left the registry (its entries stay: they are true of the text)."""
+        self._sources.pop(url, None)
+
+    def stale(self, url: str) -> None:
+        """A poll of `url` failed: it no longer counts as fresh."""
+        s = self._sources.get(url)
+        if s is not None:
+            s.polled_at = float("-inf")
+
+    def apply(self, url: str, batch: dict, polled_at: float) -> int:
+        """Apply one ``/kv_text_map`` answer (polled at `polled_at`, monotonic seconds); returns the entries added.
+
+        Raises:
+            ValueError: a malformed answer.
+        """
+        instance, seq, page_size = str(batch["instance_id"]), int(batch["seq"]), int(batch["page_size"])
+        if page_size < 1 or int(batch.get("block_chars", BLOCK_CHARS)) != BLOCK_CHARS:
+            raise ValueError(f"bad page_size or block_chars from {url}")
+        flat = unpack_entries(batch["entries"])
+        s = self._sources.setdefault(url, Source())
+        s.instance_id, s.seq, s.page_size, s.polled_at = instance, seq, page_size, polled_at
+        cpt = batch.get("chars_per_token")
+        if isinstance(cpt, (int, float)) and cpt > 0:
+            s.chars_per_token = float(cpt)
+        m = self._maps.setdefault(page_size, OrderedDict())
+        before = len(m)
+        m.update(zip(flat[0::3], zip(flat[1::3], flat[2::3])))  # new entries go last; C loops only
+        added = len(m) - before
+        self._size += added
+        self.entries_received += len(flat) // 3
+        while self._size > self.max_entries:
+            biggest = max(self._maps.values(), key=len)
+            biggest.popitem(last=False)
+            self._size -= 1
+        return added
+
+    # ---- reading ----------------------------------------------------------------------------------------
+    def fresh(self, page_size: int, now: float) -> bool:
+        """Some source of this page size was polled within `stale_secs`."""
+        return any(s.page_size == page_size and now - s.polled_at <= self.stale_secs for s in self._sources.values())
+
+    def polled_since(self, page_size: int) -> float:
+        """The oldest last good poll start among this page size's fresh sources (-inf when none): every entry
+        published before then has arrived."""
+        times = [s.polled_at for s in self._sources.values() if s.page_size == page_size]
+        return min(times) if times else float("-inf")
+
+    def chars_per_token(self, page_size: int) -> float:
+        """The sources' mean characters per token (for estimates; 4 before any says)."""
+        values = [s.chars_per_token for s in self._sources.values() if s.page_size == page_size and s.chars_per_token]
+        return sum(values) / len(values) if values else 4.0
+
+    def lookup(self, page_size: int, hashes: list[int]) -> list[tuple[int, int, int]]:
+        """The mapped blocks of a prompt (its block hashes, in order): ``(block index, page hash, pages)``."""
+        m = self._maps.get(page_size)
+        if not m:
+            return []
+        out = []
+        get = m.get
+        for k, h in enumerate(hashes):
+            v = get(h)
+            if v is not None:
+                m.move_to_end(h)
+                out.append((k, v[0], v[1]))
+        return out
+
+
+class TextRoute:
+    """One prompt routed to a worker as text; ``done_at``: when the worker's part of it ended."""
+
+    __slots__ = ("routed_at", "done_at")
+
+    def __init__(self, routed_at: float) -> None:
+        self.routed_at = routed_at
+        self.done_at = float("inf")
+
+
+class RecentText:
+    """The text blocks routed to one worker whose pages its KV events may not report yet (*pending*).
+
+    A route stays pending until a poll of the worker's events, and one of the text maps, started after its end
+    (`confirm`); ``horizon`` is the routing time of the oldest pending route, and every block routed there at
+    or after it counts as held (`depth`). Blocks go in two generations of dicts (block hash -> time routed):
+    adding a prompt is one ``dict.update``, and a generation is dropped whole once the horizon has passed it
+    (or the newer one holds `MAX_GENERATION` blocks).
+    """
+
+    MAX_GENERATION = 1 << 16
+    MAX_ROUTES = 4096
+
+    def __init__(self) -> None:
+        self.routes: deque[TextRoute] = deque()
+        self.horizon = float("inf")
+        self._cur: dict[int, float] = {}
+        self._old: dict[int, float] = {}
+        self._cur_since = float("-inf")
+
+    def add(self, hashes: list[int], now: float) -> TextRoute:
+        route = TextRoute(now)
+        self.routes.append(route)
+        if len(self.routes) > self.MAX_ROUTES:
+            self.routes.popleft()
+        self.horizon = self.routes[0].routed_at
+        if len(self._cur) > self.MAX_GENERATION:
+            self._rotate(now)
+        self._cur.update(zip(hashes, repeat(now)))
+        return route
+
+    def _rotate(self, now: float) -> None:
+        self._old, self._cur, self._cur_since = self._cur, {}, now
+
+    def confirm(self, seen: float, now: float) -> None:
+        """Routes that ended before `seen` (both polls started after) are confirmed."""
+        if self.routes:
+            self.routes = deque(r for r in self.routes if r.done_at > seen)
+        self.horizon = self.routes[0].routed_at if self.routes else float("inf")
+        if self.horizon >= self._cur_since:  # the old generation is all older than every pending route
+            self._rotate(now)
+
+    def depth(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` were routed here at or after the horizon."""
+        horizon, cur, old, depth = self.horizon, self._cur, self._old, 0
+        for h in hashes:
+            t = cur.get(h)
+            if t is None:
+                t = old.get(h)
+            if t is None or t < horizon:
+                break
+            depth += 1
+        return depth
