@@ -165,7 +165,10 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
 def _add_security(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security")
     g.add_argument("--api-key", default=None,
-                   help=f"Bearer key required on /v1/* (or env {API_KEY_ENV})")
+                   help=f"Bearer key required on /v1/* (or env {API_KEY_ENV}); as vLLM's, other paths stay open")
+    g.add_argument("--api-key-protects-all-paths", action="store_true",
+                   help="require --api-key on every path but /health and /readiness (/tokenize, /metrics, ...; "
+                        "/workers keeps its admin key)")
     g.add_argument("--admin-api-key", default=None,
                    help=f"Bearer key for /workers (or env {ADMIN_API_KEY_ENV})")
     g.add_argument("--internal-api-key", default=None,
@@ -262,7 +265,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     security = SecurityConfig(
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         admin_api_key=a.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
-        internal_api_key=a.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None)
+        internal_api_key=a.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None,
+        api_key_protects_all_paths=a.api_key_protects_all_paths)
     return RouterConfig(
         host=a.host, port=a.port, prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode),
         worker_urls=tuple(a.worker), served_model_names=tuple(a.served_model_name),

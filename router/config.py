@@ -217,11 +217,17 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Bearer keys; ``None`` disables the check (admin: see ``docs/router.md``)."""
+    """Bearer keys; ``None`` disables the check (admin: see ``docs/router.md``). ``api_key`` guards ``/v1/*``
+    (vLLM's ``--api-key``); with ``api_key_protects_all_paths`` every path but ``/health`` and ``/readiness``."""
 
     api_key: str | None = None
     admin_api_key: str | None = None
     internal_api_key: str | None = field(default=None, repr=False)  # sent to workers (X-PD-Internal-Key)
+    api_key_protects_all_paths: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key_protects_all_paths and not self.api_key:
+            raise ValueError("--api-key-protects-all-paths needs --api-key")
 
 
 @dataclass(frozen=True)

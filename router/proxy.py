@@ -182,6 +182,8 @@ class GenerateHandler:
             if sup.client_gone or ex.client_gone:
                 if sup.client_gone:
                     sup.task.uncancel()
+                if state.delivered:  # it closed right after [DONE]: the whole answer went out
+                    return 200
                 log.info("client disconnected; request aborted", extra={"request_id": state.request_id})
                 return 499
             raise

@@ -28,7 +28,7 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
 from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
-from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.metrics import RequestTiming, WorkerMetrics
 from pd_cluster.serving.prompt_logprobs import PromptEcho
 from pd_cluster.serving.protocol import ChatCompletionRequest, CompletionRequest
 from pd_cluster.serving.resume import Resumed, prepare_resumed
@@ -136,7 +136,15 @@ class OpenAIServing:
                     # writing into them).
                     runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
                                  prompt_ids))
-            await self._start_all(request, runs, prep.resumed.token_ids)
+            # max_tokens 0 with echo: a mixed worker's engine samples a token no client gets; it is not counted
+            # as generated (a decode worker's first token is sampled, and counted, by its prefill worker)
+            drops = sum(prep.prompts[r.prompt].drop_output for r, _, _ in runs) if self.metrics.role == "mixed" else 0
+            self.metrics.dropped_tokens += drops
+            try:
+                await self._start_all(request, runs, prep.resumed.token_ids)
+            except BaseException:
+                self.metrics.dropped_tokens -= drops
+                raise
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -147,7 +155,8 @@ class OpenAIServing:
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
         choices = [r for r, _, _ in runs]
-        timings = [_Timing(self.metrics, arrival, p.max_tokens) for _, p, _ in runs]
+        timings = [RequestTiming(self.metrics, arrival, p.max_tokens, prep.prompts[r.prompt].drop_output)
+                   for r, p, _ in runs]
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
@@ -257,7 +266,7 @@ class OpenAIServing:
                 self.source.abort(r.engine_id)
 
     async def _stream(self, runs: list[ChoiceRun], include_usage: bool,
-                      timings: list["_Timing"]) -> AsyncIterator[bytes]:
+                      timings: list[RequestTiming]) -> AsyncIterator[bytes]:
         """The SSE stream of every choice, interleaved as their deltas come (each chunk names its choice)."""
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -308,7 +317,7 @@ class OpenAIServing:
                 t.cancel()
             self._abort_unfinished(runs)  # client went away (cancelled), a choice failed, or the server stops
 
-    async def _collect(self, request: Request, runs: list[ChoiceRun], n: int, timings: list["_Timing"],
+    async def _collect(self, request: Request, runs: list[ChoiceRun], n: int, timings: list[RequestTiming],
                        headers: dict[str, str]) -> Response:
         try:
             for run, timing in zip(runs, timings):
@@ -377,46 +386,6 @@ async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
         if await request.is_disconnected():
             task.cancel()
             raise asyncio.CancelledError("client disconnected")
-
-
-class _Timing:
-    """Per-request latency metrics at the worker."""
-
-    def __init__(self, metrics: WorkerMetrics, arrival: float, max_tokens: int | None = None) -> None:
-        self.m = metrics
-        self.arrival = arrival
-        self.max_tokens = max_tokens
-        self.last: float | None = None
-
-    def on_delta(self, d: RequestDelta) -> None:
-        if not d.new_token_ids:
-            return
-        now = time.monotonic()
-        if self.last is None:
-            self.m.ttft.observe(now - self.arrival)
-        else:
-            gap = (now - self.last) / len(d.new_token_ids)
-            for _ in d.new_token_ids:
-                self.m.itl.observe(gap)
-        self.last = now
-
-    def on_finish(self, finish_reason: str | None, d: RequestDelta) -> None:
-        self.m.e2e.observe(time.monotonic() - self.arrival)
-        self.m.on_request_finished(finish_reason or "unknown", d.num_prompt_tokens, d.num_output_tokens,
-                                   self.max_tokens)
-        t = d.times
-        if t is None:
-            return
-        # Each worker reports the phases it ran: a decode worker its page wait, the handover and decoding; the
-        # prefill worker reports the prefill queue and compute of the same request.
-        if t.admitted is not None:
-            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
-        if t.kv_wait_s is None and t.first_scheduled is not None and t.prefill_done is not None:  # local prefill
-            self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
-        if t.transfer_s is not None:
-            self.m.transfer_time.observe(t.transfer_s)
-        if t.prefill_done is not None and t.finished is not None:
-            self.m.decode_time.observe(max(t.finished - t.prefill_done, 0.0))
 
 
 def serving_routes(serving: "OpenAIServing") -> list:
