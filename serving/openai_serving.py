@@ -118,33 +118,8 @@ class OpenAIServing:
         try:
             prep = await self._parse(request, kind)
             body = prep.body
-            n, count = body.num_choices, body.num_generated
-            runs = []
-            for p_i, prompt in enumerate(prep.prompts):
-                prompt_ids = prompt.token_ids
-                want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
-                for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
-                    texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                    builder = ResponseBuilder(kind, request_id, self.model_name, texts,
-                                              want_logprobs=prep.params.logprobs is not None,
-                                              prompt_token_ids=prompt_ids if body.return_token_ids else None,
-                                              index=p_i * n + j, tools=prep.tools,
-                                              prompt=prompt if want_prompt else None)
-                    builder.resume(prep.resumed.text)
-                    # The engine's id is unique per attempt: a router retry of the same request may reach this
-                    # worker while the failed attempt still holds its pages (waiting for the sender to stop
-                    # writing into them).
-                    runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
-                                 prompt_ids))
-            # max_tokens 0 with echo: a mixed worker's engine samples a token no client gets; it is not counted
-            # as generated (a decode worker's first token is sampled, and counted, by its prefill worker)
-            drops = sum(prep.prompts[r.prompt].drop_output for r, _, _ in runs) if self.metrics.role == "mixed" else 0
-            self.metrics.dropped_tokens += drops
-            try:
-                await self._start_all(request, runs, prep.resumed.token_ids)
-            except BaseException:
-                self.metrics.dropped_tokens -= drops
-                raise
+            runs = self.make_runs(prep, kind, request_id)
+            await self.start_runs(request, prep, runs)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -160,7 +135,7 @@ class OpenAIServing:
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        return await self._collect(request, choices, n, timings, headers)
+        return await self._collect(request, choices, body.num_choices, timings, headers)
 
     async def _parse(self, request: Request, kind: str) -> "Prepared":
         """Read, validate and tokenize the body; everything but reading runs in the tokenizer thread."""
@@ -168,7 +143,46 @@ class OpenAIServing:
         return await self.tok.run(self._prepare, raw, kind)
 
     def _prepare(self, raw: bytes, kind: str) -> "Prepared":
-        data = parse_json_object(raw)
+        return self.prepare_data(parse_json_object(raw), kind)
+
+    def make_runs(self, prep: Prepared, kind: str, request_id: str) -> list[tuple[ChoiceRun, SamplingParams, list[int]]]:
+        """One run per choice of every prompt: its engine id, its `ResponseBuilder`, its sampling and prompt ids."""
+        body = prep.body
+        n, count = body.num_choices, body.num_generated
+        runs = []
+        for p_i, prompt in enumerate(prep.prompts):
+            prompt_ids = prompt.token_ids
+            want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
+            for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
+                texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                          want_logprobs=prep.params.logprobs is not None,
+                                          prompt_token_ids=prompt_ids if body.return_token_ids else None,
+                                          index=p_i * n + j, tools=prep.tools,
+                                          prompt=prompt if want_prompt else None)
+                builder.resume(prep.resumed.text)
+                # The engine's id is unique per attempt: a router retry of the same request may reach this
+                # worker while the failed attempt still holds its pages (waiting for the sender to stop
+                # writing into them).
+                runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
+                             prompt_ids))
+        return runs
+
+    async def start_runs(self, request: Request, prep: Prepared,
+                         runs: list[tuple[ChoiceRun, SamplingParams, list[int]]]) -> None:
+        """Start every run and wait for each one's first delta (`_start_all`)."""
+        # max_tokens 0 with echo: a mixed worker's engine samples a token no client gets; it is not counted
+        # as generated (a decode worker's first token is sampled, and counted, by its prefill worker)
+        drops = sum(prep.prompts[r.prompt].drop_output for r, _, _ in runs) if self.metrics.role == "mixed" else 0
+        self.metrics.dropped_tokens += drops
+        try:
+            await self._start_all(request, runs, prep.resumed.token_ids)
+        except BaseException:
+            self.metrics.dropped_tokens -= drops
+            raise
+
+    def prepare_data(self, data: dict[str, Any], kind: str) -> Prepared:
+        """Validate and tokenize a parsed body (in the tokenizer thread)."""
         model = CompletionRequest if kind == "completion" else ChatCompletionRequest
         body = validate_body(model, data)
         if body.model is not None and body.model != self.model_name:
@@ -390,12 +404,15 @@ async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
 
 def serving_routes(serving: "OpenAIServing") -> list:
     """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`: completions, chat,
-    models, and vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
+    responses (`openai_responses.py`), models, vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, and
+    the text-to-page map (``/kv_text_map``)."""
+    from pd_cluster.serving.openai_responses import ResponsesServing
     from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
 
     tok = TokenizerRoutes(serving)
     routes = [("/v1/completions", serving.completions, ["POST"]),
               ("/v1/chat/completions", serving.chat_completions, ["POST"]),
+              ("/v1/responses", ResponsesServing(serving).create, ["POST"]),
               ("/v1/models", serving.models, ["GET"]),
               ("/tokenize", tok.tokenize, ["POST"]),
               ("/detokenize", tok.detokenize, ["POST"]),

@@ -177,6 +177,18 @@ _PATHS: dict[str, dict[str, Any]] = {
     "/v1/completions": {"post": _generation("Create a completion", CompletionRequest, CompletionResponse)},
     "/v1/chat/completions": {"post": _generation("Create a chat completion", ChatCompletionRequest,
                                                  ChatCompletionResponse)},
+    "/v1/responses": {"post": {
+        "summary": "Create a response (OpenAI's Responses API, served by the chat path; nothing is stored)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["input"],
+            "properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                           "instructions": {"type": "string"}, "model": {"type": "string"},
+                           "stream": {"type": "boolean"}}}}}},
+        "responses": {"200": {"description": "a response object; with `stream: true`, server-sent events "
+                                             "(response.created ... response.completed)",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {"type": "object"}}}},
+                      "default": _ERROR}}},
     "/v1/models": {"get": _op("The served model", _json(ModelList, "the model list"))},
     "/tokenize": {"post": _op("Tokenize a prompt or chat messages (vLLM)", _json(TokenizeResponse, "the tokens"),
                               TokenizeRequest)},
