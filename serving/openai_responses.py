@@ -33,10 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pd_cluster.common.responses_input import Refused, to_chat
 from pd_cluster.serving.body import parse_json_object, read_body
-from pd_cluster.serving.choices import ChoiceRun
+from pd_cluster.serving.choices import ChoiceRun, raise_error, request_error, until_disconnect
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import RequestTiming
-from pd_cluster.serving.openai_serving import OpenAIServing, _raise_error, _request_error, until_disconnect
 
 logger = logging.getLogger("pd.serving")
 
@@ -45,9 +44,9 @@ _PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
 
 
 class ResponsesServing:
-    """The ``/v1/responses`` handler over a worker's `OpenAIServing`."""
+    """The ``/v1/responses`` handler over a worker's `OpenAIServing` (``serving``)."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: Any) -> None:
         self.serving = serving
 
     async def create(self, request: Request) -> Response:
@@ -94,12 +93,12 @@ class ResponsesServing:
             while True:
                 timing.on_delta(d)
                 run.builder.add(d)
-                if (failed := _request_error(d)) is not None:
+                if (failed := request_error(d)) is not None:
                     return JSONResponse(failed.body(), status_code=failed.status, headers=headers)
                 if d.finished:
                     run.finished = True
                     break
-                d = _raise_error(await until_disconnect(request, asyncio.ensure_future(run.stream.get())))
+                d = raise_error(await until_disconnect(request, asyncio.ensure_future(run.stream.get())))
         except Exception as e:  # noqa: BLE001 - the engine died: an OpenAI error body
             err = to_http_error(e)
             return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -131,7 +130,7 @@ class ResponsesServing:
                     raise d
                 timing.on_delta(d)
                 run.builder.add(d)
-                if (failed := _request_error(d)) is not None:
+                if (failed := request_error(d)) is not None:
                     yield events.emit("response.failed", response=out.body(run.builder, events.items, "failed",
                                                                             failed.body()["error"]))
                     return

@@ -26,7 +26,14 @@ from pd_cluster.engine.kv.text_map import TextMapLog
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
-from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
+from pd_cluster.serving.choices import (  # until_disconnect: also for the prefill role's handler
+    ChoiceRun,
+    best_of,
+    choice_params,
+    raise_error,
+    request_error,
+    until_disconnect,
+)
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
 from pd_cluster.serving.metrics import RequestTiming, WorkerMetrics
 from pd_cluster.serving.prompt_logprobs import PromptEcho
@@ -39,8 +46,6 @@ from pd_cluster.serving.tools.chat import ChatTools, ToolSettings, chat_tools
 from pd_cluster.serving.validation import validate_body
 
 logger = logging.getLogger("pd.serving")
-
-DISCONNECT_POLL_S = 0.1
 
 
 class PromptSource(ABC):
@@ -260,13 +265,13 @@ class OpenAIServing:
                                                           resumed))
         try:
             stream = await until_disconnect(request, started)
-            first = _raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
+            first = raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
         except BaseException:
             self.source.abort(request_id)
             raise
         if first.finished and first.finish_reason == "abort" and not first.new_token_ids:
             raise HTTPError(503, "the request was aborted before its first token", None, "aborted")
-        if (err := _request_error(first)) is not None and not first.new_token_ids:
+        if (err := request_error(first)) is not None and not first.new_token_ids:
             raise err
         if params.prompt_logprobs is not None and first.prompt_logprobs is None:
             self.source.abort(request_id)  # e.g. a prefill worker of an older version, which does not send them
@@ -309,7 +314,7 @@ class OpenAIServing:
                 seen.add(i)
                 timings[i].on_delta(d)
                 run.builder.add(d)
-                failed = _request_error(d)
+                failed = request_error(d)
                 if d.new_text or d.new_token_ids or (d.finished and failed is None) or is_first:
                     yield run.builder.chunk(d, is_first)
                 if failed is not None:  # this request failed in the engine (the batch goes on)
@@ -339,7 +344,7 @@ class OpenAIServing:
                 while True:
                     timing.on_delta(d)
                     run.builder.add(d)
-                    if (failed := _request_error(d)) is not None:
+                    if (failed := request_error(d)) is not None:
                         run.finished = True
                         logger.warning("request %s failed: %s", run.engine_id, failed.message)
                         self._abort_unfinished(runs)
@@ -374,32 +379,6 @@ def _one_per_prompt(runs: list[ChoiceRun]) -> list[ResponseBuilder]:
     for r in runs:
         seen.setdefault(r.prompt, r.builder)
     return list(seen.values())
-
-
-def _request_error(d: RequestDelta) -> HTTPError | None:
-    """The error of a delta that ends its request with ``finish_reason == "error"`` (the engine failed this
-    request alone, e.g. while preparing its logits or sampling; see `LLMEngine.fail_request`), else None."""
-    if not (d.finished and d.finish_reason == "error"):
-        return None
-    return HTTPError(500, f"the request failed in the engine: {d.error or 'unknown error'}", None, "request_failed")
-
-
-def _raise_error(d: Any) -> Any:
-    """A stream item, or raise it when the engine loop put an error there (`EngineDeadError`)."""
-    if isinstance(d, BaseException):
-        raise d
-    return d
-
-
-async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
-    """Await `task`, cancelling it and raising `asyncio.CancelledError` if the client disconnects."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise asyncio.CancelledError("client disconnected")
 
 
 def serving_routes(serving: "OpenAIServing") -> list:

@@ -9,16 +9,11 @@ import json
 import jsonschema
 import openai
 import pytest
+from responses_kit import SCHEMA, WEATHER
 from cluster_util import running_pd_serve
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
-WEATHER = {"type": "function", "name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "mood": {"enum": ["happy", "sad"]}},
-          "required": ["name", "mood"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass
+
+from router_testkit import StubCandidate
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.router.config import CacheAwareConfig, KvRoutingConfig
@@ -39,14 +40,6 @@ def test_the_tokenizer_gives_bad_text_no_ids_and_logs_no_error(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
-@dataclass
-class Candidate:
-    url: str
-    load: object = None
-    inflight: int = 0
-    sent_since_report: int = 0
-
-
 def test_the_text_path_routes_bad_text(caplog):
     text_map = TextMap()
     policy = CacheAware(CacheAwareConfig(), time.monotonic, KvIndex(text_polled=text_map.polled_since),
@@ -54,5 +47,5 @@ def test_the_text_path_routes_bad_text(caplog):
     with caplog.at_level(logging.DEBUG):
         for body, chat in BAD:
             request = RouteRequest(parse_request(json.dumps(body).encode(), chat).text)
-            assert policy.select([Candidate("a"), Candidate("b")], request).url in ("a", "b")
+            assert policy.select([StubCandidate("a"), StubCandidate("b")], request).url in ("a", "b")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

@@ -6,9 +6,10 @@ entries (``engine/kv/text_map.py``) over word tokens."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import pytest
+
+from router_testkit import StubCandidate
 
 from pd_cluster.bench.fake_kv import FakeKv
 from pd_cluster.common.routing_text import pack_entries
@@ -30,14 +31,6 @@ class Clock:
         return self.t
 
 
-@dataclass
-class Candidate:
-    url: str
-    load: object = None
-    inflight: int = 0
-    sent_since_report: int = 0
-
-
 class Fleet:
     """Two workers (a, b), each a fake cache with its events and map, and one router's policy over them."""
 
@@ -47,7 +40,7 @@ class Fleet:
         self.index = KvIndex(text_polled=self.text_map.polled_since)
         self.policy = CacheAware(CacheAwareConfig(), self.clock, self.index, KvRoutingConfig(), self.text_map)
         self.kv = {url: FakeKv(PAGE, 4096) for url in ("a", "b")}
-        self.candidates = [Candidate("a"), Candidate("b")]
+        self.candidates = [StubCandidate("a"), StubCandidate("b")]
         self.poll()
 
     def poll(self) -> None:

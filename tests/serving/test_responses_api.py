@@ -10,14 +10,9 @@ import json
 import jsonschema
 import openai
 import pytest
+from responses_kit import SCHEMA, WEATHER
 from worker_kit import running_worker
 
-WEATHER = {"type": "function", "name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "mood": {"enum": ["happy", "sad"]}},
-          "required": ["name", "mood"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
