@@ -61,7 +61,8 @@ class RouterApp:
             self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
             tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded,
-            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None))
+            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None,
+            text_map=self.selector.text_map))
         self.kv_poller: KvEventsPoller | None = None
         if self.selector.index is not None and any(self.selector.uses_kv_events(r) for r in Role):
             text_map = self.selector.text_map

@@ -63,12 +63,15 @@ POLICY_FLAGS: tuple[Flag, ...] = (
 )
 KV_FLAGS: tuple[Flag, ...] = (
     Flag("--tokenizer-path", "policy.kv.tokenizer_path", str,
-         "the model's tokenizer folder: cache_aware then routes on the workers' KV events", aliases=("--tokenizer",)),
+         "the model's tokenizer folder: the router then tokenizes prompts itself to route on the workers' KV events "
+         "(without it, it learns the workers' text-to-page maps)", aliases=("--tokenizer",)),
     Flag("--kv-overlap-score-weight", "policy.kv.overlap_score_weight", float,
          "cost = weight x uncached fraction of the prompt + load in requests"),
     Flag("--kv-events-stale-secs", "policy.kv.stale_secs", float,
          "an index not refreshed for this long is not used (the approximate tree is)"),
     Flag("--kv-index-max-pages", "policy.kv.max_pages", int, "pages indexed per worker at most"),
+    Flag("--kv-text-map-max-entries", "policy.kv.text_map_max_entries", int,
+         "entries of the workers' text-to-page maps kept (about 250 bytes each)"),
     Flag("--tokenizer-threads", "policy.kv.tokenizer_threads", int,
          "threads tokenizing prompts (each encodes every prompt waiting in one batch)"),
     Flag("--tokenizer-cache-max-tokens", "policy.kv.tokenizer_cache_tokens", int,

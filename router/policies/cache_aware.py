@@ -13,11 +13,13 @@ The chosen worker's tree then records the prompt. Load is
 :func:`pd_cluster.router.policies.base.effective_load`.
 
 **On the workers' real cache state** (NVIDIA Dynamo's KV router: overlap
-against load). When the request carries its token ids (``--tokenizer-path``)
-and every candidate's :class:`~pd_cluster.router.kv_index.KvIndex` entry is
-fresh, the tree is not consulted. While the loads are balanced (the tree's
-``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's router), the
-worker holding the most of the prompt wins if it holds more than
+against load). When every candidate's :class:`~pd_cluster.router.kv_index.KvIndex`
+entry is fresh, and the request carries its token ids (``--tokenizer-path``) or
+the workers' text-to-page map of its page size is usable
+(:class:`~pd_cluster.router.text_map.TextMap`: the prompt's text blocks name
+pages, `TextPages`), the tree is not consulted. While the loads are balanced
+(the tree's ``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's
+router), the worker holding the most of the prompt wins if it holds more than
 ``cache_threshold`` of it (ties: the lower load), else the least loaded worker
 holding the fewest pages; once the loads are imbalanced each worker costs
 
@@ -28,8 +30,9 @@ where ``cached_pages`` are the prompt's leading full pages the worker holds
 last poll), ``prompt_pages`` the prompt's full pages, and ``load`` is
 :func:`~pd_cluster.router.policies.base.live_load` in requests. The lowest
 cost wins; ties go to the lower load, then to the worker holding fewer pages.
-Otherwise the tree decides (the fallback). The tree records every prompt either
-way, so it is warm when events lag.
+Otherwise the tree decides (the fallback), and records the prompts it routes;
+while the events route, the pending text blocks (`KvIndex.predict_text`) stand
+in for it, so a prompt costs one pass of block hashes.
 """
 
 from __future__ import annotations
