@@ -49,6 +49,7 @@ class TextMap:
         self.stale_secs = stale_secs
         self._maps: dict[int, OrderedDict[int, tuple[int, int]]] = {}  # page size -> text hash -> (page hash, pages)
         self._sources: dict[str, Source] = {}
+        self._newest: dict[int, float] = {}  # page size -> the latest good poll start of any of its sources
         self._size = 0
         self.entries_received = 0
 
@@ -66,13 +67,20 @@ class TextMap:
 
     def forget(self, url: str) -> None:
         """A source left the registry (its entries stay: they are true of the text)."""
-        self._sources.pop(url, None)
+        s = self._sources.pop(url, None)
+        if s is not None:
+            self._refresh(s.page_size)
 
     def stale(self, url: str) -> None:
         """A poll of `url` failed: it no longer counts as fresh."""
         s = self._sources.get(url)
         if s is not None:
             s.polled_at = float("-inf")
+            self._refresh(s.page_size)
+
+    def _refresh(self, page_size: int) -> None:
+        self._newest[page_size] = max((s.polled_at for s in self._sources.values() if s.page_size == page_size),
+                                      default=float("-inf"))
 
     def apply(self, url: str, batch: dict, polled_at: float) -> int:
         """Apply one ``/kv_text_map`` answer (polled at `polled_at`, monotonic seconds); returns the entries added.
@@ -86,6 +94,7 @@ class TextMap:
         flat = unpack_entries(batch["entries"])
         s = self._sources.setdefault(url, Source())
         s.instance_id, s.seq, s.page_size, s.polled_at = instance, seq, page_size, polled_at
+        self._newest[page_size] = max(self._newest.get(page_size, float("-inf")), polled_at)
         cpt = batch.get("chars_per_token")
         if isinstance(cpt, (int, float)) and cpt > 0:
             s.chars_per_token = float(cpt)
@@ -104,7 +113,7 @@ class TextMap:
     # ---- reading ----------------------------------------------------------------------------------------
     def fresh(self, page_size: int, now: float) -> bool:
         """Some source of this page size was polled within `stale_secs`."""
-        return any(s.page_size == page_size and now - s.polled_at <= self.stale_secs for s in self._sources.values())
+        return now - self._newest.get(page_size, float("-inf")) <= self.stale_secs
 
     def polled_since(self, page_size: int) -> float:
         """The oldest last good poll start among this page size's fresh sources (-inf when none): every entry
@@ -185,13 +194,21 @@ class RecentText:
             self._rotate(now)
 
     def depth(self, hashes: list[int]) -> int:
-        """How many leading blocks of `hashes` were routed here at or after the horizon."""
-        horizon, cur, old, depth = self.horizon, self._cur, self._old, 0
-        for h in hashes:
+        """How many leading blocks of `hashes` were routed here at or after the horizon. A route adds all its
+        blocks at once, so the pending blocks of a prompt are a prefix of it: a binary search finds its end."""
+        horizon, cur, old = self.horizon, self._cur, self._old
+
+        def pending(h: int) -> bool:
             t = cur.get(h)
             if t is None:
                 t = old.get(h)
-            if t is None or t < horizon:
-                break
-            depth += 1
-        return depth
+            return t is not None and t >= horizon
+
+        lo, hi = 0, len(hashes)  # hashes[:lo] pending; hashes[hi:] not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pending(hashes[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo

@@ -37,6 +37,7 @@ in for it, so a prompt costs one pass of block hashes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from pd_cluster.common.routing_text import BLOCK_CHARS, MAX_BLOCKS, block_hashes
@@ -53,6 +54,10 @@ from pd_cluster.router.policies.base import (
 )
 from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
 from pd_cluster.router.text_map import TextMap
+
+
+HASHED_CHARS = 1 << 22
+"""Characters of recent prompts whose block hashes are remembered (a repeated prompt is hashed once)."""
 
 
 class CacheAware(Policy):
@@ -81,6 +86,8 @@ class CacheAware(Policy):
         self.by_events = 0
         self.by_tree = 0
         self._routed: tuple[RouteRequest | None, list[int], float] = (None, [], 0.0)
+        self._hashed: OrderedDict[str, list[int]] = OrderedDict()
+        self._hashed_chars = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
@@ -90,11 +97,12 @@ class CacheAware(Policy):
             if request.prompt is not None:
                 prompt = request.prompt
                 return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt))
-            hashes = block_hashes(request.text)
+            hashes = self._hashes(request.text)
             self._routed = (request, hashes, now)
             return self._by_kv_state(candidates, TextPages(self, request.text, hashes))
         self.by_tree += 1
-        hashes = self.tree.path_hashes(request.text)
+        hashes = self._hashes(request.text) if self.tree.block_chars == BLOCK_CHARS else \
+            self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
         if self._imbalanced(loads):
             self.balanced += 1
@@ -104,6 +112,20 @@ class CacheAware(Policy):
         if hashes:
             self.tree.insert(hashes, choice.url, now)
         return choice
+
+    def _hashes(self, text: str) -> list[int]:
+        """`block_hashes` of `text`, remembered for the most recent texts (a repeated prompt is hashed once)."""
+        cache = self._hashed
+        got = cache.get(text)
+        if got is not None:
+            cache.move_to_end(text)
+            return got
+        got = cache[text] = block_hashes(text)
+        self._hashed_chars += len(text)
+        while self._hashed_chars > HASHED_CHARS and cache:
+            old, _ = cache.popitem(last=False)
+            self._hashed_chars -= len(old)
+        return got
 
     def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest, now: float) -> bool:
         index = self.index

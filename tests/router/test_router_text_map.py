@@ -111,7 +111,7 @@ def test_text_map_keeps_the_newest_entries_within_its_bound_and_says_whose_map_i
 def test_recent_text_counts_routes_until_confirmed_and_drops_old_generations():
     recent = RecentText()
     route = recent.add([1, 2, 3], now=10.0)
-    assert recent.depth([1, 2, 3, 4]) == 3 and recent.depth([4, 1]) == 0
+    assert recent.depth([1, 2, 3, 4]) == 3 and recent.depth([1, 2, 3]) == 3 and recent.depth([9, 8]) == 0
     route.done_at = 11.0
     recent.confirm(seen=10.5, now=10.5)  # the poll started before the route ended: still pending
     assert recent.depth([1, 2]) == 2
