@@ -18,7 +18,7 @@ from collections import OrderedDict
 from typing import Any
 from urllib.parse import parse_qs
 
-from pd_cluster.common.routing_text import BLOCK_CHARS, routing_text
+from pd_cluster.common.routing_text import block_chars_for, routing_text
 from pd_cluster.engine.kv.events import ROOT_HASH, KVEventLog, page_hash
 from pd_cluster.engine.kv.text_map import TextMapLog, entries, stable_tokens
 
@@ -42,7 +42,8 @@ class FakeKv:
         words = list(_WORD.finditer(text))
         ids = [zlib.crc32(w.group().encode("utf-8", "surrogatepass")) for w in words]
         ends = [w.end() for w in words]
-        stable = [stable_tokens(text, ends, c) for c in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS)]
+        bc = block_chars_for(self.page_size)
+        stable = [stable_tokens(text, ends, c) for c in range(bc, len(text) + 1, bc)]
         self.text_map.record(entries(text, stable, ids, self.page_size))
         self.text_map.count(len(text), len(ids))
         self._cache(ids)

@@ -13,12 +13,14 @@ fields that change how the worker renders or tokenizes the text (`CHAT_CONTEXT`,
 request's own chat template, ``add_special_tokens``...) go in front, as compact sorted JSON between ``\\x02`` and
 ``\\x03``, only when present; so two requests share a text prefix only where the workers see the same tokens.
 
-**Block hashes.** The text is cut into `BLOCK_CHARS` (64) character blocks. Block ``k``'s hash names the whole text
-up to the end of block ``k``: the CRC-32 (high 32 bits) and Adler-32 (low 32 bits) of the UTF-8 bytes (lone
-surrogates passed through) of ``text[:64 * (k + 1)]``, both from zlib and computed incrementally. After the full
+**Block hashes.** The text is cut into blocks of `block_chars_for` the workers' page size characters (twice the
+page size, between 32 and 128: a block stays under a page's worth of text, about 3-4 characters a token, and a
+2,000-character prompt costs 16 hashes at the default 64-token page). Block ``k``'s hash names the whole text up to
+the end of block ``k``: the CRC-32 (high 32 bits) and Adler-32 (low 32 bits) of the UTF-8 bytes (lone surrogates
+passed through) of ``text[:block_chars * (k + 1)]``, both from zlib and computed incrementally. After the full
 blocks comes the *end hash*: the same two checksums continued over the rest of the text and one ``0xFF`` byte (no
 UTF-8 text holds it), which names the whole text as complete, so it never equals a prefix of a longer one. Texts
-over ``MAX_BLOCKS`` blocks are hashed only that far, with no end hash. A collision can only misroute.
+over `MAX_CHARS` are hashed only that far, with no end hash. A collision can only misroute.
 
 Standard library only (``common`` is below every layer).
 """
@@ -32,10 +34,8 @@ from collections.abc import Sequence
 from typing import Any
 from zlib import adler32, crc32
 
-BLOCK_CHARS = 64
-"""Characters per text block (the router's ``--cache-block-chars`` default; the worker's map always uses 64)."""
-MAX_BLOCKS = 4096
-"""Blocks hashed at most (262,144 characters)."""
+MAX_CHARS = 1 << 18
+"""Characters hashed at most (262,144)."""
 END = b"\xff"
 
 CHAT_CONTEXT = ("tools", "chat_template", "chat_template_kwargs", "documents", "add_special_tokens",
@@ -113,12 +113,23 @@ def completion_offset(data: dict[str, Any]) -> int:
     return len(_context(data, COMPLETION_CONTEXT))
 
 
-def block_hashes(text: str, block_chars: int = BLOCK_CHARS, max_blocks: int = MAX_BLOCKS) -> list[int]:
-    """The hashes of `text`'s full blocks, then its end hash (see the module docstring); unsigned 64-bit ints."""
+def block_chars_for(page_size: int) -> int:
+    """The text-to-page maps' block, in characters, for workers of `page_size` tokens a page."""
+    return max(32, min(128, 2 * page_size))
+
+
+def full_blocks(text: str, block_chars: int) -> int:
+    """How many full blocks of `text` are hashed (the text up to `MAX_CHARS`)."""
+    return min(len(text), MAX_CHARS // block_chars * block_chars) // block_chars
+
+
+def block_hashes(text: str, block_chars: int, max_blocks: int | None = None) -> list[int]:
+    """The hashes of `text`'s full blocks, then its end hash (see the module docstring); unsigned 64-bit ints.
+    `max_blocks`: blocks hashed at most (default: `MAX_CHARS` worth)."""
     out: list[int] = []
     append = out.append
     c, a = 0, 1
-    limit = block_chars * max_blocks
+    limit = block_chars * (MAX_CHARS // block_chars if max_blocks is None else max_blocks)
     full = min(len(text), limit) // block_chars * block_chars
     data = text.encode("utf-8", "surrogatepass")
     if len(data) == len(text):  # ASCII: byte blocks are character blocks, slice the bytes without copies

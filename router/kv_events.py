@@ -33,7 +33,7 @@ log = logging.getLogger("pd_cluster.router.kv_events")
 
 MAX_FOLLOW_UPS = 64
 """Polls in a row for one worker when each answer says ``more`` (bounds one round's work)."""
-IDLE_POLL_SECS = 1.0
+IDLE_POLL_SECS = 0.5
 """Poll period while the router routes nothing and the last polls brought nothing new (below the index's
 ``--kv-events-stale-secs``, 2 s by default, so the view stays usable)."""
 

@@ -2,10 +2,12 @@
 
 A worker that tokenizes a prompt (decode and mixed roles) publishes entries ``(text hash, page hash, pages)``: the
 text up to some block of the prompt's routing text (``common/routing_text.py``) determines its first ``pages``
-pages, the last of which has that page hash (``serving/text_map.py``). `TextMap` keeps them, per page size, in one
-LRU map bounded by ``max_entries`` (a hit refreshes an entry). A new prompt's block hashes are looked up
+pages, the last of which has that page hash (``engine/kv/text_map.py``). `TextMap` keeps them, per page size, in
+two generations of plain dicts bounded together by ``max_entries``: new entries and entries used go into the
+newer one, and when it holds half the bound the older one is dropped (an entry unused for a generation goes; a
+dict lookup is all a hit costs). A new prompt's block hashes are looked up
 (`TextMap.lookup`): the mapped blocks give page hashes that each worker's `KvIndex` entry holds or not, exactly as
-the hashes of the prompt's token ids would, at the cost of one dict lookup per 64 characters.
+the hashes of the prompt's token ids would, at the cost of one dict lookup per block of text (`block_chars_for` the page size).
 
 Every source is polled for the entries after the last sequence number it gave (``since``); a new ``instance_id``
 starts that source over. Entries are facts about text and tokens, not about a cache, so nothing is dropped when a
@@ -15,11 +17,11 @@ source fails or restarts; a source only counts as *fresh* (the map is used) whil
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from itertools import repeat
 
-from pd_cluster.common.routing_text import BLOCK_CHARS, unpack_entries
+from pd_cluster.common.routing_text import block_chars_for, unpack_entries
 
 
 
@@ -47,14 +49,18 @@ class TextMap:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
         self.stale_secs = stale_secs
-        self._maps: dict[int, OrderedDict[int, tuple[int, int]]] = {}  # page size -> text hash -> (page hash, pages)
+        # page size -> [newer, older] generation: text hash -> (page hash, pages)
+        self._maps: dict[int, list[dict[int, tuple[int, int]]]] = {}
         self._sources: dict[str, Source] = {}
         self._newest: dict[int, float] = {}  # page size -> the latest good poll start of any of its sources
-        self._size = 0
+        self._cpt: dict[int, float] = {}  # page size -> its sources' mean characters per token
         self.entries_received = 0
 
     def __len__(self) -> int:
-        return self._size
+        return sum(len(new) + len(old) for new, old in self._maps.values())
+
+    def _generation_size(self) -> int:
+        return max(1, self.max_entries // (2 * max(1, len(self._maps))))
 
     def since(self, url: str) -> int | None:
         """The ``since`` of the next poll of `url` (None: everything the source holds)."""
@@ -89,26 +95,26 @@ class TextMap:
             ValueError: a malformed answer.
         """
         instance, seq, page_size = str(batch["instance_id"]), int(batch["seq"]), int(batch["page_size"])
-        if page_size < 1 or int(batch.get("block_chars", BLOCK_CHARS)) != BLOCK_CHARS:
+        if page_size < 1 or int(batch.get("block_chars", 0)) != block_chars_for(page_size):
             raise ValueError(f"bad page_size or block_chars from {url}")
         flat = unpack_entries(batch["entries"])
         s = self._sources.setdefault(url, Source())
         s.instance_id, s.seq, s.page_size, s.polled_at = instance, seq, page_size, polled_at
         self._newest[page_size] = max(self._newest.get(page_size, float("-inf")), polled_at)
         cpt = batch.get("chars_per_token")
-        if isinstance(cpt, (int, float)) and cpt > 0:
+        if isinstance(cpt, (int, float)) and cpt > 0 and cpt != s.chars_per_token:
             s.chars_per_token = float(cpt)
-        m = self._maps.setdefault(page_size, OrderedDict())
-        before = len(m)
-        m.update(zip(flat[0::3], zip(flat[1::3], flat[2::3])))  # new entries go last; C loops only
-        added = len(m) - before
-        self._size += added
+            values = [x.chars_per_token for x in self._sources.values()
+                      if x.page_size == page_size and x.chars_per_token]
+            self._cpt[page_size] = sum(values) / len(values)
+        gens = self._maps.setdefault(page_size, [{}, {}])
+        new = gens[0]
+        before = len(new)
+        new.update(zip(flat[0::3], zip(flat[1::3], flat[2::3])))  # C loops only
         self.entries_received += len(flat) // 3
-        while self._size > self.max_entries:
-            biggest = max(self._maps.values(), key=len)
-            biggest.popitem(last=False)
-            self._size -= 1
-        return added
+        if len(new) > self._generation_size():
+            gens[0], gens[1] = {}, new
+        return len(new) - before if new is gens[0] else len(flat) // 3
 
     # ---- reading ----------------------------------------------------------------------------------------
     def fresh(self, page_size: int, now: float) -> bool:
@@ -123,21 +129,27 @@ class TextMap:
 
     def chars_per_token(self, page_size: int) -> float:
         """The sources' mean characters per token (for estimates; 4 before any says)."""
-        values = [s.chars_per_token for s in self._sources.values() if s.page_size == page_size and s.chars_per_token]
-        return sum(values) / len(values) if values else 4.0
+        return self._cpt.get(page_size, 4.0)
 
     def lookup(self, page_size: int, hashes: list[int]) -> list[tuple[int, int, int]]:
-        """The mapped blocks of a prompt (its block hashes, in order): ``(block index, page hash, pages)``."""
-        m = self._maps.get(page_size)
-        if not m:
+        """The mapped blocks of a prompt (its block hashes, in order): ``(block index, page hash, pages)``. An
+        entry found in the older generation moves to the newer one."""
+        gens = self._maps.get(page_size)
+        if gens is None:
             return []
+        new, old = gens
+        get_new, get_old = new.get, old.get
         out = []
-        get = m.get
         for k, h in enumerate(hashes):
-            v = get(h)
-            if v is not None:
-                m.move_to_end(h)
-                out.append((k, v[0], v[1]))
+            v = get_new(h)
+            if v is None:
+                v = get_old(h)
+                if v is None:
+                    continue
+                new[h] = v
+            out.append((k, v[0], v[1]))
+        if len(new) > self._generation_size():
+            gens[0], gens[1] = {}, new
         return out
 
 

@@ -19,8 +19,9 @@ two), so a prefix ending at character ``r`` of the rendered text determines the 
 start of the last whitespace run before ``r``: pre-tokenizers (byte-level BPE's regex, SentencePiece's ``▁``) never
 let a token span whitespace into the next word. For a chat, a position in a message's content maps to the rendered
 chat template by where that content sits in it (found in order; a position in a ``<role>`` marker maps to the end of
-the previous content); a message whose content is not found verbatim, or a chat whose first message renders
-differently alone (a template that moves the system prompt), ends the map there. Token-id prompts map exactly (the
+the previous content); a message whose content is not found verbatim or that holds tool calls (which the routing
+text leaves out), or a chat whose first message renders differently alone (a template that moves the system
+prompt), ends the map there. Token-id prompts map exactly (the
 ids whose ``,`` is in the prefix). ``tests/engine/test_text_map.py`` checks on ShareGPT texts and conversations that
 the page hashes of published entries equal those of other prompts sharing the prefix.
 
@@ -39,8 +40,8 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from pd_cluster.common.routing_text import (
-    BLOCK_CHARS,
-    MAX_BLOCKS,
+    block_chars_for,
+    full_blocks,
     block_hashes,
     chat_segments,
     completion_offset,
@@ -119,7 +120,8 @@ class TextMapLog:
             items = self._items[start:start + limit]
             seq = self._base + start + len(items)
             more = seq < self.seq
-        return {"instance_id": self.instance_id, "page_size": self.page_size, "block_chars": BLOCK_CHARS,
+        return {"instance_id": self.instance_id, "page_size": self.page_size,
+                "block_chars": block_chars_for(self.page_size),
                 "seq": seq, "more": more, "entries": pack_entries(items),
                 "chars_per_token": round(self._chars / self._tokens, 3) if self._tokens else None}
 
@@ -147,8 +149,9 @@ def entries(text: str, stable: Sequence[int], token_ids: Sequence[int], page_siz
         marks: indices of blocks that get an entry whenever they add a page (a chat's message ends: where the
             next turn of the conversation continues).
     """
-    hashes = block_hashes(text)
-    full = min(len(text), BLOCK_CHARS * MAX_BLOCKS) // BLOCK_CHARS
+    bc = block_chars_for(page_size)
+    hashes = block_hashes(text, bc)
+    full = full_blocks(text, bc)
     num_tokens = len(token_ids)
     last = (num_tokens - 1) // page_size if num_tokens else 0
     stride = max(1, -(-last // MAX_MARKS))
@@ -191,9 +194,8 @@ def completion_entries(data: dict[str, Any], prompt: str, ids: Sequence[int],
     at = completion_offset(data)
     if text[at:] != prompt:
         return []
-    ends = _ends(offsets)
-    stable = [stable_tokens(prompt, ends, c - at) if c > at else 0
-              for c in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS)]
+    ends, bc = _ends(offsets), block_chars_for(page_size)
+    stable = [stable_tokens(prompt, ends, c - at) if c > at else 0 for c in range(bc, len(text) + 1, bc)]
     return entries(text, stable, ids, page_size)
 
 
@@ -201,7 +203,8 @@ def token_id_entries(data: dict[str, Any], ids: Sequence[int], page_size: int) -
     """Entries of a completion whose prompt is token ids (exact: the ids whose ``,`` is in the prefix)."""
     text = routing_text(data, chat=False)
     at = completion_offset(data)
-    stable = [text.count(",", at, c) if c > at else 0 for c in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS)]
+    bc = block_chars_for(page_size)
+    stable = [text.count(",", at, c) if c > at else 0 for c in range(bc, len(text) + 1, bc)]
     return entries(text, stable, ids, page_size)
 
 
@@ -218,7 +221,10 @@ def chat_entries(data: dict[str, Any], rendered: str, ids: Sequence[int], offset
     segments = chat_segments(data)
     found: list[tuple[int, int, int, int]] = []  # (marker start, content start, content length, rendered start)
     at = 0
+    messages = [m for m in data.get("messages") or () if isinstance(m, dict)]
     for n, (marker, start, content) in enumerate(segments):
+        if messages[n].get("tool_calls"):  # the routing text does not hold the calls: the map ends here
+            break
         where = rendered.find(content, at)
         if where < 0:
             break
@@ -232,9 +238,9 @@ def chat_entries(data: dict[str, Any], rendered: str, ids: Sequence[int], offset
         return []
     complete = len(found) == len(segments)
     mapped_to = found[-1][1] + found[-1][2]  # routing text mapped up to here
-    ends = _ends(offsets)
+    ends, bc = _ends(offsets), block_chars_for(page_size)
     stable, i = [], 0
-    for c in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS):
+    for c in range(bc, len(text) + 1, bc):
         if c > mapped_to and not complete:
             break
         while i + 1 < len(found) and found[i + 1][0] <= c:
@@ -245,6 +251,6 @@ def chat_entries(data: dict[str, Any], rendered: str, ids: Sequence[int], offset
         else:
             r = where + min(c - start, length)
         stable.append(lead + stable_tokens(rendered, ends, r) if r else 0)
-    marks = {(start + length) // BLOCK_CHARS - 1 for _, start, length, _ in found}  # each message's last block
+    marks = {(start + length) // bc - 1 for _, start, length, _ in found}  # each message's last block
     return entries(text, stable, ids, page_size, complete, marks)
 

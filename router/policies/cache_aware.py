@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from pd_cluster.common.routing_text import BLOCK_CHARS, MAX_BLOCKS, block_hashes
+from pd_cluster.common.routing_text import MAX_CHARS, block_chars_for, block_hashes
 
 from pd_cluster.router.config import CacheAwareConfig, KvRoutingConfig
 from pd_cluster.router.kv_index import KvIndex, PromptTokens
@@ -85,8 +85,8 @@ class CacheAware(Policy):
         self.balanced = 0
         self.by_events = 0
         self.by_tree = 0
-        self._routed: tuple[RouteRequest | None, list[int], float] = (None, [], 0.0)
-        self._hashed: OrderedDict[str, list[int]] = OrderedDict()
+        self._routed: tuple[RouteRequest | None, float] = (None, 0.0)
+        self._hashed: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self._hashed_chars = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
@@ -97,12 +97,10 @@ class CacheAware(Policy):
             if request.prompt is not None:
                 prompt = request.prompt
                 return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt))
-            hashes = self._hashes(request.text)
-            self._routed = (request, hashes, now)
-            return self._by_kv_state(candidates, TextPages(self, request.text, hashes))
+            self._routed = (request, now)
+            return self._by_kv_state(candidates, TextPages(self, request.text))
         self.by_tree += 1
-        hashes = self._hashes(request.text) if self.tree.block_chars == BLOCK_CHARS else \
-            self.tree.path_hashes(request.text)
+        hashes = self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
         if self._imbalanced(loads):
             self.balanced += 1
@@ -113,17 +111,19 @@ class CacheAware(Policy):
             self.tree.insert(hashes, choice.url, now)
         return choice
 
-    def _hashes(self, text: str) -> list[int]:
-        """`block_hashes` of `text`, remembered for the most recent texts (a repeated prompt is hashed once)."""
+    def hashes(self, text: str, page_size: int) -> list[int]:
+        """`block_hashes` of `text` in the text maps' blocks for `page_size`, remembered for the most recent texts
+        (a repeated prompt is hashed once)."""
+        key = (text, page_size)
         cache = self._hashed
-        got = cache.get(text)
+        got = cache.get(key)
         if got is not None:
-            cache.move_to_end(text)
+            cache.move_to_end(key)
             return got
-        got = cache[text] = block_hashes(text)
+        got = cache[key] = block_hashes(text, block_chars_for(page_size))
         self._hashed_chars += len(text)
         while self._hashed_chars > HASHED_CHARS and cache:
-            old, _ = cache.popitem(last=False)
+            (old, _), _ = cache.popitem(last=False)
             self._hashed_chars -= len(old)
         return got
 
@@ -177,10 +177,11 @@ class CacheAware(Policy):
         if self.index is None:
             return None
         if request.prompt is None:
-            routed, hashes, at = self._routed
-            if routed is not request:  # routed by the tree
+            routed, at = self._routed
+            w = self.index.get(choice.url)
+            if routed is not request or w is None or w.page_size < 1:  # routed by the tree
                 return None
-            route = self.index.predict_text(choice.url, hashes, at)
+            route = self.index.predict_text(choice.url, self.hashes(request.text, w.page_size), at)
             return None if route is None else (lambda: KvIndex.done(route, self._clock()))
         w = self.index.get(choice.url)
         if w is None or w.page_size < 1:
@@ -234,44 +235,46 @@ class CacheAware(Policy):
 
 
 class TextPages:
-    """``cached_pages`` of an untokenized prompt (its routing `text` and `hashes`, `block_hashes`): per worker, the
-    leading mapped pages it holds (`TextMap.lookup`, then the worker's `KvIndex` entry), or, when more, the pages
-    of the leading blocks routed to it and still pending (`RecentText`: its events may not say yet)."""
+    """``cached_pages`` of an untokenized prompt (its routing `text`): per worker, the leading mapped pages it holds
+    (its block hashes for the worker's page size, `TextMap.lookup`, then the worker's `KvIndex` entry), or, when
+    more, the pages of the leading blocks routed to it and still pending (`RecentText`: its events may not say
+    yet)."""
 
-    def __init__(self, policy: CacheAware, text: str, hashes: list[int]) -> None:
+    def __init__(self, policy: CacheAware, text: str) -> None:
         self.policy = policy
         self.text = text
-        self.hashes = hashes
-        self._by_size: dict[int, tuple[list[tuple[int, int, int]], int, float]] = {}
+        self._by_size: dict[int, tuple[list[int], list[tuple[int, int, int]], int, float]] = {}
 
-    def _resolved(self, page_size: int) -> tuple[list[tuple[int, int, int]], int, float]:
+    def _resolved(self, page_size: int) -> tuple[list[int], list[tuple[int, int, int]], int, float]:
         got = self._by_size.get(page_size)
         if got is None:
-            tmap = self.policy.text_map
-            resolved = tmap.lookup(page_size, self.hashes)
+            policy = self.policy
+            tmap = policy.text_map
+            hashes = policy.hashes(self.text, page_size)
+            resolved = tmap.lookup(page_size, hashes)
             chars_per_page = tmap.chars_per_token(page_size) * page_size
-            whole = len(self.text) <= BLOCK_CHARS * MAX_BLOCKS  # the last hash names the whole text
-            if whole and resolved and resolved[-1][0] == len(self.hashes) - 1:
+            whole = len(self.text) <= MAX_CHARS  # the last hash names the whole text
+            if whole and resolved and resolved[-1][0] == len(hashes) - 1:
                 total = resolved[-1][2]
             else:
                 total = max(int(len(self.text) / chars_per_page), resolved[-1][2] if resolved else 0)
-            got = self._by_size[page_size] = (resolved, total, chars_per_page)
+            got = self._by_size[page_size] = (hashes, resolved, total, chars_per_page)
         return got
 
     def __call__(self, c: Candidate) -> tuple[int, int]:
         w = self.policy.index.get(c.url)
         if w is None or w.page_size < 1:
             return 0, 0
-        resolved, total, chars_per_page = self._resolved(w.page_size)
+        hashes, resolved, total, chars_per_page = self._resolved(w.page_size)
         cached = 0
         for _, page, pages in resolved:
             if not w.holds(page):
                 break
             cached = pages
         if w.text.routes:
-            depth = w.text.depth(self.hashes)
-            if depth == len(self.hashes):
+            depth = w.text.depth(hashes)
+            if depth == len(hashes):
                 cached = total
             elif depth:
-                cached = max(cached, min(total, int(depth * BLOCK_CHARS / chars_per_page)))
+                cached = max(cached, min(total, int(depth * block_chars_for(w.page_size) / chars_per_page)))
         return cached, total

@@ -52,8 +52,8 @@ class ApproxPrefixTree:
         return self._per_tenant.get(tenant, 0)
 
     def path_hashes(self, text: str) -> list[int]:
-        """Chain hashes of ``text``'s full blocks, then of the whole text (`common.routing_text.block_hashes`:
-        the same hashes the workers' text-to-page maps use, when the blocks are 64 characters)."""
+        """Chain hashes of ``text``'s full blocks, then of the whole text (`common.routing_text.block_hashes`, in
+        this tree's blocks)."""
         return block_hashes(text, self.block_chars, self.max_blocks)
 
     def routed_depth(self, hashes: list[int], tenant: str, since: float) -> int:

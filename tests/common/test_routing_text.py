@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from pd_cluster.common.routing_text import (
-    BLOCK_CHARS,
+    block_chars_for,
     block_hashes,
     chat_segments,
     pack_entries,
@@ -16,6 +16,9 @@ from pd_cluster.common.routing_text import (
     unpack_entries,
     unpack_u64,
 )
+
+
+BLOCK_CHARS = 64
 
 
 def reference(text: str, block: int = BLOCK_CHARS) -> list[int]:
@@ -33,20 +36,24 @@ def reference(text: str, block: int = BLOCK_CHARS) -> list[int]:
 @pytest.mark.parametrize("text", ["", "a", "x" * 64, "Once upon a time " * 20,
                                   "héllo wörld — ünïcödé " * 9, "emoji 😀 " * 30, "lone \ud800 surrogate " * 7])
 def test_block_hashes_follow_the_definition(text):
-    assert block_hashes(text) == reference(text)
+    assert block_hashes(text, BLOCK_CHARS) == reference(text)
+    assert block_hashes(text, 32) == reference(text, 32)
 
 
 def test_a_block_hash_names_the_whole_prefix_and_the_end_hash_the_whole_text():
     a = "The same opening paragraph. " * 5 + "Then one ending."
     b = "The same opening paragraph. " * 5 + "Then another, longer ending."
-    ha, hb = block_hashes(a), block_hashes(b)
+    ha, hb = block_hashes(a, BLOCK_CHARS), block_hashes(b, BLOCK_CHARS)
     shared = len(a[:len(b)]) // BLOCK_CHARS  # full blocks inside the common prefix
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) // BLOCK_CHARS
     assert ha[:common] == hb[:common] and ha[common] != hb[common] and shared >= common
     # a text that is exactly whole blocks: its end hash is not the hash of the same text as a prefix
     whole = "y" * (2 * BLOCK_CHARS)
-    assert block_hashes(whole)[1] == block_hashes(whole + "more")[1] != block_hashes(whole)[2]
-    assert len(block_hashes("z" * 10 * BLOCK_CHARS, max_blocks=4)) == 4  # cut: no end hash
+    assert block_hashes(whole, BLOCK_CHARS)[1] == block_hashes(whole + "more", BLOCK_CHARS)[1] \
+        != block_hashes(whole, BLOCK_CHARS)[2]
+    assert len(block_hashes("z" * 10 * BLOCK_CHARS, BLOCK_CHARS, max_blocks=4)) == 4  # cut: no end hash
+    # the maps' block follows the page size: under a page of text, 32 to 128 characters
+    assert [block_chars_for(p) for p in (1, 16, 32, 64, 256)] == [32, 32, 64, 128, 128]
 
 
 def test_routing_text_puts_what_changes_the_tokens_in_front():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_cluster.common.routing_text import block_hashes, routing_text, unpack_entries
+from pd_cluster.common.routing_text import block_chars_for, block_hashes, routing_text, unpack_entries
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.engine.kv.text_map import (
     TextMapLog,
@@ -41,7 +41,7 @@ def load(path):
 def check(entries, other_body: dict, chat: bool, other_ids: list[int]) -> int:
     """Entries whose text hash is one of the other prompt's: each must name that prompt's own page. Returns how
     many were checked."""
-    hashes = set(block_hashes(routing_text(other_body, chat)))
+    hashes = set(block_hashes(routing_text(other_body, chat), block_chars_for(PAGE)))
     chain = page_chain(other_ids, PAGE, (len(other_ids) - 1) // PAGE)
     checked = 0
     for text_hash, page, pages in entries:
@@ -108,6 +108,20 @@ def test_a_template_that_moves_the_system_prompt_gets_no_entries():
     assert chat_entries({"messages": messages}, text, enc.input_ids, enc.offset_mapping, 0, PAGE, first) == []
 
 
+def test_the_map_ends_at_a_message_with_tool_calls():
+    tok = load(DEFAULT_MODEL)
+    messages = [{"role": "user", "content": "Tell me about the weather in Paris and in Lyon today. " * 4},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function":
+                                                                         {"name": "w", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Sunny and warm everywhere today. " * 4}]
+    text = tok.apply_chat_template(messages, tokenize=False)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    first = tok.apply_chat_template(messages[:1], tokenize=False)
+    entries = chat_entries({"messages": messages}, text, enc.input_ids, enc.offset_mapping, 0, PAGE, first)
+    head = set(block_hashes(routing_text({"messages": messages[:1]}, True), block_chars_for(PAGE)))
+    assert entries and {e[0] for e in entries} <= head  # nothing past the first message, no end entry
+
+
 def test_token_id_entries_are_exact():
     ids = list(range(1000, 1400))
     entries = token_id_entries({"prompt": ids}, ids, PAGE)
@@ -122,7 +136,7 @@ def test_the_log_serves_entries_after_since_once_each_and_bounded():
     log.record([(2, 20, 2), (3, 30, 3)])  # 2 is held already
     got = log.read(None)
     assert list(unpack_entries(got["entries"])) == [1, 10, 1, 2, 20, 2, 3, 30, 3] and got["seq"] == 3
-    assert got["page_size"] == PAGE and got["block_chars"] == 64 and not got["more"]
+    assert got["page_size"] == PAGE and got["block_chars"] == block_chars_for(PAGE) == 32 and not got["more"]
     assert list(unpack_entries(log.read(2)["entries"])) == [3, 30, 3]
     cut = log.read(0, limit=2)
     assert cut["more"] and cut["seq"] == 2

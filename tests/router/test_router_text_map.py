@@ -93,19 +93,21 @@ def test_stale_maps_fall_back_to_the_tree():
     assert fleet.policy.by_tree == 1 and fleet.policy.by_events == 0
 
 
-def test_text_map_keeps_the_newest_entries_within_its_bound_and_says_whose_map_is_fresh():
-    tm = TextMap(max_entries=3, stale_secs=2.0)
-    batch = {"instance_id": "x", "seq": 2, "page_size": 16, "block_chars": 64,
+def test_text_map_keeps_the_entries_in_use_within_its_bound_and_says_whose_map_is_fresh():
+    tm = TextMap(max_entries=4, stale_secs=2.0)  # two generations of 2 entries
+    batch = {"instance_id": "x", "seq": 2, "page_size": 16, "block_chars": 32,
              "entries": pack_entries([(1, 11, 1), (2, 22, 2)])}
     assert tm.apply("w", batch, 5.0) == 2 and tm.since("w") == 2
     assert tm.lookup(16, [9, 1, 2]) == [(1, 11, 1), (2, 22, 2)] and tm.lookup(32, [1]) == []
-    tm.apply("w", dict(batch, seq=4, entries=pack_entries([(3, 33, 3), (4, 44, 4)])), 6.0)
-    assert len(tm) == 3 and tm.lookup(16, [1, 2, 3, 4]) == [(1, 22, 2), (2, 33, 3), (3, 44, 4)]
+    tm.apply("w", dict(batch, seq=3, entries=pack_entries([(3, 33, 3)])), 6.0)  # a full generation: a new one
+    assert tm.lookup(16, [1]) == [(0, 11, 1)]  # used: it moves to the newer generation
+    tm.apply("w", dict(batch, seq=5, entries=pack_entries([(4, 44, 4), (5, 55, 5)])), 6.0)  # unused ones go
+    assert tm.lookup(16, [1, 2, 3, 4, 5]) == [(0, 11, 1), (3, 44, 4), (4, 55, 5)] and len(tm) == 3
     assert tm.fresh(16, 7.0) and not tm.fresh(16, 9.0) and not tm.fresh(32, 7.0)
     tm.stale("w")
     assert not tm.fresh(16, 6.1)
     with pytest.raises(ValueError):
-        tm.apply("w", dict(batch, block_chars=128), 7.0)
+        tm.apply("w", dict(batch, block_chars=64), 7.0)
 
 
 def test_recent_text_counts_routes_until_confirmed_and_drops_old_generations():
