@@ -23,6 +23,8 @@ from itertools import repeat
 
 from pd_cluster.common.routing_text import block_chars_for, unpack_entries
 
+_MASK = (1 << 64) - 1
+
 
 
 @dataclass
@@ -49,8 +51,9 @@ class TextMap:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
         self.stale_secs = stale_secs
-        # page size -> [newer, older] generation: text hash -> (page hash, pages)
-        self._maps: dict[int, list[dict[int, tuple[int, int]]]] = {}
+        # page size -> [newer, older] generation: text hash -> pages << 64 | page hash (one int: no tuple to
+        # allocate, nothing for the garbage collector to track)
+        self._maps: dict[int, list[dict[int, int]]] = {}
         self._sources: dict[str, Source] = {}
         self._newest: dict[int, float] = {}  # page size -> the latest good poll start of any of its sources
         self._cpt: dict[int, float] = {}  # page size -> its sources' mean characters per token
@@ -110,7 +113,7 @@ class TextMap:
         gens = self._maps.setdefault(page_size, [{}, {}])
         new = gens[0]
         before = len(new)
-        new.update(zip(flat[0::3], zip(flat[1::3], flat[2::3])))  # C loops only
+        new.update({flat[i]: flat[i + 2] << 64 | flat[i + 1] for i in range(0, len(flat), 3)})
         self.entries_received += len(flat) // 3
         if len(new) > self._generation_size():
             gens[0], gens[1] = {}, new
@@ -147,7 +150,7 @@ class TextMap:
                 if v is None:
                     continue
                 new[h] = v
-            out.append((k, v[0], v[1]))
+            out.append((k, v & _MASK, v >> 64))
         if len(new) > self._generation_size():
             gens[0], gens[1] = {}, new
         return out
