@@ -44,7 +44,7 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[st
         "num_decode_prealloc_queue_reqs": hooks.num_prealloc,
         "num_decode_transfer_queue_reqs": receiver.num_waiting})
     serving = OpenAIServing(source, engine.tokenizer, engine.model_name, engine.context_length, metrics, config.tools,
-                            engine.generation)
+                            engine.generation, page_size=engine.layout.page_size)
     # readiness: meet the known prefill workers (both handshakes) before /health turns 200 (disagg/peers.py)
     links = PeerLinks(agent, source.directory, lambda fn: loop.call(lambda e: fn()), host_info.get("url", ""),
                       (*config.prefill_urls, *((config.prefill_url,) if config.prefill_url else ())), source.client)

@@ -64,17 +64,23 @@ class RouterApp:
             self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
             tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded,
-            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None))
+            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None,
+            text_map=self.selector.text_map))
         self.kv_poller: KvEventsPoller | None = None
-        if self.selector.index is not None and self.tokenizer is not None:
+        if self.selector.index is not None and any(self.selector.uses_kv_events(r) for r in Role):
+            text_map = self.selector.text_map
             self.kv_poller = KvEventsPoller(self.registry, self.upstreams, self.selector.index, config.policy.kv,
-                                            self.selector.uses_kv_events)
+                                            self.selector.uses_kv_events, text_map=text_map,
+                                            mapped_roles=self.selector.maps_text,
+                                            activity=lambda: sum(self.metrics.worker_counts.values()))
             self.monitor.on_unhealthy.append(self.kv_poller.on_unhealthy)
+            if text_map is not None:
+                self.registry.subscribe(on_removed=lambda w: text_map.forget(w.url))
         self.registry.subscribe(on_removed=self.generate.forget_worker)
         self.monitor.on_dead.append(self._fail_inflight)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, lambda: self.generate.draining,
-                                    self.can_route, self.selector.index).build()
+                                    self.can_route, self.selector.index, self.selector.text_map).build()
         self.sources = sources or []
         self._loops: list[asyncio.Task] = []
 

@@ -1,4 +1,5 @@
-"""The generate endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The generate endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(OpenAI's Responses API, served by the workers; its streams are not migrated).
 
 Order of checks, each with its OpenAI-format error: draining (503), API key (401), body size (413), JSON
 (400), model (404), prompts over ``--max-prompts-per-request`` (400), admission by cost (429 with
@@ -62,7 +63,8 @@ def _blamed_urls(pair: Pair, failure: AttemptFailure) -> tuple[str, ...]:
     return pair.urls()
 
 
-ENDPOINTS = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat_completions"}
+ENDPOINTS = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat_completions",
+             b"/v1/responses": "responses"}
 
 
 class GenerateHandler:
@@ -141,9 +143,9 @@ class GenerateHandler:
         if ex.too_large or ex.body is None:
             return self._reject(ex, 413, "payload_too_large",
                                 f"request body exceeds {self.config.limits.max_payload_size} bytes", rid)
-        chat = ex.path == b"/v1/chat/completions"
+        chat, responses = ex.path == b"/v1/chat/completions", ex.path == b"/v1/responses"
         try:
-            parsed = parse_request(ex.body, chat=chat)
+            parsed = parse_request(ex.body, chat=chat, responses=responses)
         except InvalidRequest as exc:
             return self._error(ex, 400, str(exc), rid, exc.param, exc.code)
         if parsed.model is not None and not self.models.accepts(parsed.model):
@@ -154,12 +156,13 @@ class GenerateHandler:
             return self._error(ex, 400, f"'prompt' holds {parsed.num_prompts} prompts; at most {cap} are accepted "
                                "in one request (--max-prompts-per-request)", rid, "prompt", "invalid_value")
         state = RequestState(rid, ex.path.decode(), ex.body, parsed, ex.arrived)
-        if parsed.stream and self.config.retry.migration_limit > 0:
+        if parsed.stream and self.config.retry.migration_limit > 0 and not responses:
             plan = plan_body(parsed.data, chat, ex.body)
             if plan is not None:
                 state.upstream_body, state.tracker = plan
         if self.tokenizer is not None:
-            state.prompt = await self.tokenizer.prompt(parsed.data, chat, self.selector.index.page_sizes())
+            state.prompt = await self.tokenizer.prompt(parsed.chat_data, chat or responses,
+                                                       self.selector.index.page_sizes())
         out_state.append(state)
         return await self._admit_and_run(state, ex)
 
@@ -188,6 +191,8 @@ class GenerateHandler:
             if sup.client_gone or ex.client_gone:
                 if sup.client_gone:
                     sup.task.uncancel()
+                if state.delivered:  # it closed right after [DONE]: the whole answer went out
+                    return 200
                 log.info("client disconnected; request aborted", extra={"request_id": state.request_id})
                 return 499
             raise

@@ -70,6 +70,7 @@ class RequestState:
 
     last_chunk_at: float = 0.0   # perf_counter of the last chunk relayed (ITL across migrations)
     clean: bool = True           # the last raw chunk relayed ended an SSE event
+    delivered: bool = False      # the stream's ``data: [DONE]`` was relayed: the client has the whole answer
 
     def id_headers(self) -> tuple[tuple[bytes, bytes], ...]:
         """``X-Request-Id`` and ``X-PD-Retries`` for the client's response."""
@@ -205,6 +206,8 @@ class Relay:
         except UpstreamError as exc:
             if not reply.status:
                 return _unreachable(exc, state)
+            if state.delivered and sink is not None:  # closed after [DONE]: nothing was lost
+                return sink.finish()
             if sink is not None and sink.relaying:
                 return AttemptFailure("stream_broken", Role.DECODE, after_start=True, detail=str(exc))
             return AttemptFailure("decode_disconnected", Role.DECODE, after_start=state.response_started,
@@ -244,13 +247,14 @@ class Relay:
 class _StreamSink:
     """Relays a streamed answer from the connection's callbacks: raw bytes, or events through the tracker."""
 
-    __slots__ = ("relay", "state", "ex", "pair", "reply", "relaying", "pending")
+    __slots__ = ("relay", "state", "ex", "pair", "reply", "relaying", "pending", "tail")
 
     def __init__(self, relay: Relay, state: RequestState, ex: Exchange, pair: Pair) -> None:
         self.relay, self.state, self.ex, self.pair = relay, state, ex, pair
         self.reply: Reply | None = None
         self.relaying = False
         self.pending = b""
+        self.tail = b""  # the last bytes relayed raw (a [DONE] split across reads)
 
     def on_head(self, reply: Reply) -> None:
         self.pair.release_prefill()  # a response exists: the prefill's part is over
@@ -284,6 +288,8 @@ class _StreamSink:
         if tracker is None:
             state.clean = chunk.endswith(b"\n\n")
             ex.write(chunk)
+            self.tail = (self.tail + chunk)[-16:]
+            state.delivered = self.tail.endswith(b"data: [DONE]\n\n")
         else:
             out, self.pending = _events(tracker, self.pending + chunk)
             if tracker.no_ids:  # a worker without token ids: relay raw from here on
@@ -292,6 +298,7 @@ class _StreamSink:
                 state.clean = not self.pending or self.pending.endswith(b"\n\n")
                 self.pending = b""
             ex.write(out)
+            state.delivered = tracker.ended or out.endswith(b"data: [DONE]\n\n")
         sup = state.supervised
         if sup is not None:  # after the write: a slow client is not a silent worker
             sup.last_byte = time.monotonic()
@@ -303,7 +310,7 @@ class _StreamSink:
     def finish(self) -> int | AttemptFailure:
         state = self.state
         tracker = state.tracker
-        if tracker is not None and not tracker.ended:
+        if tracker is not None and not tracker.ended and not state.delivered:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail="the stream ended without [DONE]")
         state.mark_finished()

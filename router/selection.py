@@ -20,6 +20,7 @@ from pd_cluster.router.capacity import has_room
 from pd_cluster.router.config import PolicyConfig, Role
 from pd_cluster.router.kv_index import KvIndex
 from pd_cluster.router.policies import CacheAware, Policy, RouteRequest, make_policy
+from pd_cluster.router.text_map import TextMap
 from pd_cluster.router.workers import Worker, WorkerRegistry
 
 
@@ -70,8 +71,9 @@ class Pair:
 class PairSelector:
     """Applies the per-role policies to the registry's usable workers.
 
-    ``index``: the workers' KV event index, given to ``cache_aware`` when ``config.kv.enabled`` (a
-    tokenizer and ``--kv-events``); None makes one then. ``on_release``: called when a chosen pair is
+    ``index``: the workers' KV event index, given to ``cache_aware`` when ``config.kv.enabled``
+    (``--kv-events``); None makes one then. ``text_map``: the workers' text-to-page maps, unless the router
+    tokenizes (``--tokenizer-path``). ``on_release``: called when a chosen pair is
     released, since room may have appeared (``CapacityGate.notify``).
     """
 
@@ -81,9 +83,14 @@ class PairSelector:
         self.registry = registry
         rng = random.Random(config.seed)
         kv = config.kv
-        self.index = (index or KvIndex(kv.max_pages, kv.stale_secs)) if kv.enabled else None
+        self.text_map = TextMap(kv.text_map_max_entries, kv.stale_secs) if kv.enabled and not kv.tokenized else None
+        if kv.enabled:
+            self.index = index or KvIndex(kv.max_pages, kv.stale_secs,
+                                          self.text_map.polled_since if self.text_map is not None else None)
+        else:
+            self.index = None
         self.policies: dict[Role, Policy] = {
-            role: make_policy(name, config.cache_aware, rng, clock, self.index, kv)
+            role: make_policy(name, config.cache_aware, rng, clock, self.index, kv, self.text_map)
             for role, name in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode),
                                (Role.MIXED, config.mixed))}
         self.on_release = on_release
@@ -107,8 +114,14 @@ class PairSelector:
 
     @property
     def needs_tokens(self) -> bool:
-        """True when some role routes on KV events, which needs each prompt's token ids."""
-        return any(self.uses_kv_events(role) for role in Role)
+        """True when some role routes on KV events with the router's own tokenizer (``--tokenizer-path``)."""
+        return self.text_map is None and any(self.uses_kv_events(role) for role in Role)
+
+    def maps_text(self, role: Role) -> bool:
+        """True when `role`'s workers tokenize prompts and a policy reads their text-to-page maps (poll their
+        ``/kv_text_map``): decode and mixed workers, while some role routes on KV events without a tokenizer."""
+        return (self.text_map is not None and role in (Role.DECODE, Role.MIXED)
+                and any(self.uses_kv_events(r) for r in Role))
 
     def _pick(self, role: Role, request: RouteRequest, tried: set[str]) -> Worker | None:
         usable = self.registry.usable(role)

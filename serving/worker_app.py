@@ -103,7 +103,7 @@ class WorkerConfig:
 INTERNAL_KEY_HEADER = "X-PD-Internal-Key"
 """The header carrying the cluster's internal key on worker-internal calls."""
 
-INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/", "/kv_events")
+INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/", "/kv_events", "/kv_text_map")
 """Worker-internal endpoints: only the cluster's own processes call them."""
 
 
@@ -138,7 +138,7 @@ class InternalAuth:
         self.prefixes = INTERNAL_PATHS + (("/v1/", "/tokenize", "/detokenize") if protect_v1 else ())
 
     def protects(self, path: str) -> bool:
-        return path.startswith(self.prefixes) or path.rstrip("/") in ("/prefill", "/abort", "/kv_events")
+        return path.startswith(self.prefixes) or path.rstrip("/") in INTERNAL_PATHS
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not self.protects(scope.get("path", "")):
@@ -282,7 +282,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             raise HTTPError(400, "limit: must be >= 1", "limit", "invalid_value")
         log = state.loop.engine.kv_events  # a snapshot can take a while: read it off the event loop
         batch = await asyncio.to_thread(log.read, since, limit)
-        return JSONResponse(batch.to_json())
+        return JSONResponse(batch.to_json(request.query_params.get("token_ids") != "false",
+                                          request.query_params.get("hashes") == "packed"))
 
     all_routes = [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
                   ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"]),
