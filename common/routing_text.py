@@ -108,6 +108,12 @@ def chat_segments(data: dict[str, Any]) -> list[tuple[int, int, str]]:
     return out
 
 
+def holds_whole_message(message: dict[str, Any]) -> bool:
+    """Whether a chat message's routing text (``<role>content``) is all the template renders of it: False for a
+    message carrying tool calls, which the routing text leaves out."""
+    return not message.get("tool_calls")
+
+
 def completion_offset(data: dict[str, Any]) -> int:
     """Where a completion's prompt starts in its routing text (after the context, if any)."""
     return len(_context(data, COMPLETION_CONTEXT))

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from pd_cluster.common.request_limits import too_many_sequences
 from pd_cluster.router.capacity import CapacityGate
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body, sse_error_event
@@ -155,6 +156,10 @@ class GenerateHandler:
         if 0 < cap < parsed.num_prompts:
             return self._error(ex, 400, f"'prompt' holds {parsed.num_prompts} prompts; at most {cap} are accepted "
                                "in one request (--max-prompts-per-request)", rid, "prompt", "invalid_value")
+        if not chat and not responses and (message := too_many_sequences(parsed.num_prompts,
+                                                                         parsed.num_generated)) is not None:
+            # every worker refuses it: before admission, where its cost would wait for the whole router to drain
+            return self._error(ex, 400, message, rid, "prompt", "invalid_value")
         state = RequestState(rid, ex.path.decode(), ex.body, parsed, ex.arrived)
         if parsed.stream and self.config.retry.migration_limit > 0 and not responses:
             plan = plan_body(parsed.data, chat, ex.body)

@@ -35,7 +35,7 @@ class ParsedRequest:
     ``cost``: the sequences it asks the workers to generate, ``num_prompts × max(n, best_of)``: what it counts
     against the router's admission."""
 
-    __slots__ = ("model", "stream", "data", "chat", "responses", "_text", "num_prompts", "cost")
+    __slots__ = ("model", "stream", "data", "chat", "responses", "_text", "num_prompts", "num_generated", "cost")
 
     def __init__(self, model: str | None, stream: bool, data: dict[str, Any], chat: bool,
                  responses: bool = False) -> None:
@@ -46,7 +46,8 @@ class ParsedRequest:
         self.responses = responses
         self._text: str | None = None
         self.num_prompts = 1 if chat else count_prompts(data.get("prompt"))
-        self.cost = self.num_prompts * max(_positive(data.get("n")), _positive(data.get("best_of")))
+        self.num_generated = max(_positive(data.get("n")), _positive(data.get("best_of")))  # per prompt
+        self.cost = self.num_prompts * self.num_generated
 
     @property
     def chat_data(self) -> dict[str, Any]:

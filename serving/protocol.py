@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_cluster.common.request_limits import too_many_sequences
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -32,8 +33,6 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
-MAX_SEQUENCES = 1024
-"""Most sequences one completions request may generate: prompts × (``best_of`` or ``n``)."""
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 NO_DEFAULTS = GenerationDefaults()
@@ -220,10 +219,8 @@ class CompletionRequest(_Common):
             if not x:
                 raise RequestRejected("prompt: must not be empty", param="prompt" if len(prompts) == 1 else
                                       f"prompt[{i}]")
-        if len(prompts) * self.num_generated > MAX_SEQUENCES:
-            raise RequestRejected(f"prompt: {len(prompts)} prompts x {self.num_generated} sequences each is more "
-                                  f"than the {MAX_SEQUENCES} sequences one request may generate; split the batch",
-                                  param="prompt", code="invalid_value")
+        if (message := too_many_sequences(len(prompts), self.num_generated)) is not None:
+            raise RequestRejected(message, param="prompt", code="invalid_value")
         return prompts
 
     def sampling_kwargs(self, defaults: GenerationDefaults = NO_DEFAULTS) -> dict[str, Any]:

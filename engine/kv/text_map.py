@@ -43,6 +43,7 @@ from pd_cluster.common.routing_text import (
     block_chars_for,
     full_blocks,
     block_hashes,
+    holds_whole_message,
     chat_segments,
     completion_offset,
     pack_entries,
@@ -223,7 +224,7 @@ def chat_entries(data: dict[str, Any], rendered: str, ids: Sequence[int], offset
     at = 0
     messages = [m for m in data.get("messages") or () if isinstance(m, dict)]
     for n, (marker, start, content) in enumerate(segments):
-        if messages[n].get("tool_calls"):  # the routing text does not hold the calls: the map ends here
+        if not holds_whole_message(messages[n]):  # the rest of the rendered chat is not in the routing text
             break
         where = rendered.find(content, at)
         if where < 0:

@@ -38,6 +38,25 @@ def test_a_request_costs_its_sequences(body, prompts, cost):
     assert (chat.num_prompts, chat.cost) == (1, 2)
 
 
+def test_the_router_and_the_workers_refuse_the_same_sequence_counts():
+    """The router refuses (before admission) exactly the completions requests every worker refuses."""
+    from pd_cluster.common.request_limits import MAX_SEQUENCES, too_many_sequences
+    from pd_cluster.engine.errors import RequestRejected
+    from pd_cluster.serving.protocol import CompletionRequest
+
+    for prompts, n in ((8, 128), (9, 128), (1024, 1), (1025, 1), (3, 1)):
+        body = {"prompt": ["a"] * prompts, "n": n, "max_tokens": 1}
+        parsed = parse_request(json.dumps(body).encode(), chat=False)
+        refused = too_many_sequences(parsed.num_prompts, parsed.num_generated)
+        assert (refused is not None) == (prompts * n > MAX_SEQUENCES)
+        try:
+            CompletionRequest.model_validate(body).prompts()
+            worker_refused = None
+        except RequestRejected as exc:
+            worker_refused = str(exc)
+        assert (worker_refused is None) == (refused is None), (prompts, n, worker_refused)
+
+
 def test_the_prompt_cap_is_a_router_flag():
     parser = build_parser()
     assert config_from_args(parser.parse_args([])).limits.max_prompts_per_request == 1024
