@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.common import FP8_E4M3_MAX, next_pow2
-from pd_cluster.engine.attention.triton.primitives import row_max
+from pd_cluster.engine.attention.triton.primitives import grouped_tile, row_max
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 WHOLE_ROW = 1 << 30  # a GROUP_K / A_GROUP_K for a scale that spans every column
@@ -139,11 +139,7 @@ def _fp8_gemm_kernel(A, B, C, AS, BS, BIAS, M, N, K,
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask, col_mask = rows < M, cols < N

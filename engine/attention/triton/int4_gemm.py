@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.fp8_gemm import interpreting
+from pd_cluster.engine.attention.triton.primitives import grouped_tile
 
 WHOLE_ROW = 1 << 30  # GROUP_SIZE of a checkpoint with one group per row
 
@@ -49,11 +50,7 @@ def _int4_gemm_kernel(A, QW, SC, ZR, GIDX, C, BIAS, M, N, K,
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     row_mask, col_mask = rows < M, cols < N
