@@ -33,7 +33,7 @@ from safetensors import safe_open
 from pd_cluster.engine.model import families, fp8_weights, weight_map
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.family import Family
-from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -100,15 +100,13 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, rope: str = "") -> str:
-    """A hash naming the exact model: config plus every tensor's name, shape and dtype (and `rope`, the
-    longrope factor set a context length chose, so two servers that rotate keys differently never match).
+def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) -> str:
+    """A hash naming the exact model: config plus every tensor's name, shape and dtype.
 
     Dummy weights hash the seed instead of files. Used by the KV transfer
     handshake to refuse pages from a different model.
     """
     h = hashlib.sha256(json.dumps(arch.__dict__, sort_keys=True, default=str).encode())
-    h.update(rope.encode())
     if load_format == "dummy":
         h.update(f"dummy:{seed}".encode())
         return h.hexdigest()
@@ -251,11 +249,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False,
-               context_length: int | None = None) -> LoadedModel:
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False
+               ) -> LoadedModel:
     """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism; with
-    `expert_parallel`, whole MoE experts per rank instead of a slice of each; `context_length` chooses
-    longrope's factor set, `pd_cluster.engine.model.rope`).
+    `expert_parallel`, whole MoE experts per rank instead of a slice of each).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -267,7 +264,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
     with torch.device(device), _default_dtype(dtype):
-        model = family.model()(arch, tp, expert_parallel, context_length)
+        model = family.model()(arch, tp, expert_parallel)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = module.inv_freq.float()  # RoPE frequencies stay float32
@@ -278,14 +275,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         k_scales, v_scales = _load_tensors(model, folder, arch, family, tp, expert_parallel)
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
-    rope = ""
-    if "use_long_factor" in scaling:
-        rope = "longrope:" + ("long" if scaling["use_long_factor"] else "short")
-        logger.info("longrope: the %s factors (context length %d, original_max_position_embeddings %d)",
-                    rope[9:], context_length or arch.max_position_embeddings,
-                    scaling["original_max_position_embeddings"])
-    identity = model_identity(folder, arch, load_format, seed, rope)
+    identity = model_identity(folder, arch, load_format, seed)
     if arch.mla is not None:
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, MLA latent=%d (kv_lora_rank %d"
                     " + qk_rope_head_dim %d), heads=%d", arch.architecture, str(dtype).removeprefix("torch."),
