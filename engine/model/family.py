@@ -53,6 +53,9 @@ class Family:
         weight_renames: ``(old, new)`` parts of checkpoint names, replaced in order (`weight_map.canonical`).
         ignored_keys: config keys the transformers class never reads (dropped before the config is read).
         mlp_bias_built: ``mlp_bias`` true is built (else refused).
+        expert_projections: the checkpoint names of one routed expert's gate, up and down projections
+            (``mlp.experts.{e}.<name>``), or None when the experts are stored stacked (one ``experts`` tensor per
+            projection and layer); `pd_cluster.engine.model.linear_layers` names the quantised layers by them.
         model_class: ``module:Class`` of the model (`model`).
     """
 
@@ -73,6 +76,7 @@ class Family:
     weight_renames: tuple[tuple[str, str], ...] = ()
     ignored_keys: tuple[str, ...] = ()
     mlp_bias_built: bool = False
+    expert_projections: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     model_class: str = DECODER
     # a multimodal config's keys taken from its top level into its text_config (where the text_config lacks them)
     top_level_keys: tuple[str, ...] = ("torch_dtype", "dtype", "quantization_config")
@@ -117,7 +121,6 @@ class Family:
             moe=moe if moe is not None and moe.moe_layers else None,  # DeepSeek with every layer dense: dense
             partial_rotary_factor=partial,
             mla=self.mla(cfg, scaling),
-            fp8_weight_block=rules.fp8_weight_block_of(cfg),
         )
         return {**fields, **self.fields(cfg)}
 
@@ -205,7 +208,6 @@ class Family:
         rules.check_biases(cfg, self.architecture, self.attention_bias_built, self.mlp_bias_built)
         self.check_rope(cfg)
         self.layer_kinds(cfg)  # an unknown layer type is refused by name
-        rules.check_quantization(cfg)
         self.check_family(cfg)
         rules.check_foreign_keys(cfg, self.own_keys, self.foreign_key_reason)
 

@@ -26,6 +26,7 @@ class Glm4Moe(Family):
     default_partial_rotary = 0.5
     default_head_dim = 128
     attention_bias_built = True
+    expert_projections = ("gate_proj", "up_proj", "down_proj")
 
     def layer_kinds(self, cfg: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
         return ["full"] * int(cfg["num_hidden_layers"]), None, None

@@ -18,6 +18,7 @@ class Mixtral(Family):
     architecture = "MixtralForCausalLM"
     name = "mixtral"
     weight_renames = ((".block_sparse_moe.", ".mlp."),)
+    expert_projections = ("w1", "w3", "w2")
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
         experts = int(cfg.get("num_local_experts") or 8)

@@ -24,6 +24,7 @@ class Phimoe(Family):
     rope_types = ("default", "longrope")
     attention_bias_built = True
     weight_renames = ((".block_sparse_moe.", ".mlp."),)
+    expert_projections = ("w1", "w3", "w2")
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
         experts = int(cfg.get("num_local_experts") or 16)

@@ -25,6 +25,7 @@ class Qwen2Moe(Family):
     name = "qwen2_moe"
     ignored_keys = ("attention_bias",)
     weight_renames = ((".mlp.shared_expert.", ".mlp.shared_experts."),)
+    expert_projections = ("gate_proj", "up_proj", "down_proj")
 
     def layer_kinds(self, cfg: dict[str, Any]) -> tuple[list[str], int | None, int | None]:
         return qwen_window_layers(cfg)
