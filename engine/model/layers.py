@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
