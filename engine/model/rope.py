@@ -87,7 +87,7 @@ def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
         head_dim: rotary dimension (the full head).
         base: ``rope_theta``.
         scaling: HF ``rope_scaling`` dict or None; for ``longrope`` the engine adds ``use_long_factor``
-            (`longrope_scaling`).
+            (`longrope_variants`).
         max_position_embeddings: the config's value.
 
     Returns:
