@@ -5,6 +5,8 @@
 * ``rms_norm(x, weight, eps, residual, style)``: RMSNorm of ``x + residual``; returns the
   normalised rows and the new residual (the pre-norm residual stream never
   materialises as a separate add); `style` is how the weight applies (`ArchConfig.norm_style`);
+* ``layer_norm(x, weight, bias, eps, residual)``: LayerNorm of ``x + residual`` (torch's with a bias; without
+  one, Cohere's: weight multiplied in float32); torch in both classes;
 * ``rope_qk(q, k, cos, sin)``: RoPE on q and k;
 * ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output; ``gelu_tanh_and_mul(x)``
   Gemma's GeGLU; ``swiglu_clamped(x, alpha, limit)`` gpt-oss's experts' clamped SwiGLU;
@@ -51,6 +53,21 @@ class TorchLayerOps:
         if style == "float":
             return (weight.float() * h).to(dtype), residual
         return weight * h.to(dtype), residual
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(LayerNorm of ``x + residual``, ``x + residual`` or None); x [T, N]. With `bias`: torch's
+        ``layer_norm`` in x's dtype (transformers' ``nn.LayerNorm``); without: mean and variance in float32, the
+        weight multiplied in float32, rounded once (transformers' ``CohereLayerNorm``)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if bias is not None:
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), residual
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * h).to(x.dtype), residual
 
     def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

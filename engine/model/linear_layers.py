@@ -64,8 +64,8 @@ def _layer(arch: ArchConfig, i: int, projections: tuple[str, str, str] | None) -
                 LinearLayer(f"{a}.v_proj", arch.kv_size, h, ROWS), LinearLayer(f"{a}.o_proj", h, arch.q_size, COLS)]
     if not arch.is_moe_layer(i):
         w = arch.intermediate_size
-        return out + [LinearLayer(f"{p}.mlp.gate_proj", w, h, ROWS), LinearLayer(f"{p}.mlp.up_proj", w, h, ROWS),
-                      LinearLayer(f"{p}.mlp.down_proj", h, w, COLS)]
+        gate = [LinearLayer(f"{p}.mlp.gate_proj", w, h, ROWS)] if arch.mlp_gated else []  # StarCoder2: no gate
+        return out + gate + [LinearLayer(f"{p}.mlp.up_proj", w, h, ROWS), LinearLayer(f"{p}.mlp.down_proj", h, w, COLS)]
     moe = arch.moe
     e, w = moe.num_experts, moe.intermediate_size
     if projections is None:  # stacked: one tensor per projection

@@ -37,7 +37,7 @@ from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.quant_weights import (PRIMARY_SUFFIXES, CheckpointTensors, QuantWeights, plan_quantized,
                                                    split_name)
-from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 from pd_cluster.engine.quant.linear import QuantLinear
 from pd_cluster.engine.quant.modules import deferred_linears, materialize
@@ -107,15 +107,13 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, rope: str = "") -> str:
-    """A hash naming the exact model: config plus every tensor's name, shape and dtype (and `rope`, the
-    longrope factor set a context length chose, so two servers that rotate keys differently never match).
+def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) -> str:
+    """A hash naming the exact model: config plus every tensor's name, shape and dtype.
 
     Dummy weights hash the seed instead of files. Used by the KV transfer
     handshake to refuse pages from a different model.
     """
     h = hashlib.sha256(json.dumps(arch.__dict__, sort_keys=True, default=str).encode())
-    h.update(rope.encode())
     if load_format == "dummy":
         h.update(f"dummy:{seed}".encode())
         return h.hexdigest()
@@ -128,8 +126,12 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, ro
 
 
 def _fused(arch: ArchConfig) -> dict[str, tuple[str, int]]:
-    """The checkpoint parts the model fuses: q/k/v and gate/up (under MLA only gate/up: its q_proj is a layer)."""
-    return _FUSED if arch.mla is None else {k: v for k, v in _FUSED.items() if v[0] == "gate_up_proj"}
+    """The checkpoint parts the model fuses: q/k/v (not under MLA: its q_proj is a layer) and gate/up (not in a
+    plain MLP, `ArchConfig.mlp_gated` false: its up_proj is a layer)."""
+    kept = {"qkv_proj"} if arch.mla is None else set()
+    if arch.mlp_gated:
+        kept.add("gate_up_proj")
+    return {k: v for k, v in _FUSED.items() if v[0] in kept}
 
 
 def _skipped(stored_name: str, hf_name: str, other_parts: tuple[str, ...], arch: ArchConfig,
@@ -256,11 +258,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False,
-               context_length: int | None = None) -> LoadedModel:
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False
+               ) -> LoadedModel:
     """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism; with
-    `expert_parallel`, whole MoE experts per rank instead of a slice of each; `context_length` chooses
-    longrope's factor set, `pd_cluster.engine.model.rope`).
+    `expert_parallel`, whole MoE experts per rank instead of a slice of each).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -275,7 +276,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     plan = plan_quantized(arch, tensors, _fused(arch), family.language_model_prefix, family.skipped_prefixes,
                           family.weight_renames) if tensors is not None and arch.quant is not None else {}
     with torch.device(device), _default_dtype(dtype), deferred_linears():
-        model = family.model()(arch, tp, expert_parallel, context_length)
+        model = family.model()(arch, tp, expert_parallel)
     materialize(model, plan, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -298,14 +299,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
         sum(m.nbytes - (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0) for m in quantized)
     quant_note = (f", quantized: {len(quantized)} layers, {arch.quant.describe()}" if quantized else "")
-    scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
-    rope = ""
-    if "use_long_factor" in scaling:
-        rope = "longrope:" + ("long" if scaling["use_long_factor"] else "short")
-        logger.info("longrope: the %s factors (context length %d, original_max_position_embeddings %d)",
-                    rope[9:], context_length or arch.max_position_embeddings,
-                    scaling["original_max_position_embeddings"])
-    identity = model_identity(folder, arch, load_format, seed, rope)
+    identity = model_identity(folder, arch, load_format, seed)
     if arch.mla is not None:
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, MLA latent=%d (kv_lora_rank %d"
                     " + qk_rope_head_dim %d), heads=%d%s", arch.architecture, str(dtype).removeprefix("torch."),

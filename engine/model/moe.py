@@ -48,6 +48,8 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
         (``torch.topk``), as in transformers.
     """
     logits = logits.float()
+    if cfg.scoring == "sparsemixer":
+        return sparsemixer(logits, cfg.jitter_eps)
     if cfg.score_before_topk:
         scores = _score(logits, cfg.scoring)
         choice = scores if correction_bias is None else scores + correction_bias
@@ -72,6 +74,19 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids
+
+
+def sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's top-2 routing at inference (`RoutingConfig`'s docstring; transformers' ``sparsemixer``
+    with ``training`` false): (weights [T, 2], ids [T, 2]) from logits [T, E]."""
+    weights, ids, rest = [], [], logits
+    for _ in range(2):
+        top, idx = rest.max(dim=-1, keepdim=True)
+        far = ((top - logits) / logits.abs().clamp(min=top)) > 2 * jitter_eps
+        weights.append(rest.masked_fill(far, float("-inf")).softmax(dim=-1).gather(-1, idx))
+        ids.append(idx)
+        rest = rest.scatter(-1, idx, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 class Router(nn.Module):

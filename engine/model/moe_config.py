@@ -14,10 +14,15 @@ DeepSeek-V2             softmax    yes           max     norm_topk_p  x routed_s
 DeepSeek-V3 / Kimi K2   sigmoid    yes           top2    norm_topk_p  + e_score_correction_bias
 gpt-oss                 softmax    no (over k)   --      --           router bias
 Llama 4                 sigmoid    no (top-1)    --      --           weight on the input
+Qwen2-MoE               softmax    yes           --      norm_topk_p  gated shared expert
+GLM-4-MoE               sigmoid    yes           top2    norm_topk_p  as DeepSeek-V3
+Phi-3.5-MoE             sparsemixer (top-2)      --      --           weights in act. dtype
 ======================  =========  ============  ======  ===========  =====================
 
 Sources: transformers' ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``, ``Llama4Router`` (5.24), DeepSeek-V3 technical
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``, ``Llama4Router`` (5.24),
+``Qwen2MoeTopKRouter``, ``Glm4MoeTopkRouter``, ``PhimoeTopKRouter`` and its ``sparsemixer`` (5.25; Liu et al.,
+"GRIN: GRadient-INformed MoE", 2024), DeepSeek-V3 technical
 report sec. 2.1.2 (auxiliary-loss-free balancing: the bias only chooses, it
 never weights), vLLM's ``FusedMoE`` routing arguments.
 """
@@ -27,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Scoring = Literal["softmax", "sigmoid"]
+Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
@@ -57,6 +62,11 @@ class RoutingConfig:
     `apply_weights_on_input` multiplies the expert's input by the weight instead of its output
     (Llama 4, top-1 only).
 
+    ``sparsemixer`` (Phi-3.5-MoE, top-2 only) replaces steps 2 to 6, at inference: the first expert is the
+    argmax of the logits, its weight the softmax of the logits masked to those within
+    ``2 * jitter_eps`` (relative, ``(max - l) / max(|l|, max)``) of the max; the second is the argmax of the
+    others, weighted likewise against its own max over the others.
+
     Raises:
         ValueError: inconsistent sizes (top_k > experts, groups that do not divide the experts, ...).
     """
@@ -75,12 +85,16 @@ class RoutingConfig:
     router_fp32: bool = False
     weights_in_activation_dtype: bool = False
     apply_weights_on_input: bool = False
+    jitter_eps: float = 0.01
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"unsupported MoE scoring_func {self.scoring!r}; supported: softmax, sigmoid")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring!r}; supported: softmax, sigmoid, "
+                             f"sparsemixer")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}): sparsemixer routing is defined for top-2")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
         if not 1 <= self.topk_group <= self.n_group:

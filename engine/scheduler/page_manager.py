@@ -102,7 +102,7 @@ class PageManager:
         """
         if self.cache is None or req.block_table:
             return 0
-        pages, chain = self.cache.match(req.token_ids, req.num_tokens - 1)
+        pages, chain = self.cache.match(req.cache_tokens, req.num_tokens - 1)
         req.block_table = pages
         self._chains[req.request_id] = chain
         return len(pages) * self.page_size
@@ -129,7 +129,8 @@ class PageManager:
         chain = self._chains.get(req.request_id)
         if chain is None:
             chain = self._chains[req.request_id] = CacheChain(self.cache.root)
-        self.cache.insert(req.token_ids, req.block_table, min(computed, len(req.token_ids)) // self.page_size, chain)
+        self.cache.insert(req.cache_tokens, req.block_table, min(computed, len(req.token_ids)) // self.page_size,
+                          chain)
 
     # ---- release -------------------------------------------------------------------------
     def release(self, req: Request) -> None:
