@@ -1,0 +1,1 @@
+"""Quantised weight formats kept quantised in memory: their encodings, reference dequantisation and layouts."""

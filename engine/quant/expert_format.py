@@ -1,0 +1,121 @@
+"""How a mixture-of-experts layer's routed experts are stored when a checkpoint keeps them quantised. Torch-free
+(the memory planner and `check_moe_parallel` read it).
+
+Two formats, each kept quantised in memory and in the fused MoE kernel:
+
+* ``fp8_block``: DeepSeek-V3's and Qwen3's FP8 releases (``quant_method: fp8`` with ``weight_block_size``, e.g.
+  [128, 128]): each expert projection ``W`` [N, K] is ``float8_e4m3fn`` with a float32 ``weight_scale_inv``
+  [ceil(N / bn), ceil(K / bk)], ``W = q * scale_inv`` per block. The GPU kernel is W8A8: activations are
+  quantised per token and group of ``bk`` columns (vLLM's and SGLang's ``fused_moe`` with ``use_fp8_w8a8``
+  and a block shape).
+* ``mxfp4``: gpt-oss's release (``quant_method: mxfp4``): E2M1 values with an E8M0 scale per 32 values along K
+  (`pd_cluster.engine.quant.mxfp4`); the kernel dequantises them next to the 16-bit activations, as vLLM does
+  on Hopper.
+
+The engine's stacked expert tensors (`pd_cluster.engine.model.moe.FusedExperts`) are ``w13`` [E, 2 I, H] (gate
+rows, then up rows) and ``w2`` [E, H, I]. Quantised, they keep those logical shapes; a tensor-parallel split of
+``I`` must keep whole blocks (gate/up rows and down columns), and FP8's gate and up must each fill whole row
+blocks, since the two are stacked into one tensor with one scale grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ExpertFormat = Literal["fp8_block", "mxfp4"]
+EXPERT_FORMATS = ("fp8_block", "mxfp4")
+MXFP4_BLOCK = 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ExpertQuant:
+    """The stored format of a layer's routed experts.
+
+    Attributes:
+        format: ``fp8_block`` or ``mxfp4``.
+        block: (rows, columns) of one scale: FP8's ``weight_block_size``; MXFP4 (1, 32).
+
+    Raises:
+        ValueError: an unknown format or a block that is not two positive sizes.
+    """
+
+    format: ExpertFormat
+    block: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.format not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert weight format {self.format!r}; known: {', '.join(EXPERT_FORMATS)}")
+        if len(self.block) != 2 or min(self.block) < 1:
+            raise ValueError(f"expert weight block {self.block} is not (rows, columns)")
+        if self.format == "mxfp4" and tuple(self.block) != (1, MXFP4_BLOCK):
+            raise ValueError(f"MXFP4 blocks are 1 x {MXFP4_BLOCK} values, not {self.block}")
+
+    @staticmethod
+    def mxfp4() -> "ExpertQuant":
+        return ExpertQuant("mxfp4", (1, MXFP4_BLOCK))
+
+    @property
+    def name(self) -> str:
+        """How logs and errors name it: ``fp8 blocks of 128x128`` or ``mxfp4``."""
+        return f"fp8 blocks of {self.block[0]}x{self.block[1]}" if self.format == "fp8_block" else "mxfp4"
+
+    @property
+    def scale_suffix(self) -> str:
+        """The suffix of a weight's scale tensor: ``_scale_inv`` (FP8, a multiplier despite the name, as
+        DeepSeek's) or ``_scale`` (MXFP4's E8M0 codes)."""
+        return "_scale_inv" if self.format == "fp8_block" else "_scale"
+
+    def data_shape(self, experts: int, n: int, k: int) -> tuple[int, int, int]:
+        """The stored values of [experts, n, k] weights: one FP8 byte per value, or two MXFP4 codes per byte."""
+        return (experts, n, k) if self.format == "fp8_block" else (experts, n, k // 2)
+
+    def scale_shape(self, experts: int, n: int, k: int) -> tuple[int, int, int]:
+        """One scale per block: [experts, ceil(n / rows), ceil(k / columns)]."""
+        return (experts, _cdiv(n, self.block[0]), _cdiv(k, self.block[1]))
+
+    def nbytes(self, experts: int, n: int, k: int) -> int:
+        """Bytes of [experts, n, k] weights with their scales (float32 FP8 scales, one-byte E8M0 ones)."""
+        e, sn, sk = self.scale_shape(experts, n, k)
+        values = experts * n * k if self.format == "fp8_block" else experts * n * k // 2
+        return values + e * sn * sk * (4 if self.format == "fp8_block" else 1)
+
+    def check_shapes(self, hidden_size: int, intermediate_size: int) -> None:
+        """Refuse expert shapes the stacked layout cannot hold.
+
+        Raises:
+            ValueError: MXFP4 with a reduction axis (hidden or intermediate size) that is not whole blocks of
+                32; FP8 gate and up projections that do not fill whole row blocks (they share one scale grid
+                in ``w13``), named.
+        """
+        if self.format == "mxfp4":
+            for what, k in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+                if k % MXFP4_BLOCK:
+                    raise ValueError(f"MXFP4 experts need {what} ({k}) in whole blocks of {MXFP4_BLOCK}")
+        elif intermediate_size % self.block[0]:
+            raise ValueError(f"FP8 experts in blocks of {self.block[0]}x{self.block[1]} need the experts' "
+                             f"intermediate size ({intermediate_size}) in whole blocks of {self.block[0]} rows "
+                             "(gate and up are stacked with one scale grid)")
+
+    def check_split(self, intermediate_size: int, tp_size: int) -> None:
+        """Refuse a tensor-parallel split of each expert's width that would cut a block.
+
+        Each rank holds ``intermediate_size / tp_size`` gate and up rows and as many down columns; that width
+        must be whole row blocks (gate/up) and whole column blocks (down).
+
+        Raises:
+            ValueError: naming the width, the block and the way out (``--enable-expert-parallel`` keeps experts
+                whole).
+        """
+        width = intermediate_size // tp_size
+        rows, cols = self.block
+        for what, size in (("rows", rows), ("columns", cols)):
+            if width % size:
+                raise ValueError(
+                    f"--tp-size {tp_size} splits each expert's intermediate size {intermediate_size} into "
+                    f"{width}, which cuts the {self.name} weight blocks ({width} {what} is not a multiple of "
+                    f"{size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
