@@ -24,6 +24,7 @@ so the memory planner can use it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from pd_cluster.engine.model.config_check import check_config, fp8_weight_block,
 from pd_cluster.engine.model.family_config import family_fields, language_model_config
 from pd_cluster.engine.layer_attention import LayerAttention, gemma3_rope, layer_attention_from_hf, uniform
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel, moe_from_hf
+from pd_cluster.engine.quant.expert_format import expert_quant_of
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -395,7 +397,11 @@ def _fp8_weight_block(cfg: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _moe(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
-    """`moe_from_hf`, or None when it places no MoE layer (a DeepSeek config with ``first_k_dense_replace >=
-    num_hidden_layers`` is a dense model: its unused expert widths are not checked against the TP size)."""
+    """`moe_from_hf` with its experts' stored format (`expert_quant_of`), or None when it places no MoE layer (a
+    DeepSeek config with ``first_k_dense_replace >= num_hidden_layers`` is a dense model: its unused expert widths
+    are not checked against the TP size)."""
     moe = moe_from_hf(cfg, arch)
-    return moe if moe is not None and moe.moe_layers else None
+    if moe is None or not moe.moe_layers:
+        return None
+    quant = expert_quant_of(cfg, arch, moe.moe_layers)
+    return dataclasses.replace(moe, weight_quant=quant) if quant else moe

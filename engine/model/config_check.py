@@ -30,7 +30,7 @@ GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU: gelu with the tanh approxim
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 PHI3_ROPE_TYPES = ("default", "longrope", "su", "yarn")  # Phi3Config renames su and yarn to longrope
 # Weight quantisation schemes the loader dequantises: block-FP8 (DeepSeek-V3's format; `fp8_weights`)
-QUANT_METHODS: tuple[str, ...] = ("fp8",)
+QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4")  # mxfp4: gpt-oss's experts, kept quantised (`moe`)
 
 # Keys of other model families that change the math: refused when set (not None), when true, or when a
 # multiplier other than 1, unless the family reads them (`FAMILY_KEYS`).

@@ -7,7 +7,9 @@ pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
 Block-quantised FP8 weights (``quant_method: fp8``, ``weight_scale_inv``: DeepSeek-V3's
-release) are dequantised into the model's dtype as they are read (`pd_cluster.engine.model.fp8_weights`).
+release) are dequantised into the model's dtype as they are read (`pd_cluster.engine.model.fp8_weights`),
+except the routed experts, which stay FP8 (and gpt-oss's MXFP4 experts stay MXFP4):
+`pd_cluster.engine.quant.expert_loading`.
 A model class may name its own fused tensors (``FUSED``) and adapt a tensor
 (``checkpoint_tensor(name, tensor)``: DeepSeek's interleaved RoPE rows).
 Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
@@ -32,8 +34,10 @@ from pd_cluster.engine.model.arch import LANGUAGE_MODEL_OF, ArchConfig
 from pd_cluster.engine.model import fp8_weights, weight_map
 from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
 from pd_cluster.engine.model.llama import LlamaForCausalLM
+from pd_cluster.engine.model.moe import FusedExperts
 from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.expert_loading import copy_quantized_expert, init_dummy_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,8 @@ class LoadedModel:
         k_scales, v_scales: per-layer FP8 KV scales (1.0 where the checkpoint has none).
         identity: sha256 over the config and the weights' names, shapes and dtypes.
         weights_nbytes: bytes of parameters.
+        expert_nbytes: bytes of this rank's routed experts (values, scales, biases), as held: quantised
+            experts count their stored bytes.
     """
 
     model: LlamaForCausalLM | DeepseekForCausalLM
@@ -73,6 +79,7 @@ class LoadedModel:
     v_scales: list[float]
     identity: str
     weights_nbytes: int
+    expert_nbytes: int = 0
 
 
 def resolve_dtype(name: str, arch: ArchConfig) -> torch.dtype:
@@ -148,6 +155,10 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
                 if layer and int(layer.group(1)) >= arch.num_hidden_layers:
                     continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
                 name = weight_map.canonical(hf_name.removeprefix("model."))
+                if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), scale_of,
+                                         arch.fp8_weight_block, tp.rank, tp.size, expert_parallel and tp.size > 1,
+                                         loaded):
+                    continue  # routed experts kept quantised (`pd_cluster.engine.quant.expert_loading`)
                 values = fp8_weights.block_fp8_slice(stored_name, f.get_slice(stored_name), scale_of,
                                                      arch.fp8_weight_block)
                 if weight_map.copy_special(params, name, values, arch, tp, expert_parallel, loaded):
@@ -233,6 +244,8 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
 def _init_dummy(model: LlamaForCausalLM | DeepseekForCausalLM, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
+        if init_dummy_quantized(name, p, gen):
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
@@ -277,6 +290,12 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         k_scales, v_scales = _load_tensors(model, folder, arch, tp, expert_parallel)
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    expert_nbytes = sum(m.nbytes for m in experts)
+    if experts:
+        logger.info("Routed experts: %.2f MiB on this rank, %s", expert_nbytes / 2**20,
+                    experts[0].quant.name + " (kept quantised)" if experts[0].quant else str(dtype).removeprefix(
+                        "torch."))
     scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
     rope = ""
     if "use_long_factor" in scaling:
@@ -294,4 +313,4 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
                     arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
                     arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
-    return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes)
+    return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes, expert_nbytes)

@@ -21,7 +21,7 @@ blocks, since the two are stacked into one tensor with one scale grid.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 ExpertFormat = Literal["fp8_block", "mxfp4"]
 EXPERT_FORMATS = ("fp8_block", "mxfp4")
@@ -119,3 +119,45 @@ class ExpertQuant:
                     f"--tp-size {tp_size} splits each expert's intermediate size {intermediate_size} into "
                     f"{width}, which cuts the {self.name} weight blocks ({width} {what} is not a multiple of "
                     f"{size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
+
+
+# One routed expert's checkpoint module per architecture (``{layer}`` filled in): what the quantisation scheme's
+# targets and ignore lists are matched against. Stacked experts (gpt-oss, Llama 4) are one module.
+_EXPERT_MODULE = {
+    "MixtralForCausalLM": "model.layers.{layer}.block_sparse_moe.experts.0.w1",
+    "GptOssForCausalLM": "model.layers.{layer}.mlp.experts",
+    "Llama4ForCausalLM": "model.layers.{layer}.feed_forward.experts",
+    "Llama4ForConditionalGeneration": "language_model.model.layers.{layer}.feed_forward.experts",
+}
+_PER_EXPERT = "model.layers.{layer}.mlp.experts.0.gate_proj"  # Qwen3-MoE, DeepSeek-V2/V3
+
+
+def expert_quant_of(config: Mapping[str, Any], architecture: str, moe_layers: tuple[int, ...]) -> ExpertQuant | None:
+    """How the checkpoint of `config` (``config.json``) stores the routed experts of its MoE layers, read through
+    `pd_cluster.engine.quant.scheme.read_quant_scheme`: None when they are not quantised.
+
+    Raises:
+        QuantConfigError: the scheme is refused (`read_quant_scheme`).
+        ValueError: experts in a quantised format the MoE kernel does not compute (per-tensor or per-channel FP8,
+            int4), or MoE layers whose experts the config stores differently, named.
+    """
+    from pd_cluster.engine.quant.scheme import read_quant_scheme
+    from pd_cluster.engine.quant.weight_scheme import FP8, MXFP4
+
+    scheme = read_quant_scheme(config)
+    if scheme is None or not moe_layers:
+        return None
+    pattern = _EXPERT_MODULE.get(architecture, _PER_EXPERT)
+    found = {scheme.for_module(pattern.format(layer=layer)) for layer in moe_layers}
+    if len(found) > 1:
+        raise ValueError(f"{scheme.source}: {scheme.method} stores the routed experts of different MoE layers in "
+                         "different formats; the engine holds one format for every layer's experts")
+    weights = found.pop()
+    if weights is None:
+        return None
+    if weights.kind == FP8 and weights.granularity == "block" and weights.block:
+        return ExpertQuant("fp8_block", weights.block)
+    if weights.kind == MXFP4:
+        return ExpertQuant.mxfp4()
+    raise ValueError(f"{scheme.source}: routed experts in {weights.describe()} ({scheme.method}) are not computed by "
+                     "the fused MoE kernel, which takes FP8 in blocks (weight_block_size) and MXFP4 experts")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pd_cluster.engine.quant.expert_format import ExpertQuant
-from pd_cluster.engine.quant.mxfp4 import BLOCK, dequantize_mxfp4
+from pd_cluster.engine.quant.mxfp4 import dequantize_mxfp4
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn value
 FP8_GROUP_EPS = 1e-10  # a group of zeros gets this amax, so its scale is never 0
@@ -74,6 +74,14 @@ def expert_weight(w: torch.Tensor | QuantizedExperts, e: int, dtype: torch.dtype
     return w.expert(e, dtype) if isinstance(w, QuantizedExperts) else w[e]
 
 
+def quantized_storage(quant: ExpertQuant, experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (values, scales) for [experts, n, k] weights in `quant`'s format, on the default device: FP8 blocks
+    float8_e4m3fn with float32 scales, MXFP4 uint8 codes two a byte with uint8 E8M0 scales."""
+    fp8 = quant.format == "fp8_block"
+    return (torch.empty(quant.data_shape(experts, n, k), dtype=torch.float8_e4m3fn if fp8 else torch.uint8),
+            torch.empty(quant.scale_shape(experts, n, k), dtype=torch.float32 if fp8 else torch.uint8))
+
+
 def weight_shape(w: torch.Tensor | QuantizedExperts) -> tuple[int, int, int]:
     """The logical [E, N, K] of a plain or quantised stacked weight."""
     return tuple(w.shape)  # type: ignore[return-value]
@@ -106,9 +114,3 @@ def fake_quant_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     groups = scale.shape[1]
     values = torch.nn.functional.pad(q.float(), (0, groups * group - k)).view(t, groups, group) * scale.unsqueeze(-1)
     return values.view(t, groups * group)[:, :k].to(x.dtype)
-
-
-def check_mxfp4_shape(k: int) -> None:
-    """Raises ValueError when `k` is not whole MXFP4 blocks."""
-    if k % BLOCK:
-        raise ValueError(f"MXFP4 weights need a reduction axis in whole blocks of {BLOCK}, got {k}")

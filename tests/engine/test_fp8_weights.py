@@ -1,4 +1,4 @@
-"""Block-quantised FP8 weights (DeepSeek-V3's release format) are dequantised on load.
+"""Block-quantised FP8 weights (DeepSeek-V3's release format) are dequantised on load (the routed experts stay FP8).
 
 A tiny DeepSeek-V3 (MLA and MoE layers) is rewritten in that format by `deepseek_models.write_block_fp8`: every
 attention, MLP, expert and shared-expert projection as ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per
@@ -48,11 +48,19 @@ def fp8_checkpoint(tmp_path_factory):
 
 
 def test_the_engine_holds_the_dequantised_weights(fp8_checkpoint):
+    """Every weight but the routed experts' is held dequantised; the experts stay FP8 with their block scales
+    (`tests/engine/test_quantized_experts.py`), and dequantise to the same values."""
     path, _ = fp8_checkpoint
     model = load_model(str(path)).model
-    ref = load_model(str(path.parent / "deq")).model
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert torch.equal(p, q), name
+    ref = dict(load_model(str(path.parent / "deq")).model.named_parameters())
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            continue
+        assert torch.equal(p, ref[name]), name
+    experts = model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(experts.w13.dequantize(torch.float32), ref["layers.1.mlp.experts.w13_weight"])
+    assert torch.equal(experts.w2.dequantize(torch.float32), ref["layers.1.mlp.experts.w2_weight"])
     with safe_open(str(next(path.glob("*.safetensors"))), framework="pt") as f:
         assert any(f.get_slice(n).get_dtype() == "F8_E4M3" for n in f.keys())  # the files really are FP8
 
