@@ -117,8 +117,8 @@ class ExpertQuant:
             if width % size:
                 raise ValueError(
                     f"--tp-size {tp_size} splits each expert's intermediate size {intermediate_size} into "
-                    f"{width}, which cuts the {self.name} weight blocks ({width} {what} is not a multiple of "
-                    f"{size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
+                    f"{width}, which cuts the experts' weight blocks ({self.name}: {width} {what} is not a "
+                    f"multiple of {size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
 
 
 # One routed expert's checkpoint module per architecture (``{layer}`` filled in): what the quantisation scheme's

@@ -26,7 +26,7 @@ import torch
 from pd_cluster.engine.quant.expert_format import ExpertQuant
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:_(blocks|scales))?$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _DTYPE = {"fp8_block": "F8_E4M3", "mxfp4": "U8"}
 
@@ -78,8 +78,12 @@ def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_nam
     m = _STACKED.match(name)
     if m:
         quant = _quant_of(params, int(m.group(1)), block)
-        if quant is None or quant.format != "mxfp4":
+        if quant is None:
             return False
+        if quant.format != "mxfp4" or m.group(3) is None:  # plain stacked values where the config says quantised
+            raise ValueError(f"{stored_name} holds the routed experts unquantised, but the checkpoint's "
+                             f"quantization_config stores them in {quant.name} ({m.group(2)}_blocks and "
+                             f"{m.group(2)}_scales); refusing to load it as quantised values")
         _check_dtype(stored_name, tensor_slice, quant)
         _copy_mxfp4(params, int(m.group(1)), m.group(2), m.group(3) == "scales", tensor_slice, tp_rank, tp_size,
                     expert_parallel, loaded)

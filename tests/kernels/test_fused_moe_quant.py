@@ -84,7 +84,7 @@ def test_mxfp4_experts_with_biases_clamped_swiglu_and_other_ranks(dtype):
 
 def test_large_tiles_and_deepseek_sized_blocks():
     """64-row tiles with 128 x 128 FP8 blocks (the release's): the K step shrinks to stay inside one block."""
-    x, w13, w2, weights, ids = _case(70, 4, 2, 256, 128, torch.float32, seed=3)
+    x, w13, w2, weights, ids = _case(33, 4, 2, 256, 128, torch.float32, seed=3)
     q13, q2 = fp8_experts(w13, (128, 128)), fp8_experts(w2, (128, 128))
     big = FusedMoEKernelConfig(block_m=64, block_n=128, block_k=256)
     assert fp8_block_k(256, 128) == 128 and fp8_block_k(64, 48) == 16
