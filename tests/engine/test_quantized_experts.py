@@ -16,35 +16,25 @@ import pytest
 import torch
 import deepseek_models
 import random_models
-from quant_models import expert_tensor_bytes, same_weights, write_mxfp4
-from transformers import DeepseekV3ForCausalLM, GptOssForCausalLM, Mxfp4Config, Qwen3MoeForCausalLM
+from quant_models import FP8_BLOCK, deepseek_fp8, expert_tensor_bytes, gpt_oss_mxfp4, same_weights
+from transformers import GptOssForCausalLM, Mxfp4Config, Qwen3MoeForCausalLM
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_moe_parallel
 from pd_cluster.engine.quant.expert_format import ExpertQuant, expert_quant_of
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-BLOCK = (32, 32)
-
-
-def _folders(root, build, write):
-    build(root / "src")
-    write(root / "src", root / "q", root / "twin")
-    return root / "q", root / "twin"
 
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    """(MXFP4 folder, twin folder): experts 64 wide, so that TP 2 keeps whole blocks of 32."""
-    return _folders(tmp_path_factory.mktemp("gptoss"), lambda d: random_models.build("gpt-oss", d, intermediate_size=64),
-                    write_mxfp4)
+    """(MXFP4 folder, twin, prompts, transformers' greedy on the twin)."""
+    return gpt_oss_mxfp4(tmp_path_factory.mktemp("gptoss"))
 
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    return _folders(tmp_path_factory.mktemp("dsv3"),
-                    lambda d: deepseek_models.build("deepseek-v3", d, moe_intermediate_size=64),
-                    lambda s, q, t: deepseek_models.write_block_fp8(s, q, t, BLOCK))
+    return deepseek_fp8(tmp_path_factory.mktemp("dsv3"))
 
 
 def _generate(path, prompts, **kw):
@@ -56,7 +46,7 @@ def _generate(path, prompts, **kw):
         llm.engine.close()
 
 
-def _check_quantised(path, twin, hf_greedy, prompts, held_dtype):
+def _check_quantised(path, twin, prompts, hf_greedy, held_dtype):
     got, loaded = _generate(path, prompts)
     want, twin_loaded = _generate(twin, prompts)
     assert got == want
@@ -70,15 +60,12 @@ def _check_quantised(path, twin, hf_greedy, prompts, held_dtype):
 
 
 def test_gpt_oss_mxfp4_equals_its_twin_and_transformers(gpt_oss):
-    path, twin = gpt_oss
-    hf = GptOssForCausalLM.from_pretrained(twin).eval()
-    prompts = random_models.long_prompt_ids(3)
-    _check_quantised(path, twin, lambda ids: random_models.hf_greedy_full(hf, ids, 24), prompts, torch.uint8)
+    _check_quantised(*gpt_oss, torch.uint8)
 
 
 def test_transformers_reads_the_mxfp4_folder_into_the_twin(gpt_oss):
     """The test checkpoint is in the release layout: transformers' own MXFP4 reader gives the twin's weights."""
-    path, twin = gpt_oss
+    path, twin = gpt_oss[:2]
     quantised = GptOssForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
                                                   dtype=torch.float32)
     assert same_weights(quantised, GptOssForCausalLM.from_pretrained(twin))
@@ -87,20 +74,15 @@ def test_transformers_reads_the_mxfp4_folder_into_the_twin(gpt_oss):
 
 
 def test_deepseek_v3_fp8_blocks_equal_their_twin_and_transformers(deepseek):
-    path, twin = deepseek
-    hf = DeepseekV3ForCausalLM.from_pretrained(twin).eval()
-    prompts = [deepseek_models.prompt_ids(p) for p in deepseek_models.PROMPTS[:3]]
-    _check_quantised(path, twin, lambda ids: deepseek_models.hf_greedy_recompute(hf, ids, 24), prompts,
-                     torch.float8_e4m3fn)
+    _check_quantised(*deepseek, torch.float8_e4m3fn)
 
 
 def test_qwen3_moe_fp8_blocks_equal_their_twin_and_transformers(tmp_path):
-    path, twin = _folders(tmp_path, lambda d: random_models.build("qwen3-moe", d),
-                          lambda s, q, t: deepseek_models.write_block_fp8(s, q, t, BLOCK))
-    hf = Qwen3MoeForCausalLM.from_pretrained(twin).eval()
-    prompts = random_models.prompt_ids(3)
-    _check_quantised(path, twin, lambda ids: random_models.hf_greedy_full(hf, ids, 24), prompts,
-                     torch.float8_e4m3fn)
+    random_models.build("qwen3-moe", tmp_path / "src")
+    deepseek_models.write_block_fp8(tmp_path / "src", tmp_path / "q", tmp_path / "twin", FP8_BLOCK)
+    hf = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "twin").eval()
+    _check_quantised(tmp_path / "q", tmp_path / "twin", random_models.prompt_ids(3),
+                     lambda ids: random_models.hf_greedy_full(hf, ids, 24), torch.float8_e4m3fn)
 
 
 def test_dummy_weights_for_quantised_experts(gpt_oss):
@@ -137,7 +119,7 @@ def test_formats_the_kernel_does_not_compute_are_refused():
 
 def test_unquantised_expert_tensors_under_a_quantised_config_are_refused(gpt_oss, tmp_path):
     """The twin's float experts with the MXFP4 config: never cast into codes."""
-    _, twin = gpt_oss
+    twin = gpt_oss[1]
     for f in twin.iterdir():
         (tmp_path / f.name).symlink_to(f)
     (tmp_path / "config.json").unlink()

@@ -24,6 +24,8 @@ from safetensors.torch import load_file, save_file
 
 from pd_cluster.engine.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
+FP8_BLOCK = (32, 32)  # partial blocks at these tiny shapes (kv_a_proj's 48 rows), whole ones in the experts
+
 # openai/gpt-oss-20b's and -120b's config.json
 GPT_OSS_QUANTIZATION = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                    "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
@@ -83,3 +85,29 @@ def same_weights(a, b) -> bool:
     """Two torch modules hold equal parameters (names and values)."""
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+def gpt_oss_mxfp4(root: Path):
+    """(MXFP4 folder, twin folder, prompts, transformers' greedy on the twin: ``ids -> 24 tokens``) of a tiny
+    gpt-oss whose experts are 64 wide (TP 2 keeps whole blocks of 32); prompts of 40 to 64 tokens (past its
+    16-token windows)."""
+    import random_models
+    from transformers import GptOssForCausalLM
+
+    random_models.build("gpt-oss", root / "src", intermediate_size=64)
+    write_mxfp4(root / "src", root / "q", root / "twin")
+    hf = GptOssForCausalLM.from_pretrained(root / "twin").eval()
+    return (root / "q", root / "twin", random_models.long_prompt_ids(3),
+            lambda ids: random_models.hf_greedy_full(hf, ids, 24))
+
+
+def deepseek_fp8(root: Path):
+    """The same for a tiny DeepSeek-V3 in `FP8_BLOCK` blocks, experts 64 wide."""
+    import deepseek_models
+    from transformers import DeepseekV3ForCausalLM
+
+    deepseek_models.build("deepseek-v3", root / "src", moe_intermediate_size=64)
+    deepseek_models.write_block_fp8(root / "src", root / "q", root / "twin", FP8_BLOCK)
+    hf = DeepseekV3ForCausalLM.from_pretrained(root / "twin").eval()
+    return (root / "q", root / "twin", [deepseek_models.prompt_ids(p) for p in deepseek_models.PROMPTS[:3]],
+            lambda ids: deepseek_models.hf_greedy_recompute(hf, ids, 24))
