@@ -12,5 +12,5 @@
 from __future__ import annotations
 
 DENSE_KINDS_KEPT: frozenset[str] = frozenset({"fp8", "int4"})
-EXPERT_KINDS_KEPT: frozenset[str] = frozenset()
+EXPERT_KINDS_KEPT: frozenset[str] = frozenset({"fp8", "mxfp4"})  # FP8 in blocks, MXFP4: `engine/quant/experts.py`
 DEQUANTIZED_MODULES = ("kv_b_proj",)  # used as matrices, not as linear layers (MLA's absorbed attention)
