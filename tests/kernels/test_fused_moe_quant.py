@@ -18,20 +18,15 @@ from pd_cluster.engine.attention.triton.fused_moe import FusedMoEKernelConfig, f
 from pd_cluster.engine.model.layer_ops import torch_fused_experts
 from pd_cluster.engine.quant.expert_format import ExpertQuant
 from pd_cluster.engine.quant.experts import QuantizedExperts, fake_quant_fp8_groups
+from pd_cluster.engine.quant.fp8 import quantize_weight_blocks
 from pd_cluster.engine.quant.mxfp4 import quantize_mxfp4
 
 
 def fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> QuantizedExperts:
     """`w` [E, N, K] in FP8 blocks, each block's scale its max |w| / 448 (partial blocks at the edges)."""
-    e, n, k = w.shape
-    bn, bk = block
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(e, rows * bn, cols * bk, dtype=torch.float32, device=w.device)
-    padded[:, :n, :k] = w.float()
-    tiles = padded.view(e, rows, bn, cols, bk)
-    scale = tiles.abs().amax(dim=(2, 4)).clamp_min(1e-12) / 448.0
-    q = (tiles / scale[:, :, None, :, None]).view(e, rows * bn, cols * bk)[:, :n, :k]
-    return QuantizedExperts(q.to(torch.float8_e4m3fn).contiguous(), scale, ExpertQuant("fp8_block", block))
+    parts = [quantize_weight_blocks(w[e].float(), block) for e in range(w.shape[0])]
+    return QuantizedExperts(torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]),
+                            ExpertQuant("fp8_block", block))
 
 
 def mxfp4_experts(w: torch.Tensor) -> QuantizedExperts:

@@ -13,6 +13,13 @@ multiplies them by that expert's weight tile. So a layer is
 4. ``[T k, H] = h @ w2[e].T * weight`` (the same kernel, ``MUL_WEIGHT``);
 5. the k products of each token summed (torch).
 
+Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`) run through the same kernel
+(``W_FORMAT``): FP8 blocks either W8A8, each GEMM's input quantised per token and group of the block's
+columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
+``use_fp8_w8a8`` with a block shape; FP8 dots from compute capability 8.9), or W8A16, each weight tile
+dequantised; MXFP4 tiles are decoded from their E2M1 codes and E8M0 scales next to the activations (vLLM's
+bf16-activation path on Hopper).
+
 Expert id -1 (a choice that another expert-parallel rank computes) gets its
 own padded run whose tiles are stored as zeros. Products accumulate in
 float32 (IEEE dots for float32 activations); each GEMM's output is rounded to
@@ -29,7 +36,8 @@ import triton.language as tl
 
 from pd_cluster.engine.attention.triton import fused
 from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
-from pd_cluster.engine.quant.experts import QuantizedExperts, per_token_group_quant_fp8, weight_shape
+from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
+from pd_cluster.engine.quant.experts import QuantizedExperts, weight_shape
 
 
 @dataclass(frozen=True)
@@ -264,7 +272,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w2: tor
         b13, b2: [E, 2 I] and [E, H] contiguous biases of the two projections (gpt-oss), or None.
         activation: ``("silu",)`` (SwiGLU) or ``("swiglu_clamped", alpha, limit)`` (gpt-oss).
         fp8_activations: with FP8 block weights, quantise each GEMM's input per token and group of the blocks'
-            columns (`per_token_group_quant_fp8`) and multiply FP8 by FP8 (W8A8, vLLM's ``use_fp8_w8a8``);
+            columns (`fp8_gemm.quantize_activations`) and multiply FP8 by FP8 (W8A8, vLLM's ``use_fp8_w8a8``);
             False dequantises the weight tiles next to the activations instead (W8A16). MXFP4 weights are
             always dequantised next to the activations.
 
@@ -306,9 +314,9 @@ def _data(w: torch.Tensor | QuantizedExperts) -> torch.Tensor:
 def _gemm_maybe_fp8(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
                     expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int, mul_weight: bool,
                     bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, fp8_activations: bool) -> None:
-    """One grouped GEMM; under W8A8 its input is first quantised per token group (torch ops on the device)."""
+    """One grouped GEMM; under W8A8 its input is first quantised per token group (one Triton launch)."""
     if isinstance(w, QuantizedExperts) and w.quant.format == "fp8_block" and fp8_activations:
-        q, scale = per_token_group_quant_fp8(a, w.quant.block[1])
+        q, scale = quantize_activations(a, w.quant.block[1])
         _grouped_gemm(q, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg,
                       a.dtype, scale)
         return
