@@ -72,11 +72,6 @@ def quantized_storage(quant: ExpertQuant, experts: int, n: int, k: int) -> tuple
             torch.empty(quant.scale_shape(experts, n, k), dtype=torch.float32 if fp8 else torch.uint8))
 
 
-def weight_shape(w: torch.Tensor | QuantizedExperts) -> tuple[int, int, int]:
-    """The logical [E, N, K] of a plain or quantised stacked weight."""
-    return tuple(w.shape)  # type: ignore[return-value]
-
-
 def fake_quant_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """`x` as the W8A8 kernel sees it: quantised per token group and dequantised, in x's dtype (the reference of
     the FP8 W8A8 path; exact in float32 and float64)."""

@@ -13,7 +13,8 @@ multiplies them by that expert's weight tile. So a layer is
 4. ``[T k, H] = h @ w2[e].T * weight`` (the same kernel, ``MUL_WEIGHT``);
 5. the k products of each token summed (torch).
 
-Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`) run through the same kernel
+Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`: ``data``, ``scale``, ``quant``; taken
+by those attributes, so the kernels do not import the quantisation package) run through the same kernel
 (``W_FORMAT``): FP8 blocks either W8A8, each GEMM's input quantised per token and group of the block's
 columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
 ``use_fp8_w8a8`` with a block shape; FP8 dots from compute capability 8.9), or W8A16, each weight tile
@@ -37,7 +38,6 @@ import triton.language as tl
 from pd_cluster.engine.attention.triton import fused
 from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
 from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
-from pd_cluster.engine.quant.experts import QuantizedExperts, weight_shape
 
 
 @dataclass(frozen=True)
@@ -214,13 +214,13 @@ def _grouped_gemm(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int,
                   mul_weight: bool, bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, act_dtype: torch.dtype,
                   a_scale: torch.Tensor | None = None) -> None:
-    _, n, k = weight_shape(w)
+    _, n, k = w.shape
     num_m = sorted_ids.numel() // cfg.block_m
     grid = (num_m * triton.cdiv(n, cfg.block_n),)
     data, scale, fmt, group = w, None, W_PLAIN, (1, 1)
     block_k = cfg.block_k
     fp8_dot = fp8_dot_dtype(a.device)
-    if isinstance(w, QuantizedExperts):
+    if _quantized(w):
         data, scale, group = w.data, w.scale, w.quant.block
         fmt = W_FP8_BLOCK if w.quant.format == "fp8_block" else W_MXFP4
         if fmt == W_FP8_BLOCK:
@@ -253,7 +253,7 @@ def fp8_block_k(block_k: int, group_k: int) -> int:
     return step
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w2: torch.Tensor | QuantizedExperts,
+def fused_experts(x: torch.Tensor, w13, w2,
                   weights: torch.Tensor, ids: torch.Tensor, apply_weights_on_input: bool = False,
                   cfg: FusedMoEKernelConfig | None = None, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None, activation: tuple = ("silu",), fp8_activations: bool = True
@@ -283,9 +283,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w2: tor
         ValueError: shapes that disagree, or a non-contiguous weight.
     """
     t, h = x.shape
-    e, two_i, h1 = weight_shape(w13)
-    if h1 != h or weight_shape(w2) != (e, h, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != t:
-        raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {weight_shape(w13)}, w2 {weight_shape(w2)}, "
+    e, two_i, h1 = w13.shape
+    if h1 != h or tuple(w2.shape) != (e, h, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != t:
+        raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)} disagree")
     if not all(_data(w).is_contiguous() for w in (w13, w2)):
         raise ValueError("fused_experts needs contiguous expert weights")
@@ -307,15 +307,19 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w2: tor
     return out.view(t, k, h).sum(dim=1)
 
 
-def _data(w: torch.Tensor | QuantizedExperts) -> torch.Tensor:
-    return w.data if isinstance(w, QuantizedExperts) else w
+def _quantized(w) -> bool:
+    return not isinstance(w, torch.Tensor)  # a QuantizedExperts
+
+
+def _data(w) -> torch.Tensor:
+    return w.data if _quantized(w) else w
 
 
 def _gemm_maybe_fp8(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
                     expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int, mul_weight: bool,
                     bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, fp8_activations: bool) -> None:
     """One grouped GEMM; under W8A8 its input is first quantised per token group (one Triton launch)."""
-    if isinstance(w, QuantizedExperts) and w.quant.format == "fp8_block" and fp8_activations:
+    if _quantized(w) and w.quant.format == "fp8_block" and fp8_activations:
         q, scale = quantize_activations(a, w.quant.block[1])
         _grouped_gemm(q, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg,
                       a.dtype, scale)
