@@ -116,7 +116,8 @@ class FusedExperts(nn.Module):
 
     ``w13_weight`` [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and ``w2_weight``
     [E_local, H, I_local]. Under TP ``I_local = I / tp`` and ``E_local = E``; with expert parallelism
-    ``E_local = E / tp`` whole experts, from ``first_expert`` on. With ``expert_bias`` (gpt-oss) also
+    ``E_local = E / tp`` whole experts, from ``first_expert`` on (MXFP4 under TP: `ExpertQuant.rank_width`, whole
+    blocks of 32 with the tail zero-padded). With ``expert_bias`` (gpt-oss) also
     ``w13_bias`` [E_local, 2 I_local] and ``w2_bias`` [E_local, H] (whole on every rank: under TP only rank 0
     adds it, so the all-reduce counts it once).
 
@@ -136,8 +137,9 @@ class FusedExperts(nn.Module):
         split = 1 if self.expert_parallel else tp.size
         self.num_local_experts = cfg.num_experts // tp.size if self.expert_parallel else cfg.num_experts
         self.first_expert = tp.rank * self.num_local_experts if self.expert_parallel else 0
-        self.intermediate_size = cfg.intermediate_size // split
         self.quant = cfg.weight_quant
+        self.intermediate_size = (self.quant.rank_width(cfg.intermediate_size, split) if self.quant
+                                  else cfg.intermediate_size // split)
         e, i, h = self.num_local_experts, self.intermediate_size, hidden_size
         if self.quant is None:
             self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h))

@@ -268,7 +268,8 @@ def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> N
     if expert_parallel and cfg.num_experts % tp_size:
         raise ValueError(f"--tp-size {tp_size} with --enable-expert-parallel must divide the number of experts "
                          f"({cfg.num_experts})")
-    if not expert_parallel and cfg.intermediate_size % tp_size:
+    mxfp4 = cfg.weight_quant is not None and cfg.weight_quant.format == "mxfp4"  # split in whole blocks, padded
+    if not expert_parallel and cfg.intermediate_size % tp_size and not mxfp4:
         raise ValueError(f"--tp-size {tp_size} must divide the experts' intermediate size ({cfg.intermediate_size})")
     if cfg.weight_quant is not None and not (expert_parallel and tp_size > 1):
         cfg.weight_quant.check_split(cfg.intermediate_size, tp_size)

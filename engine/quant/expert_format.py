@@ -14,8 +14,9 @@ Two formats, each kept quantised in memory and in the fused MoE kernel:
 
 The engine's stacked expert tensors (`pd_cluster.engine.model.moe.FusedExperts`) are ``w13`` [E, 2 I, H] (gate
 rows, then up rows) and ``w2`` [E, H, I]. Quantised, they keep those logical shapes; a tensor-parallel split of
-``I`` must keep whole blocks (gate/up rows and down columns), and FP8's gate and up must each fill whole row
-blocks, since the two are stacked into one tensor with one scale grid.
+``I`` keeps whole blocks (FP8: refused otherwise, as vLLM refuses it; MXFP4: whole blocks per rank, the tail
+zero-padded, as vLLM splits gpt-oss), and FP8's gate and up must each fill whole row blocks, since the two are
+stacked into one tensor with one scale grid.
 """
 
 from __future__ import annotations
@@ -101,16 +102,28 @@ class ExpertQuant:
                              f"intermediate size ({intermediate_size}) in whole blocks of {self.block[0]} rows "
                              "(gate and up are stacked with one scale grid)")
 
+    def rank_width(self, intermediate_size: int, tp_size: int) -> int:
+        """Each rank's share of an expert's width under TP: ``I / tp`` for FP8 blocks (`check_split` refuses a
+        split that cuts a block); for MXFP4, ``ceil(I / 32 / tp)`` whole blocks of 32, the last rank's tail
+        padded with zero codes (vLLM's split of gpt-oss-120b's 2880 = 90 blocks: 12 per rank at TP 8). A padded
+        gate/up row is zero with a zero bias, the activation of (0, 0) is 0 for both SwiGLU forms, and a padded
+        down column is zero, so the padding adds nothing."""
+        if self.format == "mxfp4":
+            return _cdiv(_cdiv(intermediate_size, MXFP4_BLOCK), tp_size) * MXFP4_BLOCK
+        return intermediate_size // tp_size
+
     def check_split(self, intermediate_size: int, tp_size: int) -> None:
         """Refuse a tensor-parallel split of each expert's width that would cut a block.
 
-        Each rank holds ``intermediate_size / tp_size`` gate and up rows and as many down columns; that width
-        must be whole row blocks (gate/up) and whole column blocks (down).
+        Each rank holds `rank_width` gate and up rows and as many down columns; for FP8 that width must be whole
+        row blocks (gate/up) and whole column blocks (down). MXFP4's split is in whole blocks by construction.
 
         Raises:
             ValueError: naming the width, the block and the way out (``--enable-expert-parallel`` keeps experts
                 whole).
         """
+        if self.format == "mxfp4":
+            return
         width = intermediate_size // tp_size
         rows, cols = self.block
         for what, size in (("rows", rows), ("columns", cols)):

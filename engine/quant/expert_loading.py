@@ -10,8 +10,9 @@ parameters (this rank's experts, and of each this rank's share of the width), ne
 * MXFP4, stacked per layer (gpt-oss): ``mlp.experts.gate_up_proj_blocks`` [E, 2 I, H / 32, 16] with
   ``gate_up_proj_scales`` [E, 2 I, H / 32], whose rows interleave gate (even) and up (odd), and
   ``down_proj_blocks`` [E, H, I / 32, 16] with ``down_proj_scales`` [E, H, I / 32]. Rows are whole values (a
-  block runs along K), so gate and up are separated by rows; under TP a rank reads its gate/up rows and its
-  block columns of down. With expert parallelism a rank reads only its experts.
+  block runs along K), so gate and up are separated by rows; under TP a rank reads its gate/up rows (and their
+  ``gate_up_proj_bias``) and its block columns of down, in whole blocks (`ExpertQuant.rank_width`: the last
+  rank's tail zero-padded). With expert parallelism a rank reads only its experts.
 
 Each copied part is marked in `loaded` as the plain loader marks it (``<prefix>[<e>].gate`` ...), so missing
 experts are found the same way (`weight_map.missing_experts`).
@@ -26,7 +27,7 @@ import torch
 from pd_cluster.engine.quant.expert_format import ExpertQuant
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:_(blocks|scales))?$")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:_(blocks|scales|bias))?$")
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 _DTYPE = {"fp8_block": "F8_E4M3", "mxfp4": "U8"}
 
@@ -78,15 +79,15 @@ def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_nam
     m = _STACKED.match(name)
     if m:
         quant = _quant_of(params, int(m.group(1)), block)
-        if quant is None:
-            return False
+        if quant is None or m.group(3) == "bias" and m.group(2) == "down_proj":
+            return False  # the down bias is whole on every rank: the plain loader's
         if quant.format != "mxfp4" or m.group(3) is None:  # plain stacked values where the config says quantised
             raise ValueError(f"{stored_name} holds the routed experts unquantised, but the checkpoint's "
                              f"quantization_config stores them in {quant.name} ({m.group(2)}_blocks and "
                              f"{m.group(2)}_scales); refusing to load it as quantised values")
-        _check_dtype(stored_name, tensor_slice, quant)
-        _copy_mxfp4(params, int(m.group(1)), m.group(2), m.group(3) == "scales", tensor_slice, tp_rank, tp_size,
-                    expert_parallel, loaded)
+        if m.group(3) != "bias":
+            _check_dtype(stored_name, tensor_slice, quant)
+        _copy_mxfp4(params, int(m.group(1)), m.group(2), m.group(3), tensor_slice, tp_rank, expert_parallel, loaded)
         return True
     return False
 
@@ -132,29 +133,39 @@ def _copy_fp8(params, layer: int, expert: int, part: str, tensor_slice, scale: t
     loaded.add(f"{prefix}[{local}].{part}")
 
 
-def _copy_mxfp4(params, layer: int, part: str, scales: bool, tensor_slice, tp_rank: int, tp_size: int,
-                expert_parallel: bool, loaded: set[str]) -> None:
+def _copy_mxfp4(params, layer: int, part: str, suffix: str, tensor_slice, tp_rank: int, expert_parallel: bool,
+                loaded: set[str]) -> None:
+    """One stacked MXFP4 tensor (``_blocks``, ``_scales``) or gpt-oss's gate/up bias (``_bias``, split like the
+    rows): this rank's experts, and of each the columns ``[r w, r w + w)`` of the full width (``w`` =
+    `ExpertQuant.rank_width`, whole blocks); past the width's end the rank's share is zeros."""
     prefix = f"layers.{layer}.mlp.experts"
-    w2 = params.get(f"{prefix}.w2_weight")
-    if w2 is None:
-        raise ValueError(f"unexpected weight {prefix}.{part}_{'scales' if scales else 'blocks'}: no experts there")
-    local_experts, inter = w2.shape[0], w2.shape[2] * 2
+    w13 = params.get(f"{prefix}.w13_weight")
+    if w13 is None:
+        raise ValueError(f"unexpected weight {prefix}.{part}_{suffix}: layer {layer} has no experts")
+    local_experts, width = w13.shape[0], w13.shape[1] // 2
     first = tp_rank * local_experts if expert_parallel else 0
-    start = 0 if expert_parallel else tp_rank * inter
-    t = tensor_slice[first:first + local_experts]  # this rank's experts, [E_local, N, K / 32 (, 16)]
-    target = params[f"{prefix}.{'w13' if part == 'gate_up_proj' else 'w2'}_weight{'_scale' if scales else ''}"].data
+    start = 0 if expert_parallel else tp_rank * width
+    t = tensor_slice[first:first + local_experts]  # this rank's experts, [E_local, N, K / 32 (, 16)] or [E, 2 I]
+    name = f"{prefix}.{'w13' if part == 'gate_up_proj' else 'w2'}_{'bias' if suffix == 'bias' else 'weight'}"
+    name += "_scale" if suffix == "scales" else ""
+    target = params[name].data
+    target.zero_()
     if part == "gate_up_proj":
-        gate, up = t[:, 0::2][:, start:start + inter], t[:, 1::2][:, start:start + inter]
-        target[:, :inter].copy_(gate.reshape(target[:, :inter].shape))
-        target[:, inter:].copy_(up.reshape(target[:, inter:].shape))
+        full = t.shape[1] // 2
+        real = max(0, min(width, full - start))
+        gate, up = t[:, 0::2][:, start:start + real], t[:, 1::2][:, start:start + real]
+        target[:, :real].copy_(gate.reshape(target[:, :real].shape))
+        target[:, width:width + real].copy_(up.reshape(target[:, width:width + real].shape))
         parts = ("gate", "up")
     else:
-        cols = t[:, :, start // 32:(start + inter) // 32]
-        target.copy_(cols.reshape(target.shape))
+        full = t.shape[2] * 32
+        real = max(0, min(width, full - start))
+        cols = t[:, :, start // 32:(start + real) // 32]
+        cols = cols.reshape(*cols.shape[:2], -1)  # [E_local, H, real / 2] bytes or [E_local, H, real / 32] scales
+        target[:, :, :cols.shape[2]].copy_(cols)
         parts = ("down",)
-    name = f"{prefix}.{'w13' if part == 'gate_up_proj' else 'w2'}_weight"
-    loaded.add(name + ("_scale" if scales else ""))
-    if not scales:
+    loaded.add(name)
+    if suffix == "blocks":
         loaded.update(f"{prefix}[{e}].{p}" for e in range(local_experts) for p in parts)
 
 

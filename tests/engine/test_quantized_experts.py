@@ -93,18 +93,19 @@ def test_dummy_weights_for_quantised_experts(gpt_oss):
     assert experts.w13_weight.float().std() > 50 and 118 <= int(experts.w13_weight_scale.float().mean()) <= 120
 
 
-def test_a_tp_split_that_cuts_a_block_is_refused_by_name():
-    mx = MoEConfig(4, 32, RoutingConfig(4, 2), (0,), weight_quant=ExpertQuant.mxfp4())
-    with pytest.raises(ValueError, match=r"--tp-size 2 splits each expert's intermediate size 32 into 16, which "
-                                         r"cuts the experts' weight blocks \(mxfp4: 16 columns is not a multiple of "
-                                         r"32\).*--enable-expert-parallel"):
-        check_moe_parallel(mx, 2, expert_parallel=False)
-    check_moe_parallel(mx, 2, expert_parallel=True)  # whole experts per rank
+def test_tp_splits_keep_whole_blocks():
+    """FP8: a TP size whose split cuts a block is refused by name (vLLM refuses it too). MXFP4: each rank takes
+    whole blocks of 32, the tail zero-padded (vLLM's split): gpt-oss-120b's 2880 (90 blocks) is 384 a rank at TP 8."""
     fp8 = MoEConfig(8, 768, RoutingConfig(8, 2), (0,), weight_quant=ExpertQuant("fp8_block", (128, 128)))
     check_moe_parallel(fp8, 2, expert_parallel=False)  # 384: three blocks
-    with pytest.raises(ValueError, match=r"into 192, which cuts the experts' weight blocks \(fp8 blocks of "
-                                         r"128x128: 192 rows"):
-        check_moe_parallel(fp8, 4, expert_parallel=False)  # Qwen3-30B-A3B-FP8 at TP 4, as vLLM refuses it
+    with pytest.raises(ValueError, match=r"--tp-size 4 splits each expert's intermediate size 768 into 192, which "
+                                         r"cuts the experts' weight blocks \(fp8 blocks of 128x128: 192 rows .*"
+                                         r"--enable-expert-parallel"):
+        check_moe_parallel(fp8, 4, expert_parallel=False)  # Qwen3-30B-A3B-FP8 at TP 4
+    check_moe_parallel(fp8, 4, expert_parallel=True)  # whole experts per rank
+    mx = ExpertQuant.mxfp4()
+    check_moe_parallel(MoEConfig(128, 2880, RoutingConfig(128, 4), (0,), weight_quant=mx), 8, expert_parallel=False)
+    assert (mx.rank_width(2880, 8), mx.rank_width(2880, 2), mx.rank_width(96, 2)) == (384, 1440, 64)
 
 
 def test_formats_the_kernel_does_not_compute_are_refused():

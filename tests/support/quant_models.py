@@ -87,14 +87,14 @@ def same_weights(a, b) -> bool:
     return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
-def gpt_oss_mxfp4(root: Path):
+def gpt_oss_mxfp4(root: Path, intermediate_size: int = 64):
     """(MXFP4 folder, twin folder, prompts, transformers' greedy on the twin: ``ids -> 24 tokens``) of a tiny
-    gpt-oss whose experts are 64 wide (TP 2 keeps whole blocks of 32); prompts of 40 to 64 tokens (past its
-    16-token windows)."""
+    gpt-oss whose experts are `intermediate_size` wide (64: one block of 32 per rank at TP 2; 96: two blocks on
+    rank 0, one and its padding on rank 1); prompts of 40 to 64 tokens (past its 16-token windows)."""
     import random_models
     from transformers import GptOssForCausalLM
 
-    random_models.build("gpt-oss", root / "src", intermediate_size=64)
+    random_models.build("gpt-oss", root / "src", intermediate_size=intermediate_size)
     write_mxfp4(root / "src", root / "q", root / "twin")
     hf = GptOssForCausalLM.from_pretrained(root / "twin").eval()
     return (root / "q", root / "twin", random_models.long_prompt_ids(3),
