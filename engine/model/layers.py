@@ -1,4 +1,4 @@
-"""The building blocks of a Llama-family decoder layer: RMSNorm, self-attention and the gated MLP.
+"""The building blocks of a decoder layer with K and V per head: RMSNorm, self-attention and the gated MLP.
 
 Each block reads what differs between families from `ArchConfig` (and the layer's `LayerAttention`):
 
@@ -25,6 +25,7 @@ from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
+from pd_cluster.engine.model.rope import deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 
 
@@ -107,6 +108,17 @@ class Attention(nn.Module):
         if self.tp.size == 1 or self.o_proj.bias is None:
             return self.tp.all_reduce(self.o_proj(out))
         return self.tp.all_reduce(F.linear(out, self.o_proj.weight)) + self.o_proj.bias
+
+    @staticmethod
+    def checkpoint_tensor(cfg: ArchConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (this rank's shard of checkpoint tensor `name`) as the module holds it. With
+        `ArchConfig.rope_interleaved` (Llama 4) each q and k head's rows (and biases) are put in rotate-half
+        order, ``0, 2, 4, ..., 1, 3, 5, ...``, which leaves every q.k unchanged (an L2 norm too)."""
+        if not cfg.rope_interleaved or not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                           "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
+            return tensor
+        rows = tensor.reshape(-1, cfg.head_dim, tensor.shape[-1] if tensor.dim() == 2 else 1)
+        return deinterleave_rope_rows(rows, 0).reshape(tensor.shape)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.rotary_dim == self.head_dim:

@@ -1,17 +1,19 @@
-"""Load an HF checkpoint folder into `LlamaForCausalLM` (Llama family) or `DeepseekForCausalLM` (MLA).
+"""Load an HF checkpoint folder into its family's model class (`Family.model`, `pd_cluster.engine.model.decoder`).
 
 Reads ``config.json`` and ``*.safetensors`` (single file, or sharded with
-``model.safetensors.index.json``). HF's separate q/k/v and gate/up tensors are
-copied into the model's fused matrices; experts, shared experts and Phi-3's
-pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
+``model.safetensors.index.json``). The family names the tensors: a multimodal checkpoint's language-model
+prefix and the prefixes it skips (its vision tower), and the renames of its module names
+(`weight_map.canonical`). HF's separate q/k/v and gate/up tensors are
+copied into the model's fused matrices; experts, shared experts and pre-fused
+tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
 Block-quantised FP8 weights (``quant_method: fp8``, ``weight_scale_inv``: DeepSeek-V3's
 release) are dequantised into the model's dtype as they are read (`pd_cluster.engine.model.fp8_weights`),
 except the routed experts, which stay FP8 (and gpt-oss's MXFP4 experts stay MXFP4):
 `pd_cluster.engine.quant.expert_loading`.
-A model class may name its own fused tensors (``FUSED``) and adapt a tensor
-(``checkpoint_tensor(name, tensor)``: DeepSeek's interleaved RoPE rows).
+A checkpoint tensor that is itself a parameter is copied as it is; the model adapts a tensor
+(``checkpoint_tensor(name, tensor)``: interleaved RoPE rows put in rotate-half order).
 Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
 are skipped, as transformers does. ``load_format="dummy"`` fills the
 weights with seeded random values instead (vLLM's ``--load-format dummy``).
@@ -30,10 +32,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pd_cluster.engine.model.arch import LANGUAGE_MODEL_OF, ArchConfig
-from pd_cluster.engine.model import fp8_weights, weight_map
-from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
-from pd_cluster.engine.model.llama import LlamaForCausalLM
+from pd_cluster.engine.model import families, fp8_weights, weight_map
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.moe import FusedExperts
 from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
@@ -72,7 +73,7 @@ class LoadedModel:
             experts count their stored bytes.
     """
 
-    model: LlamaForCausalLM | DeepseekForCausalLM
+    model: torch.nn.Module
     arch: ArchConfig
     dtype: torch.dtype
     k_scales: list[float]
@@ -126,17 +127,16 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, ro
     return h.hexdigest()
 
 
-def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arch: ArchConfig,
+def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: Family,
                   tp: TPGroup, expert_parallel: bool = False) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
-    fused = getattr(model, "FUSED", _FUSED)
     adapt = getattr(model, "checkpoint_tensor", None)
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
     loaded: set[str] = set()
     files = _weight_files(path)
     scale_of = _tensor_reader(path, files)
-    prefix, other_parts = LANGUAGE_MODEL_OF.get(arch.architecture, ("", ()))
+    prefix, other_parts = family.language_model_prefix, family.skipped_prefixes
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for stored_name in f.keys():
@@ -154,17 +154,18 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
                 layer = _LAYER_RE.match(hf_name)
                 if layer and int(layer.group(1)) >= arch.num_hidden_layers:
                     continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
-                name = weight_map.canonical(hf_name.removeprefix("model."))
+                name = weight_map.canonical(hf_name.removeprefix("model."), family.weight_renames)
                 if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), scale_of,
                                          arch.fp8_weight_block, tp.rank, tp.size, expert_parallel and tp.size > 1,
                                          loaded):
                     continue  # routed experts kept quantised (`pd_cluster.engine.quant.expert_loading`)
                 values = fp8_weights.block_fp8_slice(stored_name, f.get_slice(stored_name), scale_of,
                                                      arch.fp8_weight_block)
-                if weight_map.copy_special(params, name, values, arch, tp, expert_parallel, loaded):
+                if weight_map.copy_special(params, name, values, arch, family.split_gate_up, tp, expert_parallel,
+                                           loaded):
                     continue
                 tensor = shard(name, values, tp)
-                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded, fused)
+                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded)
     missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
         missing.discard("lm_head.weight")
@@ -217,12 +218,12 @@ def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str],
-          fused_names: dict = _FUSED) -> None:
+def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str]) -> None:
+    """Copy into the parameter of that name, else into its part of a fused matrix (`_FUSED`)."""
     parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in fused_names:
-            fused, index = fused_names[part]
+    for i, part in enumerate(parts if name not in params else ()):
+        if part in _FUSED:
+            fused, index = _FUSED[part]
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
             param = params[target]
             if fused == "qkv_proj":
@@ -241,7 +242,7 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
     loaded.add(name)
 
 
-def _init_dummy(model: LlamaForCausalLM | DeepseekForCausalLM, seed: int, device: torch.device) -> None:
+def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if init_dummy_quantized(name, p, gen):
@@ -275,11 +276,11 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     """
     folder = Path(path)
     arch = ArchConfig.from_pretrained(folder)
+    family = families.get(arch.architecture)
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
     with torch.device(device), _default_dtype(dtype):
-        model = (DeepseekForCausalLM(arch, tp, expert_parallel) if arch.mla is not None
-                 else LlamaForCausalLM(arch, tp, expert_parallel, context_length))
+        model = family.model()(arch, tp, expert_parallel, context_length)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = module.inv_freq.float()  # RoPE frequencies stay float32
@@ -287,7 +288,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
-        k_scales, v_scales = _load_tensors(model, folder, arch, tp, expert_parallel)
+        k_scales, v_scales = _load_tensors(model, folder, arch, family, tp, expert_parallel)
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     experts = [m for m in model.modules() if isinstance(m, FusedExperts)]

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from pd_cluster.engine.args import parse_hicache_size
 from pd_cluster.engine.config import parse_size
-from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.model import families
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
                                               rope_type, unsupported_reason)
 from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES,
@@ -107,7 +107,8 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     if refused:
         verdict += "; NOT SERVABLE by this engine"
     flops = prefill_flops(s, n)
-    served_arch = next((a for a in s.architectures if a in SUPPORTED_ARCHITECTURES), "")
+    served = families.find(s.architectures)
+    served_arch = served.architecture if served is not None else ""
     kv_shape = (f"MLA latent {s.mla_latent_dim} (kv_lora_rank {s.kv_lora_rank} + qk_rope_head_dim "
                 f"{s.qk_rope_head_dim})" if s.is_mla else f"{s.num_kv_heads} KV heads x {s.head_dim}")
     params = f"{s.num_params() / 1e9:.2f}B params"

@@ -1,16 +1,13 @@
 """What the memory planner needs to know about a model, read from an HF ``config.json``.
 
-Torch-free. Handles dense Llama-family configs, the mixtures of experts the
-engine reads (Mixtral, Qwen3-MoE, gpt-oss, Llama 4, DeepSeek's expert counts:
-`moe_config.moe_from_hf`), and local attention layers: sliding windows (Mistral,
-Qwen2's upper layers, Gemma 2/3, gpt-oss) and chunks (Llama 4, Meta's iRoPE design:
-every ``no_rope_layer_interval``-th layer attends globally), whose queries never see
-more than `ModelSpec.local_span` tokens. Where the engine's loader accepts a config,
-the layer counts come from its own per-layer description (`ArchConfig.layer_attention`)
-and the parameter counts from `ArchConfig.num_params` (every family's norms, biases,
-sinks and expert biases counted). DeepSeek-V2/V3 (and Kimi K2): multi-head latent
-attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per
-token per layer, and routed plus shared experts from ``first_k_dense_replace`` on.
+Torch-free. The config's family (`pd_cluster.engine.model.families`) gives the spec of its layers, experts
+and latent attention (`Family.memory_spec`): dense configs, mixtures of experts as the engine reads them
+(`Family.moe`), local attention layers (sliding windows, and chunks: Meta's iRoPE design), whose queries never
+see more than `ModelSpec.local_span` tokens, and multi-head latent attention, whose KV is one latent of
+``kv_lora_rank + qk_rope_head_dim`` values per token per layer. Where the engine's loader accepts a config,
+the layer counts come from its own per-layer description (`ArchConfig.layer_attention`) and the parameter
+counts from `ArchConfig.num_params` (every family's norms, biases, sinks and expert biases counted). A config
+of no registered family is sized from its common keys (and is not servable).
 """
 
 from __future__ import annotations
@@ -20,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_cluster.engine.model import families
 from pd_cluster.engine.model.arch import ArchConfig
-from pd_cluster.engine.model.moe_config import MoEConfig, moe_from_hf
+from pd_cluster.engine.model.family import Family
+from pd_cluster.engine.model.moe_config import MoEConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
@@ -153,37 +152,26 @@ def load_spec(name_or_path: str) -> ModelSpec:
 
 
 def spec_from_config(cfg: dict, name: str) -> ModelSpec:
-    """Build a `ModelSpec` from a parsed config (Llama 4's ``text_config`` is unwrapped)."""
+    """Build a `ModelSpec` from a parsed config (a multimodal config's language model, as its family reads it)."""
     architectures = tuple(str(a) for a in cfg.get("architectures") or ())
-    cfg = cfg.get("text_config", cfg)
+    family = families.find(architectures)
+    cfg = family.text_config(cfg) if family is not None else cfg.get("text_config", cfg)
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    moe, refusal, arch = _engine_view(cfg, architectures)
-    local = _local_layers(cfg, layers, arch)
-    if cfg.get("kv_lora_rank"):
-        return _deepseek_spec(cfg, name, architectures, scaling, moe, refusal)
-    # Llama 4-style experts counted from the keys when the engine's MoE reader refuses the config (e.g. top-2)
-    experts = int(cfg.get("num_local_experts", 0) or 0)
-    moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
-    if moe is not None:
-        moe_fields = _moe_fields(moe)
-    else:
-        moe_fields = dict(num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
-                          shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
-                          experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0)
-    return ModelSpec(
-        name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+    moe, refusal, arch = _engine_view(cfg, architectures, family)
+    fields: dict[str, Any] = dict(
+        name=name, hidden_size=hidden, num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=int(cfg["vocab_size"]),
         intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        **local, **moe_fields,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
         refusal=refusal, fp8_weight_block=_fp8_block(cfg), params_total=arch.num_params() if arch else 0,
         params_active=arch.num_active_params() if arch else 0)
+    fields.update((family or Family()).memory_spec(cfg, arch, moe))
+    return ModelSpec(**fields)
 
 
 def _fp8_block(cfg: dict) -> tuple[int, int] | None:
@@ -192,43 +180,16 @@ def _fp8_block(cfg: dict) -> tuple[int, int] | None:
     return (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
 
 
-def _local_layers(cfg: dict, layers: int, arch: ArchConfig | None) -> dict[str, Any]:
-    """`ModelSpec`'s layer fields: from the engine's per-layer description when it reads the config, else from
-    Llama 4's chunk keys (``attention_chunk_size`` with ``no_rope_layer_interval``)."""
-    if arch is not None:
-        local = [a for a in arch.layer_attention if a.kind != "full"]
-        return dict(global_layers=layers - len(local), local_layers=len(local),
-                    local_span=max((a.max_visible for a in local), default=None),
-                    local_kind=local[0].kind if local else "")
-    chunk, interval = cfg.get("attention_chunk_size"), cfg.get("no_rope_layer_interval")
-    if not (chunk and interval):
-        return dict(global_layers=layers)
-    global_layers = layers // int(interval)
-    return dict(global_layers=global_layers, local_layers=layers - global_layers, local_span=int(chunk),
-                local_kind="chunked")
-
-
-def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
-    """`ModelSpec`'s MoE fields from the engine's reading of the config (all 0 for a dense model)."""
-    if moe is None or not moe.moe_layers:
-        return dict(num_experts=0, expert_intermediate_size=0, shared_experts=0, moe_layers=0, experts_per_token=0)
-    return dict(num_experts=moe.num_experts, expert_intermediate_size=moe.intermediate_size,
-                shared_experts=moe.shared_intermediate_size // moe.intermediate_size,
-                moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
-
-
-def _engine_view(cfg: dict, architectures: tuple[str, ...]
+def _engine_view(cfg: dict, architectures: tuple[str, ...], family: Family | None
                  ) -> tuple[MoEConfig | None, str | None, ArchConfig | None]:
     """The MoE part as the engine reads it, the engine loader's refusal of the config (None: it loads), and the
     loader's `ArchConfig` (when it loads, or when only the weights' quantisation is refused: `_shape_only`)."""
     moe = None
-    for arch in architectures:
+    if family is not None:
         try:
-            moe = moe_from_hf(cfg, arch)
-        except ValueError:
+            moe = family.moe(cfg)
+        except (ValueError, KeyError):
             moe = None
-        if moe is not None:
-            break
     full = {**cfg, "architectures": list(architectures)}
     try:
         arch = ArchConfig.from_dict(full)
@@ -246,23 +207,3 @@ def _shape_only(cfg: dict) -> ArchConfig | None:
         return ArchConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
     except (ValueError, KeyError):
         return None
-
-
-def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling: Any, moe: MoEConfig | None,
-                   refusal: str | None) -> ModelSpec:
-    """DeepSeek-V2/V3 (and Kimi K2): MLA, and routed experts in layers ``i >= first_k_dense_replace`` with
-    ``i % moe_layer_freq == 0`` (`moe_from_hf`). The multi-token-prediction layers
-    (``num_nextn_predict_layers``) are left out: the engine does not load them (nor does transformers)."""
-    heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
-    return ModelSpec(
-        name=name, hidden_size=int(cfg["hidden_size"]), num_layers=layers, num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), vocab_size=int(cfg["vocab_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), global_layers=layers,
-        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, fp8_weight_block=_fp8_block(cfg), **_moe_fields(moe),
-        kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]))

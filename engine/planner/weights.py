@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd_cluster.engine.model import families
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.quant import support
 from pd_cluster.engine.quant.weight_scheme import QuantScheme
@@ -66,7 +67,7 @@ def _linear_modules(arch: ArchConfig) -> list[tuple[str, int, bool, bool]]:
             out += [(f"{p}.mlp.{n}", h * arch.intermediate_size, True, False) for n in ("gate_proj", "up_proj",
                                                                                        "down_proj")]
             continue
-        expert = f"{p}.mlp.experts" if arch.architecture == "GptOssForCausalLM" else f"{p}.mlp.experts.0.gate_proj"
+        expert = families.get(arch.architecture).expert_module.format(layer=i)  # the family's expert module name
         out.append((expert, moe.num_experts * 3 * h * moe.intermediate_size, True, True))
         if moe.shared_intermediate_size:
             out += [(f"{p}.mlp.shared_experts.{n}", h * moe.shared_intermediate_size, True, False)

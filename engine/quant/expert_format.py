@@ -134,20 +134,13 @@ class ExpertQuant:
                     f"multiple of {size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
 
 
-# One routed expert's checkpoint module per architecture (``{layer}`` filled in): what the quantisation scheme's
-# targets and ignore lists are matched against. Stacked experts (gpt-oss, Llama 4) are one module.
-_EXPERT_MODULE = {
-    "MixtralForCausalLM": "model.layers.{layer}.block_sparse_moe.experts.0.w1",
-    "GptOssForCausalLM": "model.layers.{layer}.mlp.experts",
-    "Llama4ForCausalLM": "model.layers.{layer}.feed_forward.experts",
-    "Llama4ForConditionalGeneration": "language_model.model.layers.{layer}.feed_forward.experts",
-}
-_PER_EXPERT = "model.layers.{layer}.mlp.experts.0.gate_proj"  # Qwen3-MoE, DeepSeek-V2/V3
-
-
-def expert_quant_of(config: Mapping[str, Any], architecture: str, moe_layers: tuple[int, ...]) -> ExpertQuant | None:
+def expert_quant_of(config: Mapping[str, Any], expert_module: str, moe_layers: tuple[int, ...]) -> ExpertQuant | None:
     """How the checkpoint of `config` (``config.json``) stores the routed experts of its MoE layers, read through
     `pd_cluster.engine.quant.scheme.read_quant_scheme`: None when they are not quantised.
+
+    `expert_module` names one routed expert's checkpoint module with ``{layer}`` for the layer index (the
+    family's `Family.expert_module`: ``model.layers.{layer}.mlp.experts.0.gate_proj``, or gpt-oss's stacked
+    ``model.layers.{layer}.mlp.experts``): the scheme's targets and ignore lists are matched against it.
 
     Raises:
         QuantConfigError: the scheme is refused (`read_quant_scheme`).
@@ -160,8 +153,7 @@ def expert_quant_of(config: Mapping[str, Any], architecture: str, moe_layers: tu
     scheme = read_quant_scheme(config)
     if scheme is None or not moe_layers:
         return None
-    pattern = _EXPERT_MODULE.get(architecture, _PER_EXPERT)
-    found = {scheme.for_module(pattern.format(layer=layer)) for layer in moe_layers}
+    found = {scheme.for_module(expert_module.format(layer=layer)) for layer in moe_layers}
     if len(found) > 1:
         raise ValueError(f"{scheme.source}: {scheme.method} stores the routed experts of different MoE layers in "
                          "different formats; the engine holds one format for every layer's experts")

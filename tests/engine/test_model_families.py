@@ -14,7 +14,7 @@ import torch
 from random_models import build, hf_greedy_full, prompt_ids
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.model.llama import MLP
+from pd_cluster.engine.model.layers import MLP
 from pd_cluster.engine.model.moe import SparseMoE
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -24,6 +24,7 @@ from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_m
 from pd_cluster.engine.quant.expert_format import ExpertQuant, expert_quant_of
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+PER_EXPERT = "model.layers.{layer}.mlp.experts.0.gate_proj"  # Qwen3-MoE's and DeepSeek's expert modules
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +112,13 @@ def test_tp_splits_keep_whole_blocks():
 def test_formats_the_kernel_does_not_compute_are_refused():
     per_tensor = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
     with pytest.raises(ValueError, match=r"routed experts in fp8 per tensor.*not computed by the fused MoE kernel"):
-        expert_quant_of(per_tensor, "Qwen3MoeForCausalLM", (0, 1))
+        expert_quant_of(per_tensor, PER_EXPERT, (0, 1))
     ds = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    assert expert_quant_of(ds, "DeepseekV3ForCausalLM", (3,)) == ExpertQuant("fp8_block", (128, 128))
+    assert expert_quant_of(ds, PER_EXPERT, (3,)) == ExpertQuant("fp8_block", (128, 128))
     ignored = {"quantization_config": {**ds["quantization_config"], "modules_to_not_convert": ["mlp.experts"]}}
-    assert expert_quant_of(ignored, "DeepseekV3ForCausalLM", (3,)) is None
+    assert expert_quant_of(ignored, PER_EXPERT, (3,)) is None
+    mx = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
+    assert expert_quant_of(mx, "model.layers.{layer}.mlp.experts", (0, 1)) == ExpertQuant.mxfp4()
 
 
 def test_unquantised_expert_tensors_under_a_quantised_config_are_refused(gpt_oss, tmp_path):
