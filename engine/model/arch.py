@@ -18,7 +18,11 @@ from typing import Any
 from pd_cluster.engine.layer_attention import LayerAttention, uniform
 from pd_cluster.engine.model import families
 from pd_cluster.engine.model.mla_config import MLAConfig
+from pd_cluster.engine.model.linear_layers import linear_layers
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel
+from pd_cluster.engine.quant import support
+from pd_cluster.engine.quant.scheme import QuantScheme, read_quant_scheme
+from pd_cluster.engine.quant.tp import check_splits
 
 __all__ = ["ArchConfig", "MLAConfig", "check_model_folder"]
 
@@ -42,8 +46,8 @@ class ArchConfig:
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
         moe: the mixture-of-experts layers (`MoEConfig`), None for a dense model.
         partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
-        fp8_weight_block: the checkpoint's linear weights are block-quantised FP8 in blocks of this
-            (rows, columns), dequantised on load (`fp8_weights`); None for unquantised weights.
+        quant: the checkpoint's weight quantisation (`pd_cluster.engine.quant.scheme.QuantScheme`), None for
+            unquantised weights.
         hidden_act: the dense MLP's gate activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
         norm_style: how an RMSNorm applies its weight: ``llama`` (``w * round(x_normed)``), ``gemma``
             (``round((1 + w) * x_normed)`` in float32) or ``float`` (``round(w * x_normed)`` in float32, gpt-oss).
@@ -81,7 +85,7 @@ class ArchConfig:
     moe: MoEConfig | None = None
     partial_rotary_factor: float = 1.0
     mla: MLAConfig | None = None
-    fp8_weight_block: tuple[int, int] | None = None
+    quant: QuantScheme | None = None
     o_proj_bias: bool = False
     hidden_act: str = "silu"
     norm_style: str = "llama"
@@ -141,7 +145,8 @@ class ArchConfig:
 
     def check_tp(self, tp_size: int, expert_parallel: bool = False) -> None:
         """Refuse a TP size that does not divide the KV heads (MLA: the attention heads; the latent is
-        replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`).
+        replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`), or
+        that cuts a quantised layer's blocks, groups or packed words (`pd_cluster.engine.quant.tp`).
 
         Raises:
             ValueError: naming the sizes.
@@ -154,6 +159,8 @@ class ArchConfig:
                              f"and intermediate_size ({self.intermediate_size})")
         if self.moe is not None:
             check_moe_parallel(self.moe, tp_size, expert_parallel)
+        if self.quant is not None:
+            check_splits(linear_layers(self), self.quant, tp_size)
 
     def _attention_params(self, layer: int = 0) -> int:
         h = self.hidden_size
@@ -199,18 +206,21 @@ class ArchConfig:
         return self.vocab_size * h + layers + h + head
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ArchConfig":
-        """Build from a parsed HF ``config.json``: its family (`families.family_of`) reads the language model's
+    def from_dict(cls, cfg: dict[str, Any], folder: str | Path | None = None) -> "ArchConfig":
+        """Build from a parsed HF ``config.json`` (of the checkpoint `folder`, where a ``quantize_config.json``
+        is looked for and which refusals name): its family (`families.family_of`) reads the language model's
         config after refusing what it would not honour.
 
         Raises:
             ValueError: the architecture is not a supported one, or a key that changes the math has a value
-                the engine does not implement (named; `Family.check`).
+                the engine does not implement (named; `Family.check`, and for the weights' quantisation
+                `pd_cluster.engine.quant.scheme.read_quant_scheme`).
         """
         family = families.family_of(cfg)
+        quant = _quant(cfg, folder)
         text = family.text_config(cfg)
         family.check(text)
-        return cls(**family.arch_fields(text))
+        return cls(**family.arch_fields(text), quant=quant)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ArchConfig":
@@ -222,7 +232,7 @@ class ArchConfig:
         """
         folder = check_model_folder(path)
         with open(folder / "config.json") as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(json.load(f), folder)
 
 
 def check_model_folder(path: str | Path) -> Path:
@@ -240,3 +250,18 @@ def check_model_folder(path: str | Path) -> Path:
                 "pass a Hugging Face model folder (config.json, tokenizer files, *.safetensors)")
         raise FileNotFoundError(f"--model {text}: no such folder; pd-cluster loads local folders only: {hint}")
     return folder
+
+
+def _quant(cfg: dict[str, Any], folder: str | Path | None) -> QuantScheme | None:
+    """The weights' quantisation; MXFP4 (gpt-oss's experts) is read only while the fused MoE keeps that kind
+    (`support.EXPERT_KINDS_KEPT`).
+
+    Raises:
+        QuantConfigError: a format or value the engine does not compute, naming it and its file.
+    """
+    quant = read_quant_scheme(cfg, folder)
+    for w in quant.weight_schemes if quant is not None else ():
+        if w.kind == "mxfp4" and w.kind not in support.EXPERT_KINDS_KEPT:
+            raise quant.refuse("quant_method", quant.method, "MXFP4 experts (gpt-oss) are read but the engine's MoE "
+                                                             "kernel does not compute them yet")
+    return quant

@@ -12,6 +12,9 @@ A key is in one of three sets:
   value and what is supported. The rules are below, one function per rule; each family
   (`pd_cluster.engine.model.families`) applies them with its own settings (`Family.check`), since
   transformers decides what a key means per model class.
+
+The weights' quantisation (``quantization_config``) is read, and refused where the engine does not compute it,
+by `pd_cluster.engine.quant.scheme` (called by `ArchConfig.from_dict`), which also reads the side files.
 """
 
 from __future__ import annotations
@@ -23,8 +26,6 @@ from pd_cluster.engine.layer_attention import refuse
 ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 GELU_TANH = ("gelu_pytorch_tanh",)  # Gemma's GeGLU: gelu with the tanh approximation
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-# Weight quantisation schemes the loader dequantises: block-FP8 (DeepSeek-V3's format; `fp8_weights`)
-QUANT_METHODS: tuple[str, ...] = ("fp8", "mxfp4")  # mxfp4: gpt-oss's experts, kept quantised (`moe`)
 
 # Keys of other model families that change the math: refused when set (not None), when true, or when a
 # multiplier other than 1, unless the family reads them (`Family.own_keys`).
@@ -72,21 +73,6 @@ def check_rope(cfg: dict[str, Any], architecture: str, allowed: tuple[str, ...],
         raise refuse("rope_scaling.mrope_section", scaling.get("mrope_section"), "1-D positions only")
 
 
-def check_quantization(cfg: dict[str, Any]) -> None:
-    """Weights unquantised, or block FP8 (`fp8_weight_block`); FP8 KV scales alone are fine."""
-    quant = cfg.get("quantization_config")
-    if not quant:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
-    kv_only = (isinstance(quant, dict) and method == "compressed-tensors" and not quant.get("config_groups")
-               and quant.get("kv_cache_scheme"))  # llm-compressor's FP8 KV scales alone: weights unquantised
-    if method not in QUANT_METHODS and not kv_only:
-        raise refuse("quantization_config.quant_method", method,
-                     "unquantised weights" + (f" or {', '.join(QUANT_METHODS)}" if QUANT_METHODS else ""))
-    if method == "fp8":
-        fp8_weight_block(quant)
-
-
 def check_foreign_keys(cfg: dict[str, Any], own: tuple[str, ...], why: str) -> None:
     """Refuse another family's key (`FOREIGN_VALUES`, `FOREIGN_FLAGS`, `FOREIGN_SCALES`) that is set, unless
     it is one of the family's `own` keys; `why` says why the family does not honour it."""
@@ -95,30 +81,3 @@ def check_foreign_keys(cfg: dict[str, Any], own: tuple[str, ...], why: str) -> N
         if key not in own and (value is not None if key in FOREIGN_VALUES else bool(value) if key in FOREIGN_FLAGS
                                else value not in (None, 1, 1.0)):
             raise refuse(key, value, why)
-
-
-def fp8_weight_block(quant: dict[str, Any]) -> tuple[int, int]:
-    """The ``weight_block_size`` of a ``quant_method: fp8`` config (block-quantised E4M3 weights with
-    ``weight_scale_inv``, dequantised on load by `pd_cluster.engine.model.fp8_weights`).
-
-    Raises:
-        ValueError: a per-tensor FP8 config (no ``weight_block_size``), another ``fmt`` than e4m3, or static
-            activation scales, named.
-    """
-    block = quant.get("weight_block_size")
-    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                        for b in block)):
-        raise refuse("quantization_config.weight_block_size", block,
-                     "fp8 weights in blocks, [rows, columns] with a weight_scale_inv per block (DeepSeek-V3's)")
-    if quant.get("fmt", "e4m3") != "e4m3":
-        raise refuse("quantization_config.fmt", quant.get("fmt"), "e4m3 FP8 weights")
-    if quant.get("activation_scheme", "dynamic") != "dynamic":
-        raise refuse("quantization_config.activation_scheme", quant.get("activation_scheme"),
-                     "dynamic (the weights are dequantised; no static activation scales are applied)")
-    return int(block[0]), int(block[1])
-
-
-def fp8_weight_block_of(cfg: dict[str, Any]) -> tuple[int, int] | None:
-    """The block of a config's block-FP8 weights, None for unquantised weights."""
-    quant = cfg.get("quantization_config")
-    return fp8_weight_block(quant) if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None

@@ -33,6 +33,7 @@ from pd_cluster.engine.model.mla_attention import MLAAttention
 from pd_cluster.engine.model.moe import SparseMoE
 from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import make_linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -125,7 +126,7 @@ class CausalLM(nn.Module):
         self.ropes = nn.ModuleList(ropes)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, expert_parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -10,7 +10,8 @@ mini-sglang's model registries, keyed the same way). A family:
 * refuses the keys it would not honour (`check`: the rules of `config_check`, with the family's settings
   `own_keys`, `rope_types`, `partial_rotary`, `attention_bias_built`);
 * maps its weight names (`language_model_prefix`, `skipped_prefixes`, `weight_renames`, `split_gate_up`) and
-  names one routed expert's module (`expert_module`: how the quantisation config stores the experts);
+  names its routed experts' checkpoint modules (`expert_projections`, read by `checkpoint_name` and
+  `expert_checkpoint_module`): the planner, the TP checks and the reading of the experts' stored format;
 * picks its model class (`model_class`, a ``module:Class`` path imported when a model is built, so that this
   module and the registry stay torch-free);
 * gives ``pd-plan`` its memory spec (`memory_spec`).
@@ -51,10 +52,10 @@ class Family:
         language_model_prefix: the checkpoint's prefix of the served language model's tensors (multimodal).
         skipped_prefixes: tensor name prefixes that are not read (a vision tower).
         weight_renames: ``(old, new)`` parts of checkpoint names, replaced in order (`weight_map.canonical`).
+        expert_projections: the checkpoint names of one routed expert's gate, up and down projections
+            (``mlp.experts.{e}.<name>``), or None when the experts are stored stacked (one ``experts`` tensor per
+            projection and layer); `pd_cluster.engine.model.linear_layers` names the quantised layers by them.
         model_class: ``module:Class`` of the model (`model`).
-        expert_module: one routed expert's checkpoint module, ``{layer}`` for its layer: what a quantisation
-            config's targets and ignore lists are matched against to find how the experts are stored
-            (`pd_cluster.engine.quant.expert_format.expert_quant_of`).
     """
 
     architecture: str = ""
@@ -70,8 +71,8 @@ class Family:
     language_model_prefix: str = ""
     skipped_prefixes: tuple[str, ...] = ()
     weight_renames: tuple[tuple[str, str], ...] = ()
+    expert_projections: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     model_class: str = DECODER
-    expert_module: str = "model.layers.{layer}.mlp.experts.0.gate_proj"
 
     # --- reading the config --------------------------------------------------------------------------------
 
@@ -105,7 +106,6 @@ class Family:
             moe=moe if moe is not None and moe.moe_layers else None,  # DeepSeek with every layer dense: dense
             partial_rotary_factor=partial,
             mla=self.mla(cfg, scaling),
-            fp8_weight_block=rules.fp8_weight_block_of(cfg),
         )
         return {**fields, **self.fields(cfg)}
 
@@ -179,8 +179,27 @@ class Family:
         """
         if moe is None or not moe.moe_layers:
             return moe
-        quant = expert_quant_of(cfg, self.language_model_prefix + self.expert_module, moe.moe_layers)
+        modules = [self.language_model_prefix + self.expert_checkpoint_module(layer) for layer in moe.moe_layers]
+        quant = expert_quant_of(cfg, modules)
         return dataclasses.replace(moe, weight_quant=quant) if quant else moe
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of model module `name` (``model.layers.0.mlp.down_proj``): `weight_renames`
+        undone (Mixtral's ``block_sparse_moe``, Llama 4's ``feed_forward``)."""
+        name += "."
+        for old, new in reversed(self.weight_renames):
+            name = name.replace(new, old)
+        return name[:-1]
+
+    def expert_checkpoint_module(self, layer: int) -> str:
+        """One routed expert's checkpoint module in layer `layer`, from `expert_projections`: expert 0's gate
+        projection (``model.layers.3.mlp.experts.0.gate_proj``, Mixtral's ``...block_sparse_moe.experts.0.w1``), or
+        the stacked module (gpt-oss's ``model.layers.3.mlp.experts``). A quantisation config's targets and ignore
+        lists are matched against it (`expert_quant_of`)."""
+        experts = f"model.layers.{layer}.mlp.experts"
+        if self.expert_projections is not None:
+            experts += f".0.{self.expert_projections[0]}"
+        return self.checkpoint_name(experts)
 
     def mla(self, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig | None:
         """The latent attention's shape, None for K and V per head."""
@@ -204,7 +223,6 @@ class Family:
         rules.check_biases(cfg, self.architecture, self.attention_bias_built)
         self.check_rope(cfg)
         self.layer_kinds(cfg)  # an unknown layer type is refused by name
-        rules.check_quantization(cfg)
         self.check_family(cfg)
         rules.check_foreign_keys(cfg, self.own_keys, self.foreign_key_reason)
 

@@ -32,6 +32,7 @@ from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.layers import RMSNorm
 from pd_cluster.engine.model.rope import deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import make_linear
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: transformers builds them with the default eps
 
@@ -46,15 +47,15 @@ class MLAAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads // tp.size
         h, q_out = cfg.hidden_size, self.num_heads * m.qk_head_dim
         if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, q_out, bias=False)
+            self.q_proj = make_linear(h, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, m.q_lora_rank, bias=False)
+            self.q_a_proj = make_linear(h, m.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(m.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, m.latent_dim, bias=False)
+            self.q_b_proj = make_linear(m.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = make_linear(h, m.latent_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(m.kv_lora_rank, self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(self.num_heads * m.v_head_dim, h, bias=False)
+        self.kv_b_proj = make_linear(m.kv_lora_rank, self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        self.o_proj = make_linear(self.num_heads * m.v_head_dim, h, bias=False)
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,

@@ -21,6 +21,8 @@ from pd_cluster.engine.model import families
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.moe_config import MoEConfig
+from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
+from pd_cluster.engine.quant.scheme import QuantConfigError, QuantScheme, read_quant_scheme
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
@@ -42,8 +44,9 @@ class ModelSpec:
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
         refusal: why the engine's loader (`ArchConfig.from_dict`) refuses this config, None when it loads.
-        fp8_weight_block: the checkpoint's weights are block-quantised FP8 (``weight_block_size``); the engine
-            dequantises them on load, so they take the ``--dtype`` bytes in memory.
+        quant: the checkpoint's weight quantisation as the engine reads it (`pd_cluster.engine.quant.scheme`),
+            None for unquantised weights (or a format it refuses: `refusal` says why).
+        arch: the engine's `ArchConfig` of the model's shape (None when it cannot build one).
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
             attention's shape (0 when the model has K and V per head; ``q_lora_rank`` 0: a direct query).
     """
@@ -72,7 +75,8 @@ class ModelSpec:
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     refusal: str | None = field(default=None, compare=False)
-    fp8_weight_block: tuple[int, int] | None = None
+    quant: QuantScheme | None = field(default=None, compare=False)
+    arch: ArchConfig | None = field(default=None, compare=False, repr=False)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -123,6 +127,20 @@ class ModelSpec:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + layers + h
 
+    def weight_bytes(self, dtype_bytes: int, tp_size: int) -> int:
+        """Weight bytes per GPU: a quantised checkpoint's as the engine holds them (`quantized_weights`);
+        otherwise every parameter at `dtype_bytes`, divided by the TP size."""
+        quantized = self.quantized_weights(dtype_bytes, tp_size)
+        return quantized.total if quantized is not None else self.num_params() * dtype_bytes // tp_size
+
+    def quantized_weights(self, dtype_bytes: int, tp_size: int) -> WeightBytes | None:
+        """A quantised checkpoint's weight bytes per GPU (`pd_cluster.engine.planner.weights.weight_bytes`:
+        quantised layers at their bits, the rest at `dtype_bytes`, the replicated parts whole); None when the
+        weights are not quantised or the model's shape is unknown."""
+        if self.quant is None or self.arch is None:
+            return None
+        return weight_bytes(self.arch, self.quant, dtype_bytes, tp_size)
+
     def active_params(self) -> int:
         """`num_params` less the routed experts a token does not use (``experts - experts_per_token`` per MoE
         layer): the "active parameters" model cards quote (Mixtral-8x7B: 12.9B of 46.7B)."""
@@ -154,6 +172,7 @@ def load_spec(name_or_path: str) -> ModelSpec:
 def spec_from_config(cfg: dict, name: str) -> ModelSpec:
     """Build a `ModelSpec` from a parsed config (a multimodal config's language model, as its family reads it)."""
     architectures = tuple(str(a) for a in cfg.get("architectures") or ())
+    full_cfg = cfg
     family = families.find(architectures)
     cfg = family.text_config(cfg) if family is not None else cfg.get("text_config", cfg)
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -168,16 +187,18 @@ def spec_from_config(cfg: dict, name: str) -> ModelSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, fp8_weight_block=_fp8_block(cfg), params_total=arch.num_params() if arch else 0,
+        refusal=refusal, quant=_quant(full_cfg), arch=arch, params_total=arch.num_params() if arch else 0,
         params_active=arch.num_active_params() if arch else 0)
     fields.update((family or Family()).memory_spec(cfg, arch, moe))
     return ModelSpec(**fields)
 
 
-def _fp8_block(cfg: dict) -> tuple[int, int] | None:
-    quant = cfg.get("quantization_config")
-    block = quant.get("weight_block_size") if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
-    return (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
+def _quant(cfg: dict) -> QuantScheme | None:
+    """The weights' quantisation as the engine reads it, None for none or one it refuses (`ModelSpec.refusal`)."""
+    try:
+        return read_quant_scheme(cfg)
+    except QuantConfigError:
+        return None
 
 
 def _engine_view(cfg: dict, architectures: tuple[str, ...], family: Family | None
@@ -201,9 +222,10 @@ def _engine_view(cfg: dict, architectures: tuple[str, ...], family: Family | Non
 def _shape_only(cfg: dict) -> ArchConfig | None:
     """The loader's `ArchConfig` of a config it refuses for its weights' quantisation alone (gpt-oss's released
     MXFP4 experts): the layers and parameter counts do not depend on how the weights are stored. None otherwise."""
-    if "quantization_config" not in cfg:
+    keys = ("quantization_config", "compression_config")
+    if not any(k in cfg for k in keys):
         return None
     try:
-        return ArchConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+        return ArchConfig.from_dict({k: v for k, v in cfg.items() if k not in keys})
     except (ValueError, KeyError):
         return None

@@ -22,7 +22,7 @@ stacked into one tensor with one scale grid.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 ExpertFormat = Literal["fp8_block", "mxfp4"]
 EXPERT_FORMATS = ("fp8_block", "mxfp4")
@@ -134,13 +134,13 @@ class ExpertQuant:
                     f"multiple of {size}); choose a TP size that keeps whole blocks, or --enable-expert-parallel")
 
 
-def expert_quant_of(config: Mapping[str, Any], expert_module: str, moe_layers: tuple[int, ...]) -> ExpertQuant | None:
+def expert_quant_of(config: Mapping[str, Any], expert_modules: Sequence[str]) -> ExpertQuant | None:
     """How the checkpoint of `config` (``config.json``) stores the routed experts of its MoE layers, read through
     `pd_cluster.engine.quant.scheme.read_quant_scheme`: None when they are not quantised.
 
-    `expert_module` names one routed expert's checkpoint module with ``{layer}`` for the layer index (the
-    family's `Family.expert_module`: ``model.layers.{layer}.mlp.experts.0.gate_proj``, or gpt-oss's stacked
-    ``model.layers.{layer}.mlp.experts``): the scheme's targets and ignore lists are matched against it.
+    `expert_modules` names one routed expert's checkpoint module in each MoE layer (the family's
+    `Family.expert_checkpoint_module`: ``model.layers.3.mlp.experts.0.gate_proj``, or gpt-oss's stacked
+    ``model.layers.3.mlp.experts``): the scheme's targets and ignore lists are matched against them.
 
     Raises:
         QuantConfigError: the scheme is refused (`read_quant_scheme`).
@@ -151,9 +151,9 @@ def expert_quant_of(config: Mapping[str, Any], expert_module: str, moe_layers: t
     from pd_cluster.engine.quant.weight_scheme import FP8, MXFP4
 
     scheme = read_quant_scheme(config)
-    if scheme is None or not moe_layers:
+    if scheme is None or not expert_modules:
         return None
-    found = {scheme.for_module(expert_module.format(layer=layer)) for layer in moe_layers}
+    found = {scheme.for_module(module) for module in expert_modules}
     if len(found) > 1:
         raise ValueError(f"{scheme.source}: {scheme.method} stores the routed experts of different MoE layers in "
                          "different formats; the engine holds one format for every layer's experts")

@@ -32,18 +32,17 @@ _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "
 _DTYPE = {"fp8_block": "F8_E4M3", "mxfp4": "U8"}
 
 
-def _quant_of(params: dict[str, torch.Tensor], layer: int, block: tuple[int, int] | None) -> ExpertQuant | None:
-    """The layer's expert format, from the scale parameter the model built for it (None: not quantised)."""
+def _quant_of(params: dict[str, torch.Tensor], layer: int, stored: ExpertQuant | None) -> ExpertQuant | None:
+    """The layer's expert format: `stored` where the model built the layer's experts quantised (their scale
+    parameter), None where it holds them unquantised (a dense layer, or no quantised experts)."""
     prefix = f"layers.{layer}.mlp.experts.w13_weight"
-    if prefix + "_scale_inv" in params and block is not None:
-        return ExpertQuant("fp8_block", block)
-    if prefix + "_scale" in params:
-        return ExpertQuant.mxfp4()
+    if stored is not None and prefix + stored.scale_suffix in params:
+        return stored
     return None
 
 
 def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_name: str, tensor_slice, scale_of,
-                          block: tuple[int, int] | None, tp_rank: int, tp_size: int, expert_parallel: bool,
+                          stored: ExpertQuant | None, tp_rank: int, tp_size: int, expert_parallel: bool,
                           loaded: set[str]) -> bool:
     """Copy checkpoint tensor `name` (without ``model.``; `stored_name` as in the file) if it is a quantised
     expert tensor of a layer whose experts the model holds quantised.
@@ -53,7 +52,7 @@ def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_nam
         name, stored_name: the canonical and the stored name.
         tensor_slice: the tensor's safetensors slice (only this rank's part is read).
         scale_of: ``scale_of(stored name)`` reads another checkpoint tensor (the FP8 ``weight_scale_inv``).
-        block: ``weight_block_size`` of an FP8 checkpoint (None for MXFP4).
+        stored: the experts' stored format (`MoEConfig.weight_quant`), None when they are not quantised.
         tp_rank, tp_size, expert_parallel: this rank's place.
         loaded: the names filled so far (updated).
 
@@ -66,7 +65,7 @@ def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_nam
     """
     m = _PER_EXPERT.match(name)
     if m:
-        quant = _quant_of(params, int(m.group(1)), block)
+        quant = _quant_of(params, int(m.group(1)), stored)
         if quant is None or quant.format != "fp8_block":
             return False
         _check_dtype(stored_name, tensor_slice, quant)
@@ -78,7 +77,7 @@ def copy_quantized_expert(params: dict[str, torch.Tensor], name: str, stored_nam
         return True
     m = _STACKED.match(name)
     if m:
-        quant = _quant_of(params, int(m.group(1)), block)
+        quant = _quant_of(params, int(m.group(1)), stored)
         if quant is None or m.group(3) == "bias" and m.group(2) == "down_proj":
             return False  # the down bias is whole on every rank: the plain loader's
         if quant.format != "mxfp4" or m.group(3) is None:  # plain stacked values where the config says quantised

@@ -19,26 +19,27 @@ import torch
 from pd_cluster.engine.attention.triton.fp8_gemm import fp8_gemm, quantize_activations
 from pd_cluster.engine.attention.triton.int4_gemm import int4_gemm
 from pd_cluster.engine.quant.fp8 import FP8_MAX, SCALE_EPS, quantize_fp8
-from pd_cluster.engine.quant.linear import QuantLinear
 from pd_cluster.engine.quant.weight_scheme import INT4
 
 
-def quant_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    """`layer` applied to x [..., K] through the kernels: [..., N] in x's dtype."""
+def quant_linear(layer, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+    """`layer` (a `pd_cluster.engine.quant.linear.QuantLinear`, which calls this) applied to x [..., K] through the
+    kernels: [..., N] in x's dtype (without the bias if not `add_bias`)."""
     k, n = layer.in_features, layer.out_features
     x2 = x.reshape(-1, k)
     s = layer.scheme
+    bias = layer.bias if add_bias else None
     if s.kind == INT4:
-        out = int4_gemm(x2, layer.qweight, layer.scales, layer.zeros, layer.g_idx, s.group_size, layer.bias)
+        out = int4_gemm(x2, layer.qweight, layer.scales, layer.zeros, layer.g_idx, s.group_size, bias)
     else:
-        out = _fp8_linear(layer, x2)
+        out = _fp8_linear(layer, x2, bias)
     return out.view(*x.shape[:-1], n)
 
 
-def _fp8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+def _fp8_linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     s, k = layer.scheme, layer.in_features
     if s.activations == "none":
-        return fp8_gemm(x, None, k, layer.weight, layer.weight_scale, s.block, x.dtype, layer.bias)
+        return fp8_gemm(x, None, k, layer.weight, layer.weight_scale, s.block, x.dtype, bias)
     if s.activations == "static":
         a_scale, group = layer.input_scale, k
         a = quantize_fp8(x, a_scale)
@@ -53,11 +54,11 @@ def _fp8_linear(layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
             else a_scale
         out = torch._scaled_mm(a, layer.weight.t(), scale_a=rows, scale_b=layer.weight_scale.view(1, -1),
                                out_dtype=x.dtype)
-        return out if layer.bias is None else out + layer.bias
-    return fp8_gemm(a, a_scale, group, layer.weight, layer.weight_scale, s.block, x.dtype, layer.bias)
+        return out if bias is None else out + bias
+    return fp8_gemm(a, a_scale, group, layer.weight, layer.weight_scale, s.block, x.dtype, bias)
 
 
-def _scaled_mm_fits(x: torch.Tensor, layer: QuantLinear) -> bool:
+def _scaled_mm_fits(x: torch.Tensor, layer) -> bool:
     """Whether ``torch._scaled_mm``'s rowwise FP8 GEMM takes this case (CUDA sm_89+, bf16 out, K, N % 16)."""
     return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and x.dtype == torch.bfloat16
             and layer.in_features % 16 == 0 and layer.out_features % 16 == 0)

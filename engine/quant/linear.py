@@ -128,7 +128,8 @@ class QuantLinear(nn.Module):
 
     def _load_int4(self, r0: int, r1: int, t: dict[str, torch.Tensor | None]) -> None:
         q, scales, zeros, g_idx = t["qweight"], t["scales"], t.get("zeros"), t.get("g_idx")
-        if g_idx is not None and r0 == 0 and scales.shape[0] != self.scales.shape[0]:
+        first = not self._scale_dtypes  # no part loaded yet
+        if g_idx is not None and first and scales.shape[0] != self.scales.shape[0]:
             # act order under a split of the input columns: every rank keeps all of the groups' scales
             self.scales = torch.empty(scales.shape[0], self.out_features, device=self.qweight.device)
         self._check("qweight", tuple(q.shape), (self.qweight.shape[0], r1 - r0))
@@ -141,7 +142,7 @@ class QuantLinear(nn.Module):
                 self.zeros = torch.full(tuple(self.scales.shape), 8, dtype=torch.uint8, device=self.scales.device)
             self.zeros[:, r0:r1].copy_(zeros)
         if g_idx is not None or self.g_idx is not None:
-            if self.g_idx is None and r0 == 0:
+            if self.g_idx is None and first:
                 self._check("g_idx", tuple(g_idx.shape), (self.in_features,))
                 self.g_idx = g_idx.to(device=self.qweight.device, dtype=torch.int32).contiguous()
             elif g_idx is None or self.g_idx is None or not torch.equal(self.g_idx.cpu(), g_idx.to(torch.int32).cpu()):
@@ -176,22 +177,24 @@ class QuantLinear(nn.Module):
         align = self.scheme.block[0] if self.scheme.block else 1
         return max(align, rows // align * align)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype; `add_bias` False leaves the bias out (added after an all-reduce)."""
         if self.use_kernels:
             from pd_cluster.engine.quant.kernels import quant_linear
 
-            return quant_linear(self, x)
-        return self.reference(x)
+            return quant_linear(self, x, add_bias)
+        return self.reference(x, add_bias)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
         """The weight-only reference path (module docstring): output tiles of dequantised rows."""
         n, step = self.out_features, self._tile_rows()
+        bias_all = self.bias if add_bias else None
         if step >= n:
-            return F.linear(x, self.dequantized(dtype=x.dtype), self.bias)
+            return F.linear(x, self.dequantized(dtype=x.dtype), bias_all)
         out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, step):
             r1 = min(r0 + step, n)
-            bias = self.bias[r0:r1] if self.bias is not None else None
+            bias = bias_all[r0:r1] if bias_all is not None else None
             out[..., r0:r1] = F.linear(x, self.dequantized((r0, r1), x.dtype), bias)
         return out
 

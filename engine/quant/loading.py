@@ -13,11 +13,12 @@ rank and slice ``g_idx``). Anything else is refused, naming the module, the size
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pd_cluster.engine.quant import int4
+from pd_cluster.engine.quant.tp import alignment, rank_range
 from pd_cluster.engine.quant.weight_scheme import (AWQ, FP8, FP8_SCALE, FP8_SCALE_INV, GPTQ, GPTQ_V2, PACKED,
                                                    WeightScheme)
 
@@ -40,19 +41,11 @@ class Split:
     rank: int = 0
     size: int = 1
 
-    def range(self, total: int, align: int, module: str, what: str) -> tuple[int, int]:
-        """``[start, end)`` of this rank's share of `total`, which must be a multiple of `align` per rank.
-
-        Raises:
-            ValueError: naming the module, `what` is split and the sizes.
-        """
-        if self.size == 1 or self.axis is None:
+    def range(self, total: int, align: int, what: str, module: str) -> tuple[int, int]:
+        """``[start, end)`` of this rank's share of `total` (`pd_cluster.engine.quant.tp.rank_range`)."""
+        if self.axis is None:
             return 0, total
-        share = total // self.size
-        if total % self.size or share % align:
-            raise ValueError(f"--tp-size {self.size} splits {module}'s {what}: {total} / {self.size} = "
-                             f"{total / self.size:g} per rank is not a multiple of {align}")
-        return self.rank * share, (self.rank + 1) * share
+        return rank_range(total, self.rank, self.size, align, module, what)
 
 
 def is_quantized(module: str, scheme: WeightScheme | None, get: Reader) -> bool:
@@ -69,7 +62,8 @@ def is_quantized(module: str, scheme: WeightScheme | None, get: Reader) -> bool:
 
 
 def read_module(module: str, scheme: WeightScheme, get: Reader, split: Split = Split()) -> dict[str, torch.Tensor]:
-    """This rank's tensors of quantised `module` in `QuantLinear.load_part`'s form.
+    """This rank's tensors of quantised `module` in `QuantLinear.load_part`'s form (int4 adds ``shape``: this
+    rank's (N, K)).
 
     Raises:
         ValueError: a tensor missing or of an unexpected shape, or a split that cuts a block, a group or a packed
@@ -98,9 +92,9 @@ def _read_fp8(module: str, scheme: WeightScheme, need, get: Reader, split: Split
             raise ValueError(f"{module}: block scale of shape {scale_t.get_shape()} for a {n}x{k} weight in {bn}x{bk} "
                              f"blocks (expected {want})")
         if split.axis == "rows":
-            r0, r1 = split.range(n, bn, module, f"{bn}x{bk} FP8 blocks (output rows)")
+            r0, r1 = split.range(n, *alignment(scheme, "rows"), module=module)
             return {"weight": w[r0:r1], "scale": scale_t[r0 // bn:-(-r1 // bn)]}
-        c0, c1 = split.range(k, bk, module, f"{bn}x{bk} FP8 blocks (input columns)")
+        c0, c1 = split.range(k, *alignment(scheme, "cols"), module=module)
         return {"weight": w[:, c0:c1], "scale": scale_t[:, c0 // bk:-(-c1 // bk)]}
     scale = scale_t[...].float().reshape(-1)
     if scale.numel() not in (1, n):
@@ -117,9 +111,9 @@ def _read_fp8(module: str, scheme: WeightScheme, need, get: Reader, split: Split
                              f"{scheme.activation_scale_ub}")
     rows = scale.expand(n) if scale.numel() == 1 else scale
     if split.axis == "rows":
-        r0, r1 = split.range(n, 1, module, "output rows")
+        r0, r1 = split.range(n, 1, "output rows", module)
         return {**out, "weight": w[r0:r1], "scale": rows[r0:r1]}
-    c0, c1 = split.range(k, 1, module, "input columns")
+    c0, c1 = split.range(k, 1, "input columns", module)
     return {**out, "weight": w[:, c0:c1], "scale": rows}
 
 
@@ -157,10 +151,9 @@ def _read_int4(module: str, scheme: WeightScheme, need, get: Reader, split: Spli
     act = g_idx is not None
     r0, r1, c0, c1 = 0, n, 0, k
     if split.axis == "rows":
-        r0, r1 = split.range(n, 8, module, "int4 output rows (8 per packed word)")
-    elif split.axis == "cols":
-        c0, c1 = split.range(k, 8 if act or not group else group, module,
-                             "int4 input columns" + ("" if act or not group else f" (groups of {group})"))
+        r0, r1 = split.range(n, *alignment(scheme, "rows"), module=module)
+    elif split.axis == "cols":  # act order as the checkpoint's g_idx says (a trivial g_idx is none)
+        c0, c1 = split.range(k, *alignment(replace(scheme, act_order=act), "cols"), module=module)
     g0, g1 = (0, None) if act or not group else (c0 // group, -(-c1 // group))
     if g_idx is not None:
         g_idx = g_idx[c0:c1].contiguous()
@@ -177,4 +170,4 @@ def _read_int4(module: str, scheme: WeightScheme, need, get: Reader, split: Spli
                                                    need("scales")[g0:g1, r0:r1], None, scheme.layout == GPTQ_V2)
     if zeros is not None and scheme.symmetric and scheme.layout == PACKED:
         raise ValueError(f"{module}: weight_zero_point in a symmetric scheme")
-    return {"qweight": qweight, "scales": scales, "zeros": zeros, "g_idx": g_idx}
+    return {"qweight": qweight, "scales": scales, "zeros": zeros, "g_idx": g_idx, "shape": (r1 - r0, c1 - c0)}

@@ -4,9 +4,10 @@
 * Dense linear layers (attention and MLP projections, shared experts, a quantised LM head): FP8 and int4 stay
   quantised (`pd_cluster.engine.quant.linear.QuantLinear`). MLA's ``kv_b_proj`` is the exception: the absorbed
   attention uses it as two matrices, so it is dequantised on load (as vLLM does).
-* Routed MoE experts: the kinds in `EXPERT_KINDS_KEPT` stay quantised in the fused MoE kernel's weights. The
-  others are dequantised into the model dtype on load (FP8 in blocks: ``weight_scale_inv``) or refused (MXFP4,
-  which only the MoE kernel computes). The MoE code adds a kind here when its kernel takes it.
+* Routed MoE experts: the kinds in `EXPERT_KINDS_KEPT` stay quantised in the fused MoE kernel's weights
+  (`pd_cluster.engine.quant.experts`): FP8 in blocks (``weight_block_size``) and gpt-oss's MXFP4. Experts stored
+  in another format (per-tensor or per-channel FP8, int4) are refused by name when the config is read
+  (`pd_cluster.engine.quant.expert_format.expert_quant_of`), never dequantised.
 """
 
 from __future__ import annotations

@@ -57,3 +57,33 @@ def test_dense_fp8_and_int4_layers_split_over_ranks_and_the_rest_replicated():
             assert wb.quantized == int(linear / tp * bits / 8) and wb.quantized_params == linear
             assert wb.replicated == rest * 2 and wb.plain == 0
     assert weight_bytes(arch, None, 2, 2).total == linear * 2 // 2 + rest * 2
+
+
+def _render(*argv: str, capsys) -> str:
+    from pd_cluster.engine.planner.cli import main
+
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _row(text: str, name: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys):
+    """`pd-plan --model deepseek-v3 --tp-size 8` on 8 x H200: the fused MoE keeps the FP8 experts, so the weights
+    take 82.43 GiB a GPU (158.54 GiB were they dequantised: above) and the pool gets the rest of the static
+    budget."""
+    text = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
+    assert _row(text, "weights per GPU").endswith("82.43 GiB") and "NOT" not in _row(text, "engine support")
+    assert _row(text, "KV pool per GPU").endswith(f"{123.55 - 82.43:.2f} GiB")
+    assert "668.0B of 671.0B parameters kept quantised" in _row(text, "engine support")
+    pool = int(143771 * 2**20 * 0.88) - 88_511_366_000  # the static budget less the weights, bytes
+    assert _row(text, "pool tokens per GPU / instance").endswith(f"{pool // 70_272 // 64 * 64:,}")  # 628,288
+    assert _row(text, "asked context").endswith("fits one TP-8 instance")
+
+
+def test_pd_plan_gpt_oss_120b_sizes_its_mxfp4_experts_at_4_25_bits(capsys):
+    text = _render("--model", "gpt-oss-120b", capsys=capsys)
+    assert _row(text, "weights per GPU").endswith("60.77 GiB") and "NOT SERVABLE" not in text
+    assert _row(text, "asked context").endswith("fits one TP-1 instance")

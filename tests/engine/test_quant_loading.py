@@ -76,3 +76,42 @@ def test_a_plain_weight_is_not_quantised_and_a_missing_scale_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"need model.layers.0.mlp.down_proj.weight_scale_inv, which the "
                                              r"checkpoint lacks"):
             read_module(MODULE, scheme, get)
+
+
+def test_deferred_linears_become_quantised_or_plain_layers_and_keep_a_tied_weight():
+    from torch import nn
+
+    from pd_cluster.engine.quant.modules import DeferredLinear, deferred_linears, linear_no_bias, make_linear, materialize
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(16, 32)
+            self.proj = make_linear(32, 64, bias=True)
+            self.head = make_linear(32, 16, bias=False)
+            self.head.weight = self.embed.weight  # tied
+
+    assert isinstance(Tiny().proj, nn.Linear)  # built on its own: plain layers
+    with deferred_linears():
+        model = Tiny()
+    assert isinstance(model.proj, DeferredLinear) and isinstance(make_linear(2, 2), nn.Linear)
+    scheme = read_quant_scheme({"quantization_config": quantization_config("fp8-block")}).for_module("proj")
+    assert materialize(model, {"proj": scheme}, torch.device("cpu"), torch.float32) == ["proj"]
+    assert isinstance(model.proj, QuantLinear) and model.proj.bias.shape == (64,)
+    assert isinstance(model.head, nn.Linear) and model.head.weight is model.embed.weight
+    w, s = quantize_tensor("fp8-block", "proj.weight", torch.randn(64, 32))[0].values()
+    model.proj.load_part((0, 64), {"weight": w, "scale": s})
+    model.proj.bias.data.fill_(0.5)
+    x = torch.randn(3, 32)
+    assert torch.equal(linear_no_bias(model.proj, x) + 0.5, model.proj(x))
+    assert torch.equal(linear_no_bias(model.head, x), x @ model.embed.weight.t())
+
+
+@pytest.mark.parametrize("fmt", ["ct-fp8-channel", "gptq"])
+def test_a_dequantized_slice_reads_the_release_values(fmt, tmp_path):
+    from pd_cluster.engine.quant.modules import DequantizedSlice
+
+    scheme, deq = _checkpoint(fmt, tmp_path)
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        sl = DequantizedSlice(MODULE, scheme, lambda n: f.get_slice(n) if n in f.keys() else None)
+        assert sl.get_shape() == [64, 128] and torch.equal(sl[:, 8:40], deq[:, 8:40])

@@ -20,11 +20,12 @@ from quant_models import FP8_BLOCK, deepseek_fp8, expert_tensor_bytes, gpt_oss_m
 from transformers import GptOssForCausalLM, Mxfp4Config, Qwen3MoeForCausalLM
 
 from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.model import families
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_moe_parallel
 from pd_cluster.engine.quant.expert_format import ExpertQuant, expert_quant_of
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-PER_EXPERT = "model.layers.{layer}.mlp.experts.0.gate_proj"  # Qwen3-MoE's and DeepSeek's expert modules
+DEEPSEEK = families.get("DeepseekV3ForCausalLM")
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +113,25 @@ def test_tp_splits_keep_whole_blocks():
 def test_formats_the_kernel_does_not_compute_are_refused():
     per_tensor = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
     with pytest.raises(ValueError, match=r"routed experts in fp8 per tensor.*not computed by the fused MoE kernel"):
-        expert_quant_of(per_tensor, PER_EXPERT, (0, 1))
+        expert_quant_of(per_tensor, [DEEPSEEK.expert_checkpoint_module(i) for i in (0, 1)])
+    gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}
+    with pytest.raises(ValueError, match=r"routed experts in int4 groups of 128 \(gptq\).*not computed by the fused"):
+        expert_quant_of(gptq, [DEEPSEEK.expert_checkpoint_module(1)])
     ds = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    assert expert_quant_of(ds, PER_EXPERT, (3,)) == ExpertQuant("fp8_block", (128, 128))
+    assert expert_quant_of(ds, [DEEPSEEK.expert_checkpoint_module(3)]) == ExpertQuant("fp8_block", (128, 128))
     ignored = {"quantization_config": {**ds["quantization_config"], "modules_to_not_convert": ["mlp.experts"]}}
-    assert expert_quant_of(ignored, PER_EXPERT, (3,)) is None
+    assert expert_quant_of(ignored, [DEEPSEEK.expert_checkpoint_module(3)]) is None
     mx = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}}
-    assert expert_quant_of(mx, "model.layers.{layer}.mlp.experts", (0, 1)) == ExpertQuant.mxfp4()
+    assert expert_quant_of(mx, ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]) == ExpertQuant.mxfp4()
+
+
+def test_each_family_names_its_experts_checkpoint_module():
+    """What the quantisation config is matched against: expert 0's first projection or the stacked module, in
+    the checkpoint's own names (renames undone)."""
+    assert DEEPSEEK.expert_checkpoint_module(3) == "model.layers.3.mlp.experts.0.gate_proj"
+    assert families.get("MixtralForCausalLM").expert_checkpoint_module(2) == "model.layers.2.block_sparse_moe.experts.0.w1"
+    assert families.get("GptOssForCausalLM").expert_checkpoint_module(0) == "model.layers.0.mlp.experts"
+    assert families.get("Llama4ForCausalLM").expert_checkpoint_module(1) == "model.layers.1.feed_forward.experts"
 
 
 def test_unquantised_expert_tensors_under_a_quantised_config_are_refused(gpt_oss, tmp_path):

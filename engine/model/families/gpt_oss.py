@@ -25,7 +25,7 @@ class GptOss(Family):
     default_window = 128
     sinks = True
     weight_renames = ((".mlp.router.", ".mlp.gate."),)
-    expert_module = "model.layers.{layer}.mlp.experts"  # stacked: one module per layer
+    expert_projections = None
 
     def check_activation(self, cfg: dict[str, Any]) -> None:
         """Its experts' clamped SwiGLU does not read hidden_act."""

@@ -57,7 +57,7 @@ class Llama4(Family):
     attention_bias_built = True
     weight_renames = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."),
                       (".mlp.shared_expert.", ".mlp.shared_experts."))
-    expert_module = "model.layers.{layer}.feed_forward.experts"  # stacked: one module per layer
+    expert_projections = None
 
     def check_family(self, cfg: dict[str, Any]) -> None:
         top_k = int(cfg.get("num_experts_per_tok") or 1)

@@ -18,7 +18,7 @@ class Mixtral(Family):
     architecture = "MixtralForCausalLM"
     name = "mixtral"
     weight_renames = ((".block_sparse_moe.", ".mlp."),)
-    expert_module = "model.layers.{layer}.block_sparse_moe.experts.0.w1"
+    expert_projections = ("w1", "w3", "w2")
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
         experts = int(cfg.get("num_local_experts") or 8)
