@@ -19,7 +19,8 @@ SHAPES = {("gpt-oss", False): ((4, 64, 32), torch.uint8), ("gpt-oss", True): ((2
           ("deepseek-v3", False): ((4, 64, 64), torch.float8_e4m3fn),
           ("deepseek-v3", True): ((2, 128, 64), torch.float8_e4m3fn)}
 BUILD = {"gpt-oss": gpt_oss_mxfp4, "gpt-oss-96": lambda root: gpt_oss_mxfp4(root, intermediate_size=96),
-         "deepseek-v3": deepseek_fp8}
+         # v_head_dim 32: o_proj's 4 x 32 input columns split in whole blocks (its dense layers stay FP8 too)
+         "deepseek-v3": lambda root: deepseek_fp8(root, v_head_dim=32)}
 
 
 @pytest.mark.slow

@@ -101,12 +101,12 @@ def gpt_oss_mxfp4(root: Path, intermediate_size: int = 64):
             lambda ids: random_models.hf_greedy_full(hf, ids, 24))
 
 
-def deepseek_fp8(root: Path):
-    """The same for a tiny DeepSeek-V3 in `FP8_BLOCK` blocks, experts 64 wide."""
+def deepseek_fp8(root: Path, **overrides):
+    """The same for a tiny DeepSeek-V3 in `FP8_BLOCK` blocks, experts 64 wide (`overrides`: config keys)."""
     import deepseek_models
     from transformers import DeepseekV3ForCausalLM
 
-    deepseek_models.build("deepseek-v3", root / "src", moe_intermediate_size=64)
+    deepseek_models.build("deepseek-v3", root / "src", **{"moe_intermediate_size": 64, **overrides})
     deepseek_models.write_block_fp8(root / "src", root / "q", root / "twin", FP8_BLOCK)
     hf = DeepseekV3ForCausalLM.from_pretrained(root / "twin").eval()
     return (root / "q", root / "twin", [deepseek_models.prompt_ids(p) for p in deepseek_models.PROMPTS[:3]],
