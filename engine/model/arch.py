@@ -284,7 +284,8 @@ def check_model_folder(path: str | Path) -> Path:
 
 
 def _quant(cfg: dict[str, Any], folder: str | Path | None) -> QuantScheme | None:
-    """The weights' quantisation; MXFP4 (gpt-oss's experts) is refused until the MoE kernel computes it.
+    """The weights' quantisation; MXFP4 (gpt-oss's experts) is read only while the fused MoE keeps that kind
+    (`support.EXPERT_KINDS_KEPT`).
 
     Raises:
         QuantConfigError: a format or value the engine does not compute, naming it and its file.

@@ -9,7 +9,9 @@ mini-sglang's model registries, keyed the same way). A family:
   model (`text_config`);
 * refuses the keys it would not honour (`check`: the rules of `config_check`, with the family's settings
   `own_keys`, `rope_types`, `partial_rotary`, `attention_bias_built`);
-* maps its weight names (`language_model_prefix`, `skipped_prefixes`, `weight_renames`, `split_gate_up`);
+* maps its weight names (`language_model_prefix`, `skipped_prefixes`, `weight_renames`, `split_gate_up`) and
+  names its routed experts' checkpoint modules (`expert_projections`, read by `checkpoint_name` and
+  `expert_checkpoint_module`): the planner, the TP checks and the reading of the experts' stored format;
 * picks its model class (`model_class`, a ``module:Class`` path imported when a model is built, so that this
   module and the registry stay torch-free);
 * gives ``pd-plan`` its memory spec (`memory_spec`).
@@ -20,6 +22,7 @@ sliding window for every layer when ``sliding_window`` is set, SwiGLU, no biases
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -27,6 +30,7 @@ from pd_cluster.engine.layer_attention import LayerAttention, build_layers
 from pd_cluster.engine.model import config_check as rules
 from pd_cluster.engine.model.mla_config import MLAConfig, mla_spec_fields
 from pd_cluster.engine.model.moe_config import MoEConfig
+from pd_cluster.engine.quant.expert_format import expert_quant_of
 
 DECODER = "pd_cluster.engine.model.decoder:CausalLM"
 
@@ -100,7 +104,7 @@ class Family:
         heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         theta, scaling, partial = self.rope(cfg)
-        moe = self.moe(cfg)
+        moe = self.stored_experts(cfg, self.moe(cfg))
         fields: dict[str, Any] = dict(
             architecture=self.architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -185,6 +189,37 @@ class Family:
             ValueError: a routing key with a value the engine does not implement, named.
         """
         return None
+
+    def stored_experts(self, cfg: dict[str, Any], moe: MoEConfig | None) -> MoEConfig | None:
+        """`moe` with the format its checkpoint stores the routed experts in (``weight_quant``: FP8 blocks, MXFP4),
+        read from the quantisation config (`expert_quant_of`); as it is for unquantised experts.
+
+        Raises:
+            ValueError: experts in a quantised format the fused MoE does not compute, named.
+        """
+        if moe is None or not moe.moe_layers:
+            return moe
+        modules = [self.language_model_prefix + self.expert_checkpoint_module(layer) for layer in moe.moe_layers]
+        quant = expert_quant_of(cfg, modules)
+        return dataclasses.replace(moe, weight_quant=quant) if quant else moe
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of model module `name` (``model.layers.0.mlp.down_proj``): `weight_renames`
+        undone (Mixtral's ``block_sparse_moe``, Llama 4's ``feed_forward``)."""
+        name += "."
+        for old, new in reversed(self.weight_renames):
+            name = name.replace(new, old)
+        return name[:-1]
+
+    def expert_checkpoint_module(self, layer: int) -> str:
+        """One routed expert's checkpoint module in layer `layer`, from `expert_projections`: expert 0's gate
+        projection (``model.layers.3.mlp.experts.0.gate_proj``, Mixtral's ``...block_sparse_moe.experts.0.w1``), or
+        the stacked module (gpt-oss's ``model.layers.3.mlp.experts``). A quantisation config's targets and ignore
+        lists are matched against it (`expert_quant_of`)."""
+        experts = f"model.layers.{layer}.mlp.experts"
+        if self.expert_projections is not None:
+            experts += f".0.{self.expert_projections[0]}"
+        return self.checkpoint_name(experts)
 
     def mla(self, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig | None:
         """The latent attention's shape, None for K and V per head."""

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from pd_cluster.engine.quant.expert_format import ExpertQuant
+
 Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 
@@ -129,6 +131,8 @@ class MoEConfig:
         expert_bias: experts' gate/up and down projections carry biases (gpt-oss), added before the
             activation and before the routing weight.
         swiglu_alpha, swiglu_limit: ``swiglu_clamped``'s sigmoid gain and clamp (gpt-oss: 1.702, 7.0).
+        weight_quant: the routed experts as the checkpoint stores them and the engine holds them, quantised
+            (`ExpertQuant`: FP8 blocks, MXFP4), or None for the model dtype.
 
     Raises:
         ValueError: an activation the engine does not implement, named.
@@ -144,6 +148,7 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    weight_quant: ExpertQuant | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in EXPERT_ACTIVATIONS:
@@ -179,8 +184,9 @@ class MoEConfig:
 
 
 def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> None:
-    """Refuse a TP size that cannot split this MoE block: the experts' width under TP, their count under
-    expert parallelism, and the shared experts' width (always TP-split).
+    """Refuse a TP size that cannot split this MoE block: the experts' width under TP (for quantised experts, in
+    whole blocks: `ExpertQuant.check_split`), their count under expert parallelism, and the shared experts'
+    width (always TP-split).
 
     Raises:
         ValueError: naming the sizes.
@@ -188,8 +194,11 @@ def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> N
     if expert_parallel and cfg.num_experts % tp_size:
         raise ValueError(f"--tp-size {tp_size} with --enable-expert-parallel must divide the number of experts "
                          f"({cfg.num_experts})")
-    if not expert_parallel and cfg.intermediate_size % tp_size:
+    mxfp4 = cfg.weight_quant is not None and cfg.weight_quant.format == "mxfp4"  # split in whole blocks, padded
+    if not expert_parallel and cfg.intermediate_size % tp_size and not mxfp4:
         raise ValueError(f"--tp-size {tp_size} must divide the experts' intermediate size ({cfg.intermediate_size})")
+    if cfg.weight_quant is not None and not (expert_parallel and tp_size > 1):
+        cfg.weight_quant.check_split(cfg.intermediate_size, tp_size)
     if cfg.shared_intermediate_size % tp_size:
         raise ValueError(f"--tp-size {tp_size} must divide the shared experts' intermediate size "
                          f"({cfg.shared_intermediate_size})")
