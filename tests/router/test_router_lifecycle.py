@@ -151,7 +151,7 @@ def test_idle_router_does_not_reuse_dropped_connections(keepalive, expect_ok):
             BlackholeProxy(d.port, idle_secs=1.0) as proxy, \
             RouterProc(["--prefill", p.url, "--decode", f"http://127.0.0.1:{proxy.port}",
                         "--upstream-keepalive-secs", keepalive, "--request-timeout-secs", "3",
-                        "--disable-retries"]) as router:
+                        "--disable-retries", "--no-kv-events"]) as router:  # no KV polls share the data path
         url = router.url + "/v1/completions"
         assert httpx.post(url, json=BODY, timeout=10).status_code == 200
         time.sleep(2.0)  # longer than the proxy's idle timeout
