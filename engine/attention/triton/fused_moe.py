@@ -38,6 +38,7 @@ import triton.language as tl
 from pd_cluster.engine.attention.triton import fused
 from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
 from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
+from pd_cluster.engine.attention.triton.primitives import grouped_tile
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,7 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
     # (and, with A_FP8, per row's activation group); MXFP4: each tile is dequantised before the dot.
     pid = tl.program_id(0)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_size
-    pid_n = (pid % in_group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
     if pid_m * BLOCK_M < tl.load(NUM_PADDED):
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(SORTED_IDS + rows).to(tl.int64)
