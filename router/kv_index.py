@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 ROOT_HASH = 0
 MAX_PENDING_ROUTES = 4096
 """Per worker: the oldest pending routes are dropped past this many (bounded memory)."""
+MAX_L3_PAGES = 1 << 19
+"""Pages of the cluster-wide KV store the index remembers (the least recently reported are dropped past this)."""
 
 
 def page_hash(parent: int, token_ids: Sequence[int]) -> int:
@@ -122,6 +125,7 @@ class KvIndex:
         self.max_pages = max_pages
         self.stale_secs = stale_secs
         self._workers: dict[str, WorkerIndex] = {}
+        self.l3: OrderedDict[int, None] = OrderedDict()  # pages any worker wrote to the cluster-wide KV store
         self.events_received = 0
         self.resyncs: dict[str, int] = {}
 
@@ -176,7 +180,10 @@ class KvIndex:
                 return 0
             w.instance_id, w.page_size = instance, page_size
             for e in events:
-                self._apply_event(w, e)
+                if e.get("medium") == "L3":  # in the store every worker reads, not in this worker's cache
+                    self._apply_l3(e)
+                else:
+                    self._apply_event(w, e)
         except (KeyError, TypeError, ValueError) as exc:
             self.drop(url, "malformed")
             raise BadBatch(f"bad /kv_events answer from {url}: {exc!r}") from None
@@ -205,6 +212,28 @@ class KvIndex:
             blocks.clear()
         else:
             raise ValueError(f"unknown event type {kind!r}")
+
+    def _apply_l3(self, e: dict) -> None:
+        if e["type"] != "BlockStored":
+            return  # the store's own evictions are not reported: its entries age out of `l3` instead
+        l3 = self.l3
+        for h in e["block_hashes"]:
+            l3[int(h)] = None
+            l3.move_to_end(int(h))
+        while len(l3) > MAX_L3_PAGES:
+            l3.popitem(last=False)
+
+    def l3_pages(self, url: str, prompt: PromptTokens) -> int:
+        """Leading pages of `prompt` (in `url`'s page size) that some worker wrote to the cluster-wide KV store."""
+        w = self._workers.get(url)
+        if w is None or w.page_size < 1 or not self.l3:
+            return 0
+        n = 0
+        for h in prompt.hashes(w.page_size):
+            if h not in self.l3:
+                break
+            n += 1
+        return n
 
     # ---- pending routes ----------------------------------------------------------------------------------
     def predict(self, url: str, hashes: tuple[int, ...]) -> PendingRoute | None:

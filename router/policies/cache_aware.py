@@ -28,6 +28,10 @@ where ``cached_pages`` are the prompt's leading full pages the worker holds
 last poll), ``prompt_pages`` the prompt's full pages, and ``load`` is
 :func:`~pd_cluster.router.policies.base.live_load` in requests. The lowest
 cost wins; ties go to the lower load, then to the worker holding fewer pages.
+Pages some worker wrote to the cluster-wide KV store (``--hicache-storage-backend``; their ``"L3"`` KV events)
+count for every worker at `L3_HIT_WEIGHT` of a page it holds itself: reading them is cheaper than computing
+them, but not free, so a worker that holds a prefix still wins it while loads are balanced, and a busy one loses
+less by sending it elsewhere (llm-d's precise prefix scorer weighs its tiers the same way).
 Otherwise the tree decides (the fallback). The tree records every prompt either
 way, so it is warm when events lag.
 """
@@ -47,6 +51,10 @@ from pd_cluster.router.policies.base import (
     require_candidates,
 )
 from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
+
+
+L3_HIT_WEIGHT = 0.5
+"""What a page in the cluster-wide KV store counts for, against one in the worker's own cache (1) or a miss (0)."""
 
 
 class CacheAware(Policy):
@@ -103,7 +111,8 @@ class CacheAware(Policy):
         fractions = []
         for c in candidates:
             cached, total = index.cached_pages(c.url, prompt)
-            fractions.append((cached / total if total else 0.0, cached))
+            stored = max(index.l3_pages(c.url, prompt) - cached, 0)  # read from the store, not computed
+            fractions.append(((cached + L3_HIT_WEIGHT * stored) / total if total else 0.0, cached))
         # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
         balanced = not self._imbalanced(loads)
         by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
