@@ -351,8 +351,9 @@ class LocalCluster:
         wait_or_kill([self.router], self.spec.shutdown_grace_period_secs + timeout, force, self._say)
         signal_all(self.procs, signal.SIGTERM)
         wait_or_kill(self.procs, timeout, force, self._say)
-        signal_all(self.services, signal.SIGTERM)
-        wait_or_kill(self.services, timeout, force, self._say)
+        for p in reversed(self.services):  # the store's memory first, then its master
+            signal_all([p], signal.SIGTERM)
+            wait_or_kill([p], timeout, force, self._say)
 
     @property
     def manifest(self) -> dict:

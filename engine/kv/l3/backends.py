@@ -158,7 +158,9 @@ class MooncakeBackend:
             socket.create_connection((host or "127.0.0.1", int(port)), timeout=2.0).close()
         except (OSError, ValueError) as e:
             raise StoreUnavailable(f"cannot connect to the Mooncake master at {s.master_server_address}: {e}") from e
-        os.environ.setdefault("GLOG_minloglevel", "1")  # Mooncake's client logs every call at INFO otherwise
+        # Mooncake's client logs every call at INFO, and errors the tier reports itself (a master that is gone)
+        # once a second: its fatal errors only, unless the operator sets the level
+        os.environ.setdefault("GLOG_minloglevel", "3")
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
