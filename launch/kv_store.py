@@ -6,7 +6,7 @@ before the workers, both bound to loopback:
 
 - ``kv-master``: Mooncake's ``mooncake_master`` (object metadata and allocation; ``-rpc_address 127.0.0.1``,
   free ports);
-- ``kv-store``: this module's `main`, a Mooncake client that lends the store ``--kv-store-size`` of memory
+- ``kv-store``: ``pd-kv-store store`` (`lend`), a Mooncake client that lends the store ``--kv-store-size`` of memory
   (its global segment) and does nothing else, so the pages outlive any worker (the workers lend none).
 
 The workers get the master's address in their extra config. Both are supervised like the workers (restarted
@@ -48,13 +48,11 @@ class KVStorePlan:
         return f"{self.host}:{self.master_port}"
 
     def master_argv(self) -> list[str]:
-        exe = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        return [exe, "-rpc_port", str(self.master_port), "-rpc_address", self.host, "-metrics_port",
-                str(self.metrics_port), "-metrics_host", self.host, "-enable_metric_reporting=false"]
+        return master_argv(self.host, self.master_port, self.metrics_port)
 
     def store_argv(self) -> list[str]:
-        return [sys.executable, "-m", "pd_cluster.launch.kv_store", "--master", self.address, "--size", self.size,
-                "--host", self.host]
+        return [sys.executable, "-m", "pd_cluster.launch.kv_store", "store", "--master", self.address, "--size",
+                self.size, "--host", self.host]
 
 
 def _flag_value(argv: list[str], name: str) -> str | None:
@@ -115,16 +113,43 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
     return False
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """``pd-kv-store master ...`` (Mooncake's master) and ``pd-kv-store store ...`` (the memory process)."""
+    ap = argparse.ArgumentParser(prog="pd-kv-store", allow_abbrev=False,
+                                 description="The cluster-wide KV store's processes (Mooncake Store).")
+    sub = ap.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("master", allow_abbrev=False, help="run mooncake_master")
+    m.add_argument("--host", default="127.0.0.1", help="address the master's RPC and metrics listen on")
+    m.add_argument("--rpc-port", type=int, default=50051)
+    m.add_argument("--metrics-port", type=int, default=9003)
+    s = sub.add_parser("store", allow_abbrev=False, help="lend memory to the store until SIGTERM")
+    s.add_argument("--master", required=True, help="host:port of the master")
+    s.add_argument("--size", default="1GiB", help="memory lent to the store (its global segment)")
+    s.add_argument("--host", default="127.0.0.1", help="this process's address for the transfer engine")
+    s.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
+    s.add_argument("--device-name", default="", help="RDMA devices (protocol rdma)")
+    return ap
+
+
+def master_argv(host: str, rpc_port: int, metrics_port: int) -> list[str]:
+    """``mooncake_master`` (the package's console script) bound to `host`."""
+    exe = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return [exe, "-rpc_port", str(rpc_port), "-rpc_address", host, "-metrics_port", str(metrics_port),
+            "-metrics_host", host, "-enable_metric_reporting=false"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The ``kv-store`` process: lend `--size` bytes to the Mooncake store until SIGTERM."""
+    args = build_parser().parse_args(argv)
+    if args.what == "master":
+        cmd = master_argv(args.host, args.rpc_port, args.metrics_port)
+        os.execv(cmd[0], cmd)
+    return lend(args)
+
+
+def lend(args: argparse.Namespace) -> int:
+    """Lend `args.size` bytes to the Mooncake store at `args.master` until SIGTERM."""
     from pd_cluster.engine.config import parse_size
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, description="Lend memory to a Mooncake store (pd-serve's).")
-    ap.add_argument("--master", required=True, help="host:port of mooncake_master")
-    ap.add_argument("--size", default="1GiB", help="memory lent to the store (its global segment)")
-    ap.add_argument("--host", default="127.0.0.1", help="this process's address for the transfer engine")
-    ap.add_argument("--protocol", default="tcp")
-    args = ap.parse_args(argv)
     os.environ.setdefault("GLOG_minloglevel", "1")
     from mooncake.store import MooncakeDistributedStore
 
@@ -133,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kv-store: the Mooncake master {args.master} does not answer", file=sys.stderr, flush=True)
         return 1
     store = MooncakeDistributedStore()
-    rc = store.setup(args.host, "P2PHANDSHAKE", parse_size(args.size), 0, args.protocol, "", args.master)
+    rc = store.setup(args.host, "P2PHANDSHAKE", parse_size(args.size), 0, args.protocol, args.device_name,
+                     args.master)
     if rc != 0:
         print(f"kv-store: setting up the store on {args.master} failed ({rc})", file=sys.stderr, flush=True)
         return 1
