@@ -48,6 +48,7 @@ class KVStoreMetrics:
         self.prefetch_pgs = h("prefetch_pgs", "Pages read from the KV store per request.", PAGE_BUCKETS)
         self.backup_pgs = h("backup_pgs", "Pages written to the KV store per batch.", PAGE_BUCKETS)
         self._seen: dict[str, float] = {}
+        self._tier = None
 
     def _inc(self, counter, key: str, total: float) -> None:
         seen = self._seen.get(key, 0)
@@ -66,7 +67,9 @@ class KVStoreMetrics:
         if tier is None:
             return
         s, ps = tier.stats, tier.page_size
-        self.available.set(1 if tier.available else 0)
+        if self._tier is not tier:  # read at scrape time: the store may come back while no step runs
+            self._tier = tier
+            self.available.set_function(lambda: 1.0 if tier.available else 0.0)
         for counter, key, total in ((self.prefetched_tokens, "prefetched", s.hit_pages * ps),
                                     (self.backuped_tokens, "backuped", s.written_pages * ps),
                                     (self.lookup_tokens, "lookup", s.lookup_pages * ps),
