@@ -33,6 +33,7 @@ class FakeServerConfig:
     die_after: int = 0
     tokenizer: str | None = None
     enable_prefix_caching: bool = False
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "mixed"):
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> FakeServerConfig:
     p.add_argument("--tokenizer", default=None, help="count prompt tokens with this tokenizer")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="emulate a prefix cache and export its counts (costs ~0.1 ms per 1,000-token prompt)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="publish KV events and a text-to-page map of word tokens (GET /kv_events, /kv_text_map)")
     p.add_argument("--realtime", action="store_true", help="try SCHED_FIFO so timers fire on time")
     a = p.parse_args(argv)
     return FakeServerConfig(**{k: v for k, v in vars(a).items()})

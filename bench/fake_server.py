@@ -22,7 +22,8 @@ The number of tokens is ``min(max_tokens, --num-tokens)`` (``finish_reason``
 ``ignore_eos`` it is ``max_tokens``. Prompt tokens are counted with
 ``--tokenizer`` when given, else as whitespace-separated words; with
 ``--enable-prefix-caching`` the same units feed an emulated prefix cache
-(``bench/fake_cache.py``) whose counts are exported.
+(``bench/fake_cache.py``) whose counts are exported. ``--kv-events`` publishes
+KV events and a text-to-page map as a real worker does (``bench/fake_kv.py``).
 
 Under CPU contention the fake's own timers fire late; ``--realtime`` asks the
 OS for ``SCHED_FIFO`` scheduling (Linux, needs CAP_SYS_NICE; it says whether it
@@ -55,6 +56,7 @@ from pd_cluster.bench.fake_cache import FakePrefixCache
 from pd_cluster.bench.fake_capacity import FakeCapacity
 from pd_cluster.bench.fake_config import FakeServerConfig, parse_args
 from pd_cluster.bench.fake_format import ChunkFormat, Job
+from pd_cluster.bench.fake_kv import FakeKv
 from pd_cluster.bench.fake_metrics import FakeMetrics
 from pd_cluster.bench.httpserver import HttpServer, Request, Responder
 from pd_cluster.bench.precise_loop import new_event_loop
@@ -90,6 +92,7 @@ class FakeServer:
         self._total_pages = config.max_total_num_tokens // config.page_size
         self._tokenizer = _load_tokenizer(config.tokenizer)
         self.prefix_cache = FakePrefixCache(config.page_size) if config.enable_prefix_caching else None
+        self.kv = FakeKv(config.page_size, self._total_pages) if config.kv_events else None
         m = self.metrics
         m.num_running_reqs.set_function(lambda: self._running)
         m.num_queue_reqs.set_function(lambda: self._queued)
@@ -106,6 +109,10 @@ class FakeServer:
             ("GET", "/debug/requests"): self._debug_requests,
             ("GET", "/debug/timers"): self._debug_timers,
         }
+        if self.kv is not None:
+            kv = self.kv
+            self._routes[("GET", "/kv_events")] = lambda req, resp: _send_json(resp, kv.kv_events(req.query))
+            self._routes[("GET", "/kv_text_map")] = lambda req, resp: _send_json(resp, kv.kv_text_map(req.query))
 
     def token_usage(self) -> float:
         return self._used_pages / self._total_pages if self._total_pages else 0.0
@@ -246,6 +253,8 @@ class FakeServer:
         n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
         opts = body.get("stream_options") or {}
         units = self._prompt_units(prompt)
+        if self.kv is not None:
+            self.kv.observe(body, chat)
         if self.prefix_cache is not None:
             self.metrics.observe_prefix_cache(len(units), self.prefix_cache.lookup_and_insert(units))
         return Job(rid, chat, bool(body.get("stream")), bool(opts.get("include_usage")), len(units), n, reason)
@@ -359,6 +368,10 @@ class _ClientError(Exception):
         self.status = status
         self.param = param
         self.code = code
+
+
+async def _send_json(resp: Responder, body: bytes) -> None:
+    resp.send(200, body, [JSON])
 
 
 def _error(resp: Responder, status: int, message: str, code: str, headers: list, param: str | None = None) -> None:

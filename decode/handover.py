@@ -147,6 +147,7 @@ class DecodeHooks(StepHooks):
         if not self._by_transfer and not self.receiver.has_work:
             return
         ev = self.receiver.poll()
+        self.transfer_events += len(ev.completed) + len(ev.failed) + len(ev.released)
         for done in ev.completed:
             rec = self._by_transfer.get(done.transfer_id)
             if rec is None:

@@ -4,7 +4,16 @@ Per request: load the prefill agent's metadata (cached per incarnation; the
 handshake checks layouts and runs off the engine thread), queue the request
 until its prompt pages are reserved, send the job with the ticket to
 ``POST {prefill}/prefill`` (`PrefillRequest`), and wait until every push has
-arrived (the receiver's poll) or something fails. The ticket covers only the
+arrived (the receiver's poll) or something fails. The metadata fetch, the
+handshake and the connection of the ``/prefill`` call are retried with backoff
+while they fail for slowness (a timeout, a 503), until the request's deadline
+(the router's ``X-PD-Deadline-Ms``, passed on to ``/prefill``;
+`pd_cluster.common.deadline`); a refused connection is not retried: the prefill
+worker is gone (502 ``prefill_unreachable``, and every transfer from it fails),
+and slowness past the deadline is nobody's fault (504 ``kv_transfer_metadata_unreachable``
+or ``prefill_timeout``), nor is one ``/prefill`` connection that closed before its
+answer while the worker may be alive (502 ``prefill_connection_lost``: only this
+request fails; the router's probes decide whether the prefill worker is gone). The ticket covers only the
 pages this worker's prefix cache lacks (its ``first_page``); when the engine
 decides to prefill the short uncached rest itself (``--max-local-prefill-length``)
 no ticket exists and no ``/prefill`` call is made. The request's life, and
@@ -23,9 +32,11 @@ import logging
 
 import httpx
 
+from pd_cluster.common.deadline import DEADLINE_HEADER, Deadline, retry_until
 from pd_cluster.decode.handover import DecodeHooks, RequestAborted
 from pd_cluster.decode.request import RemoteRequest
 from pd_cluster.disagg.errors import transfer_http_error
+from pd_cluster.disagg.peers import connect_failure, connect_peer
 from pd_cluster.disagg.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, first_token_params
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.engine_loop import EngineLoop
@@ -33,7 +44,7 @@ from pd_cluster.serving.errors import HTTPError, to_http_error
 from pd_cluster.serving.openai_serving import PromptSource
 from pd_cluster.serving.worker_app import INTERNAL_KEY_HEADER, key_matches, presented_key
 from pd_cluster.transfer.errors import TransferError
-from pd_cluster.transfer.http import PeerDirectory, aapply
+from pd_cluster.transfer.http import PeerDirectory, connection_refused
 from pd_cluster.transfer.interfaces import Agent
 
 logger = logging.getLogger("pd.decode")
@@ -91,8 +102,14 @@ class RemotePrefill(PromptSource):
         if not self.allowed and not internal_api_key:
             logger.warning("decode accepts any X-PD-Prefill-Url: set --prefill-urls or an internal key "
                            "(PD_INTERNAL_API_KEY) so that it contacts only the cluster's prefill workers")
+        self.http_timeout = http_timeout
+        # No pool limit: the /prefill calls in flight are bounded by the requests holding reserved pages, and a
+        # call waiting for a pooled connection would wait behind other requests' whole prefills. Idle
+        # connections expire well before the prefill server's keep-alive timeout (uvicorn: 5 s), so a call is
+        # never written into a connection the server is closing.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(http_timeout, connect=5.0), headers=(
-            {INTERNAL_KEY_HEADER: internal_api_key} if internal_api_key else None))
+            {INTERNAL_KEY_HEADER: internal_api_key} if internal_api_key else None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0))
         self._notices: set[asyncio.Task] = set()  # `/abort` notices in flight
 
     def _check_allowed(self, url: str, headers: dict[str, str]) -> None:
@@ -116,10 +133,12 @@ class RemotePrefill(PromptSource):
                                  "(the router does) or --prefill-url", None, "missing_prefill")
         if headers.get(PREFILL_HEADER):
             self._check_allowed(url, headers)
+        deadline = Deadline.from_header(headers.get(DEADLINE_HEADER), self.http_timeout)
         try:
             for attempt in range(2):
                 try:
-                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"), resumed or [])
+                    return await self._attempt(request_id, prompt_ids, params, url.rstrip("/"), resumed or [],
+                                               deadline)
                 except _StalePrefill:
                     self.directory.invalidate(url)
                     logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
@@ -129,24 +148,24 @@ class RemotePrefill(PromptSource):
             raise
         raise HTTPError(502, f"prefill worker {url} kept refusing our tickets as stale", None, "stale_peer")
 
-    async def _connect(self, url: str) -> str:
-        """Load the prefill agent (cached per incarnation; the handshake runs off the engine thread).
+    async def _connect(self, url: str, deadline: Deadline) -> str:
+        """Load the prefill agent (cached per incarnation; the handshake runs off the engine thread), retrying
+        slowness until `deadline` (`connect_peer`).
 
         Returns:
             The prefill agent's name.
         """
         try:
-            resolved = await self.directory.aresolve(url, client=self.client)
-            if resolved.fetched or not self.agent.is_connected(resolved.info.agent_name):
-                await aapply(self.agent, resolved, lambda fn: self.loop.call(lambda e: fn()))
-        except TransferError as e:  # our own handshake refused the prefill worker: a bad pair, 502 for the router
-            err = transfer_http_error(e)
+            resolved = await connect_peer(self.agent, self.directory, url, deadline,
+                                          lambda fn: self.loop.call(lambda e: fn()), client=self.client)
+        except TransferError as e:  # gone, slow past the deadline, or our handshake refused it (a bad pair)
+            err = connect_failure(e, "prefill")
             raise HTTPError(502 if err.status < 500 else err.status, err.message, None, err.code) from e
         return resolved.info.agent_name
 
     async def _attempt(self, request_id: str, prompt_ids: list[int], params: SamplingParams, url: str,
-                       resumed: list[int]):
-        prefill_agent = await self._connect(url)
+                       resumed: list[int], deadline: Deadline):
+        prefill_agent = await self._connect(url, deadline)
         rec = RemoteRequest(request_id, url, prefill_agent, asyncio.get_running_loop())
         stream = self.loop.open_stream(request_id)
         try:
@@ -163,7 +182,7 @@ class RemotePrefill(PromptSource):
             body = PrefillRequest(request_id, tuple(prompt_ids), self.self_url, ticket,
                                   first_token_params(params, len(resumed)), tuple(resumed)).to_json()
             self.loop.call_soon(lambda e: self.hooks.send(e, request_id))  # before the post: WRITEs may follow
-            rec.post = asyncio.ensure_future(self._post(url, request_id, body))
+            rec.post = asyncio.ensure_future(self._post(url, request_id, body, deadline))
             rec.post.add_done_callback(_mark_retrieved)
             done, _ = await asyncio.wait({rec.kv_future, rec.post}, return_when=asyncio.FIRST_COMPLETED)
             if rec.kv_future not in done:
@@ -193,17 +212,36 @@ class RemotePrefill(PromptSource):
             return _StalePrefill()
         return failure.http
 
-    async def _post(self, url: str, request_id: str, body: bytes) -> httpx.Response:
-        return await self.client.post(f"{url}{PATH}", content=body, headers={
-            "X-Request-Id": request_id, "Content-Type": "application/json"})
+    async def _post(self, url: str, request_id: str, body: bytes, deadline: Deadline) -> httpx.Response:
+        """``POST /prefill``; a connection that could not be opened in time (never sent) is tried again until
+        `deadline`, a refused one is not (the prefill worker is gone)."""
+
+        async def once(timeout: float) -> httpx.Response:
+            return await self.client.post(f"{url}{PATH}", content=body, headers={
+                "X-Request-Id": request_id, "Content-Type": "application/json",
+                DEADLINE_HEADER: deadline.header_value()})
+
+        def on_retry(e: BaseException, attempt: int, delay: float) -> None:
+            logger.info("request %s: POST %s%s: %r; retrying in %.2f s (try %d)", request_id, url, PATH, e, delay,
+                        attempt)
+
+        return await retry_until(deadline, once, _not_sent, on_retry)
 
     def _check_prefill_answer(self, request_id: str, post: asyncio.Future) -> None:
         """The prefill call ended before the KV was complete: raise `_PrefillFailed` unless it said OK."""
         try:
             resp = post.result()
+        except httpx.TimeoutException as e:  # slow, not gone: nobody's fault (the router's breakers skip it)
+            msg = f"the prefill worker did not answer in time: {e!r}"
+            raise _PrefillFailed(HTTPError(504, msg, None, "prefill_timeout")) from e
         except httpx.HTTPError as e:
-            msg = f"prefill worker unreachable or died: {e!r}"
-            raise _PrefillFailed(HTTPError(502, msg, None, "prefill_unreachable"), peer_gone=True) from e
+            if connection_refused(e, reset=True):  # a fact: the prefill worker is gone; fail all its transfers
+                msg = f"prefill worker unreachable or died: {e!r}"
+                raise _PrefillFailed(HTTPError(502, msg, None, "prefill_unreachable"), peer_gone=True) from e
+            # this one connection closed: the prefill worker may be alive (its other transfers go on; the
+            # receiver's heartbeat finds a dead one), so nobody is blamed before the router's probes decide
+            msg = f"the connection to the prefill worker closed before its answer: {e!r}"
+            raise _PrefillFailed(HTTPError(502, msg, None, "prefill_connection_lost")) from e
         if resp.status_code == 200:
             self._record_timings(request_id, resp)
             return
@@ -215,7 +253,9 @@ class RemotePrefill(PromptSource):
                 raise _PrefillFailed(err, refused=True)
             raise _PrefillFailed(HTTPError(502, f"prefill failed: {err.message}", None, err.code), refused=True)
         status = 504 if err.status == 504 else 502
-        raise _PrefillFailed(HTTPError(status, f"prefill failed: {err.message}", None, err.code))
+        # the prefill worker's own failure: never this worker's `internal_error` (which the router blames on decode)
+        code = "prefill_error" if err.code in (None, "", "internal_error") else err.code
+        raise _PrefillFailed(HTTPError(status, f"prefill failed: {err.message}", None, code))
 
     def _on_prefill_answer(self, request_id: str, f: asyncio.Future) -> None:
         if f.cancelled() or f.exception() is not None:
@@ -259,6 +299,11 @@ class RemotePrefill(PromptSource):
             await self.client.post(f"{url}{ABORT_PATH}", json={"request_id": request_id}, timeout=2.0)
         except Exception as e:  # noqa: BLE001 - httpx errors, or a client closed while the notice was in flight
             logger.info("request %s: could not tell prefill %s to abort: %r", request_id, url, e)
+
+
+def _not_sent(e: BaseException) -> bool:
+    """A ``/prefill`` call that never reached the prefill worker for slowness: no connection in time."""
+    return isinstance(e, (httpx.ConnectTimeout, httpx.PoolTimeout)) and not connection_refused(e)
 
 
 def _error_of(resp: httpx.Response) -> HTTPError:

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from pd_cluster.decode.handover import DecodeHooks
 from pd_cluster.decode.metrics import DecodeReuseMetrics
 from pd_cluster.decode.remote_prefill import RemotePrefill
+from pd_cluster.disagg.peers import PeerLinks
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.metrics import WorkerMetrics
 from pd_cluster.serving.openai_serving import serving_routes
@@ -43,12 +44,21 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[st
         "num_decode_prealloc_queue_reqs": hooks.num_prealloc,
         "num_decode_transfer_queue_reqs": receiver.num_waiting})
     serving = OpenAIServing(source, engine.tokenizer, engine.model_name, engine.context_length, metrics, config.tools,
-                            engine.generation)
+                            engine.generation, page_size=engine.layout.page_size)
+    # readiness: meet the known prefill workers (both handshakes) before /health turns 200 (disagg/peers.py)
+    links = PeerLinks(agent, source.directory, lambda fn: loop.call(lambda e: fn()), host_info.get("url", ""),
+                      (*config.prefill_urls, *((config.prefill_url,) if config.prefill_url else ())), source.client)
+
+    def startup() -> None:
+        if links.peers and links.self_url:
+            state.starting = "connecting to the KV transfer peers"
+            links.start(on_ready=lambda: setattr(state, "starting", None))
 
     async def shutdown() -> None:
+        await links.close()
         await source.close()
         agent.close()
 
-    app = create_worker_app(state, serving_routes(serving), on_shutdown=shutdown)
+    app = create_worker_app(state, serving_routes(serving), on_startup=startup, on_shutdown=shutdown)
     app.include_router(make_router(agent.info))
     return app

@@ -14,27 +14,8 @@ Units: positions and sizes are tokens, positions counted from 0 in the request's
 * ``chunked`` (chunk ``C``): keys ``p - p % C..p``, only its own chunk of C tokens (transformers'
   ``chunked_overlay``; Llama 4's local layers, ``attention_chunk_size``).
 
-How each family lays its layers out, as its transformers 5.24 class does:
-
-======================  ===========================================================================
-family                  layers
-======================  ===========================================================================
-Llama                   full
-Mistral, Mixtral,       sliding on every layer when ``sliding_window`` is set
-Phi-3
-Qwen2, Qwen3            ``layer_types``; without it, sliding from layer ``max_window_layers`` on when
-                        ``use_sliding_window`` (the window is dropped when ``use_sliding_window`` is false)
-Qwen3-MoE               sliding on every layer when ``use_sliding_window``
-Gemma 2                 ``layer_types``, default sliding / full alternating from layer 0; every layer's
-                        logits soft-capped (``attn_logit_softcapping``)
-Gemma 3 (text)          ``layer_types``, default 5 sliding to 1 full (``sliding_window_pattern`` 6); sliding
-                        layers rotate with their own base ``rope_local_base_freq`` (10,000) and without
-                        ``rope_scaling``, which applies to the full layers only
-gpt-oss                 ``layer_types``, default sliding / full alternating; attention sinks on every layer
-Llama 4 (text)          ``layer_types``, default from ``no_rope_layers``: RoPE layers are chunked (when
-                        ``attention_chunk_size`` is set), the NoPE layers (``no_rope_layers[i] == 0``,
-                        default every ``no_rope_layer_interval``-th) full and without RoPE
-======================  ===========================================================================
+Each family reads its layer layout from its own keys (`pd_cluster.engine.model.families`, `Family.layer_kinds`)
+as its transformers class does, and builds the tuple with `build_layers`.
 """
 
 from __future__ import annotations
@@ -44,9 +25,6 @@ from typing import Any, Literal
 
 AttentionKind = Literal["full", "sliding", "chunked"]
 KINDS = ("full", "sliding", "chunked")
-# The transformers classes' default sliding_window, for configs that leave the key out.
-_DEFAULT_WINDOW = {"Gemma2ForCausalLM": 4096, "Gemma3ForCausalLM": 4096, "GptOssForCausalLM": 128,
-                   "MistralForCausalLM": 4096}
 HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 
 
@@ -128,7 +106,12 @@ def refuse(key: str, value: Any, supported: str) -> ValueError:
                       f"that would run with different math")
 
 
-def _kinds_from_layer_types(cfg: dict[str, Any], layers: int, allowed: tuple[str, ...]) -> list[str] | None:
+def kinds_from_layer_types(cfg: dict[str, Any], layers: int, allowed: tuple[str, ...]) -> list[str] | None:
+    """Each layer's kind from ``layer_types`` (None when the config has none).
+
+    Raises:
+        ValueError: fewer entries than layers, or an entry outside `allowed` (HF names, `HF_LAYER_TYPES`), named.
+    """
     types = cfg.get("layer_types")
     if types is None:
         return None
@@ -142,104 +125,29 @@ def _kinds_from_layer_types(cfg: dict[str, Any], layers: int, allowed: tuple[str
     return out
 
 
-def hf_layer_kinds(cfg: dict[str, Any], architecture: str) -> tuple[list[str], int | None, int | None]:
-    """(kind of each layer, the sliding window, the chunk size) as transformers' class of `architecture` reads
-    `cfg` (module docstring's table).
-
-    Raises:
-        ValueError: a ``layer_types`` entry the class does not know, named.
-    """
-    layers = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window", _DEFAULT_WINDOW.get(architecture))
-    full_sliding = ("full_attention", "sliding_attention")
-    if architecture == "LlamaForCausalLM":
-        return ["full"] * layers, None, None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        if not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2Config.__post_init__ drops it
-        if architecture == "Qwen3MoeForCausalLM":
-            return ["sliding" if window is not None else "full"] * layers, window, None
-        kinds = _kinds_from_layer_types(cfg, layers, full_sliding)
-        if kinds is None:
-            first = int(cfg.get("max_window_layers", 28))
-            kinds = ["sliding" if window is not None and i >= first else "full" for i in range(layers)]
-        return [k if window is not None else "full" for k in kinds], window, None
-    if architecture in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
-        kinds = _kinds_from_layer_types(cfg, layers, full_sliding)
-        if kinds is None:
-            kinds = ["sliding" if (i + 1) % 2 else "full" for i in range(layers)]
-        return [k if window is not None else "full" for k in kinds], window, None
-    if architecture == "Gemma3ForCausalLM":
-        kinds = _kinds_from_layer_types(cfg, layers, full_sliding)
-        if kinds is None:
-            pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-            kinds = ["sliding" if (i + 1) % pattern else "full" for i in range(layers)]
-        return [k if window is not None else "full" for k in kinds], window, None
-    if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
-        chunk = cfg.get("attention_chunk_size", 8192)  # Llama4TextConfig's default
-        kinds = _kinds_from_layer_types(cfg, layers, ("full_attention", "chunked_attention"))
-        if kinds is None:
-            kinds = ["chunked" if use_rope and chunk is not None else "full" for use_rope in llama4_rope_layers(cfg)]
-        return [k if chunk is not None else "full" for k in kinds], None, chunk
-    # Mistral, Mixtral, Phi-3: one window for every layer (their classes never read layer_types)
-    return ["sliding" if window is not None else "full"] * layers, window, None
+FULL_SLIDING = ("full_attention", "sliding_attention")
 
 
-def llama4_rope_layers(cfg: dict[str, Any]) -> list[bool]:
-    """Llama 4: which layers use RoPE (``no_rope_layers[i] == 1``; default: all but every
-    ``no_rope_layer_interval``-th), as ``Llama4TextConfig.__post_init__``."""
-    layers = int(cfg["num_hidden_layers"])
-    given = cfg.get("no_rope_layers")
-    if given:
-        return [bool(x) for x in list(given)[:layers]]
-    interval = int(cfg.get("no_rope_layer_interval") or 4)
-    return [(i + 1) % interval != 0 for i in range(layers)]
+def alternating(cfg: dict[str, Any], layers: int, pattern: int) -> list[str]:
+    """``layer_types`` when given (full or sliding), else every `pattern`-th layer full and the others sliding
+    (pattern 2: sliding / full alternating from layer 0)."""
+    kinds = kinds_from_layer_types(cfg, layers, FULL_SLIDING)
+    return kinds if kinds is not None else ["sliding" if (i + 1) % pattern else "full" for i in range(layers)]
 
 
-def gemma3_rope(cfg: dict[str, Any], kind: str) -> tuple[float, dict[str, Any] | None]:
-    """Gemma 3's RoPE of a ``full`` or ``sliding`` layer: (base, scaling dict or None).
-
-    transformers 5 writes ``rope_parameters`` keyed by layer type; earlier configs (those on the Hub) have
-    ``rope_theta`` (global, default 1e6), ``rope_local_base_freq`` (local, default 1e4) and a ``rope_scaling``
-    that applies to the global layers only (``Gemma3TextConfig.convert_rope_params_to_dict``).
-    """
-    params = cfg.get("rope_parameters")
-    hf_type = "sliding_attention" if kind == "sliding" else "full_attention"
-    if isinstance(params, dict) and isinstance(params.get(hf_type), dict):
-        p = dict(params[hf_type])
-    elif kind == "sliding":
-        p = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
-    else:
-        p = dict(cfg.get("rope_scaling") or {"rope_type": "default"})
-        p.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    theta = float(p.pop("rope_theta"))
-    kind_name = p.get("rope_type", p.get("type", "default"))
-    return theta, (None if kind_name == "default" else {**p, "rope_type": kind_name})
-
-
-def layer_attention_from_hf(cfg: dict[str, Any], architecture: str, rope_theta: float,
-                            rope_scaling: dict[str, Any] | None) -> tuple[LayerAttention, ...]:
-    """Every layer's `LayerAttention` for an HF config of `architecture` (the model-wide RoPE already
-    normalised by `ArchConfig.from_dict`).
-
-    Raises:
-        ValueError: a ``layer_types`` entry the family does not know, named.
-    """
-    kinds, window, chunk = hf_layer_kinds(cfg, architecture)
-    rope_layers = (llama4_rope_layers(cfg) if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
-                   else [True] * len(kinds))
-    softcap = cfg.get("attn_logit_softcapping", 50.0) if architecture == "Gemma2ForCausalLM" else None
+def build_layers(kinds: list[str], window: int | None, chunk: int | None, ropes: list[tuple[bool, float, Any]],
+                 sinks: bool = False, softcap: float | None = None) -> tuple[LayerAttention, ...]:
+    """One `LayerAttention` per layer: its kind (a kind whose size is None becomes ``full``), the window or
+    chunk, and its RoPE ``(rotates, base, scaling dict or None)``."""
     out = []
-    for kind, rope in zip(kinds, rope_layers):
-        theta, scaling = rope_theta, rope_scaling
-        if architecture == "Gemma3ForCausalLM":
-            theta, scaling = gemma3_rope(cfg, kind)
+    for kind, (rope, theta, scaling) in zip(kinds, ropes):
+        if (kind == "sliding" and window is None) or (kind == "chunked" and chunk is None):
+            kind = "full"
         out.append(LayerAttention(
             kind,  # type: ignore[arg-type]
             window=int(window) if kind == "sliding" else None,
             chunk_size=int(chunk) if kind == "chunked" else None,
-            rope=rope, rope_theta=theta, rope_scaling=scaling,
-            sinks=architecture == "GptOssForCausalLM",
+            rope=rope, rope_theta=theta, rope_scaling=scaling, sinks=sinks,
             logit_softcap=float(softcap) if softcap else None))
     return tuple(out)
 

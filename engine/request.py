@@ -61,6 +61,18 @@ class RequestTimes:
         return max(self.kv_wait_s - (self.remote_queue_s or 0.0) - (self.remote_prefill_s or 0.0), 0.0)
 
 
+GROUP_SEPARATOR = "."
+"""A server fans one client request out into engine requests named ``<client request id>.<suffix>`` (one per prompt
+and choice; `pd_cluster.serving.openai_serving`), and a prefill worker's job keeps its decode worker's id."""
+
+
+def request_group(request_id: str) -> str:
+    """The client request an engine request id belongs to: the id before its last `GROUP_SEPARATOR`, or the whole
+    id when it has none (an offline request is its own group)."""
+    head, sep, _ = request_id.rpartition(GROUP_SEPARATOR)
+    return head if sep else request_id
+
+
 class Request:
     """One generation request.
 
@@ -99,6 +111,11 @@ class Request:
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = []  # `PromptLogprob`s
         self.num_retractions = 0
         self.times = RequestTimes()
+
+    @property
+    def group(self) -> str:
+        """The client request this sequence belongs to (`request_group`): the scheduler interleaves groups."""
+        return request_group(self.request_id)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.common.net import free_port, port_taken
 from pd_cluster.launch.kv_store import MASTER_NAME, STORE_NAME, plan_kv_store, wait_for_port
 from pd_cluster.launch.placement import plan_gpus
@@ -66,8 +65,9 @@ class ClusterSpec:
         colocated: start `num_workers` mixed workers instead.
         engine_argv: engine/transfer flags passed to every worker.
         role_argv: extra flags for the workers of one role (``{"prefill": [...]}``), after `engine_argv`.
-        router_argv: extra router flags. Unless they name a ``--tokenizer-path``, the router gets the workers'
-            tokenizer folder (`router_tokenizer`), so that ``cache_aware`` routes on the workers' KV events.
+        router_argv: extra router flags. The router gets no tokenizer: ``cache_aware`` routes on the workers' KV
+            events through their text-to-page maps (``docs/router.md``); a ``--tokenizer-path`` here makes it
+            tokenize prompts itself.
         api_key, admin_api_key: the router's keys (given to it through its environment); the launcher
             uses the admin key to register restarted workers.
         internal_api_key: the cluster's shared internal key, given to the router and every worker through
@@ -78,6 +78,8 @@ class ClusterSpec:
         shutdown_grace_period_secs: how long `LocalCluster.stop` lets the router drain before it stops the
             workers (the router's ``--shutdown-grace-period-secs``; `router_grace_period` reads it from
             `router_argv`).
+        role_ports: each role's worker ports, in order (``--prefill-ports`` ...); a role not named gets free
+            ports below the kernel's ephemeral range (`common.net.free_port`).
         role_gpus, num_gpus, tp_size, mem_fraction_given: GPU placement (`pd_cluster.launch.placement`):
             each role's devices (``--prefill-gpus`` ...), the host's device count (0: none, no placement),
             each worker's TP size, and whether ``--mem-fraction-static`` was given.
@@ -98,6 +100,7 @@ class ClusterSpec:
     admin_api_key: str | None = None
     internal_api_key: str | None = field(default=None, repr=False)
     restart: RestartBackoff = field(default_factory=RestartBackoff)
+    role_ports: dict[str, tuple[int, ...]] = field(default_factory=dict)
     role_gpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_gpus: int = 0
     tp_size: int = 1
@@ -124,8 +127,9 @@ class LocalCluster:
             workers = [(f"prefill-{i}", "prefill") for i in range(spec.num_prefill)]
             workers += [(f"decode-{i}", "decode") for i in range(spec.num_decode)]
         self.placement = plan_gpus(workers, spec.tp_size, spec.num_gpus, spec.role_gpus, spec.mem_fraction_given)
-        for name, role in workers:
-            self._add_worker(name, role, free_port(host))
+        ports = worker_ports(workers, spec.role_ports, spec.router_port)
+        for (name, role), port in zip(workers, ports):
+            self._add_worker(name, role, port if port is not None else free_port(host))
         self.router_url = f"http://{host}:{spec.router_port}"
         router_argv = [sys.executable, "-m", "pd_cluster.router.main", "--host", host, "--port", str(spec.router_port),
                        "--log-level", spec.log_level]
@@ -133,7 +137,6 @@ class LocalCluster:
             urls = [p.url for p in self.procs if p.role == role]
             if urls:
                 router_argv += [flag, *urls]
-        router_argv += router_tokenizer_argv(spec)
         self.router = Proc("router", "router", self.router_url, router_argv + spec.router_argv)
 
     def _add_worker(self, name: str, role: str, port: int) -> None:
@@ -395,25 +398,26 @@ def wait_or_kill(procs: list[Proc], timeout: float, force: threading.Event | Non
                 pass
 
 
-def router_tokenizer(engine_argv: list[str]) -> str:
-    """The tokenizer folder the workers load: ``--tokenizer``, else ``--model`` (or their SGLang spellings), else
-    the embedded model."""
-    found: dict[str, str] = {}
-    for i, arg in enumerate(engine_argv):
-        name, eq, value = arg.partition("=")
-        key = {"--tokenizer": "tokenizer", "--tokenizer-path": "tokenizer", "--model": "model",
-               "--model-path": "model"}.get(name)
-        if key is not None:
-            found[key] = value if eq else (engine_argv[i + 1] if i + 1 < len(engine_argv) else "")
-    return found.get("tokenizer") or found.get("model") or DEFAULT_MODEL
+def worker_ports(workers: list[tuple[str, str]], role_ports: dict[str, tuple[int, ...]],
+                 router_port: int) -> list[int | None]:
+    """Each worker's port from `role_ports` (the role's list, in order; None: pick a free one).
 
-
-def router_tokenizer_argv(spec: ClusterSpec) -> list[str]:
-    """``["--tokenizer-path", <the workers' tokenizer folder>]`` for the router, or ``[]`` when the user's router
-    flags name one (``--tokenizer-path`` or ``--tokenizer``)."""
-    if any(a.split("=")[0] in ("--tokenizer-path", "--tokenizer") for a in spec.router_argv):
-        return []
-    return ["--tokenizer-path", router_tokenizer(spec.engine_argv)]
+    Raises:
+        ValueError: a role's list does not have one port per worker of that role, a port is out of range, or a
+            port is given twice or is the router's.
+    """
+    counts = {role: sum(1 for _, r in workers if r == role) for role in role_ports}
+    for role, ports in role_ports.items():
+        if len(ports) != counts[role]:
+            raise ValueError(f"--{role}-ports: {len(ports)} port(s) for {counts[role]} {role} worker(s)")
+        for port in ports:
+            if not 0 < port < 65536:
+                raise ValueError(f"--{role}-ports: {port} is not a TCP port")
+    given = [p for ports in role_ports.values() for p in ports]
+    if len(set(given)) != len(given) or router_port in given:
+        raise ValueError("worker ports must differ from each other and from the router's --port")
+    taken = {role: list(ports) for role, ports in role_ports.items()}
+    return [taken[role].pop(0) if role in taken else None for _, role in workers]
 
 
 def worker_auth_argv(spec: ClusterSpec) -> list[str]:

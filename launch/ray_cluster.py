@@ -40,7 +40,7 @@ import httpx
 
 from pd_cluster.common.net import free_port
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready,
-                                      router_tokenizer_argv, worker_auth_argv)
+                                      worker_auth_argv)
 from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 
@@ -98,7 +98,7 @@ def router_argv(spec: ClusterSpec, gcs_address: str, namespace: str) -> list[str
     `LocalCluster` passes it, unless the user's flags name one), then the user's flags."""
     return ["--host", spec.host, "--port", str(spec.router_port), "--log-level", spec.log_level,
             "--ray-discovery", "--ray-address", gcs_address, "--ray-namespace", namespace,
-            "--ray-actor-prefix", ACTOR_PREFIX, "--ray-poll-secs", "1", *router_tokenizer_argv(spec),
+            "--ray-actor-prefix", ACTOR_PREFIX, "--ray-poll-secs", "1",
             *spec.router_argv]
 
 

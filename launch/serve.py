@@ -12,7 +12,8 @@ SGLang take them. Every cluster gets a fresh internal key (``secrets.token_urlsa
 environment: worker-internal endpoints refuse calls without it. Engine flags
 (``--page-size``, ``--kv-cache-dtype``, ...) and ``--kv-transfer-*`` flags
 pass through to every worker; ``--router-arg=--prefill-policy=cache_aware``
-passes flags to the router.
+passes flags to the router. Workers listen on free ports unless ``--prefill-ports``,
+``--decode-ports`` or ``--mixed-ports`` name them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on Ctrl-C/SIGTERM the router stops taking requests and lets those in flight finish for "
                         "up to this many seconds before the workers are stopped (the router's flag; default "
                         f"{ClusterSpec.shutdown_grace_period_secs:g})")
+    p.add_argument("--max-prompts-per-request", type=int, default=None,
+                   help="the most prompts one completions request may hold (the router's flag; past it 400; "
+                        "default 1024)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="the router's log lines: text, as the workers write theirs (default), or one JSON object "
@@ -71,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --hicache-storage-backend mooncake and no master given: the memory of the Mooncake "
                         "store pd-serve starts (a master and one process lending this much, on loopback; default "
                         f"{ClusterSpec.kv_store_size})")
+    for role in ("prefill", "decode", "mixed"):
+        p.add_argument(f"--{role}-ports", default=None, metavar="LIST",
+                       help=f"HTTP ports of the {role} workers, one per worker in order, e.g. 30001,30002 or "
+                            "30001-30002 (default: free ports below the kernel's ephemeral range)")
     d = RestartBackoff()
     p.add_argument("--max-restarts", type=int, default=d.max_restarts,
                    help="restarts in a row of a process that keeps dying before pd-serve gives it up; "
@@ -102,11 +110,13 @@ def passthrough_argv(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def router_argv_of(args: argparse.Namespace) -> list[str]:
-    """The router's flags: ``--log-format`` and ``--shutdown-grace-period-secs`` from ours, then the user's
-    ``--router-arg`` flags (later ones win, as in argparse)."""
+    """The router's flags: ``--log-format``, ``--shutdown-grace-period-secs`` and ``--max-prompts-per-request``
+    from ours, then the user's ``--router-arg`` flags (later ones win, as in argparse)."""
     out = ["--log-format", args.log_format]
     if args.shutdown_grace_period_secs is not None:
         out += ["--shutdown-grace-period-secs", str(args.shutdown_grace_period_secs)]
+    if args.max_prompts_per_request is not None:
+        out += ["--max-prompts-per-request", str(args.max_prompts_per_request)]
     return out + list(args.router_arg)
 
 
@@ -127,6 +137,25 @@ def router_grace_period(router_argv: list[str]) -> float:
             except ValueError:
                 raise ValueError(f"--shutdown-grace-period-secs: not a number: {text!r}") from None
     return grace
+
+
+def parse_port_list(text: str, flag: str) -> tuple[int, ...]:
+    """``30001,30002`` or ``30001-30004`` (or both, comma-separated) as ports, in order.
+
+    Raises:
+        ValueError: not such a list.
+    """
+    out: list[int] = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"{flag}: {text!r} is not a list of ports such as 30001,30002 or 30001-30004") from None
+        if last < first:
+            raise ValueError(f"{flag}: {part!r} is an empty range")
+        out += range(first, last + 1)
+    return tuple(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         tool_settings_from_args(args)
         role_gpus = {role: parse_gpu_list(text) for role in ("prefill", "decode", "mixed")
                      if (text := getattr(args, f"{role}_gpus")) is not None}
+        role_ports = {role: parse_port_list(text, f"--{role}-ports") for role in ("prefill", "decode", "mixed")
+                      if (text := getattr(args, f"{role}_ports")) is not None}
     except ValueError as e:
         parser.error(str(e))
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
@@ -163,20 +194,22 @@ def main(argv: list[str] | None = None) -> int:
                        router_argv=router_argv, shutdown_grace_period_secs=grace,
                        log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
                        internal_api_key=internal_api_key, restart=restart, role_gpus=role_gpus,
+                       role_ports=role_ports,
                        num_gpus=0 if args.ray_address else cuda_device_count(), tp_size=args.tp_size or 1,
                        mem_fraction_given=args.mem_fraction_static is not None, kv_store_size=args.kv_store_size)
     if args.ray_address:
         if plan_kv_store(spec.engine_argv)[0] is not None:
             parser.error("--hicache-storage-backend mooncake on Ray needs a master you run: give its address as "
                          "master_server_address in --hicache-storage-backend-extra-config")
-        if role_gpus:
-            parser.error("--prefill-gpus/--decode-gpus/--mixed-gpus are for one host: Ray places GPUs itself")
+        if role_gpus or role_ports:
+            parser.error("--prefill-gpus/--decode-gpus/--mixed-gpus and the --*-ports flags are for one host: Ray "
+                         "places the workers itself")
         from pd_cluster.launch.ray_cluster import run_ray_cluster
 
         return run_ray_cluster(args.ray_address, spec, args)
     try:
         cluster = LocalCluster(spec)
-    except ValueError as e:  # a GPU list this host cannot satisfy
+    except ValueError as e:  # a GPU list this host cannot satisfy, or ports that do not fit the workers
         parser.error(str(e))
     exit_now(serve_until_stopped(cluster, args.startup_timeout, args.manifest, api_key))  # skip a slow teardown
     return 0  # not reached

@@ -201,6 +201,7 @@ class PrefillHooks(StepHooks):
         if not self.jobs and not self.sender.has_work:  # poll also moves the last acknowledgement out
             return
         ev = self.sender.poll()
+        self.transfer_events += len(ev.completed) + len(ev.failed)
         now = time.monotonic()
         for done in ev.completed:
             job = self.jobs.pop(done.request_id, None)

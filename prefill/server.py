@@ -24,7 +24,9 @@ from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pd_cluster.common.deadline import DEADLINE_HEADER, Deadline
 from pd_cluster.disagg.errors import transfer_http_error
+from pd_cluster.disagg.peers import CONNECT_PATH, connect_failure, connect_peer, connect_route
 from pd_cluster.disagg.prefill_api import ABORT_PATH, PATH, PrefillRequest, PrefillResponse, PrefillTimings
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import EngineLoop
@@ -35,13 +37,14 @@ from pd_cluster.serving.worker_app import WorkerConfig, WorkerState, create_work
 from pd_cluster.prefill.jobs import ChunkDelay, PrefillHooks, PrefillJob
 from pd_cluster.transfer.errors import TransferAbortedError
 from pd_cluster.transfer.factory import make_worker_transfer
-from pd_cluster.transfer.http import PeerDirectory, aapply, make_router
+from pd_cluster.transfer.http import PeerDirectory, make_router
 from pd_cluster.transfer.interfaces import Agent
 from pd_cluster.transfer.ticket import Ticket
 
 logger = logging.getLogger("pd.prefill")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": decode went away; nobody reads this answer
+DEFAULT_DEADLINE_S = 600.0  # how long a /prefill job may wait for its decode worker without X-PD-Deadline-Ms
 
 
 class PrefillServer:
@@ -68,8 +71,9 @@ class PrefillServer:
         except ValueError as e:
             return _error(HTTPError(400, str(e), getattr(e, "param", None), "invalid_job"), rid)
         sender = self.hooks.sender
+        deadline = Deadline.from_header(request.headers.get(DEADLINE_HEADER), DEFAULT_DEADLINE_S)
         try:
-            await self._connect(job_req.decode_url, job_req.ticket)
+            await self._connect(job_req.decode_url, job_req.ticket, deadline)
             aloop = asyncio.get_running_loop()
             job = PrefillJob(rid, job_req.ticket, aloop.create_future(), aloop)
             sender.announce(job_req.ticket)  # heartbeats name it while it waits for a long step to end
@@ -81,7 +85,7 @@ class PrefillServer:
             return Response(status_code=CLIENT_CLOSED)
         except Exception as e:  # noqa: BLE001 - every refusal is an OpenAI-format error body
             sender.withdraw_announced(job_req.ticket.transfer_id)
-            return _error(transfer_http_error(e), rid)
+            return _error(connect_failure(e, "decode"), rid)
         try:
             result = await until_disconnect(request, job.future)
         except asyncio.CancelledError:
@@ -99,14 +103,14 @@ class PrefillServer:
                                result.num_cached_tokens)
         return JSONResponse(body.to_dict())
 
-    async def _connect(self, decode_url: str, ticket: Ticket) -> None:
-        """Load decode's agent (cached per incarnation); the handshake runs off the engine thread."""
+    async def _connect(self, decode_url: str, ticket: Ticket, deadline: Deadline) -> None:
+        """Load decode's agent (cached per incarnation; the handshake runs off the engine thread), retrying
+        slowness until `deadline` (`connect_peer`)."""
         self.bootstrapping += 1
         self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrapping)
         try:
-            resolved = await self.directory.aresolve(decode_url, expected_agent=ticket.decode_agent)
-            if resolved.fetched or not self.agent.is_connected(resolved.info.agent_name):
-                await aapply(self.agent, resolved, lambda fn: self.loop.call(lambda e: fn()))
+            await connect_peer(self.agent, self.directory, decode_url, deadline,
+                               lambda fn: self.loop.call(lambda e: fn()), expected_agent=ticket.decode_agent)
         finally:
             self.bootstrapping -= 1
             self.metrics.num_prefill_bootstrap_queue_reqs.set(self.bootstrapping)
@@ -144,7 +148,8 @@ def build_prefill_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[s
     state = WorkerState(loop, registry, info, extra_load=lambda: {
         "num_prefill_bootstrap_queue_reqs": server.bootstrapping,
         "num_prefill_inflight_queue_reqs": sender.num_inflight})
-    app = create_worker_app(state, [(PATH, server.prefill, ["POST"]), (ABORT_PATH, server.abort, ["POST"])],
-                            on_shutdown=agent.close)
+    connect = connect_route(agent, server.directory, lambda fn: loop.call(lambda e: fn()), DEFAULT_DEADLINE_S)
+    app = create_worker_app(state, [(PATH, server.prefill, ["POST"]), (ABORT_PATH, server.abort, ["POST"]),
+                                    (CONNECT_PATH, connect, ["POST"])], on_shutdown=agent.close)
     app.include_router(make_router(agent.info))
     return app

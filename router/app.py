@@ -46,6 +46,7 @@ class RouterApp:
         self.limiter = ConcurrencyLimiter(lim.max_concurrent_requests, lim.queue_size,
                                           lim.queue_timeout_secs)
         self.metrics = RouterMetrics(model_name=lambda: ",".join(self.models.names()))
+        self.registry.on_breaker_transition = lambda role, to: self.metrics.cb_transitions.labels(role, to).inc()
         self.tokenizer: RouterTokenizer | None = None
         if self.selector.needs_tokens:
             kv = config.policy.kv
@@ -56,22 +57,30 @@ class RouterApp:
         self.generate = GenerateHandler(config, self.selector, self.limiter, self.metrics, self.models,
                                         self.upstreams, self.gate, self.tokenizer, self._on_attempt_failure)
         self.monitor = HealthMonitor(self.registry, self.upstreams, config.health,
-                                     self.selector.needs_load, on_room=self.gate.notify)
+                                     self.selector.needs_load, on_room=self.gate.notify,
+                                     liveness_secs=lim.upstream_idle_timeout_secs)
+        self.generate.supervisor.life = self._life
         self.metrics.attach_state(StateCollector(
             self.registry, lambda: self.generate.queued, lambda: self.limiter.running,
             {r.value: p for r, p in self.selector.policies.items()}, kv_index=self.selector.index,
             tokenizer_loaded=lambda: self.tokenizer is not None and self.tokenizer.loaded,
-            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None))
+            tokenizer_counts=self.tokenizer.counts if self.tokenizer is not None else None,
+            text_map=self.selector.text_map))
         self.kv_poller: KvEventsPoller | None = None
-        if self.selector.index is not None and self.tokenizer is not None:
+        if self.selector.index is not None and any(self.selector.uses_kv_events(r) for r in Role):
+            text_map = self.selector.text_map
             self.kv_poller = KvEventsPoller(self.registry, self.upstreams, self.selector.index, config.policy.kv,
-                                            self.selector.uses_kv_events)
+                                            self.selector.uses_kv_events, text_map=text_map,
+                                            mapped_roles=self.selector.maps_text,
+                                            activity=lambda: sum(self.metrics.worker_counts.values()))
             self.monitor.on_unhealthy.append(self.kv_poller.on_unhealthy)
+            if text_map is not None:
+                self.registry.subscribe(on_removed=lambda w: text_map.forget(w.url))
         self.registry.subscribe(on_removed=self.generate.forget_worker)
-        self.monitor.on_unhealthy.append(self._fail_inflight)
+        self.monitor.on_dead.append(self._fail_inflight)
         self.control = ControlPlane(config, self.registry, self.monitor, self.metrics,
                                     self.models, lambda: self.generate.draining,
-                                    self.can_route, self.selector.index).build()
+                                    self.can_route, self.selector.index, self.selector.text_map).build()
         self.sources = sources or []
         self._loops: list[asyncio.Task] = []
 
@@ -87,16 +96,28 @@ class RouterApp:
         self.generate.draining = True
 
     def _on_attempt_failure(self, worker: Worker, failure: AttemptFailure) -> None:
-        if not failure.ambiguous and failure.reason in ("decode_unreachable", "decode_disconnected", "stream_broken",
-                                                        "idle_timeout", "worker_dead"):
-            self.monitor.apply(worker, False)
-        self.monitor.poke(worker)
+        """A refused or reset connection is death, at once; after any other failure the worker is checked now
+        (the check decides: a refused probe is death, no answer a miss, an answer life)."""
+        if failure.refused and worker is not None and worker.role is not Role.PREFILL:
+            self.monitor.mark_dead(worker, f"{failure.reason}: {failure.detail}")
+        else:
+            self.monitor.poke(worker)
+
+    def _life(self, url: str, answered: bool) -> float:
+        """The supervisor's view of a worker's last sign of life (``router.supervisor``)."""
+        worker = self.registry.get(url)
+        if worker is None:
+            return self.upstreams.last_seen(url)
+        last = max(self.upstreams.last_seen(url), worker.progress_at)
+        return last if answered else max(last, worker.probe_seen)
 
     def _fail_inflight(self, worker: Worker) -> None:
-        """A worker turned unhealthy: its in-flight attempts fail now and are retried or migrated."""
+        """A worker is dead: its in-flight attempts fail now and are retried or migrated."""
+        self.metrics.worker_deaths.labels(worker.role.value).inc()
         count = self.generate.supervisor.fail_upstream(worker.url)
+        self.metrics.inflight_failed.labels(worker.role.value).inc(count)
         if count:
-            log.warning("failing in-flight requests of an unhealthy worker", extra={
+            log.warning("failing in-flight requests of a dead worker", extra={
                 "worker": worker.url, "role": worker.role.value, "requests": count})
 
     def server(self) -> HttpServer:

@@ -63,12 +63,15 @@ POLICY_FLAGS: tuple[Flag, ...] = (
 )
 KV_FLAGS: tuple[Flag, ...] = (
     Flag("--tokenizer-path", "policy.kv.tokenizer_path", str,
-         "the model's tokenizer folder: cache_aware then routes on the workers' KV events", aliases=("--tokenizer",)),
+         "the model's tokenizer folder: the router then tokenizes prompts itself to route on the workers' KV events "
+         "(without it, it learns the workers' text-to-page maps)", aliases=("--tokenizer",)),
     Flag("--kv-overlap-score-weight", "policy.kv.overlap_score_weight", float,
          "cost = weight x uncached fraction of the prompt + load in requests"),
     Flag("--kv-events-stale-secs", "policy.kv.stale_secs", float,
          "an index not refreshed for this long is not used (the approximate tree is)"),
     Flag("--kv-index-max-pages", "policy.kv.max_pages", int, "pages indexed per worker at most"),
+    Flag("--kv-text-map-max-entries", "policy.kv.text_map_max_entries", int,
+         "entries of the workers' text-to-page maps kept (about 250 bytes each)"),
     Flag("--tokenizer-threads", "policy.kv.tokenizer_threads", int,
          "threads tokenizing prompts (each encodes every prompt waiting in one batch)"),
     Flag("--tokenizer-cache-max-tokens", "policy.kv.tokenizer_cache_tokens", int,
@@ -99,7 +102,9 @@ HEALTH_FLAGS: tuple[Flag, ...] = (
 )
 LIMIT_FLAGS: tuple[Flag, ...] = (
     Flag("--max-concurrent-requests", "limits.max_concurrent_requests", int,
-         "requests in flight at once; -1: unlimited"),
+         "sequences in flight at once (a request counts one per prompt and choice); -1: unlimited"),
+    Flag("--max-prompts-per-request", "limits.max_prompts_per_request", int,
+         "prompts in one completions request; past it 400"),
     Flag("--queue-size", "limits.queue_size", int, "requests waiting for a slot; past it 429 with Retry-After"),
     Flag("--queue-timeout-secs", "limits.queue_timeout_secs", float, None),
     Flag("--max-payload-size", "limits.max_payload_size", int, "largest request body in bytes; past it 413"),
@@ -165,7 +170,10 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
 def _add_security(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security")
     g.add_argument("--api-key", default=None,
-                   help=f"Bearer key required on /v1/* (or env {API_KEY_ENV})")
+                   help=f"Bearer key required on /v1/* (or env {API_KEY_ENV}); as vLLM's, other paths stay open")
+    g.add_argument("--api-key-protects-all-paths", action="store_true",
+                   help="require --api-key on every path but /health and /readiness (/tokenize, /metrics, ...; "
+                        "/workers keeps its admin key)")
     g.add_argument("--admin-api-key", default=None,
                    help=f"Bearer key for /workers (or env {ADMIN_API_KEY_ENV})")
     g.add_argument("--internal-api-key", default=None,
@@ -262,7 +270,8 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     security = SecurityConfig(
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         admin_api_key=a.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None,
-        internal_api_key=a.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None)
+        internal_api_key=a.internal_api_key or os.environ.get(INTERNAL_API_KEY_ENV) or None,
+        api_key_protects_all_paths=a.api_key_protects_all_paths)
     return RouterConfig(
         host=a.host, port=a.port, prefill_urls=tuple(a.prefill), decode_urls=tuple(a.decode),
         worker_urls=tuple(a.worker), served_model_names=tuple(a.served_model_name),

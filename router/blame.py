@@ -5,15 +5,18 @@ token (``docs/worker-api.md``). The worker says which peer failed, first by
 the response header ``X-PD-Failed-Peer`` (``prefill``, ``decode`` or
 ``none``), else by the OpenAI error body's ``code``:
 
-- the prefill's fault: ``prefill_unreachable``, ``stale_peer``,
-  ``kv_transfer_peer_died``, ``kv_transfer_metadata_unreachable``,
+- the prefill's fault: ``prefill_unreachable`` (its connection refused or
+  reset: it is gone), ``stale_peer``, ``kv_transfer_peer_died``,
   ``kv_transfer_stale_peer``, ``kv_layout_mismatch``,
   ``kv_transfer_layout_mismatch``;
 - the decode's own fault: ``kv_transfer_not_connected``, ``kv_transfer_protocol``,
   ``internal_error``;
 - nobody's (overload): ``overloaded`` and every 503;
 - ambiguous: ``kv_transfer_timeout``, ``kv_transfer_nixl_error``,
-  ``kv_transfer_aborted`` and unknown codes. A late transfer is as likely a
+  ``kv_transfer_aborted``, ``kv_transfer_metadata_unreachable`` and
+  ``prefill_timeout`` (a peer that stayed slow past the request's deadline:
+  the workers retry slowness within it, and either side may be the slow one)
+  and unknown codes. A late transfer is as likely a
   stalled decode as a stalled prefill (a decode frozen for a minute answers
   ``kv_transfer_timeout`` for every request it held once it runs again), so no
   breaker counts it; both workers get an immediate health check instead,
@@ -37,8 +40,7 @@ from pd_cluster.router.config import Role
 FAILED_PEER_HEADER = "x-pd-failed-peer"
 
 PREFILL_CODES = frozenset({
-    "prefill_unreachable", "stale_peer", "kv_transfer_peer_died",
-    "kv_transfer_metadata_unreachable", "kv_transfer_stale_peer", "kv_layout_mismatch",
+    "prefill_unreachable", "stale_peer", "kv_transfer_peer_died", "kv_transfer_stale_peer", "kv_layout_mismatch",
     "kv_transfer_layout_mismatch"})
 DECODE_CODES = frozenset({"kv_transfer_not_connected", "kv_transfer_protocol", "internal_error"})
 OVERLOAD_CODES = frozenset({"overloaded"})

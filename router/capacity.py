@@ -6,7 +6,11 @@ A worker has **room** for one more request when it is not marked busy and its lo
   unknown capacity never blocks;
 - load: :func:`~router.policies.base.live_load` when its load is polled (the last report's running and
   queued requests plus this router's requests sent since that are still in flight), else, or when the
-  last report is older than `STALE_LOAD_SECS`, this router's in-flight requests to it;
+  last report is older than `STALE_LOAD_SECS`, this router's in-flight requests to it; in requests, not
+  sequences: a many-prompt request in flight counts once (its extra sequences, which the worker reports, are
+  taken off), since the workers interleave its sequences with other requests' (``engine/scheduler/waiting.py``)
+  and a request sent after it must not wait for all of them. The router's admission counts its sequences
+  (``router.limiter``);
 - busy: the worker refused a request for capacity (429, or a 503, which ``router.blame`` reads as overload; a
   decode worker relays its prefill's refusal as 502 ``overloaded``): it is left alone for its ``Retry-After``
   (1 s when absent), so a retry never goes back to the worker that just refused while another has room.
@@ -48,9 +52,9 @@ def has_room(worker, now: float) -> bool:
     if cap <= 0:
         return True
     report = worker.load
-    load = live_load(worker) if report is not None and now - report.received_at <= STALE_LOAD_SECS \
-        else worker.inflight
-    return load < cap
+    if report is not None and now - report.received_at <= STALE_LOAD_SECS:
+        return live_load(worker) - worker.inflight_extra < cap  # the report counts sequences
+    return worker.inflight < cap
 
 
 class CapacityGate:

@@ -8,6 +8,7 @@ line per transition (WARNING on opening, INFO otherwise).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import Enum
 
 from pd_cluster.router.config import CircuitBreakerConfig
@@ -34,10 +35,13 @@ class CircuitBreaker:
     opens it again. Disabled (``enabled=False``): always closed.
     """
 
-    def __init__(self, config: CircuitBreakerConfig, worker: str = "", role: str = "") -> None:
+    def __init__(self, config: CircuitBreakerConfig, worker: str = "", role: str = "",
+                 on_transition: Callable[[str, str], None] | None = None) -> None:
+        """``on_transition(role, to_state)``: told of every transition (the router's metrics)."""
         self.config = config
         self.worker = worker
         self.role = role
+        self.on_transition = on_transition
         self._state = CircuitState.CLOSED
         self._failures = 0
         self._successes = 0
@@ -98,6 +102,8 @@ class CircuitBreaker:
         self.opened_count += 1
 
     def _log(self, old: CircuitState, new: CircuitState, why: str = "") -> None:
+        if self.on_transition is not None:
+            self.on_transition(self.role, new.value)
         level = logging.WARNING if new is CircuitState.OPEN else logging.INFO
         log.log(level, "circuit breaker %s -> %s", old.value, new.value, extra={
             "worker": self.worker, "role": self.role, "from_state": old.value,

@@ -57,9 +57,11 @@ class CacheAwareConfig:
 class KvRoutingConfig:
     """``cache_aware`` on the workers' real cache state, from their KV events (``docs/router.md``).
 
-    ``tokenizer_path``: the model's tokenizer folder (``--tokenizer-path``); without it the router cannot hash
-    prompts, and ``cache_aware`` uses the approximate tree only. ``kv_events``: poll ``GET /kv_events`` and use
-    it (``--no-kv-events``, Dynamo's flag, turns it off). ``poll_interval_secs``: the poll period per worker.
+    ``tokenizer_path``: the model's tokenizer folder (``--tokenizer-path``): the router then tokenizes prompts
+    itself; without it, it learns which text prefixes make which pages from the workers' text-to-page maps
+    (``GET /kv_text_map``, `router.text_map`). ``kv_events``: poll ``GET /kv_events`` and use it
+    (``--no-kv-events``, Dynamo's flag, turns it off). ``text_map_max_entries``: entries of the text-to-page map
+    the router holds at most. ``poll_interval_secs``: the poll period per worker.
     ``stale_secs``: an index whose last good poll is older is not used. ``overlap_score_weight``: the weight
     of the uncached fraction of the prompt against the load in requests (Dynamo's ``--kv-overlap-score-weight``).
     ``max_pages``: per-worker bound of the index. ``max_prompt_chars``: longer prompts are tokenized only up to
@@ -77,8 +79,11 @@ class KvRoutingConfig:
     max_prompt_chars: int = 1 << 18
     tokenizer_threads: int = 2
     tokenizer_cache_tokens: int = 1 << 20
+    text_map_max_entries: int = 1 << 19
 
     def __post_init__(self) -> None:
+        if self.text_map_max_entries < 1:
+            raise ValueError("the text map's max entries must be >= 1")
         if self.tokenizer_threads < 1 or self.tokenizer_cache_tokens < 0:
             raise ValueError("tokenizer threads must be >= 1 and its cache size >= 0")
         if self.poll_interval_secs <= 0 or self.stale_secs <= 0:
@@ -90,7 +95,12 @@ class KvRoutingConfig:
 
     @property
     def enabled(self) -> bool:
-        """Real-state routing is on: a tokenizer and events."""
+        """Real-state routing is on (``--no-kv-events`` turns it off)."""
+        return self.kv_events
+
+    @property
+    def tokenized(self) -> bool:
+        """Real-state routing with the router's own tokenizer (``--tokenizer-path``), not the text maps."""
         return self.kv_events and bool(self.tokenizer_path)
 
 
@@ -181,10 +191,14 @@ class LimitsConfig:
     ``upstream_first_byte_timeout_secs``: from sending a request to the first
     byte of the worker's answer (a worker answers with its first token, so this
     bounds queueing plus prefill: keep it above the longest prefill).
-    ``upstream_idle_timeout_secs``: between two chunks of a streamed answer.
-    Past either, the attempt fails and the request is retried or migrated.
-    Both apply to streamed requests only (a non-streamed answer is silent
-    until complete; the health check and the request timeout bound it).
+    ``upstream_idle_timeout_secs``: between two chunks of a streamed answer,
+    and the longest a worker may show no sign of life at all (no byte, no
+    probe answer, no progress) while it holds an attempt. Past either, the
+    attempt fails and the request is retried or migrated; a worker whose step
+    or transfer counters advance is never failed for a silent stream
+    (``router.supervisor``).
+    ``max_prompts_per_request``: prompts in one completions request; past it,
+    400 (each prompt costs one admission slot per ``n``, ``router.limiter``).
     ``max_header_bytes`` / ``max_header_count``: past either (names and values
     summed, in bytes), a request gets 431 before anything else is read; the
     count is vLLM's ``--h11-max-header-count`` default, the size nginx's
@@ -192,6 +206,7 @@ class LimitsConfig:
     """
 
     max_concurrent_requests: int = 1024
+    max_prompts_per_request: int = 1024
     queue_size: int = 256
     queue_timeout_secs: float = 30.0
     max_payload_size: int = 32 * 1024 * 1024
@@ -207,11 +222,17 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Bearer keys; ``None`` disables the check (admin: see ``docs/router.md``)."""
+    """Bearer keys; ``None`` disables the check (admin: see ``docs/router.md``). ``api_key`` guards ``/v1/*``
+    (vLLM's ``--api-key``); with ``api_key_protects_all_paths`` every path but ``/health`` and ``/readiness``."""
 
     api_key: str | None = None
     admin_api_key: str | None = None
     internal_api_key: str | None = field(default=None, repr=False)  # sent to workers (X-PD-Internal-Key)
+    api_key_protects_all_paths: bool = False
+
+    def __post_init__(self) -> None:
+        if self.api_key_protects_all_paths and not self.api_key:
+            raise ValueError("--api-key-protects-all-paths needs --api-key")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Control-plane endpoints (FastAPI): health, readiness, metrics, models, admin API.
 
 ``GET /health`` is liveness (503 once draining); ``GET /readiness`` says
-whether a request could be routed now. ``/v1/models`` needs the API key;
+whether a request could be routed now. ``/v1/models`` needs the API key (as
+vLLM's ``--api-key``, only ``/v1/*`` does; ``--api-key-protects-all-paths``
+extends it to every path but ``/health`` and ``/readiness``);
 ``/workers`` needs the admin key: when ``--admin-api-key`` is unset the admin
 API is open only if ``--api-key`` is unset too (a router with an API key never
 leaves its admin API open).
@@ -26,10 +28,15 @@ from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body
 from pd_cluster.router.health import HealthMonitor
 from pd_cluster.router.kv_index import KvIndex
+from pd_cluster.router.text_map import TextMap
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.openapi import document_generate_routes, error_responses
 from pd_cluster.router.workers import Worker, WorkerRegistry, normalize_url
+
+
+OPEN_PATHS = ("/health", "/readiness")
+"""What ``--api-key-protects-all-paths`` leaves open: the probes (``/workers`` has the admin key)."""
 
 
 class AddWorker(BaseModel):
@@ -64,9 +71,10 @@ class ControlPlane:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
                  metrics: RouterMetrics, models: ModelNames,
                  is_draining: Callable[[], bool], can_route: Callable[[], bool],
-                 kv_index: KvIndex | None = None) -> None:
+                 kv_index: KvIndex | None = None, text_map: TextMap | None = None) -> None:
         self.config = config
         self.kv_index = kv_index
+        self.text_map = text_map
         self.registry = registry
         self.monitor = monitor
         self.metrics = metrics
@@ -77,6 +85,7 @@ class ControlPlane:
         sec = config.security
         self._api_key = sec.api_key.encode() if sec.api_key else None
         self._admin_key = sec.admin_api_key.encode() if sec.admin_api_key else None
+        self._all_paths = sec.api_key_protects_all_paths and self._api_key is not None
 
     def _check_api_key(self, request: Request) -> None:
         if self._api_key is not None and not hmac.compare_digest(_bearer(request), self._api_key):
@@ -114,6 +123,16 @@ class ControlPlane:
             return _error(400, message, param)
 
         document_generate_routes(app)
+
+        if self._all_paths:
+            @app.middleware("http")
+            async def _every_path_needs_the_key(request: Request, call_next) -> Response:
+                path = request.url.path
+                if path not in OPEN_PATHS and not path.startswith("/workers") \
+                        and not hmac.compare_digest(_bearer(request), self._api_key):
+                    return _error(401, "invalid or missing API key", code="invalid_api_key",
+                                  headers={"www-authenticate": "Bearer"})
+                return await call_next(request)
 
         @app.get("/health", responses=error_responses(503))
         async def health() -> Response:
@@ -155,8 +174,8 @@ class ControlPlane:
     async def _forward_tokenizer_call(self, request: Request) -> Response:
         """``/tokenize``, ``/detokenize`` and ``GET /tokenizer_info`` (vLLM's shapes): answered by any usable decode
         or mixed worker, whose status and body are passed through (they hold the tokenizer; the router does
-        not)."""
-        self._check_api_key(request)
+        not). Open to clients without the API key, as vLLM's (lm-eval's remote tokenizer sends none), unless
+        ``--api-key-protects-all-paths``."""
         workers = self.registry.usable(Role.DECODE) + self.registry.usable(Role.MIXED)
         if not workers:
             return _error(503, "no healthy worker to tokenize with", code="no_healthy_worker")
@@ -180,12 +199,17 @@ class ControlPlane:
 
     def _describe(self, worker: Worker, now: float) -> dict[str, Any]:
         """A worker's ``/workers`` entry; with KV events, its index: ``synced``, ``fresh``, ``instance_id``,
-        ``seq`` (the last event applied), ``pages``."""
+        ``seq`` (the last event applied), ``pages``; for a worker whose text-to-page map is polled,
+        ``text_map``: ``fresh``, ``instance_id``, ``seq`` (the last entry applied)."""
         out = worker.describe(now)
         w = self.kv_index.get(worker.url) if self.kv_index is not None else None
         if w is not None:
             out["kv_index"] = {"synced": w.synced, "fresh": self.kv_index.fresh(worker.url, now),
                                "instance_id": w.instance_id, "seq": w.seq, "pages": len(w.blocks)}
+        source = self.text_map.source(worker.url) if self.text_map is not None else None
+        if source is not None:
+            out["text_map"] = {"fresh": now - source.polled_at <= self.text_map.stale_secs,
+                               "instance_id": source.instance_id, "seq": source.seq}
         return out
 
     def _admin_routes(self, app: FastAPI) -> None:

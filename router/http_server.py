@@ -31,7 +31,7 @@ from pd_cluster.router.exchange import Exchange, Headers, status_line
 
 log = logging.getLogger("pd_cluster.router.http_server")
 
-GENERATE_PATHS = frozenset({b"/v1/completions", b"/v1/chat/completions"})
+GENERATE_PATHS = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/v1/responses"})
 MAX_PIPELINED = 16
 """Requests queued on one connection behind the one being answered; past it the connection stops reading."""
 

@@ -29,8 +29,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+from pd_cluster.common.routing_text import unpack_u64
+from pd_cluster.router.text_map import RecentText, TextRoute
 
 ROOT_HASH = 0
 MAX_PENDING_ROUTES = 4096
@@ -104,6 +107,8 @@ class WorkerIndex:
     blocks: dict[int, int] = field(default_factory=dict)
     pending: list[PendingRoute] = field(default_factory=list)
     pending_counts: dict[int, int] = field(default_factory=dict)
+    text: RecentText = field(default_factory=RecentText)
+    """Untokenized prompts routed here, pending (`router.text_map.RecentText`)."""
 
     def holds(self, h: int) -> bool:
         return h in self.blocks or h in self.pending_counts
@@ -111,6 +116,20 @@ class WorkerIndex:
 
 class BadBatch(ValueError):
     """A batch that cannot be applied (malformed)."""
+
+
+def _block_hashes(e: dict) -> list[int]:
+    """An event's ``block_hashes``: a list, or packed (``hashes=packed``: base64 of little-endian u64).
+
+    Raises:
+        ValueError: neither.
+    """
+    hashes = e["block_hashes"]
+    if isinstance(hashes, str):
+        return unpack_u64(hashes)
+    if not isinstance(hashes, list):
+        raise ValueError("block_hashes is neither a list nor packed")
+    return hashes
 
 
 class KvIndex:
@@ -121,9 +140,14 @@ class KvIndex:
         stale_secs: a synced index whose last good poll is older than this is not used.
     """
 
-    def __init__(self, max_pages: int = 1 << 21, stale_secs: float = 2.0) -> None:
+    def __init__(self, max_pages: int = 1 << 21, stale_secs: float = 2.0,
+                 text_polled: Callable[[int], float] | None = None) -> None:
+        """``text_polled(page_size)``: when the text-to-page map was last polled from every source of that page
+        size (`TextMap.polled_since`); a text route is confirmed once both that and the worker's own events poll
+        started after its end."""
         self.max_pages = max_pages
         self.stale_secs = stale_secs
+        self._text_polled = text_polled
         self._workers: dict[str, WorkerIndex] = {}
         self.l3: OrderedDict[int, None] = OrderedDict()  # pages any worker wrote to the cluster-wide KV store
         self.events_received = 0
@@ -198,18 +222,23 @@ class KvIndex:
     @staticmethod
     def _apply_event(w: WorkerIndex, e: dict) -> None:
         kind, blocks = e["type"], w.blocks
-        if kind == "BlockStored":
-            for h in e["block_hashes"]:
-                blocks[int(h)] = blocks.get(int(h), 0) + 1
-        elif kind == "BlockRemoved":
-            for h in e["block_hashes"]:
-                left = blocks.get(int(h), 0) - 1
-                if left > 0:
-                    blocks[int(h)] = left
-                else:
-                    blocks.pop(int(h), None)
-        elif kind == "AllBlocksCleared":
+        if kind == "AllBlocksCleared":
             blocks.clear()
+            return
+        hashes = _block_hashes(e)
+        if kind == "BlockStored":
+            get = blocks.get
+            for h in hashes:
+                h = int(h)
+                blocks[h] = get(h, 0) + 1
+        elif kind == "BlockRemoved":
+            for h in hashes:
+                h = int(h)
+                left = blocks.get(h, 0) - 1
+                if left > 0:
+                    blocks[h] = left
+                else:
+                    blocks.pop(h, None)
         else:
             raise ValueError(f"unknown event type {kind!r}")
 
@@ -217,9 +246,10 @@ class KvIndex:
         if e["type"] != "BlockStored":
             return  # the store's own evictions are not reported: its entries age out of `l3` instead
         l3 = self.l3
-        for h in e["block_hashes"]:
-            l3[int(h)] = None
-            l3.move_to_end(int(h))
+        for h in _block_hashes(e):
+            h = int(h)
+            l3[h] = None
+            l3.move_to_end(h)
         while len(l3) > MAX_L3_PAGES:
             l3.popitem(last=False)
 
@@ -250,11 +280,20 @@ class KvIndex:
             self._unpend(w, w.pending.pop(0))
         return route
 
+    def predict_text(self, url: str, hashes: list[int], now: float) -> TextRoute | None:
+        """Count an untokenized prompt's text blocks (`hashes`) as held by `url` until confirmed (see
+        `RecentText`); call ``done(route, t)`` when the worker's part of the request ends."""
+        w = self._workers.get(url)
+        return None if w is None or not hashes else w.text.add(hashes, now)
+
     @staticmethod
-    def done(route: PendingRoute, now: float) -> None:
+    def done(route: PendingRoute | TextRoute, now: float) -> None:
         route.done_at = min(route.done_at, now)
 
     def _confirm(self, w: WorkerIndex, polled_at: float) -> None:
+        if w.text.routes:
+            seen = min(polled_at, self._text_polled(w.page_size)) if self._text_polled is not None else polled_at
+            w.text.confirm(seen, polled_at)
         if not w.pending:
             return
         keep = []

@@ -1,9 +1,15 @@
-"""Admission control: a concurrency limit with a bounded FIFO queue.
+"""Admission control: a concurrency limit with a bounded FIFO queue, counted by cost.
 
 As SGLang router's ``--max-concurrent-requests`` / ``--queue-size`` /
-``--queue-timeout-secs``: a request runs when a slot is free, else waits in a
+``--queue-timeout-secs``: a request runs when it has its slots, else waits in a
 queue of bounded length for at most the queue timeout; past the queue, or on
-timeout, it is rejected (the router answers 429 with ``Retry-After``).
+timeout, it is rejected (the router answers 429 with ``Retry-After``). A request
+takes one slot per sequence it asks for (its *cost*: prompts × ``n``), so a
+1,000-prompt request counts as 1,000 one-prompt requests do; a cost above the
+limit takes every slot (it runs alone). Waiters are admitted in arrival order
+as their cost fits; one that does not fit yet does not hold back smaller ones
+behind it that do (backfilling: a large request waits for room at most its
+queue timeout, instead of every small request waiting behind it).
 """
 
 from __future__ import annotations
@@ -27,52 +33,65 @@ class ConcurrencyLimiter:
         self.max_running = max_running
         self.queue_size = max(0, queue_size)
         self.queue_timeout_secs = queue_timeout_secs
-        self.running = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.running = 0  # slots held
+        self._waiters: deque[tuple[asyncio.Future[None], int]] = deque()
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot."""
+        """Requests waiting for their slots."""
         return len(self._waiters)
 
-    def try_acquire(self) -> bool:
-        """Take a free slot at once if there is one (nobody queued before); False: call `acquire`."""
-        if self.max_running <= 0 or (self.running < self.max_running and not self._waiters):
-            self.running += 1
+    def _slots(self, cost: int) -> int:
+        return max(1, cost) if self.max_running <= 0 else min(max(1, cost), self.max_running)
+
+    def try_acquire(self, cost: int = 1) -> bool:
+        """Take `cost` slots at once if they are free; False: call `acquire`."""
+        slots = self._slots(cost)
+        if self.max_running <= 0 or self.running + slots <= self.max_running:
+            self.running += slots
             return True
         return False
 
-    async def acquire(self) -> None:
-        """Take a slot, waiting in the queue if needed. Raises :class:`Overloaded`."""
-        if self.try_acquire():
+    async def acquire(self, cost: int = 1) -> None:
+        """Take `cost` slots, waiting in the queue if needed. Raises :class:`Overloaded`."""
+        if self.try_acquire(cost):
             return
         if len(self._waiters) >= self.queue_size:
             raise Overloaded("queue_full")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        slots = self._slots(cost)
+        self._waiters.append((fut, slots))
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.queue_timeout_secs)
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             if fut.done() and not fut.cancelled():
-                self.release()  # the slot was handed over as we gave up: pass it on
+                self.release(cost)  # the slots were handed over as we gave up: pass them on
             else:
                 fut.cancel()
                 self._remove(fut)
+                self._wake()  # a large head that gave up may let smaller ones in
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise Overloaded("queue_timeout") from None
 
-    def release(self) -> None:
-        """Return a slot; the oldest live waiter gets it."""
-        while self._waiters:
-            fut = self._waiters.popleft()
+    def release(self, cost: int = 1) -> None:
+        """Return `cost` slots; waiters get them in arrival order, each once its own cost fits."""
+        self.running -= self._slots(cost)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Admit, in arrival order, every waiter whose cost fits now."""
+        for item in list(self._waiters):
+            fut, slots = item
+            if not fut.done() and self.running + slots > self.max_running > 0:
+                continue
+            self._waiters.remove(item)
             if not fut.done():
-                fut.set_result(None)  # the slot passes on; running stays the same
-                return
-        self.running -= 1
+                self.running += slots
+                fut.set_result(None)
 
     def _remove(self, fut: asyncio.Future[None]) -> None:
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
+        for item in self._waiters:
+            if item[0] is fut:
+                self._waiters.remove(item)
+                return

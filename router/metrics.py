@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from pd_cluster.router.circuit import STATE_CODES
 from pd_cluster.router.config import Role
 from pd_cluster.router.kv_index import KvIndex
+from pd_cluster.router.text_map import TextMap
 from pd_cluster.router.policies import CacheAware, Policy, effective_load
 from pd_cluster.router.workers import WorkerRegistry
 
@@ -117,6 +118,15 @@ class RouterMetrics:
         self.rejected = Counter("pd_router_rejected_requests",
                                 "Requests refused by the router itself, by reason.",
                                 ["reason"], registry=r)
+        self.cb_transitions = Counter("pd_router_cb_state_transitions",
+                                      "Circuit breaker transitions, by role and the state entered.",
+                                      ["role", "to_state"], registry=r)
+        self.worker_deaths = Counter("pd_router_worker_deaths",
+                                     "Workers found dead (connection refused or reset after they were seen alive).",
+                                     ["role"], registry=r)
+        self.inflight_failed = Counter("pd_router_inflight_failed_by_health",
+                                       "Attempts in flight failed because their worker was found dead.",
+                                       ["role"], registry=r)
 
     def count_request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
@@ -160,11 +170,12 @@ class StateCollector(Collector):
                  running: Callable[[], int], policies: dict[str, Policy],
                  clock: Callable[[], float] = time.monotonic, kv_index: KvIndex | None = None,
                  tokenizer_loaded: Callable[[], bool] = lambda: False,
-                 tokenizer_counts: Callable[[], dict[str, int]] | None = None) -> None:
+                 tokenizer_counts: Callable[[], dict[str, int]] | None = None, text_map: TextMap | None = None) -> None:
         self._workers = workers
         self._kv_index = kv_index
         self._tokenizer_loaded = tokenizer_loaded
         self._tokenizer_counts = tokenizer_counts
+        self._text_map = text_map
         self._queue_depth = queue_depth
         self._running = running
         self._policies = policies
@@ -252,3 +263,11 @@ class StateCollector(Collector):
                 prompts.add_metric([source], count)
             yield prompts
         yield from (received, resyncs, synced, tok)
+        if self._text_map is not None:
+            entries = GaugeMetricFamily("pd_router_kv_text_map_entries",
+                                        "Entries of the workers' text-to-page maps held.")
+            entries.add_metric([], len(self._text_map))
+            got = CounterMetricFamily("pd_router_kv_text_map_received", "Text-to-page map entries received from "
+                                      "the workers' /kv_text_map.")
+            got.add_metric([], self._text_map.entries_received)
+            yield from (entries, got)

@@ -17,10 +17,15 @@ asks for them (``"return_token_ids": true``), the first chunk carries
 each chunk's choice carries the ``token_ids`` it adds. They are removed from
 what the client sees unless the client asked for them itself.
 
-Migrated are streams with one choice (one prompt, ``n`` 1) and none of ``echo``,
-``best_of``, ``suffix`` or ``prompt_logprobs`` (they are about the prompt, which a
-continuation would answer again). Non-streamed requests send nothing before
-they finish, so a failed one is re-dispatched whole (see ``router.proxy``).
+Migrated are streams with any number of choices (``n``, several prompts) and
+none of ``echo``, ``best_of``, ``suffix`` or ``prompt_logprobs`` (they are about
+the prompt, which a continuation would answer again). With several choices the
+router keeps each choice's ids apart (by its ``index``) and the continuation
+carries one list per choice, ``null`` for a choice that already finished (the
+new worker does not generate it again); each choice goes on exactly where it
+stopped, and the final ``usage`` is recomputed over every choice. Non-streamed
+requests send nothing before they finish, so a failed one is re-dispatched
+whole (see ``router.proxy``).
 """
 
 from __future__ import annotations
@@ -36,15 +41,22 @@ def plan_body(data: dict[str, Any], chat: bool, raw: bytes | None = None) -> tup
     instead of writing the whole body again. ``None`` when the request cannot be migrated (it is then
     forwarded unchanged).
     """
-    if not data.get("stream") or data.get("n", 1) not in (1, None):
+    if not data.get("stream"):
         return None
+    n = data.get("n", 1)
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None  # the worker refuses it
     if data.get("echo") or data.get("suffix") or data.get("best_of") not in (None, 1) \
-            or data.get("prompt_logprobs") is not None or _several_prompts(data.get("prompt")):
+            or data.get("prompt_logprobs") is not None:
         return None
+    num_choices = n * (1 if chat else _num_prompts(data.get("prompt")))
+    if num_choices > 1 and data.get("resume_token_ids") is not None:
+        return None  # a client resuming several choices itself
     client_ids = data.get("return_token_ids") is True
     opts = data.get("stream_options") if isinstance(data.get("stream_options"), dict) else {}
     tracker = StreamTracker(data=data, chat=chat, client_wants_ids=client_ids,
-                            client_wants_usage=bool(opts.get("include_usage")))
+                            client_wants_usage=bool(opts.get("include_usage")), num_choices=num_choices, n=n)
     brace = len(raw) - len(raw.lstrip(b" \t\r\n")) if raw is not None else -1
     if raw is not None and "return_token_ids" not in data and raw[brace:brace + 1] == b"{" \
             and raw[brace + 1:brace + 2] != b"\x00":  # a UTF-8 object, not empty ("stream" is in it)
@@ -54,9 +66,10 @@ def plan_body(data: dict[str, Any], chat: bool, raw: bytes | None = None) -> tup
     return json.dumps(dict(data, return_token_ids=True), separators=(",", ":")).encode(), tracker
 
 
-def _several_prompts(prompt: Any) -> bool:
-    """``prompt`` as a list of several texts or token-id lists (one choice per prompt)."""
-    return isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+def _num_prompts(prompt: Any) -> int:
+    """The prompts of ``prompt``: a list of texts or token-id lists holds one each (one choice per prompt and
+    ``n``)."""
+    return len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
 
 
 @dataclass
@@ -71,8 +84,13 @@ class StreamTracker:
     chat: bool
     client_wants_ids: bool
     client_wants_usage: bool
+    num_choices: int = 1
+    n: int = 1
     prompt_ids: list[int] | None = None
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # choice 0's ids (the only choice of a one-choice stream)
+    outputs: dict[int, list[int]] = field(default_factory=dict)  # every choice's ids, by index
+    choice_prompts: dict[int, list[int]] = field(default_factory=dict)  # completions: each choice's prompt ids
+    done_choices: set[int] = field(default_factory=set)
     stream_id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -82,6 +100,19 @@ class StreamTracker:
     continuing: bool = False  # events now come from a /v1/completions continuation
     errored: bool = False     # the worker sent an error event: the stream ends with it
     no_ids: bool = False      # tokens came without ids: the worker cannot give them
+
+    def __post_init__(self) -> None:
+        self.outputs[0] = self.generated
+
+    @property
+    def multi(self) -> bool:
+        """Several choices (``n`` > 1 or several prompts)."""
+        return self.num_choices > 1
+
+    @property
+    def num_relayed(self) -> int:
+        """Token ids relayed so far, over every choice."""
+        return sum(len(ids) for ids in self.outputs.values())
 
     @property
     def ended(self) -> bool:
@@ -95,24 +126,35 @@ class StreamTracker:
 
     def synthetic_end(self) -> bytes:
         """The events that end a stream whose ``max_tokens`` were all relayed before its worker
-        failed: a ``length`` finish, the usage if asked, ``[DONE]``."""
+        failed: a ``length`` finish of each unfinished choice, the usage if asked, ``[DONE]``."""
         head = {"id": self.stream_id, "object": "chat.completion.chunk" if self.chat
                 else "text_completion", "created": self.created, "model": self.model}
-        choice: dict[str, Any] = {"index": 0}
-        choice.update({"delta": {}} if self.chat else {"text": ""})
-        choice.update({"logprobs": None, "finish_reason": "length"})
-        out = [dict(head, choices=[choice])]
+        out = []
+        for index in range(self.num_choices):
+            if index in self.done_choices:
+                continue
+            choice: dict[str, Any] = {"index": index}
+            choice.update({"delta": {}} if self.chat else {"text": ""})
+            choice.update({"logprobs": None, "finish_reason": "length"})
+            out.append(dict(head, choices=[choice]))
         if self.client_wants_usage:
-            prompt = len(self.prompt_ids or [])
-            completion = len(self.generated) + len(self.data.get("resume_token_ids") or [])
-            out.append(dict(head, choices=[], usage={
-                "prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}))
+            out.append(dict(head, choices=[], usage=self._usage()))
         self.finished = self.done = True
         return b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
                         for e in out) + b"data: [DONE]\n\n"
 
+    def _usage(self) -> dict[str, int]:
+        """The whole answer's usage from the ids relayed: each prompt once, every choice's output."""
+        if self.multi and not self.chat:
+            per_prompt = {i // self.n: len(ids) for i, ids in self.choice_prompts.items()}
+            prompt = sum(per_prompt.values())
+        else:
+            prompt = len(self.prompt_ids or [])
+        completion = self.num_relayed + len(self.data.get("resume_token_ids") or []) * (not self.multi)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     def remaining_max_tokens(self) -> int | None:
+        """Tokens ``max_tokens`` still allows (the most over the unfinished choices); None: no limit."""
         limit = self.data.get("max_completion_tokens") if self.chat else None
         if limit is None:
             limit = self.data.get("max_tokens")
@@ -120,12 +162,20 @@ class StreamTracker:
             limit = 16  # OpenAI's (and the workers') completions default
         if limit is None:
             return None
+        if self.multi:
+            return max((int(limit) - len(self.outputs.get(i, ())) for i in range(self.num_choices)
+                        if i not in self.done_choices), default=0)
         return int(limit) - len(self.generated) - len(self.data.get("resume_token_ids") or [])
 
     def continuation_body(self) -> bytes:
-        """The request again, continuing after the ids relayed so far (``resume_token_ids``)."""
+        """The request again, continuing after the ids relayed so far (``resume_token_ids``: one list, or one per
+        choice with ``null`` for those that finished)."""
         body = dict(self.data, stream=True, return_token_ids=True)
-        body["resume_token_ids"] = list(self.data.get("resume_token_ids") or []) + self.generated
+        if self.multi:
+            body["resume_token_ids"] = [None if i in self.done_choices else list(self.outputs.get(i, ()))
+                                        for i in range(self.num_choices)]
+        else:
+            body["resume_token_ids"] = list(self.data.get("resume_token_ids") or []) + self.generated
         return json.dumps(body, separators=(",", ":")).encode()
 
     def feed(self, payload: bytes) -> bytes | None:
@@ -133,7 +183,7 @@ class StreamTracker:
         if payload.strip() == b"[DONE]":
             self.done = True
             return b"data: [DONE]\n\n"
-        if self.prompt_ids is not None and not self.continuing:
+        if self.prompt_ids is not None and not self.continuing and not self.multi:
             fast = self._scan(payload)
             if fast is not None:
                 return fast
@@ -216,15 +266,19 @@ class StreamTracker:
                 self.no_ids = True
 
     def _take_choice(self, choice: dict[str, Any]) -> None:
-        pids = choice.get("prompt_token_ids") if self.client_wants_ids else \
+        index = choice.get("index", 0)
+        index = index if isinstance(index, int) and 0 <= index < self.num_choices else 0
+        pids = choice.get("prompt_token_ids") if self.client_wants_ids and not self.continuing else \
             choice.pop("prompt_token_ids", None)
-        if isinstance(pids, list) and self.prompt_ids is None:
-            self.prompt_ids = pids
+        if isinstance(pids, list):
+            self.prompt_ids = self.prompt_ids if self.prompt_ids is not None else pids
+            self.choice_prompts.setdefault(index, pids)
         ids = choice.get("token_ids") if self.client_wants_ids else choice.pop("token_ids", None)
         if isinstance(ids, list):
-            self.generated.extend(ids)
+            self.outputs.setdefault(index, []).extend(ids)
         if choice.get("finish_reason"):
-            self.finished = True
+            self.done_choices.add(index)
+            self.finished = len(self.done_choices) >= self.num_choices
 
     def _as_original(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """A continuation's event as the original stream's: its id, creation time and model; no second
@@ -233,8 +287,7 @@ class StreamTracker:
         event.update(id=self.stream_id, created=self.created, model=self.model)
         choices = []
         for choice in event.get("choices") or ():
-            choice.pop("prompt_token_ids", None)
-            self._take_choice(choice)
+            self._take_choice(choice)  # (drops the choice's prompt_token_ids, noting them for the usage)
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 delta.pop("role", None)
@@ -245,4 +298,6 @@ class StreamTracker:
         event["choices"] = choices
         if not choices and not isinstance(event.get("usage"), dict):
             return None
+        if self.multi and isinstance(event.get("usage"), dict):  # the worker counted only the choices it continued
+            event["usage"].update(self._usage())
         return event

@@ -56,6 +56,15 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = None
 
 
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses`` (OpenAI's Responses API); everything but ``input`` is checked by the worker."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    stream: bool | None = False
+
+
 ERROR_STATUSES = (400, 401, 404, 413, 429, 502, 503, 504)
 
 
@@ -82,8 +91,12 @@ def document_generate_routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest) -> None:
         await _never()
 
+    async def responses(body: ResponsesRequest) -> None:
+        await _never()
+
     for path, fn, summary in (("/v1/completions", completions, "Create a completion"),
                               ("/v1/chat/completions", chat_completions,
-                               "Create a chat completion")):
+                               "Create a chat completion"),
+                              ("/v1/responses", responses, "Create a response (OpenAI's Responses API)")):
         app.add_api_route(path, fn, methods=["POST"], summary=summary,
                           responses={**_GENERATED, **error_responses(*ERROR_STATUSES)})

@@ -1,9 +1,11 @@
 """What the router learns from each attempt's outcome: breakers, busy marks, metrics and log lines.
 
 Kept apart from the request flow (``router.proxy``): a success closes nothing and costs two breaker calls;
-a failure is counted against the role it is blamed on (``router.blame``), reported to the health monitor
-(``on_failure``: a connection error counts as a failed check), and logged; a refusal for capacity marks the
-refusing worker busy for its ``Retry-After`` (``router.capacity``) and counts against nobody.
+a failure is counted by the breaker of the role it is blamed on (``router.blame``) when it is a connection
+failure, not slowness (`AttemptFailure.counts`), reported to the health monitor (``on_failure``: a refused or
+reset connection is death, anything else gets the worker checked now), and logged; a refusal for capacity (or a
+connection that could not be opened in time) marks the worker busy for its ``Retry-After``
+(``router.capacity``) and counts against nobody.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class Outcomes:
             blamed = pair.decode
         elif failure.blame is Role.PREFILL:
             blamed = pair.prefill or pair.decode  # a mixed worker fails on its own
-        if blamed is not None:
+        if blamed is not None and failure.counts:
             blamed.breaker.record_failure(now)
         if self.on_failure is not None:
             suspects = [blamed] if blamed is not None else \

@@ -1,7 +1,9 @@
-"""The generate endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions``.
+"""The generate endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(OpenAI's Responses API, served by the workers; its streams are not migrated).
 
 Order of checks, each with its OpenAI-format error: draining (503), API key (401), body size (413), JSON
-(400), model (404), admission (429 with ``Retry-After``). Then up to ``--retry-max-retries`` attempts, each
+(400), model (404), prompts over ``--max-prompts-per-request`` (400), admission by cost (429 with
+``Retry-After``: a request holds one slot of ``--max-concurrent-requests`` per sequence, ``router.limiter``). Then up to ``--retry-max-retries`` attempts, each
 on a fresh pair, with backoff and jitter between them; the whole request runs under
 ``--request-timeout-secs``. A client that disconnects cancels the request, which closes the upstream
 connection, so the worker aborts it and frees its pages.
@@ -25,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from pd_cluster.common.request_limits import too_many_sequences
 from pd_cluster.router.capacity import CapacityGate
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body, sse_error_event
@@ -61,7 +64,8 @@ def _blamed_urls(pair: Pair, failure: AttemptFailure) -> tuple[str, ...]:
     return pair.urls()
 
 
-ENDPOINTS = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat_completions"}
+ENDPOINTS = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat_completions",
+             b"/v1/responses": "responses"}
 
 
 class GenerateHandler:
@@ -140,21 +144,30 @@ class GenerateHandler:
         if ex.too_large or ex.body is None:
             return self._reject(ex, 413, "payload_too_large",
                                 f"request body exceeds {self.config.limits.max_payload_size} bytes", rid)
-        chat = ex.path == b"/v1/chat/completions"
+        chat, responses = ex.path == b"/v1/chat/completions", ex.path == b"/v1/responses"
         try:
-            parsed = parse_request(ex.body, chat=chat)
+            parsed = parse_request(ex.body, chat=chat, responses=responses)
         except InvalidRequest as exc:
             return self._error(ex, 400, str(exc), rid, exc.param, exc.code)
         if parsed.model is not None and not self.models.accepts(parsed.model):
             return self._error(ex, 404, f"The model `{parsed.model}` does not exist.", rid, "model",
                                "model_not_found")
+        cap = self.config.limits.max_prompts_per_request
+        if 0 < cap < parsed.num_prompts:
+            return self._error(ex, 400, f"'prompt' holds {parsed.num_prompts} prompts; at most {cap} are accepted "
+                               "in one request (--max-prompts-per-request)", rid, "prompt", "invalid_value")
+        if not chat and not responses and (message := too_many_sequences(parsed.num_prompts,
+                                                                         parsed.num_generated)) is not None:
+            # every worker refuses it: before admission, where its cost would wait for the whole router to drain
+            return self._error(ex, 400, message, rid, "prompt", "invalid_value")
         state = RequestState(rid, ex.path.decode(), ex.body, parsed, ex.arrived)
-        if parsed.stream and self.config.retry.migration_limit > 0:
+        if parsed.stream and self.config.retry.migration_limit > 0 and not responses:
             plan = plan_body(parsed.data, chat, ex.body)
             if plan is not None:
                 state.upstream_body, state.tracker = plan
         if self.tokenizer is not None:
-            state.prompt = await self.tokenizer.prompt(parsed.data, chat, self.selector.index.page_sizes())
+            state.prompt = await self.tokenizer.prompt(parsed.chat_data, chat or responses,
+                                                       self.selector.index.page_sizes())
         out_state.append(state)
         return await self._admit_and_run(state, ex)
 
@@ -165,16 +178,17 @@ class GenerateHandler:
         try:
             if ex.client_gone:
                 raise asyncio.CancelledError()
+            cost = state.parsed.cost  # one slot per sequence: prompts x n
             try:
-                if not self.limiter.try_acquire():
-                    await self.limiter.acquire()
+                if not self.limiter.try_acquire(cost):
+                    await self.limiter.acquire(cost)
             except Overloaded as exc:
                 return self._reject(ex, 429, exc.reason, "too many requests in flight; retry later",
                                     state.request_id, _RETRY_AFTER)
             try:
                 return await self._forward(state, ex)
             finally:
-                self.limiter.release()
+                self.limiter.release(cost)
         except asyncio.CancelledError:
             if sup.timed_out:
                 sup.task.uncancel()
@@ -182,6 +196,8 @@ class GenerateHandler:
             if sup.client_gone or ex.client_gone:
                 if sup.client_gone:
                     sup.task.uncancel()
+                if state.delivered:  # it closed right after [DONE]: the whole answer went out
+                    return 200
                 log.info("client disconnected; request aborted", extra={"request_id": state.request_id})
                 return 499
             raise
@@ -222,8 +238,8 @@ class GenerateHandler:
         request = RouteRequest(state.parsed.text if self._needs_text else "", attempt, state.prompt)
         woken = False
         while True:
-            pair = self.selector.choose(request, tried)
-            if pair is not None or not self.selector.can_pair():
+            pair = self.selector.choose(request, tried, state.parsed.cost)
+            if pair is not None or not self.selector.may_pair():
                 if woken:
                     self.gate.admitted()  # let the next waiter look too
                 return pair
@@ -313,7 +329,7 @@ class GenerateHandler:
             self.metrics.migrations.labels(failure.reason).inc()
             log.warning("migrating request", extra={
                 "request_id": state.request_id, "reason": failure.reason,
-                "migration": tracker.migrations, "tokens_relayed": len(tracker.generated),
+                "migration": tracker.migrations, "tokens_relayed": tracker.num_relayed,
                 "from_decode": state.decode_url, "decode": pair.decode.url,
                 "prefill": pair.prefill.url if pair.prefill else None})
             result = await self._run_on(pair, state, ex, state.path, tracker.continuation_body())

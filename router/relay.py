@@ -27,6 +27,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from pd_cluster.common.deadline import DEADLINE_HEADER
+
 from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status, error_param
 from pd_cluster.router.config import LimitsConfig, Role
 from pd_cluster.router.exchange import Exchange
@@ -41,6 +43,7 @@ from pd_cluster.router.upstream import Reply, UpstreamError, Upstreams
 
 _PASS_HEADERS = (b"content-type", b"cache-control")
 _FAILED_PEER = FAILED_PEER_HEADER.encode()
+_DEADLINE = DEADLINE_HEADER.encode()
 RETRIES_HEADER = b"x-pd-retries"
 _CODE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
@@ -67,6 +70,7 @@ class RequestState:
 
     last_chunk_at: float = 0.0   # perf_counter of the last chunk relayed (ITL across migrations)
     clean: bool = True           # the last raw chunk relayed ended an SSE event
+    delivered: bool = False      # the stream's ``data: [DONE]`` was relayed: the client has the whole answer
 
     def id_headers(self) -> tuple[tuple[bytes, bytes], ...]:
         """``X-Request-Id`` and ``X-PD-Retries`` for the client's response."""
@@ -90,6 +94,11 @@ class AttemptFailure:
     ``ambiguous``: no breaker counts it, both workers get a health check now
     (``router.blame``). ``after_start``: the client's response had started.
     ``detail``: the worker's error ``code`` for a failed status, else what broke.
+    ``refused``: the worker refused or reset the connection before answering (it
+    is gone: a fact the health monitor acts on at once).
+
+    Circuit breakers count connection failures, not slowness (`counts`): a
+    timeout, a stall or a worker found dead meanwhile is never counted.
     """
 
     reason: str
@@ -101,6 +110,18 @@ class AttemptFailure:
     after_start: bool = False
     overloaded: bool = False
     retry_after: float | None = None
+    refused: bool = False
+
+    @property
+    def counts(self) -> bool:
+        """True when the blamed worker's circuit breaker counts this failure: a refused, reset or broken
+        connection, or a failure its peer named (``router.blame``); never slowness (``idle_timeout``, a
+        connect timeout) nor ``worker_dead`` (the death was counted by what revealed it)."""
+        if self.blame is None or self.overloaded:
+            return False
+        if self.status is not None:
+            return True
+        return self.reason in ("decode_unreachable", "decode_disconnected", "stream_broken")
 
     @property
     def code(self) -> str:
@@ -135,12 +156,17 @@ class Relay:
             headers += b"x-pd-prefill-url: " + pair.prefill.url.encode() + b"\r\n"
         sup = state.supervised
         stream = state.parsed.stream
+        now = time.monotonic()
+        # what the decode worker's internal calls (transfer info, /prefill, handshakes) may retry within
+        wait = self._first_byte if sup is None else min(self._first_byte, max(0.0, sup.deadline - now))
+        headers += _DEADLINE + b": %d\r\n" % int(wait * 1000)
         if sup is not None:
             sup.upstream, sup.stall, sup.answered = pair.decode.url, None, False
-            # A non-streamed answer is silent until it is complete: only the health check
-            # and the request timeout bound it.
+            # A non-streamed answer is silent until it is complete: only a worker silent on every channel
+            # (router.supervisor) and the request timeout bound it.
             sup.idle_limit = self._first_byte if stream else float("inf")
-            sup.last_byte = time.monotonic()
+            sup.stall_limit = self._idle
+            sup.last_byte = now
         data = body if body is not None else (state.upstream_body or state.body)
         pool = pair.decode.pool
         if pool is None or pool.closed:
@@ -153,8 +179,7 @@ class Relay:
                 if not pool.send_pooled(request, reply):
                     await pool.send(request, reply)
             except UpstreamError as exc:
-                return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started,
-                                      detail=str(exc))
+                return _unreachable(exc, state)
             return await self._outcome(state, pair, reply, sink, ex)
         except asyncio.CancelledError:
             if sup is None or sup.stall is None or sup.timed_out or sup.client_gone:
@@ -172,7 +197,7 @@ class Relay:
         finally:
             reply.abort()  # a no-op once complete; else the worker sees the connection close and aborts
             if sup is not None:
-                sup.upstream, sup.idle_limit, sup.stall = None, float("inf"), None
+                sup.upstream, sup.idle_limit, sup.stall_limit, sup.stall = None, float("inf"), float("inf"), None
 
     async def _outcome(self, state: RequestState, pair: Pair, reply: Reply, sink: "_StreamSink | None",
                        ex: Exchange) -> int | AttemptFailure:
@@ -180,8 +205,9 @@ class Relay:
             await reply.done
         except UpstreamError as exc:
             if not reply.status:
-                return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started,
-                                      detail=str(exc))
+                return _unreachable(exc, state)
+            if state.delivered and sink is not None:  # closed after [DONE]: nothing was lost
+                return sink.finish()
             if sink is not None and sink.relaying:
                 return AttemptFailure("stream_broken", Role.DECODE, after_start=True, detail=str(exc))
             return AttemptFailure("decode_disconnected", Role.DECODE, after_start=state.response_started,
@@ -221,13 +247,14 @@ class Relay:
 class _StreamSink:
     """Relays a streamed answer from the connection's callbacks: raw bytes, or events through the tracker."""
 
-    __slots__ = ("relay", "state", "ex", "pair", "reply", "relaying", "pending")
+    __slots__ = ("relay", "state", "ex", "pair", "reply", "relaying", "pending", "tail")
 
     def __init__(self, relay: Relay, state: RequestState, ex: Exchange, pair: Pair) -> None:
         self.relay, self.state, self.ex, self.pair = relay, state, ex, pair
         self.reply: Reply | None = None
         self.relaying = False
         self.pending = b""
+        self.tail = b""  # the last bytes relayed raw (a [DONE] split across reads)
 
     def on_head(self, reply: Reply) -> None:
         self.pair.release_prefill()  # a response exists: the prefill's part is over
@@ -261,6 +288,8 @@ class _StreamSink:
         if tracker is None:
             state.clean = chunk.endswith(b"\n\n")
             ex.write(chunk)
+            self.tail = (self.tail + chunk)[-16:]
+            state.delivered = self.tail.endswith(b"data: [DONE]\n\n")
         else:
             out, self.pending = _events(tracker, self.pending + chunk)
             if tracker.no_ids:  # a worker without token ids: relay raw from here on
@@ -269,6 +298,7 @@ class _StreamSink:
                 state.clean = not self.pending or self.pending.endswith(b"\n\n")
                 self.pending = b""
             ex.write(out)
+            state.delivered = tracker.ended or out.endswith(b"data: [DONE]\n\n")
         sup = state.supervised
         if sup is not None:  # after the write: a slow client is not a silent worker
             sup.last_byte = time.monotonic()
@@ -280,12 +310,23 @@ class _StreamSink:
     def finish(self) -> int | AttemptFailure:
         state = self.state
         tracker = state.tracker
-        if tracker is not None and not tracker.ended:
+        if tracker is not None and not tracker.ended and not state.delivered:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail="the stream ended without [DONE]")
         state.mark_finished()
         self.ex.end()
         return 200
+
+
+def _unreachable(exc: UpstreamError, state: RequestState) -> AttemptFailure:
+    """No answer from the decode (or mixed) worker: refused or reset is death (``decode_unreachable``, counted
+    by its breaker); a connection that could not be opened in time is slowness: the worker is left alone for a
+    moment, as after a refusal for capacity, and the request goes elsewhere or waits (``router.capacity``)."""
+    if exc.stage == "connect" and exc.timed_out:
+        return AttemptFailure("decode_connect_timeout", None, detail=str(exc), after_start=state.response_started,
+                              overloaded=True)
+    return AttemptFailure("decode_unreachable", Role.DECODE, after_start=state.response_started, detail=str(exc),
+                          refused=exc.refused)
 
 
 def _release_prefill(pair: Pair):

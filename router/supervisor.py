@@ -6,19 +6,30 @@ its deadline (``--request-timeout-secs``); a request's timeout fires at most one
 disconnects is seen at once by its connection (``router.http_server``), which calls
 :meth:`Supervisor.client_lost`: no watcher task per request either.
 
-The same tick enforces the upstream timeouts of the attempt in progress: no
-byte from the worker for ``idle_limit`` seconds (``--upstream-first-byte-timeout-secs``
-until the response starts, ``--upstream-idle-timeout-secs`` between stream
-chunks) cancels the attempt with ``stall = "idle_timeout"``, and
-:meth:`Supervisor.fail_upstream` cancels every attempt on a worker the health
-check found dead (``stall = "worker_dead"``). The request's handler catches
-that cancellation and retries or migrates the request.
+The same tick enforces the upstream timeouts of the attempt in progress, and
+never fails an attempt on a worker that is alive and making progress:
+
+- before the response starts, ``--upstream-first-byte-timeout-secs`` without
+  the first byte (it bounds queueing and prefill), or ``--upstream-idle-timeout-secs``
+  without a sign of life from the decode worker (no byte on any of its
+  connections, no probe answer, no advance of its step or transfer counters:
+  a frozen or hung process);
+- after it started, ``--upstream-idle-timeout-secs`` without a byte of this
+  stream *and* without a byte on the worker's other connections or an advance
+  of its counters (a worker that keeps stepping is busy, not stuck; the request
+  timeout still bounds the stream);
+
+cancel the attempt with ``stall = "idle_timeout"``, and
+:meth:`Supervisor.fail_upstream` cancels every attempt on a worker found dead
+(its connection refused or reset, ``stall = "worker_dead"``). The request's
+handler catches that cancellation and retries or migrates the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -33,7 +44,8 @@ class Supervised:
     timed_out: bool = False
     client_gone: bool = False
     upstream: str | None = None      # the decode (or mixed) worker of the attempt in progress
-    idle_limit: float = float("inf")  # seconds without a byte from ``upstream``
+    idle_limit: float = float("inf")  # seconds without a byte from ``upstream`` (first byte, or between chunks)
+    stall_limit: float = float("inf")  # seconds without any sign of life from ``upstream``
     last_byte: float = 0.0           # time.monotonic() of the last byte (or of the attempt's start)
     stall: str | None = None         # why the attempt was cancelled: idle_timeout, worker_dead
     answered: bool = False           # the attempt in progress has its worker's first byte
@@ -42,8 +54,12 @@ class Supervised:
 class Supervisor:
     """Deadline and disconnect supervision of all in-flight requests."""
 
-    def __init__(self, tick_secs: float = 0.1) -> None:
+    def __init__(self, tick_secs: float = 0.1, life: Callable[[str, bool], float] | None = None) -> None:
+        """``life(url, answered)``: ``time.monotonic()`` of the last sign of life of the worker at ``url``
+        (``answered``: the attempt's response started, so a probe answer no longer counts: only bytes and
+        progress do); None: only the attempt's own bytes count."""
         self.tick_secs = tick_secs
+        self.life = life
         self._live: dict[int, Supervised] = {}
         self._next_id = 0
 
@@ -82,9 +98,23 @@ class Supervisor:
             if now >= entry.deadline:
                 entry.timed_out = True
                 entry.task.cancel()
-            elif entry.stall is None and now - entry.last_byte > entry.idle_limit:
+            elif entry.stall is None and self._stalled(entry, now):
                 entry.stall = "idle_timeout"
                 entry.task.cancel()
+
+    def _stalled(self, entry: Supervised, now: float) -> bool:
+        silent = now - entry.last_byte
+        if entry.answered:
+            limit = entry.idle_limit
+        else:
+            if silent > entry.idle_limit:  # no first byte: the hard bound on queueing and prefill
+                return True
+            limit = entry.stall_limit
+        if silent <= limit:
+            return False
+        if self.life is None or entry.upstream is None:
+            return True
+        return now - self.life(entry.upstream, entry.answered) > limit
 
     def fail_upstream(self, url: str) -> int:
         """Cancel every attempt in progress on worker ``url`` (found dead); returns how many."""

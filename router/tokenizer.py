@@ -161,7 +161,8 @@ class RouterTokenizer:
                 prompt = prompt[0]
             special = data.get("add_special_tokens", True)
             if isinstance(prompt, str) and isinstance(special, bool):
-                return Job("text", ("t", prompt, special), prompt, special)
+                # text that is not valid Unicode (a lone surrogate): the worker refuses it with a 400
+                return Job("text", ("t", prompt, special), prompt, special) if _unicode(prompt) else None
             if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
                 ids = tuple(prompt[:self.max_chars])
                 return Job("ids", ("i", ids), ids, False)
@@ -332,13 +333,22 @@ def _conversation(data: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(m, dict) or m.get("tool_calls") or not isinstance(m.get("role"), str):
             return None
         msg = {"role": m["role"], "content": _text(m.get("content"))}
-        if msg["content"] is None:
-            return None
+        if msg["content"] is None or not _unicode(msg["content"]) or not _unicode(msg["role"]):
+            return None  # parts the router does not render, or text the worker refuses (a lone surrogate)
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None:
                 msg[key] = m[key]
         conversation.append(msg)
     return conversation
+
+
+def _unicode(text: str) -> bool:
+    """`text` is valid Unicode (no lone UTF-16 surrogate, which the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _message_key(m: dict[str, Any]) -> tuple:

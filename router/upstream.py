@@ -37,11 +37,14 @@ from pd_cluster.router.config import LimitsConfig
 
 class UpstreamError(Exception):
     """A request to a worker failed. ``stage``: ``connect`` (no connection), ``head`` (closed before the
-    status line), ``body`` (closed or malformed after it)."""
+    status line), ``body`` (closed or malformed after it). ``refused``: the connection was refused or reset
+    (the worker is gone); ``timed_out``: it could not be opened in time (slow, not gone)."""
 
-    def __init__(self, stage: str, detail: str) -> None:
+    def __init__(self, stage: str, detail: str, refused: bool = False, timed_out: bool = False) -> None:
         super().__init__(detail)
         self.stage = stage
+        self.refused = refused
+        self.timed_out = timed_out
 
 
 class Reply:
@@ -180,7 +183,8 @@ class UpstreamConn(asyncio.Protocol):
             self.pool.resend(reply, self.request)  # closed as it was reused: the worker never read it
         else:
             why = f"{type(exc).__name__}: {exc}" if exc is not None else "the worker closed the connection"
-            reply._fail(UpstreamError("body" if reply.status else "head", why))
+            reply._fail(UpstreamError("body" if reply.status else "head", why,
+                                      refused=isinstance(exc, ConnectionResetError)))
 
     def abort(self) -> None:
         if not self.closed and self.transport is not None:
@@ -286,7 +290,9 @@ class UpstreamPool:
                 lambda: UpstreamConn(self), self.host, self.port, ssl=self.ssl,
                 server_hostname=self.host if self.ssl else None), self.connect_timeout_secs)
         except (OSError, asyncio.TimeoutError, ssl.SSLError) as exc:
-            raise UpstreamError("connect", f"{type(exc).__name__}: {exc}") from None
+            raise UpstreamError("connect", f"{type(exc).__name__}: {exc}",
+                                refused=isinstance(exc, (ConnectionRefusedError, ConnectionResetError)),
+                                timed_out=isinstance(exc, (asyncio.TimeoutError, TimeoutError))) from None
         return conn
 
     def release(self, conn: UpstreamConn) -> None:

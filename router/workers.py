@@ -48,13 +48,18 @@ class Worker:
     """One worker and what the router knows of it.
 
     ``inflight``: this router's requests using it now (a prefill until the
-    first token, a decode until the end). ``sent_since_report``: requests
+    first token, a decode until the end); ``inflight_extra``: their sequences
+    beyond one each (a many-prompt request's). ``sent_since_report``: requests
     routed to it since its last ``/get_load`` report. ``max_running``: its
     ``max_running_requests`` from ``/server_info`` (0: unknown). ``busy_until``:
     ``time.monotonic()`` until which it is left alone after refusing a request
-    for capacity (``router.capacity``). ``slow_checks``: probes that timed out
-    while it kept sending bytes (busy, not dead; ``router.health``).
-    ``pool``: its data-path connections (``router.upstream``).
+    for capacity (``router.capacity``). ``slow_checks``: probes that answered late
+    or not yet while it showed other signs of life (busy, not dead; ``router.health``).
+    ``healthy``: ready for new work. ``dead``: its connection was refused or reset after it had been
+    seen alive (a fact, not a timeout; its in-flight requests are failed and migrated); cleared by the
+    next check it passes. ``probe_seen``: ``time.monotonic()`` of its last probe answer, however late;
+    ``progress``: its step and transfer counters (``/health``, ``/get_load``), and ``progress_at`` when
+    they last advanced. ``pool``: its data-path connections (``router.upstream``).
     """
 
     url: str
@@ -67,6 +72,7 @@ class Worker:
     fail_streak: int = 0
     load: LoadReport | None = None
     inflight: int = 0
+    inflight_extra: int = 0
     sent_since_report: int = 0
     served_model_name: str | None = None
     incarnation: str | None = None
@@ -74,6 +80,9 @@ class Worker:
     busy_until: float = 0.0
     slow_checks: int = 0
     probe_seen: float = float("-inf")
+    dead: bool = False
+    progress: int = -1
+    progress_at: float = float("-inf")
     pool: Any = field(default=None, repr=False)
     added_at: float = field(default_factory=time.monotonic)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
@@ -89,6 +98,20 @@ class Worker:
         """Healthy and its circuit breaker is not open."""
         return self.healthy and self.breaker.allows(now)
 
+    def note_progress(self, body: object, now: float) -> None:
+        """Read the progress counters of a ``/health`` or ``/get_load`` answer (``num_steps``,
+        ``num_kv_transfer_events``); ``progress_at`` moves when their sum advanced."""
+        if not isinstance(body, dict):
+            return
+        steps, events = body.get("num_steps"), body.get("num_kv_transfer_events", 0)
+        if not isinstance(steps, int) or isinstance(steps, bool) or not isinstance(events, int):
+            return
+        value = steps + events
+        if value != self.progress:
+            if self.progress >= 0:
+                self.progress_at = now
+            self.progress = value
+
     def set_load(self, report: LoadReport) -> None:
         self.load = report
         self.sent_since_report = 0
@@ -98,9 +121,11 @@ class Worker:
         load = self.load
         return {
             "url": self.url, "role": self.role.value, "source": self.source,
-            "healthy": self.healthy, "circuit_state": self.breaker.state(now).value,
+            "healthy": self.healthy, "dead": self.dead, "circuit_state": self.breaker.state(now).value,
             "busy": self.busy_until > now, "slow_checks": self.slow_checks,
             "inflight": self.inflight, "served_model_name": self.served_model_name,
+            "progress": None if self.progress < 0 else self.progress,
+            "progress_age_secs": None if self.progress_at == float("-inf") else round(now - self.progress_at, 3),
             "load": None if load is None else {
                 "num_running_reqs": load.num_running_reqs, "num_queue_reqs": load.num_queue_reqs,
                 "waiting": load.waiting, "token_usage": load.token_usage,
@@ -125,6 +150,7 @@ class WorkerRegistry:
         self._on_added: list[Listener] = []
         self._on_removed: list[Listener] = []
         self.version = 0  # bumped on every change of membership or of what a worker reported (`touch`)
+        self.on_breaker_transition: Callable[[str, str], None] | None = None  # given to each new breaker
 
     def touch(self) -> None:
         """A worker's reported facts (served model name) changed."""
@@ -151,7 +177,8 @@ class WorkerRegistry:
                 raise ValueError(f"{url} is registered as {existing.role.value}, not {role.value}")
             return existing
         worker = Worker(url=url, role=role, source=source,
-                        breaker=CircuitBreaker(self._circuit, url, role.value), healthy=healthy, checked=healthy)
+                        breaker=CircuitBreaker(self._circuit, url, role.value, self.on_breaker_transition),
+                        healthy=healthy, checked=healthy)
         self._workers[url] = worker
         self._by_role[role].append(worker)
         self.version += 1

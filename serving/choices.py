@@ -7,6 +7,9 @@ vLLM, a seeded request gives choice ``i`` the seed ``seed + i`` (the choices
 differ, and the same request gives the same choices again); an unseeded one
 samples each choice independently. ``best_of`` returns the ``n`` sequences with
 the highest cumulative logprob, best first (vLLM's semantic; not streamed).
+
+Waiting on a run: `until_disconnect` (aborts when the client leaves), `request_error` (a delta that ends its
+request with an engine error), `raise_error` (an error the engine loop put in a run's queue).
 """
 
 from __future__ import annotations
@@ -14,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
 
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams, fanned_out
+from pd_cluster.serving.errors import HTTPError
 from pd_cluster.serving.responses import ResponseBuilder
 
 
@@ -58,3 +65,33 @@ def best_of(runs: list[ChoiceRun], n: int, base: int = 0) -> list[ChoiceRun]:
     for i, r in enumerate(ranked):
         r.builder.index = base + i
     return ranked
+
+
+DISCONNECT_POLL_S = 0.1
+"""How often a handler waiting for the engine checks that its client is still there (seconds)."""
+
+
+def request_error(d: RequestDelta) -> HTTPError | None:
+    """The error of a delta that ends its request with ``finish_reason == "error"`` (the engine failed this
+    request alone, e.g. while preparing its logits or sampling; see `LLMEngine.fail_request`), else None."""
+    if not (d.finished and d.finish_reason == "error"):
+        return None
+    return HTTPError(500, f"the request failed in the engine: {d.error or 'unknown error'}", None, "request_failed")
+
+
+def raise_error(d: Any) -> Any:
+    """A stream item, or raise it when the engine loop put an error there (`EngineDeadError`)."""
+    if isinstance(d, BaseException):
+        raise d
+    return d
+
+
+async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
+    """Await `task`, cancelling it and raising `asyncio.CancelledError` if the client disconnects."""
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise asyncio.CancelledError("client disconnected")

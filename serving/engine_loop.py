@@ -37,6 +37,10 @@ class StepHooks:
         """True while the hooks wait on something (e.g. transfers) and need `poll` soon."""
         return False
 
+    transfer_events = 0
+    """KV transfer events handled so far (pushes completed or failed, pages released): a progress counter that
+    role hooks advance; read by ``/health`` and ``/get_load`` (`EngineLoop.progress`)."""
+
 
 class EngineLoop:
     """The engine's thread.
@@ -69,6 +73,7 @@ class EngineLoop:
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
+        self.num_steps = 0  # engine steps run: with `StepHooks.transfer_events`, what `progress` reports
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -85,6 +90,13 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
+
+    @property
+    def progress(self) -> dict[str, int]:
+        """Counters that advance while the engine thread does work: ``num_steps`` (engine steps) and
+        ``num_kv_transfer_events`` (KV pushes completed or failed, pages released). A router reads them from
+        ``/health`` and ``/get_load`` to tell a busy worker (they advance) from a stalled one (they do not)."""
+        return {"num_steps": self.num_steps, "num_kv_transfer_events": self.hooks.transfer_events}
 
     # ---- from the event loop -------------------------------------------------------
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -187,6 +199,7 @@ class EngineLoop:
     def _step(self) -> None:
         t = time.monotonic()
         out = self.engine.step()
+        self.num_steps += 1
         self.hooks.after_step(self.engine, out)
         if self.on_step is not None:
             self.on_step(self.engine, out, time.monotonic() - t)

@@ -20,6 +20,7 @@ prefill worker already looked up) keep their ``pd:`` names but have no ``vllm:``
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -27,6 +28,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.serving.kv_store_metrics import KVStoreMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
@@ -158,6 +160,7 @@ class WorkerMetrics:
                       "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
         self.kv_store = KVStoreMetrics(own)  # cached tokens by source; the cluster-wide KV store
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
+        self.dropped_tokens = 0  # sampled for requests that return none (echo with max_tokens 0): not generated
         self._cache_config_set = False
         registry.register(_Exposition(own, self))
 
@@ -176,7 +179,7 @@ class WorkerMetrics:
         self.gen_throughput.set(engine.stats.gen_throughput)
         st = engine.stats
         self._inc(self.prompt_tokens, "prompt", st.prompt_tokens_total)
-        self._inc(self.generation_tokens, "gen", st.generation_tokens_total)
+        self._inc(self.generation_tokens, "gen", st.generation_tokens_total - self.dropped_tokens)
         self._inc(self.num_retracted_reqs, "retracted", engine.scheduler.num_retracted_total)
         queries, hits = (getattr(st, name, None) for name in PREFIX_CACHE_STATS)
         self.prefix_cache_counted = queries is not None and hits is not None
@@ -251,3 +254,52 @@ def _relabel(fam: Metric, name: str, model: str) -> Metric:
     out.samples = [s._replace(name=name + s.name[len(fam.name):], labels={MODEL_LABEL: model, **s.labels})
                    for s in fam.samples]
     return out
+
+
+class RequestTiming:
+    """One request's latency and size metrics at the worker (`WorkerMetrics`).
+
+    Args:
+        arrival: ``time.monotonic()`` when the request arrived.
+        max_tokens: its output budget (tokens).
+        dropped: ``max_tokens`` 0 with ``echo``: the one token the engine sampled is not the client's, so the
+            request counts as generating 0 of 0 tokens.
+    """
+
+    def __init__(self, metrics: WorkerMetrics, arrival: float, max_tokens: int | None = None,
+                 dropped: bool = False) -> None:
+        self.m = metrics
+        self.arrival = arrival
+        self.max_tokens = 0 if dropped else max_tokens
+        self.dropped = dropped
+        self.last: float | None = None
+
+    def on_delta(self, d: RequestDelta) -> None:
+        if not d.new_token_ids:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.m.ttft.observe(now - self.arrival)
+        else:
+            gap = (now - self.last) / len(d.new_token_ids)
+            for _ in d.new_token_ids:
+                self.m.itl.observe(gap)
+        self.last = now
+
+    def on_finish(self, finish_reason: str | None, d: RequestDelta) -> None:
+        self.m.e2e.observe(time.monotonic() - self.arrival)
+        self.m.on_request_finished(finish_reason or "unknown", d.num_prompt_tokens,
+                                   0 if self.dropped else d.num_output_tokens, self.max_tokens)
+        t = d.times
+        if t is None:
+            return
+        # Each worker reports the phases it ran: a decode worker its page wait, the handover and decoding; the
+        # prefill worker reports the prefill queue and compute of the same request.
+        if t.admitted is not None:
+            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
+        if t.kv_wait_s is None and t.first_scheduled is not None and t.prefill_done is not None:  # local prefill
+            self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
+        if t.transfer_s is not None:
+            self.m.transfer_time.observe(t.transfer_s)
+        if t.prefill_done is not None and t.finished is not None:
+            self.m.decode_time.observe(max(t.finished - t.prefill_done, 0.0))

@@ -47,5 +47,5 @@ def build_mixed_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[str
     loop = worker_engine_loop(engine, on_step=lambda e, out, dt: metrics.on_step(e), exit_on_fatal=exit_on_fatal)
     state = WorkerState(loop, registry, server_info(engine, host_info))
     serving = OpenAIServing(LocalPrefill(loop), engine.tokenizer, engine.model_name, engine.context_length, metrics,
-                            config.tools, engine.generation)
+                            config.tools, engine.generation, page_size=engine.layout.page_size)
     return create_worker_app(state, serving_routes(serving), on_shutdown=serving.tok.close)

@@ -22,16 +22,24 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_cluster.engine.kv.text_map import TextMapLog
 from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.serving.body import parse_json_object, read_body
-from pd_cluster.serving.choices import ChoiceRun, best_of, choice_params
+from pd_cluster.serving.choices import (  # until_disconnect: also for the prefill role's handler
+    ChoiceRun,
+    best_of,
+    choice_params,
+    raise_error,
+    request_error,
+    until_disconnect,
+)
 from pd_cluster.serving.errors import HTTPError, error_response, to_http_error
-from pd_cluster.serving.metrics import WorkerMetrics
+from pd_cluster.serving.metrics import RequestTiming, WorkerMetrics
 from pd_cluster.serving.prompt_logprobs import PromptEcho
 from pd_cluster.serving.protocol import NO_DEFAULTS, ChatCompletionRequest, CompletionRequest
-from pd_cluster.serving.resume import Resumed, prepare_resumed
+from pd_cluster.serving.resume import NOTHING, Resumed, prepare_resumed_choices
 from pd_cluster.serving.responses import SSE_DONE, ResponseBuilder, merge_choices, merged_usage_chunk, sse
 from pd_cluster.serving.token_text import TokenTexts
 from pd_cluster.serving.tokenization import Tokenization
@@ -39,8 +47,6 @@ from pd_cluster.serving.tools.chat import ChatTools, ToolSettings, chat_tools
 from pd_cluster.serving.validation import validate_body
 
 logger = logging.getLogger("pd.serving")
-
-DISCONNECT_POLL_S = 0.1
 
 
 class PromptSource(ABC):
@@ -71,7 +77,11 @@ class Prepared(NamedTuple):
     prompts: list[PromptEcho]
     params: SamplingParams
     tools: ChatTools | None = None
-    resumed: Resumed = Resumed([])  # ``resume_token_ids``: what an earlier attempt delivered
+    resumed: list[Resumed | None] = []  # ``resume_token_ids`` per choice (None: finished before); []: none
+
+
+# One choice's run: its `ChoiceRun`, sampling, prompt ids and the output ids it resumes
+Run = tuple[ChoiceRun, SamplingParams, list[int], list[int]]
 
 
 class OpenAIServing:
@@ -86,17 +96,19 @@ class OpenAIServing:
         tool_settings: the worker's ``--tool-call-parser`` and ``--enable-auto-tool-choice``.
         generation: the engine's generation config (``--generation-config``): the defaults of the sampling
             fields and ``max_tokens`` that a request does not set.
+        page_size: the KV page size: the worker publishes its text-to-page map (``GET /kv_text_map``,
+            `serving.text_map`); None: no map.
     """
 
     def __init__(self, source: PromptSource, tokenizer: Any, model_name: str, context_length: int,
                  metrics: WorkerMetrics, tool_settings: ToolSettings | None = None,
-                 generation: GenerationDefaults = NO_DEFAULTS) -> None:
+                 generation: GenerationDefaults = NO_DEFAULTS, page_size: int | None = None) -> None:
         self.source = source
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.context_length = context_length
         self.metrics = metrics
-        self.tok = Tokenization(tokenizer, context_length)
+        self.tok = Tokenization(tokenizer, context_length, TextMapLog(page_size) if page_size else None)
         self.tool_settings = tool_settings or ToolSettings()
         self.generation = generation
 
@@ -119,25 +131,8 @@ class OpenAIServing:
         try:
             prep = await self._parse(request, kind)
             body = prep.body
-            n, count = body.num_choices, body.num_generated
-            runs = []
-            for p_i, prompt in enumerate(prep.prompts):
-                prompt_ids = prompt.token_ids
-                want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
-                for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
-                    texts = prep.resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
-                    builder = ResponseBuilder(kind, request_id, self.model_name, texts,
-                                              want_logprobs=prep.params.logprobs is not None,
-                                              prompt_token_ids=prompt_ids if body.return_token_ids else None,
-                                              index=p_i * n + j, tools=prep.tools,
-                                              prompt=prompt if want_prompt else None)
-                    builder.resume(prep.resumed.text)
-                    # The engine's id is unique per attempt: a router retry of the same request may reach this
-                    # worker while the failed attempt still holds its pages (waiting for the sender to stop
-                    # writing into them).
-                    runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
-                                 prompt_ids))
-            await self._start_all(request, runs, prep.resumed.token_ids)
+            runs = self.make_runs(prep, kind, request_id)
+            await self.start_runs(request, prep, runs)
         except asyncio.CancelledError:  # the client went away before the first token (already aborted)
             logger.debug("request %s: client disconnected before the first token", request_id)
             return Response(status_code=499)
@@ -147,12 +142,13 @@ class OpenAIServing:
                 logger.warning("request %s failed before the first token: %s %s", request_id, err.status, err.message)
             return error_response(err, request_id)
         headers = {"X-Request-Id": request_id}
-        choices = [r for r, _, _ in runs]
-        timings = [_Timing(self.metrics, arrival, p.max_tokens) for _, p, _ in runs]
+        choices = [r for r, _, _, _ in runs]
+        timings = [RequestTiming(self.metrics, arrival, p.max_tokens, prep.prompts[r.prompt].drop_output)
+                   for r, p, _, _ in runs]
         if body.stream:
             gen = self._stream(choices, body.include_usage, timings)
             return StreamingResponse(gen, media_type="text/event-stream", headers=headers)
-        return await self._collect(request, choices, n, timings, headers)
+        return await self._collect(request, choices, body.num_choices, timings, headers)
 
     async def _parse(self, request: Request, kind: str) -> "Prepared":
         """Read, validate and tokenize the body; everything but reading runs in the tokenizer thread."""
@@ -160,7 +156,49 @@ class OpenAIServing:
         return await self.tok.run(self._prepare, raw, kind)
 
     def _prepare(self, raw: bytes, kind: str) -> "Prepared":
-        data = parse_json_object(raw)
+        return self.prepare_data(parse_json_object(raw), kind)
+
+    def make_runs(self, prep: Prepared, kind: str, request_id: str) -> list[Run]:
+        """One run per choice of every prompt that is not finished yet: its engine id, its `ResponseBuilder`, its
+        sampling, prompt ids and the output ids it resumes (`Prepared.resumed`, one per choice)."""
+        body = prep.body
+        n, count = body.num_choices, body.num_generated
+        runs = []
+        for p_i, prompt in enumerate(prep.prompts):
+            prompt_ids = prompt.token_ids
+            want_prompt = prompt.echo or prompt.prompt_top is not None or prompt.drop_output
+            for j, params in enumerate(choice_params(prep.params, count, keep_logprobs=count == n)):
+                resumed = prep.resumed[p_i * n + j] if prep.resumed else NOTHING
+                if resumed is None:  # this choice finished in an earlier attempt of the stream
+                    continue
+                texts = resumed.texts or TokenTexts(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                builder = ResponseBuilder(kind, request_id, self.model_name, texts,
+                                          want_logprobs=prep.params.logprobs is not None,
+                                          prompt_token_ids=prompt_ids if body.return_token_ids else None,
+                                          index=p_i * n + j, tools=prep.tools,
+                                          prompt=prompt if want_prompt else None)
+                builder.resume(resumed.text)
+                # The engine's id is unique per attempt: a router retry of the same request may reach this
+                # worker while the failed attempt still holds its pages (waiting for the sender to stop
+                # writing into them).
+                runs.append((ChoiceRun(f"{request_id}.{uuid.uuid4().hex[:8]}", builder, prompt=p_i), params,
+                             prompt_ids, resumed.token_ids))
+        return runs
+
+    async def start_runs(self, request: Request, prep: Prepared, runs: list[Run]) -> None:
+        """Start every run and wait for each one's first delta (`_start_all`)."""
+        # max_tokens 0 with echo: a mixed worker's engine samples a token no client gets; it is not counted
+        # as generated (a decode worker's first token is sampled, and counted, by its prefill worker)
+        drops = sum(prep.prompts[r.prompt].drop_output for r, _, _, _ in runs) if self.metrics.role == "mixed" else 0
+        self.metrics.dropped_tokens += drops
+        try:
+            await self._start_all(request, runs)
+        except BaseException:
+            self.metrics.dropped_tokens -= drops
+            raise
+
+    def prepare_data(self, data: dict[str, Any], kind: str) -> Prepared:
+        """Validate and tokenize a parsed body (in the tokenizer thread)."""
         model = CompletionRequest if kind == "completion" else ChatCompletionRequest
         body = validate_body(model, data)
         if body.model is not None and body.model != self.model_name:
@@ -173,7 +211,11 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, str):
                     self.tok.check_fits([prompt], _prompt_param(prompts, i))
-                ids = self.tok.encode(prompt, body.add_special_tokens) if isinstance(prompt, str) else prompt
+                one = data if len(prompts) == 1 else None  # the map covers a single prompt
+                if isinstance(prompt, str):
+                    ids = self.tok.encode(prompt, body.add_special_tokens, one)
+                else:
+                    ids = self.tok.prompt_ids(prompt, one) if one is not None else prompt
                 text = prompt if isinstance(prompt, str) else (
                     self.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens) if body.echo else "")
                 echoes.append(PromptEcho(text, ids, bool(body.echo), body.logprobs, body.prompt_logprobs,
@@ -185,8 +227,8 @@ class OpenAIServing:
                 self._check_length(len(echo.token_ids), kwargs["max_tokens"], _prompt_param(prompts, i),
                                    body.max_tokens_param)
             params = SamplingParams(**kwargs)
-            resumed = prepare_resumed(self.tokenizer, echoes[0].token_ids, params, body.resumed_output(),
-                                      self.context_length)
+            resumed = prepare_resumed_choices(self.tokenizer, [e.token_ids for e in echoes], params,
+                                              body.resumed_output(), body.num_choices, self.context_length)
             return Prepared(body, echoes, params, None, resumed)
         else:
             conversation, param = body.conversation(), "messages"
@@ -195,14 +237,14 @@ class OpenAIServing:
             if tools.structured_output is not None:
                 kwargs["structured_output"] = tools.structured_output
             self.tok.check_fits([m["content"] for m in conversation], param)
-            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools)
-            if body.add_special_tokens and self.tokenizer.bos_token_id is not None:
-                prompt_ids = [self.tokenizer.bos_token_id] + prompt_ids
+            prompt_ids = self.tok.chat_ids(conversation, body.add_generation_prompt, tools.template_tools,
+                                           body.add_special_tokens, data)
         kwargs["max_tokens"] = self.generation.resolve_max_tokens(kwargs["max_tokens"],
                                                                   self.context_length - len(prompt_ids))
         self._check_length(len(prompt_ids), kwargs["max_tokens"], param, body.max_tokens_param)
         params = SamplingParams(**kwargs)
-        resumed = prepare_resumed(self.tokenizer, prompt_ids, params, body.resumed_output(), self.context_length)
+        resumed = prepare_resumed_choices(self.tokenizer, [prompt_ids], params, body.resumed_output(),
+                                          body.num_choices, self.context_length)
         return Prepared(body, [PromptEcho("", prompt_ids, prompt_top=body.prompt_logprobs)], params, tools, resumed)
 
     def _check_length(self, n: int, max_tokens: int | None, param: str, max_tokens_param: str) -> None:
@@ -218,20 +260,20 @@ class OpenAIServing:
                                  f"Please reduce the length of the {param} or the completion.",
                             max_tokens_param, "context_length_exceeded")
 
-    async def _start_all(self, request: Request, runs: list[tuple[ChoiceRun, SamplingParams, list[int]]],
-                         resumed: list[int]) -> None:
-        """Start every choice (of every prompt) and wait for each one's first delta; on any failure abort them
-        all."""
-        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, ids, p, resumed)) for r, p, ids in runs]
+    async def _start_all(self, request: Request, runs: list[Run]) -> None:
+        """Start every choice (of every prompt; each with the output it resumes) and wait for each one's first
+        delta; on any failure abort them all."""
+        tasks = [asyncio.ensure_future(self._start(request, r.engine_id, ids, p, resumed))
+                 for r, p, ids, resumed in runs]
         try:
             results = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
-            for r, _, _ in runs:
+            for r, _, _, _ in runs:
                 self.source.abort(r.engine_id)
             raise
-        for (r, _, _), (stream, first) in zip(runs, results):
+        for (r, _, _, _), (stream, first) in zip(runs, results):
             r.stream, r.first = stream, first
 
     async def _start(self, request: Request, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -241,13 +283,13 @@ class OpenAIServing:
                                                           resumed))
         try:
             stream = await until_disconnect(request, started)
-            first = _raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
+            first = raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
         except BaseException:
             self.source.abort(request_id)
             raise
         if first.finished and first.finish_reason == "abort" and not first.new_token_ids:
             raise HTTPError(503, "the request was aborted before its first token", None, "aborted")
-        if (err := _request_error(first)) is not None and not first.new_token_ids:
+        if (err := request_error(first)) is not None and not first.new_token_ids:
             raise err
         if params.prompt_logprobs is not None and first.prompt_logprobs is None:
             self.source.abort(request_id)  # e.g. a prefill worker of an older version, which does not send them
@@ -261,7 +303,7 @@ class OpenAIServing:
                 self.source.abort(r.engine_id)
 
     async def _stream(self, runs: list[ChoiceRun], include_usage: bool,
-                      timings: list["_Timing"]) -> AsyncIterator[bytes]:
+                      timings: list[RequestTiming]) -> AsyncIterator[bytes]:
         """The SSE stream of every choice, interleaved as their deltas come (each chunk names its choice)."""
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -290,7 +332,7 @@ class OpenAIServing:
                 seen.add(i)
                 timings[i].on_delta(d)
                 run.builder.add(d)
-                failed = _request_error(d)
+                failed = request_error(d)
                 if d.new_text or d.new_token_ids or (d.finished and failed is None) or is_first:
                     yield run.builder.chunk(d, is_first)
                 if failed is not None:  # this request failed in the engine (the batch goes on)
@@ -312,7 +354,7 @@ class OpenAIServing:
                 t.cancel()
             self._abort_unfinished(runs)  # client went away (cancelled), a choice failed, or the server stops
 
-    async def _collect(self, request: Request, runs: list[ChoiceRun], n: int, timings: list["_Timing"],
+    async def _collect(self, request: Request, runs: list[ChoiceRun], n: int, timings: list[RequestTiming],
                        headers: dict[str, str]) -> Response:
         try:
             for run, timing in zip(runs, timings):
@@ -320,7 +362,7 @@ class OpenAIServing:
                 while True:
                     timing.on_delta(d)
                     run.builder.add(d)
-                    if (failed := _request_error(d)) is not None:
+                    if (failed := request_error(d)) is not None:
                         run.finished = True
                         logger.warning("request %s failed: %s", run.engine_id, failed.message)
                         self._abort_unfinished(runs)
@@ -357,86 +399,26 @@ def _one_per_prompt(runs: list[ChoiceRun]) -> list[ResponseBuilder]:
     return list(seen.values())
 
 
-def _request_error(d: RequestDelta) -> HTTPError | None:
-    """The error of a delta that ends its request with ``finish_reason == "error"`` (the engine failed this
-    request alone, e.g. while preparing its logits or sampling; see `LLMEngine.fail_request`), else None."""
-    if not (d.finished and d.finish_reason == "error"):
-        return None
-    return HTTPError(500, f"the request failed in the engine: {d.error or 'unknown error'}", None, "request_failed")
-
-
-def _raise_error(d: Any) -> Any:
-    """A stream item, or raise it when the engine loop put an error there (`EngineDeadError`)."""
-    if isinstance(d, BaseException):
-        raise d
-    return d
-
-
 def _prompt_param(prompts: list, i: int) -> str:
     """The body path of prompt `i`: ``prompt``, or ``prompt[i]`` among several."""
     return "prompt" if len(prompts) == 1 else f"prompt[{i}]"
 
 
-async def until_disconnect(request: Request, task: asyncio.Future) -> Any:
-    """Await `task`, cancelling it and raising `asyncio.CancelledError` if the client disconnects."""
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            raise asyncio.CancelledError("client disconnected")
-
-
-class _Timing:
-    """Per-request latency metrics at the worker."""
-
-    def __init__(self, metrics: WorkerMetrics, arrival: float, max_tokens: int | None = None) -> None:
-        self.m = metrics
-        self.arrival = arrival
-        self.max_tokens = max_tokens
-        self.last: float | None = None
-
-    def on_delta(self, d: RequestDelta) -> None:
-        if not d.new_token_ids:
-            return
-        now = time.monotonic()
-        if self.last is None:
-            self.m.ttft.observe(now - self.arrival)
-        else:
-            gap = (now - self.last) / len(d.new_token_ids)
-            for _ in d.new_token_ids:
-                self.m.itl.observe(gap)
-        self.last = now
-
-    def on_finish(self, finish_reason: str | None, d: RequestDelta) -> None:
-        self.m.e2e.observe(time.monotonic() - self.arrival)
-        self.m.on_request_finished(finish_reason or "unknown", d.num_prompt_tokens, d.num_output_tokens,
-                                   self.max_tokens)
-        t = d.times
-        if t is None:
-            return
-        # Each worker reports the phases it ran: a decode worker its page wait, the handover and decoding; the
-        # prefill worker reports the prefill queue and compute of the same request.
-        if t.admitted is not None:
-            self.m.queue_time.observe(max(t.admitted - t.arrival, 0.0))
-        if t.kv_wait_s is None and t.first_scheduled is not None and t.prefill_done is not None:  # local prefill
-            self.m.prefill_time.observe(max(t.prefill_done - t.first_scheduled, 0.0))
-        if t.transfer_s is not None:
-            self.m.transfer_time.observe(t.transfer_s)
-        if t.prefill_done is not None and t.finished is not None:
-            self.m.decode_time.observe(max(t.finished - t.prefill_done, 0.0))
-
-
 def serving_routes(serving: "OpenAIServing") -> list:
     """The OpenAI routes of a worker, as (path, handler, methods) for `create_worker_app`: completions, chat,
-    models, and vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
+    responses (`openai_responses.py`), models, vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, and
+    the text-to-page map (``/kv_text_map``)."""
+    from pd_cluster.serving.openai_responses import ResponsesServing
     from pd_cluster.serving.tokenizer_routes import TokenizerRoutes
 
     tok = TokenizerRoutes(serving)
-    return [("/v1/completions", serving.completions, ["POST"]),
-            ("/v1/chat/completions", serving.chat_completions, ["POST"]),
-            ("/v1/models", serving.models, ["GET"]),
-            ("/tokenize", tok.tokenize, ["POST"]),
-            ("/detokenize", tok.detokenize, ["POST"]),
-            ("/tokenizer_info", tok.tokenizer_info, ["GET"])]
+    routes = [("/v1/completions", serving.completions, ["POST"]),
+              ("/v1/chat/completions", serving.chat_completions, ["POST"]),
+              ("/v1/responses", ResponsesServing(serving).create, ["POST"]),
+              ("/v1/models", serving.models, ["GET"]),
+              ("/tokenize", tok.tokenize, ["POST"]),
+              ("/detokenize", tok.detokenize, ["POST"]),
+              ("/tokenizer_info", tok.tokenizer_info, ["GET"])]
+    if serving.tok.text_map is not None:
+        routes.append(("/kv_text_map", tok.kv_text_map, ["GET"]))
+    return routes

@@ -177,6 +177,18 @@ _PATHS: dict[str, dict[str, Any]] = {
     "/v1/completions": {"post": _generation("Create a completion", CompletionRequest, CompletionResponse)},
     "/v1/chat/completions": {"post": _generation("Create a chat completion", ChatCompletionRequest,
                                                  ChatCompletionResponse)},
+    "/v1/responses": {"post": {
+        "summary": "Create a response (OpenAI's Responses API, served by the chat path; nothing is stored)",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["input"],
+            "properties": {"input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+                           "instructions": {"type": "string"}, "model": {"type": "string"},
+                           "stream": {"type": "boolean"}}}}}},
+        "responses": {"200": {"description": "a response object; with `stream: true`, server-sent events "
+                                             "(response.created ... response.completed)",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {"type": "object"}}}},
+                      "default": _ERROR}}},
     "/v1/models": {"get": _op("The served model", _json(ModelList, "the model list"))},
     "/tokenize": {"post": _op("Tokenize a prompt or chat messages (vLLM)", _json(TokenizeResponse, "the tokens"),
                               TokenizeRequest)},
@@ -198,8 +210,22 @@ _PATHS: dict[str, dict[str, Any]] = {
                                    "docs/router.md)", _json(None, "an event batch")),
                                parameters=[{"name": n, "in": "query", "required": False,
                                             "schema": {"type": "integer", "minimum": m, "maximum": 10 ** 18 - 1}}
-                                           for n, m in (("since", 0), ("limit", 1))])},
+                                           for n, m in (("since", 0), ("limit", 1))]
+                               + [{"name": "token_ids", "in": "query", "required": False,
+                                   "schema": {"type": "string", "enum": ["true", "false"]},
+                                   "description": "false: stored pages without their token ids"},
+                                  {"name": "hashes", "in": "query", "required": False,
+                                   "schema": {"type": "string", "enum": ["list", "packed"]},
+                                   "description": "packed: block_hashes as base64 of little-endian u64"}])},
+    "/kv_text_map": {"get": dict(_op("Text-to-page map entries after `since` (called by the router; "
+                                     "docs/router.md)", _json(None, "entries, base64")),
+                                 parameters=[{"name": n, "in": "query", "required": False,
+                                              "schema": {"type": "integer", "minimum": m,
+                                                         "maximum": 10 ** 18 - 1}}
+                                             for n, m in (("since", 0), ("limit", 1))])},
     "/abort": {"post": _op("Abort a prefill job (called by decode workers)", _json(None, "aborted"))},
+    "/kv_transfer/connect": {"post": _op("Handshake with the worker the body names (called by decode workers "
+                                         "before they report ready)", _json(None, "the agent met"))},
 }
 
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pd_cluster.common.request_limits import too_many_sequences
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.sampling.params import MAX_LOGPROBS, MAX_N, SamplingParams
@@ -32,8 +33,6 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
-MAX_SEQUENCES = 1024
-"""Most sequences one completions request may generate: prompts × (``best_of`` or ``n``)."""
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 NO_DEFAULTS = GenerationDefaults()
@@ -85,8 +84,9 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
-    # pd-cluster: continue a stream after output already delivered (the router's request migration)
-    resume_token_ids: list[TokenId] | None = None
+    # pd-cluster: continue a stream after output already delivered (the router's request migration): one list,
+    # or with several choices one list per choice (index order), null for a choice that already finished
+    resume_token_ids: list[TokenId] | list[list[TokenId] | None] | None = None
 
     # ---- what the engine does with them ----------------------------------------------------
     def _check_extras(self) -> None:
@@ -134,25 +134,31 @@ class _Common(BaseModel):
                                       code="unsupported_parameter")
         return wanted
 
-    def resumed_output(self) -> list[int]:
-        """``resume_token_ids``: output tokens generated and delivered by an earlier attempt of this stream.
+    def resumed_output(self) -> list[list[int] | None]:
+        """``resume_token_ids`` per choice: output tokens generated and delivered by an earlier attempt of this
+        stream ([] when absent; `pd_cluster.serving.resume.prepare_resumed_choices` checks the count).
 
         Generation continues after them as if this server had generated them: they count toward ``max_tokens``,
         ``min_tokens``, penalties and ``usage.completion_tokens``; a grammar and a seeded generator replay them;
-        their text is not sent again. Only for one streamed choice.
+        their text is not sent again. With one choice, one list; with several (``n`` > 1, several prompts), one
+        list per choice in index order, ``null`` for a choice that already finished (it is not generated again).
 
         Raises:
-            RequestRejected: with ``stream`` false or several sequences.
+            RequestRejected: with ``stream`` false, with ``best_of`` above ``n``, or one flat list for several
+                choices.
         """
-        if not self.resume_token_ids:
+        ids = self.resume_token_ids
+        if not ids:
             return []
         if not self.stream:
             raise RequestRejected("resume_token_ids: only with stream=true", param="resume_token_ids",
                                   code="unsupported_parameter")
-        if self.num_generated > 1:
-            raise RequestRejected("resume_token_ids: only with one sequence (n=1, no best_of)",
-                                  param="resume_token_ids", code="unsupported_parameter")
-        return list(self.resume_token_ids)
+        if self.num_generated > self.num_choices:
+            raise RequestRejected("resume_token_ids: not with best_of above n", param="resume_token_ids",
+                                  code="unsupported_parameter")
+        if all(isinstance(t, int) for t in ids):
+            return [list(ids)]  # type: ignore[arg-type]
+        return [None if x is None else list(x) for x in ids]  # type: ignore[union-attr]
 
     @property
     def include_usage(self) -> bool:
@@ -213,13 +219,8 @@ class CompletionRequest(_Common):
             if not x:
                 raise RequestRejected("prompt: must not be empty", param="prompt" if len(prompts) == 1 else
                                       f"prompt[{i}]")
-        if len(prompts) * self.num_generated > MAX_SEQUENCES:
-            raise RequestRejected(f"prompt: {len(prompts)} prompts x {self.num_generated} sequences each is more "
-                                  f"than the {MAX_SEQUENCES} sequences one request may generate; split the batch",
-                                  param="prompt", code="invalid_value")
-        if len(prompts) > 1 and self.resume_token_ids:
-            raise RequestRejected("resume_token_ids: only with one prompt", param="resume_token_ids",
-                                  code="unsupported_parameter")
+        if (message := too_many_sequences(len(prompts), self.num_generated)) is not None:
+            raise RequestRejected(message, param="prompt", code="invalid_value")
         return prompts
 
     def sampling_kwargs(self, defaults: GenerationDefaults = NO_DEFAULTS) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``resume_token_ids`` on the worker's side: what a continued stream has already delivered.
+"""``resume_token_ids`` on the worker's side: what a continued stream has already delivered, per choice.
 
 The router's request migration resends a stream with the token ids it relayed (`pd_cluster.router.migration`).
 Before the engine replays them (`pd_cluster.engine.request_builder`), the handler bounds the list (its cost grows
@@ -53,3 +53,27 @@ def prepare_resumed(tokenizer: Any, prompt_ids: list[int], params: SamplingParam
         for t in resumed:
             texts.add(t)
     return Resumed(resumed, text, texts)
+
+
+NOTHING = Resumed([])
+
+
+def prepare_resumed_choices(tokenizer: Any, prompts: list[list[int]], params: SamplingParams,
+                            resumed: list[list[int] | None], n: int, context_length: int) -> list[Resumed | None]:
+    """`prepare_resumed` for each choice of a request (choice ``i`` continues prompt ``i // n``); None for a choice
+    that finished in an earlier attempt (it is not generated again). [] when nothing is resumed.
+
+    Raises:
+        HTTPError: 400 (``param: resume_token_ids``) when the lists do not match the choices one to one, when every
+            choice already finished, or as `prepare_resumed`.
+    """
+    if not resumed:
+        return []
+    total = len(prompts) * n
+    if len(resumed) != total:
+        raise HTTPError(400, f"resume_token_ids: {len(resumed)} list(s) for {total} choice(s); give one list per "
+                             "choice, null for a finished one", "resume_token_ids", "invalid_value")
+    if all(r is None for r in resumed):
+        raise HTTPError(400, "resume_token_ids: every choice already finished", "resume_token_ids", "invalid_value")
+    return [None if r is None else prepare_resumed(tokenizer, prompts[i // n], params, r, context_length)
+            for i, r in enumerate(resumed)]

@@ -28,6 +28,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pd_cluster.engine.kv.text_map import TextMapLog, chat_entries, completion_entries, token_id_entries
 from pd_cluster.serving.errors import HTTPError
 
 logger = logging.getLogger("pd.serving")
@@ -82,9 +83,11 @@ class Tokenization:
         context_length: the engine's ``--context-length`` (tokens).
     """
 
-    def __init__(self, tokenizer: Any, context_length: int) -> None:
+    def __init__(self, tokenizer: Any, context_length: int, text_map: TextMapLog | None = None) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
+        # the text-to-page map needs character offsets: a fast tokenizer's
+        self.text_map = text_map if getattr(tokenizer, "is_fast", False) else None
         self.bytes_per_token = max_bytes_per_token(tokenizer)
         if self.bytes_per_token is None:
             logger.warning("the tokenizer's normalizer may delete text: prompts are not length-checked before "
@@ -128,16 +131,54 @@ class Tokenization:
                  f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
     # ---- in the thread ------------------------------------------------------------------
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+    def encode(self, text: str, add_special_tokens: bool = True, body: dict[str, Any] | None = None) -> list[int]:
+        """`text`'s ids; with the request's `body`, its text-to-page map entries are published too."""
+        if self.text_map is None or body is None:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+        enc = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        self._publish(completion_entries, body, text, enc.input_ids, enc.offset_mapping, self.text_map.page_size)
+        return enc.input_ids
+
+    def prompt_ids(self, ids: list[int], body: dict[str, Any]) -> list[int]:
+        """A completion's token-id prompt, as given; its map entries are published."""
+        if self.text_map is not None:
+            try:
+                self.text_map.record(token_id_entries(body, ids, self.text_map.page_size))
+            except Exception:  # noqa: BLE001 - a failure there costs the map, never the request
+                logger.debug("text map entries not built", exc_info=True)
+        return ids
 
     def chat_ids(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The chat template's token ids; `tools` (OpenAI's ``tools``) reach the template as transformers'
-        ``apply_chat_template(tools=...)``."""
+                 tools: list[dict[str, Any]] | None = None, bos: bool = False,
+                 body: dict[str, Any] | None = None) -> list[int]:
+        """The chat template's token ids, with the BOS in front when `bos` (and the tokenizer has one); `tools`
+        (OpenAI's ``tools``) reach the template as transformers' ``apply_chat_template(tools=...)``. With the
+        request's `body`, its text-to-page map entries are published too."""
         text = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        lead = [self.tokenizer.bos_token_id] if bos and self.tokenizer.bos_token_id is not None else []
+        if self.text_map is None or body is None:
+            return lead + self.tokenizer(text, add_special_tokens=False).input_ids
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = lead + enc.input_ids
+        first = None
+        if len(conversation) > 1:
+            try:
+                first = self.tokenizer.apply_chat_template(conversation[:1], tools=tools, tokenize=False,
+                                                           add_generation_prompt=False)
+            except Exception:  # noqa: BLE001 - a template that refuses one message: no map for this chat
+                return ids
+        self._publish(chat_entries, body, text, ids, enc.offset_mapping, len(lead), self.text_map.page_size, first)
+        return ids
+
+    def _publish(self, build, body: dict[str, Any], text: Any, ids: list[int], *args: Any) -> None:
+        """Record `build(body, text, ids, *args)`'s entries; a failure there costs the map, never the request."""
+        try:
+            self.text_map.record(build(body, text, ids, *args))
+            if isinstance(text, str):
+                self.text_map.count(len(text), len(ids))
+        except Exception:  # noqa: BLE001
+            logger.debug("text map entries not built", exc_info=True)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -9,6 +9,9 @@ texts that cannot fit the context before tokenizing them, like the completion en
 tokens as their strings, file paths left out), ``tokenizer_class`` and the ``chat_template``. lm-eval's
 ``tokenizer_backend=remote`` reads it (``eos_token``, ``bos_token``, ``chat_template``) and then tokenizes
 through ``/tokenize``.
+
+``GET /kv_text_map`` (worker-internal) serves the text-to-page map the tokenizer publishes
+(``engine/kv/text_map.py``), for the router's ``cache_aware`` policy.
 """
 
 from __future__ import annotations
@@ -39,6 +42,17 @@ class TokenizerRoutes:
 
     async def tokenizer_info(self, request: Request) -> Response:
         return JSONResponse(tokenizer_info(self.tok.tokenizer))
+
+    async def kv_text_map(self, request: Request) -> Response:
+        """``GET /kv_text_map?since=N&limit=M``: the text-to-page map entries after ``since``
+        (`engine.kv.text_map.TextMapLog.read`; the router polls it with the internal key)."""
+        try:
+            since, limit = _param(request, "since"), _param(request, "limit")
+            if limit is not None and limit < 1:
+                raise HTTPError(400, "limit: must be >= 1", "limit", "invalid_value")
+            return JSONResponse(self.tok.text_map.read(since, 4096 if limit is None else limit))
+        except HTTPError as e:
+            return error_response(e)
 
     async def _handle(self, request: Request, fn) -> Response:
         try:
@@ -78,6 +92,15 @@ class TokenizerRoutes:
             raise HTTPError(400, f"tokens[{bad}]: {body.tokens[bad]} is not a token id (the vocabulary has {vocab})",
                             f"tokens[{bad}]", "invalid_value")
         return {"prompt": self.tok.decode(body.tokens)}
+
+
+def _param(request: Request, name: str) -> int | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    if not raw.isdigit() or len(raw) > 18:
+        raise HTTPError(400, f"{name}: must be a non-negative integer", name, "invalid_value")
+    return int(raw)
 
 
 _PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only")

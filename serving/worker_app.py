@@ -103,7 +103,7 @@ class WorkerConfig:
 INTERNAL_KEY_HEADER = "X-PD-Internal-Key"
 """The header carrying the cluster's internal key on worker-internal calls."""
 
-INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/", "/kv_events")
+INTERNAL_PATHS = ("/prefill", "/abort", "/kv_transfer/", "/kv_events", "/kv_text_map")
 """Worker-internal endpoints: only the cluster's own processes call them."""
 
 
@@ -138,7 +138,7 @@ class InternalAuth:
         self.prefixes = INTERNAL_PATHS + (("/v1/", "/tokenize", "/detokenize") if protect_v1 else ())
 
     def protects(self, path: str) -> bool:
-        return path.startswith(self.prefixes) or path.rstrip("/") in ("/prefill", "/abort", "/kv_events")
+        return path.startswith(self.prefixes) or path.rstrip("/") in INTERNAL_PATHS
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not self.protects(scope.get("path", "")):
@@ -182,6 +182,7 @@ class WorkerState:
         self.info = info
         self.extra_load = extra_load or (lambda: {})
         self._stopping = False
+        self.starting: str | None = None  # why the worker is not ready yet (``/health`` answers 503 meanwhile)
 
     @property
     def draining(self) -> bool:
@@ -194,7 +195,7 @@ class WorkerState:
     @property
     def load(self) -> dict[str, Any]:
         """Current load, read without stopping the engine (counters only; a step may be mid-way)."""
-        return dict(self.loop.engine.load(), **self.extra_load())
+        return dict(self.loop.engine.load(), **self.loop.progress, **self.extra_load())
 
 
 ENGINE_DEAD_EXIT_CODE = 70
@@ -253,10 +254,15 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     install_error_handlers(app)
 
     async def health(request: Request) -> Response:
+        # Readiness: 503 while the worker cannot take new work (starting, draining, engine dead). The progress
+        # counters tell a router that a slow answer comes from a busy worker, not a stalled one.
         if state.draining or not state.loop.alive:
             reason = "engine loop is not running" if not state.loop.alive else "draining"
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if state.starting is not None:
+            return JSONResponse({"status": "starting", "reason": state.starting, **state.loop.progress},
+                                status_code=503)
+        return JSONResponse({"status": "ok", **state.loop.progress})
 
     async def get_load(request: Request) -> Response:
         return JSONResponse(state.load)
@@ -276,7 +282,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             raise HTTPError(400, "limit: must be >= 1", "limit", "invalid_value")
         log = state.loop.engine.kv_events  # a snapshot can take a while: read it off the event loop
         batch = await asyncio.to_thread(log.read, since, limit)
-        return JSONResponse(batch.to_json())
+        return JSONResponse(batch.to_json(request.query_params.get("token_ids") != "false",
+                                          request.query_params.get("hashes") == "packed"))
 
     all_routes = [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
                   ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"]),

@@ -5,6 +5,9 @@ inner loop (under 4 minutes on a 2-core CPU). A test that starts a process (a wo
 tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
 over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
 way of starting a process fail the test.
+
+Clusters several slow modules only read from are shared: `tests/support/shared_clusters.py` (the fixture
+``pd_1p1d``) starts one for the first test that asks and stops it after the last one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers (tests/support/)
 
 from process_guard import ProcessGuard, answer_processor_without_uname  # noqa: E402
+from shared_clusters import SHARED, pd_1p1d  # noqa: E402, F401  (clusters shared by several modules)
 
 answer_processor_without_uname()
 
@@ -55,4 +59,11 @@ def pytest_runtest_call(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    return (yield from _no_process_unless_slow(item))
+    try:
+        return (yield from _no_process_unless_slow(item))
+    finally:
+        SHARED.release(item)  # a shared cluster stops after the last test that uses it
+
+
+def pytest_collection_finish(session):
+    SHARED.plan(session.items)

@@ -135,6 +135,17 @@ class ProtocolError(TransferError):
 
 
 class MetadataFetchError(TransferError):
-    """The peer's metadata endpoint could not be reached or answered garbage."""
+    """The peer's metadata endpoint could not be reached or answered garbage.
+
+    ``refused``: the connection was refused (nothing listens: the peer is gone or restarting; a fact, not
+    retried). ``slow``: the fetch timed out or the peer answered 503 (starting, busy): slowness, which the
+    caller retries within its deadline (`pd_cluster.common.deadline`).
+    """
 
     reason = "metadata_unreachable"
+
+    def __init__(self, message: str, *, refused: bool = False, slow: bool = False, transfer_id: str | None = None,
+                 peer: str | None = None) -> None:
+        super().__init__(message, transfer_id=transfer_id, peer=peer)
+        self.refused = refused
+        self.slow = slow

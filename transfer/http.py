@@ -106,23 +106,25 @@ class PeerDirectory:
             with httpx.Client(timeout=self.timeout, headers=self.headers) as client:
                 resp = client.get(_norm(url) + INFO_PATH)
         except httpx.HTTPError as e:
-            raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
+            raise fetch_error(url, e) from e
         return self._store(url, resp, expected_agent)
 
     async def aresolve(self, url: str, expected_agent: str | None = None,
-                       client: httpx.AsyncClient | None = None) -> Resolved:
-        """`resolve` for async callers (a FastAPI handler); reuses `client` when given."""
+                       client: httpx.AsyncClient | None = None, timeout: float | None = None) -> Resolved:
+        """`resolve` for async callers (a FastAPI handler); reuses `client` when given. `timeout`: seconds for
+        this fetch (default: the directory's)."""
         hit = self._hit(url, expected_agent)
         if hit is not None:
             return hit
+        timeout = self.timeout if timeout is None else timeout
         try:
             if client is None:
-                async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as own:
+                async with httpx.AsyncClient(timeout=timeout, headers=self.headers) as own:
                     resp = await own.get(_norm(url) + INFO_PATH)
             else:
-                resp = await client.get(_norm(url) + INFO_PATH, timeout=self.timeout, headers=self.headers)
+                resp = await client.get(_norm(url) + INFO_PATH, timeout=timeout, headers=self.headers)
         except httpx.HTTPError as e:
-            raise MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}") from e
+            raise fetch_error(url, e) from e
         return self._store(url, resp, expected_agent)
 
     def _hit(self, url: str, expected_agent: str | None) -> Resolved | None:
@@ -138,7 +140,8 @@ class PeerDirectory:
 
     def _store(self, url: str, resp: httpx.Response, expected_agent: str | None) -> Resolved:
         if resp.status_code != 200:
-            raise MetadataFetchError(f"{url}{INFO_PATH} answered HTTP {resp.status_code}: {resp.text[:200]}")
+            raise MetadataFetchError(f"{url}{INFO_PATH} answered HTTP {resp.status_code}: {resp.text[:200]}",
+                                     slow=resp.status_code == 503)
         try:
             info = AgentInfo.from_dict(resp.json())
         except ValueError as e:
@@ -158,6 +161,29 @@ class PeerDirectory:
             raise StalePeerError(f"the peer at {url} runs agent {info.agent_name}, not {expected_agent} "
                                  "(it restarted after naming it)", peer=expected_agent)
         return Resolved(info, fetched=True, superseded=self._take_dropped())
+
+
+def fetch_error(url: str, e: httpx.HTTPError) -> MetadataFetchError:
+    """The `MetadataFetchError` of a failed fetch from `url`: ``refused`` when nothing listens there (the peer is
+    gone), ``slow`` when it timed out (on a loaded host a late answer, not a dead peer)."""
+    return MetadataFetchError(f"cannot fetch KV transfer info from {url}: {e!r}", refused=connection_refused(e),
+                              slow=isinstance(e, httpx.TimeoutException))
+
+
+def connection_refused(e: BaseException, reset: bool = False) -> bool:
+    """True when `e` (an httpx error) is a refused connection: nothing listens on the peer's port. With `reset`,
+    a connection the peer reset counts too (its process went away mid-call)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ConnectionRefusedError) or (reset and isinstance(e, ConnectionResetError)):
+            return True
+        text = str(e).lower()
+        if isinstance(e, httpx.ConnectError) and "refused" in text:
+            return True
+        if reset and isinstance(e, httpx.ReadError) and "reset" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def apply(agent, resolved: Resolved) -> None:

@@ -13,6 +13,12 @@ connections on the machine's external interface.
 The warning matters: with ``UCX_NET_DEVICES`` unset on a host with RDMA
 NICs, UCX probes every device when the first endpoint is made, which other
 systems saw cost 38 s on the first request (see ``docs/transfer.md``).
+
+On a host without RDMA devices `apply` also leaves UCX's InfiniBand module
+unloaded (``UCX_MODULES=^ib``, unless ``UCX_MODULES`` is set): it has nothing
+to drive there, and the netlink library it loads (``libnl-route``, bundled in
+NIXL's wheels 1.5.x) crashes in its unload hook, so every process that had
+started an agent ended with SIGSEGV (exit code 139) after a clean shutdown.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pd_cluster.transfer.config import TransferConfig
 logger = logging.getLogger(__name__)
 
 _SYS_IB = Path("/sys/class/infiniband")
+NO_RDMA_MODULES = "^ib"  # UCX_MODULES on hosts without RDMA devices: every module but InfiniBand's
 
 
 def rdma_devices(sys_ib: Path = _SYS_IB) -> list[str]:
@@ -38,11 +45,14 @@ def rdma_devices(sys_ib: Path = _SYS_IB) -> list[str]:
         return []
 
 
-def apply(config: TransferConfig, environ: dict | None = None) -> dict[str, str | None]:
+def apply(config: TransferConfig, environ: dict | None = None,
+          sys_ib: Path | None = None) -> dict[str, str | None]:
     """Export `config`'s UCX settings and return the effective ``UCX_TLS`` and ``UCX_NET_DEVICES``.
 
     A configured value overrides the environment's (logged when they differ);
-    an unset one leaves the environment alone.
+    an unset one leaves the environment alone. Without RDMA devices (under
+    `sys_ib`, default ``/sys/class/infiniband``) ``UCX_MODULES=^ib`` is
+    exported unless ``UCX_MODULES`` is set (module doc).
 
     Raises:
         ValueError: the environment holds an empty ``UCX_TLS`` (UCX then fails to start).
@@ -55,10 +65,12 @@ def apply(config: TransferConfig, environ: dict | None = None) -> dict[str, str 
         if old is not None and old != value:
             logger.info("KV transfer: %s=%s from the flags overrides %s=%s from the environment", key, value, key, old)
         env[key] = value
+    devices = rdma_devices() if sys_ib is None else rdma_devices(sys_ib)
+    if not devices and env.get("UCX_MODULES") is None:
+        env["UCX_MODULES"] = NO_RDMA_MODULES  # module doc: nothing for the ib module to drive; its unload crashes
     if env.get("UCX_TLS") is not None and not env["UCX_TLS"].strip():
         raise ValueError("UCX_TLS is set but empty; unset it or name transports (e.g. rc,cuda_copy or shm,tcp)")
     effective = {"UCX_TLS": env.get("UCX_TLS"), "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES")}
-    devices = rdma_devices()
     if devices and not effective["UCX_NET_DEVICES"]:
         logger.warning("KV transfer: UCX_NET_DEVICES is unset but RDMA devices %s are present; UCX will probe "
                        "every device on the first connection (seen to cost ~38 s). Set --kv-transfer-ucx-net-devices "

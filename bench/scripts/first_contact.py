@@ -1,82 +1,91 @@
-"""First contact with a GPU: one prepared run, every step within its own time share, each result kept at once.
+"""GPU first contact: one prepared command that runs every device check within its time budget and keeps each
+result as soon as it is measured.
 
-Run on a CUDA machine (one command; the budget covers everything after the
-install)::
+Run on a CUDA machine (the budget covers everything after the install; about 9 minutes on an H100)::
 
-    python -m pd_cluster.bench.scripts.first_contact --out DIR --budget-s 480
+    python -m pd_cluster.bench.scripts.first_contact --out DIR --budget-s 500
 
-The steps, most valuable first (`STEPS`):
+The steps, most valuable first (`STEPS`; their budgets and what each measures are in ``docs/gpu.md``):
 
-1. ``env``: ``nvidia-smi``, Python, torch, Triton, NIXL, transformers, the C
-   compiler, ``Python.h``, and a Triton compile-and-run self-check
-   (`first_contact_env`). Writes ``env.md``.
-2. ``kernels``: the ``gpu``-marked tests, then every kernel test, compiled for
-   the device (no interpreter: bf16 ``tl.dot`` and the device's FP8 rounding).
-   Writes ``kernels.log``.
-3. ``e2e``: greedy text on the embedded stories260K, Triton backend with CUDA
-   graphs and overlap scheduling against the torch reference backend,
-   offline and through a local 1P1D cluster on the one GPU
-   (`first_contact_e2e`). Writes ``e2e.md`` and ``e2e.log``.
-4. ``bench``: the GPU benchmark at Llama-3.1-8B shapes (`pd_cluster.bench.scripts.gpu`):
-   ceilings, FP8 paged decode attention, the decode step with and without
-   graphs, the 8k prefill, NIXL VRAM-to-VRAM. Writes ``bench.md``,
-   ``bench.json`` and ``bench.log``; each table is written as soon as it is
-   measured.
+1. ``env``: versions, compiler, ``Python.h``, the device, the worker's Triton self-check (`first_contact_env`);
+2. ``kernels``: the kernel tests compiled for the device and every ``gpu``-marked test, the two tests fixed after
+   the first run, MoE, MLA and hybrid attention first (`first_contact_kernels`);
+3. ``e2e``: greedy text equal to the torch reference on stories260K and tiny Mixtral, DeepSeek-V3 and Gemma 3,
+   offline with CUDA graphs and overlap scheduling, and through a 1P1D cluster each (`first_contact_e2e`);
+4. ``handover``: 1P1D against colocated TTFT at 2k and 8k tokens on Llama-3.1-8B shapes, and the transfer's own
+   share of the difference (`first_contact_handover`);
+5. ``decode``: ceilings, FP8 decode attention, the decode step at batch 1/64/256 with graphs, the 8k prefill
+   (`first_contact_decode`);
+6. ``nixl``: NIXL WRITEs with the descriptors a loaded pool's transfers use, under UCX ``cuda_ipc`` settings
+   (`first_contact_nixl`);
+7. ``moe_mla``: the fused MoE and MLA decode kernels at batch 64 against their memory floors; DP/EP hooks
+   (`first_contact_moe_mla`);
+8. ``quant``: hooks for the quantized GEMM and MoE benchmarks, run when their modules exist
+   (`first_contact_hooks`).
 
-Each step is a child process. Its share of the budget is the time left,
-split by the weights of the steps not run yet, so time a step does not use
-goes to the steps after it. A step that outlives its share is stopped
-(SIGTERM to its process group, SIGKILL 5 s later) and the next step starts;
-the files a step wrote before that stay. ``summary.md`` is rewritten after
-every step with each step's status and wall time. The whole run writes at
-most 8 files into DIR.
+Each step is a child process. Its share of the budget is the time left, split by the budgets of the steps not
+run yet, so time a step does not use goes to the steps after it. A step that outlives its share is stopped
+(SIGTERM to its process group, SIGKILL 5 s later) and the next step starts. Each step writes a part
+(`first_contact_part`) into a work folder as it goes; the driver merges the parts into ``DIR/results.json`` and
+``DIR/results.md`` (`first_contact_report`) every few seconds and after every step, and every step's output goes
+to ``DIR/run.log`` (kept under `LOG_CAP` bytes). Those three files are all the run writes into DIR; a step's
+failure is recorded there and the next step still runs.
 
-``--dry-run`` runs the same steps on any machine at toy sizes (kernel tests
-only collect and skip, the model runs on CPU, the benchmark runs ``--smoke``):
-it proves the script starts, writes its files and stays within the budget
-(`tests/bench/test_first_contact_script.py`). Its numbers mean nothing.
+``--dry-run`` runs the same steps on any machine at toy sizes on CPU (`tests/bench/test_first_contact_script.py`):
+it proves the script starts, writes its files and stays within its budget. Its numbers mean nothing.
 
-Exit status: 0 when every step passed, 1 otherwise.
+Exit status: 0 when every step ended without an error or a failed check (a missed target is a finding), 1
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import os
-import signal
-import subprocess
+import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-KILL_GRACE_S = 5.0
+from pd_cluster.bench.scripts import first_contact_report as report
+from pd_cluster.bench.scripts.first_contact_proc import KILL_GRACE_S, run_command
+
+LOG_CAP = 12 << 20  # run.log is cut in the middle past this (the device returns files of up to 16 MiB)
+FILES = ("results.json", "results.md", "run.log")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step: its name, its weight in the budget, and the files it writes into the output folder."""
+    """One step: its name, its budget in seconds on an H100 at the default ``--budget-s`` (the weight of its
+    share), its weight in a dry run (what it costs on a 2-core CPU), its module, and what it does."""
 
     name: str
-    weight: float
-    files: tuple[str, ...]
+    budget_s: float
+    dry_s: float
+    module: str
     what: str
 
 
 STEPS: tuple[Step, ...] = (
-    Step("env", 0.04, ("env.md",), "environment and Triton self-check"),
-    Step("kernels", 0.30, ("kernels.log",), "gpu-marked tests, then the kernel tests compiled for the device"),
-    Step("e2e", 0.26, ("e2e.md", "e2e.log"), "greedy text: Triton + graphs + overlap vs torch, offline and 1P1D"),
-    Step("bench", 0.40, ("bench.md", "bench.json", "bench.log"), "GPU benchmark at Llama-3.1-8B shapes"),
+    Step("env", 10, 15, "first_contact_env", "versions, device, Triton self-check"),
+    Step("kernels", 130, 70, "first_contact_kernels", "kernel tests compiled + every gpu-marked test"),
+    Step("e2e", 95, 100, "first_contact_e2e", "greedy == torch reference: 4 models, offline and 1P1D"),
+    Step("handover", 85, 60, "first_contact_handover", "1P1D vs colocated TTFT at 2k/8k; the transfer's share"),
+    Step("decode", 65, 45, "first_contact_decode", "FP8 decode attention, decode step at batch 1/64/256, 8k prefill"),
+    Step("nixl", 50, 40, "first_contact_nixl", "NIXL WRITEs with a loaded pool's descriptors; UCX settings"),
+    Step("moe_mla", 35, 25, "first_contact_moe_mla", "fused MoE and MLA decode at batch 64 vs memory floors"),
+    Step("quant", 30, 15, "first_contact_hooks", "hooks: quantized GEMM and MoE benchmarks"),
 )
+DEFAULT_BUDGET_S = sum(s.budget_s for s in STEPS)
 
 
 @dataclass
 class StepResult:
     name: str
+    what: str
+    budget_s: float
     status: str = "not run"
     share_s: float = 0.0
     wall_s: float = 0.0
@@ -86,134 +95,85 @@ class StepResult:
 @dataclass
 class Run:
     out: Path
+    work: Path
     budget_s: float
     dry_run: bool
-    bench_args: list[str] = field(default_factory=list)
+    command: str
     started: float = field(default_factory=time.monotonic)
-    results: list[StepResult] = field(default_factory=list)
+    started_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M UTC"))
+    results: dict[str, StepResult] = field(default_factory=dict)
 
     def left_s(self) -> float:
         return self.budget_s - (time.monotonic() - self.started)
 
-
-def gpu_test_files(root: Path = REPO / "tests") -> list[str]:
-    """Test files outside ``tests/kernels`` that hold a ``gpu``-marked test (repository-relative)."""
-    out = []
-    for path in sorted(root.rglob("test_*.py")):
-        if "kernels" in path.parts:
-            continue
-        if "pytest.mark.gpu" in path.read_text(errors="replace"):
-            out.append(str(path.relative_to(REPO)))
-    return out
+    def part_path(self, name: str) -> Path:
+        return self.work / f"part-{name}.json"
 
 
-def step_commands(name: str, run: Run) -> list[tuple[list[str], str, bool]]:
-    """The commands of step `name`: ``(argv, log file name, append)`` each, run one after the other."""
-    py = sys.executable
-    dry = ["--dry-run"] if run.dry_run else []
-    out = str(run.out)
-    if name == "env":
-        return [([py, "-m", "pd_cluster.bench.scripts.first_contact_env", "--out", out], "env.md", False)]
-    if name == "kernels":
-        pytest = [py, "-m", "pytest", "-p", "no:cacheprovider", "-o", "addopts=", "-rfEs", "-v",
-                  "--timeout", "300", "--durations", "15"]
-        if not run.dry_run and importlib.util.find_spec("xdist") is not None:
-            # Triton compiles each kernel variant on the host: spread the tests over processes (one device)
-            pytest += ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
-        gpu_marked = [pytest + ["-m", "gpu", "tests/kernels", *gpu_test_files()], "kernels.log", False]
-        rest = [pytest + ["-m", "not gpu", "tests/kernels"], "kernels.log", True]
-        if run.dry_run:  # the gpu-marked ones skip; of the rest only the self-check (the interpreter takes minutes)
-            rest[0] = pytest + ["-m", "not gpu", "tests/kernels/test_selfcheck.py"]
-        return [tuple(gpu_marked), tuple(rest)]  # type: ignore[list-item]
-    if name == "e2e":
-        return [([py, "-m", "pd_cluster.bench.scripts.first_contact_e2e", "--out", out, *dry], "e2e.log", False)]
-    if name == "bench":
-        argv = [py, "-m", "pd_cluster.bench.scripts.gpu", "--output", str(run.out / "bench.md")]
-        if run.dry_run:
-            argv += ["--smoke", "--skip", "layout,prefill_kernel,decode_sweep,moe,mla"]
-        return [(argv + run.bench_args, "bench.log", False)]
-    raise ValueError(f"unknown step {name!r}")
+def step_command(step: Step, run: Run, share_s: float) -> list[str]:
+    """The command line of `step` (a module of ``pd_cluster.bench.scripts`` taking `first_contact_part` flags)."""
+    argv = [sys.executable, "-m", f"pd_cluster.bench.scripts.{step.module}", "--part", str(run.part_path(step.name)),
+            "--work", str(run.work), "--budget-s", f"{share_s:.0f}"]
+    return argv + (["--dry-run"] if run.dry_run else [])
 
 
-def run_command(argv: list[str], log: Path, append: bool, deadline: float) -> tuple[int | None, float]:
-    """Run `argv` in its own process group with output into `log` until it exits or `deadline` (monotonic) passes.
-
-    Returns:
-        (exit status, or None when it was stopped at the deadline; seconds it ran).
-    """
-    t0 = time.monotonic()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "a" if append else "w") as fh:
-        fh.write(f"$ {' '.join(argv)}\n")
-        fh.flush()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            return rc, time.monotonic() - t0
-        except subprocess.TimeoutExpired:
-            _stop_group(proc)
-            fh.write(f"\n[first_contact] stopped at its time share after {time.monotonic() - t0:.0f} s\n")
-            return None, time.monotonic() - t0
+def write_results(run: Run, chosen: list[Step]) -> None:
+    parts = {s.name: p for s in chosen if (p := report.read_part(run.part_path(s.name))) is not None}
+    meta = {"command": run.command, "started": run.started_at, "budget_s": run.budget_s,
+            "used_s": time.monotonic() - run.started, "dry_run": run.dry_run, "work": str(run.work)}
+    steps = [vars(run.results.get(s.name, StepResult(s.name, s.what, weight(s, run)))) for s in chosen]
+    report.write(run.out, meta, steps, parts)
 
 
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def cap_log(path: Path, limit: int = LOG_CAP) -> None:
+    """Keep `path` under `limit` bytes: its first eighth and its last part, with a line where it was cut."""
+    size = path.stat().st_size if path.exists() else 0
+    if size <= limit:
+        return
+    data = path.read_bytes()
+    head, tail = data[: limit // 8], data[-(limit - limit // 8 - 200):]
+    path.write_bytes(head + f"\n[first_contact] ... {size - len(head) - len(tail)} bytes cut ...\n".encode() + tail)
 
 
-def run_step(step: Step, run: Run, weights_left: float) -> StepResult:
+def weight(step: Step, run: Run) -> float:
+    return step.dry_s if run.dry_run else step.budget_s
+
+
+def run_step(step: Step, run: Run, weights_left: float, chosen: list[Step]) -> StepResult:
     # the share keeps back what the stop of an overrunning step can take (SIGTERM, then SIGKILL)
-    share = max(0.0, run.left_s() - 2 * KILL_GRACE_S) * step.weight / weights_left
-    res = StepResult(step.name, share_s=share)
-    deadline = time.monotonic() + share
-    codes: list[str] = []
-    t0 = time.monotonic()
-    for argv, log, append in step_commands(step.name, run):
-        if time.monotonic() >= deadline:
-            codes.append("no time left")
-            break
-        rc, _ = run_command(argv, run.out / log, append, deadline)
-        codes.append("stopped at share" if rc is None else f"exit {rc}")
-    res.wall_s = time.monotonic() - t0
-    res.detail = ", ".join(codes)
-    res.status = "ok" if codes and all(c == "exit 0" for c in codes) else "FAILED"
+    share = max(0.0, run.left_s() - 2 * KILL_GRACE_S) * weight(step, run) / weights_left
+    res = run.results[step.name] = StepResult(step.name, step.what, weight(step, run), "running", share)
+    log = run.out / "run.log"
+    with open(log, "a") as fh:
+        fh.write(f"\n===== step {step.name}: {step.what} (share {share:.0f} s) =====\n")
+    if share < 1.0:
+        res.status, res.detail = "not run", "no time left"
+        return res
+    rc, res.wall_s = run_command(step_command(step, run, share), time.monotonic() + share, log=log,
+                                 tick=lambda: write_results(run, chosen))
+    part = report.read_part(run.part_path(step.name))
+    if rc is None:
+        res.status, res.detail = "stopped at share", f"stopped after {res.wall_s:.0f} s; what it recorded is kept"
+    elif rc == 0:
+        res.status, res.detail = "ok", "exit 0"
+    else:
+        res.status, res.detail = "FAILED", f"exit {rc}" + ("" if part else " before it recorded anything")
+    cap_log(log)
     return res
-
-
-def write_summary(run: Run) -> None:
-    lines = ["# First contact: summary", "",
-             f"- started: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}"
-             f" (rewritten after each step)",
-             f"- command: `python -m pd_cluster.bench.scripts.first_contact {' '.join(sys.argv[1:])}`",
-             f"- budget {run.budget_s:.0f} s, used {time.monotonic() - run.started:.0f} s"
-             + (" (dry run: toy sizes, numbers mean nothing)" if run.dry_run else ""), "",
-             "| step | what | status | share (s) | wall (s) | detail | files |", "|---|---|---|---|---|---|---|"]
-    by_name = {r.name: r for r in run.results}
-    for step in STEPS:
-        r = by_name.get(step.name, StepResult(step.name))
-        lines.append(f"| {step.name} | {step.what} | {r.status} | {r.share_s:.0f} | {r.wall_s:.0f} | {r.detail} | "
-                     f"{', '.join(step.files)} |")
-    (run.out / "summary.md").write_text("\n".join(lines) + "\n")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pd_cluster.bench.scripts.first_contact", allow_abbrev=False,
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for the results (created)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="seconds for all steps together (default 480)")
+    p.add_argument("--out", required=True, help=f"folder for the results ({', '.join(FILES)}; created)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds for all steps together (default {DEFAULT_BUDGET_S:.0f})")
     p.add_argument("--steps", default=",".join(s.name for s in STEPS),
                    help="comma-separated steps to run, in the order given (default: all, most valuable first)")
-    p.add_argument("--dry-run", action="store_true", help="toy sizes on any machine: checks the script only")
-    p.add_argument("--bench-args", default="", help="extra flags for the benchmark step, e.g. \"--skip layout\"")
+    p.add_argument("--work", default=None, help="folder for the steps' parts and scratch files (default: a new "
+                                                "temporary folder; never inside --out)")
+    p.add_argument("--dry-run", action="store_true", help="toy sizes on CPU on any machine: checks the script only")
     args = p.parse_args(argv)
     unknown = set(args.steps.split(",")) - {s.name for s in STEPS}
     if unknown:
@@ -225,19 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    run = Run(out, args.budget_s, args.dry_run, args.bench_args.split())
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="first-contact-"))
+    work.mkdir(parents=True, exist_ok=True)
+    command = "python -m pd_cluster.bench.scripts.first_contact " + " ".join(sys.argv[1:] if argv is None else argv)
+    run = Run(out, work, args.budget_s, args.dry_run, command)
     by_name = {s.name: s for s in STEPS}
     chosen = [by_name[name] for name in dict.fromkeys(args.steps.split(","))]
-    write_summary(run)
+    (out / "run.log").write_text(f"$ {command}\n(work folder {work})\n")
+    write_results(run, chosen)
     for i, step in enumerate(chosen):
         print(f"[first_contact] step {step.name}: {run.left_s():.0f} s of budget left", flush=True)
-        res = run_step(step, run, sum(s.weight for s in chosen[i:]))
-        run.results.append(res)
-        write_summary(run)
+        res = run_step(step, run, sum(weight(s, run) for s in chosen[i:]), chosen)
+        write_results(run, chosen)
         print(f"[first_contact] step {step.name}: {res.status} ({res.detail}) in {res.wall_s:.0f} s of "
               f"{res.share_s:.0f}", flush=True)
-    print((out / "summary.md").read_text(), flush=True)
-    return 0 if all(r.status == "ok" for r in run.results) else 1
+    data = json.loads((out / "results.json").read_text())  # the summary: steps, targets, checks, skips, errors
+    print(report.markdown(data, summary_only=True)[-10000:], flush=True)
+    return 0 if all(r.status == "ok" for r in run.results.values()) else 1
 
 
 if __name__ == "__main__":

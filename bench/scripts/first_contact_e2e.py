@@ -1,35 +1,36 @@
-"""The end-to-end step of the GPU first contact (`first_contact`): greedy text on the embedded stories260K.
+"""The end-to-end step of the GPU first contact (`first_contact`): greedy text on four models, offline and through
+a 1P1D cluster on the one device, equal to the engine's torch reference.
 
-Three checks, each written to ``e2e.md`` as soon as it ends:
+Models (`first_contact_models`): the embedded stories260K, and tiny random Mixtral (fused MoE), DeepSeek-V3 (MLA
+and MoE) and Gemma 3 (sliding windows: KV cache groups) checkpoints written by transformers. For each, in float32
+weights and KV, page 16:
 
-1. **Offline, exact** (fp32 weights, fp32 KV): the Triton backend with its
-   fused layer ops, CUDA graphs and overlap scheduling (the CUDA defaults)
-   must give the same tokens as the torch reference backend without graphs
-   or overlap. Both are also compared with transformers' own greedy loop on
-   CPU (fp32), and the first prompt with the continuation Karpathy published
-   for this checkpoint.
-2. **Offline, served precision** (bf16 weights, FP8 E4M3 KV): the same two
-   engines; rounding differs between the paths, so the report gives how many
-   leading tokens agree, not a verdict.
-3. **PD on one GPU**: a local 1P1D cluster (real worker processes, NIXL over
-   UCX between them), both roles on the one device with
-   ``--mem-fraction-static`` each, fp32 as in check 1; every completion
-   through the router must equal the offline reference text.
+1. **Offline**: the engine with the CUDA defaults (Triton backend with its fused layer ops, CUDA graphs, overlap
+   scheduling) must give the same tokens as the torch reference backend without graphs or overlap (a check).
+   Both are shown against transformers' own greedy loop on CPU (full recompute), and stories260K's first prompt
+   against the continuation Karpathy published for it (a check).
+2. **PD**: a 1P1D cluster per model (router, prefill and decode workers, NIXL between them), each started as
+   soon as its checkpoint is written, so all four come up together while the offline checks run, on the one
+   device (``--kv-cache-memory`` each); every completion through the router must give the offline torch
+   reference's token ids (a check; texts are compared and shown too).
+3. stories260K in bf16 weights with FP8 KV, Triton against torch: leading tokens that agree (reported, not a
+   check: rounding differs by path), on a GPU only.
 
-``--dry-run`` runs the same checks on CPU at a few tokens (the Triton backend
-in the interpreter, no graphs). Exit status 1 when a check that must be exact
-is not.
+``--dry-run``: CPU, two prompts, four tokens; the "fast" engine there is the torch backend with overlap
+scheduling (Triton's interpreter would take minutes; `first_contact_kernels` runs the kernels there).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import os
 import sys
 import time
-from pathlib import Path
+
+from pd_cluster.bench.scripts import first_contact_pd as pd
+from pd_cluster.bench.scripts.first_contact_models import TINY, build, hf_greedy
+from pd_cluster.bench.scripts.first_contact_part import Part, finish, start_part
+from pd_cluster.bench.scripts.gpu_common import Row, Section
 
 PROMPTS = [
     "Once upon a time",
@@ -43,179 +44,142 @@ PROMPTS = [
 ]
 # Karpathy's published temperature-0 sample of stories260K (llama2.c doc/stories260K.md), from "Once upon a time"
 PUBLISHED = ", there was a little girl named Lily. She loved to play outside in the park. One day, she saw a big, red ball."
+STORIES = "stories260K"
 
 
-class Report:
-    """Markdown sections appended to ``e2e.md`` as each check ends; `ok` is False once an exact check fails."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.ok = True
-        path.write_text("# First contact: greedy text end to end (stories260K)\n\n")
-
-    def section(self, title: str, lines: list[str], passed: bool | None) -> None:
-        verdict = "" if passed is None else (" — PASS" if passed else " — **FAIL**")
-        with open(self.path, "a") as fh:
-            fh.write(f"## {title}{verdict}\n\n" + "\n".join(lines) + "\n\n")
-        print(f"[e2e] {title}{verdict}", flush=True)
-        if passed is False:
-            self.ok = False
-
-
-def generate(max_tokens: int, **engine_args) -> tuple[list[list[int]], list[str], float]:
-    """Greedy token ids and texts of `PROMPTS` from one offline engine, and its wall seconds (start-up included)."""
+def generate(folder: str, device: str, prompts: list[str], max_tokens: int, **engine_args):
+    """Greedy (ids, texts, prompt ids, wall seconds with start-up) of `prompts` from one offline engine."""
     import torch
 
     from pd_cluster.engine import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(**engine_args)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    wall = time.perf_counter() - t0
-    ids, texts = [list(o.token_ids) for o in outs], [o.text for o in outs]
+    llm = LLM(model=folder, device=device, dtype=engine_args.pop("dtype", "float32"), page_size=16,
+              kv_cache_memory="1GiB" if device == "cuda" else "64MiB", **engine_args)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    res = ([list(o.token_ids) for o in outs], [o.text for o in outs], [list(o.prompt_token_ids) for o in outs],
+           time.perf_counter() - t0)
     del llm, outs
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return ids, texts, wall
-
-
-def hf_greedy(max_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt on CPU in fp32 (full cache, one prompt at a time)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pd_cluster.engine.assets import DEFAULT_MODEL
-    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens,
-                                 pad_token_id=tok.eos_token_id)
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
+    return res
 
 
 def agree(a: list[int], b: list[int]) -> int:
     """Leading tokens on which `a` and `b` agree."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def compare_lines(name_a: str, a: list[list[int]], name_b: str, b: list[list[int]]) -> tuple[list[str], bool]:
-    lines = [f"| prompt | tokens | leading tokens equal ({name_a} vs {name_b}) |", "|---|---|---|"]
-    for i, (x, y) in enumerate(zip(a, b)):
-        lines.append(f"| {i} | {len(x)} | {agree(x, y)}{'' if x == y else ' (differ)'} |")
-    return lines, a == b
+def offline(part: Part, name: str, folder: str, hf_model, device: str, prompts: list[str], max_tokens: int,
+            dry: bool) -> tuple[list[list[int]], list[str]]:
+    """Check 1 for one model; returns the torch reference's token ids and texts (the PD check's reference)."""
+    ref = dict(attention_backend="torch", disable_cuda_graph=True, disable_overlap_schedule=True)
+    fast = (dict(attention_backend="triton") if not dry  # the CUDA defaults: graphs and overlap on
+            else dict(attention_backend="torch", disable_cuda_graph=True, enable_overlap_schedule=True))
+    ref_ids, ref_texts, prompt_ids, t_ref = generate(folder, device, prompts, max_tokens, kv_cache_dtype="fp32",
+                                                     **ref)
+    fast_ids, _, _, t_fast = generate(folder, device, prompts, max_tokens, kv_cache_dtype="fp32", **fast)
+    if hf_model is None:  # stories260K: transformers' own copy of the embedded checkpoint
+        import torch
+        from transformers import AutoModelForCausalLM
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = hf_greedy(hf_model, prompt_ids, max_tokens)
+    fast_name = "Triton + graphs + overlap" if not dry else "torch + overlap (dry run)"
+    sec = Section(f"{name}: offline greedy, float32, page 16, on {device}",
+                  ["prompt", "prompt tokens", "tokens", f"leading equal: {fast_name} vs torch ref",
+                   "leading equal: torch ref vs transformers"])
+    for i, (a, b, h) in enumerate(zip(fast_ids, ref_ids, hf)):
+        sec.rows.append(Row([i, len(prompt_ids[i]), len(a), agree(a, b), agree(b, h)]))
+    sec.notes.append(f"wall with start-up: torch ref {t_ref:.1f} s, {fast_name} {t_fast:.1f} s; transformers: "
+                     f"full recompute on CPU, {'equal' if hf == ref_ids else 'NOT equal'} to the torch reference")
+    part.section(sec)
+    part.check(f"{name}: offline {fast_name} == torch reference", fast_ids == ref_ids,
+               f"{sum(a == b for a, b in zip(fast_ids, ref_ids))} of {len(ref_ids)} prompts equal")
+    part.info(f"{name}: torch ref == transformers", hf == ref_ids)
+    if name == STORIES:
+        first = ref_texts[0]
+        ok = first.startswith(PUBLISHED) if len(first) >= len(PUBLISHED) else PUBLISHED.startswith(first)
+        part.check("stories260K: torch reference == the published llama2.c sample", ok, json.dumps(first[:120]))
+    return ref_ids, ref_texts
 
 
-def offline_checks(report: Report, device: str, max_tokens: int, dry: bool) -> list[str]:
-    """Checks 1 and 2; returns the exact reference texts (for the PD check)."""
-    common = dict(device=device, kv_cache_memory="256MiB" if dry else "1GiB", page_size=16)
-    ref_ids, ref_texts, t_ref = generate(max_tokens, dtype="float32", kv_cache_dtype="fp32",
-                                         attention_backend="torch", disable_cuda_graph=True,
-                                         disable_overlap_schedule=True, **common)
-    fast = dict(common) if not dry else dict(common, disable_cuda_graph=True, enable_overlap_schedule=True)
-    tri_ids, tri_texts, t_tri = generate(max_tokens, dtype="float32", kv_cache_dtype="fp32",
-                                         attention_backend="triton", **fast)
-    lines, same = compare_lines("triton+graphs+overlap", tri_ids, "torch ref", ref_ids)
-    lines += ["", f"- {max_tokens} tokens per prompt, {len(PROMPTS)} prompts in one batch, page 16; wall "
-              f"(start-up included): torch ref {t_ref:.1f} s, triton {t_tri:.1f} s"]
-    hf = hf_greedy(max_tokens)
-    hf_lines, hf_same = compare_lines("torch ref", ref_ids, "transformers CPU fp32", hf)
-    lines += ["", *hf_lines]
-    published_ok = (ref_texts[0].startswith(PUBLISHED) if len(ref_texts[0]) >= len(PUBLISHED)
-                    else PUBLISHED.startswith(ref_texts[0]))
-    lines += ["", f"- prompt 0 continuation (torch ref): {json.dumps(ref_texts[0][:160])}",
-              f"- matches the published llama2.c sample: {published_ok}; transformers agrees on every token: "
-              f"{hf_same}"]
-    report.section(f"1. Offline, fp32 weights and KV, on {device}: Triton + CUDA graphs + overlap == torch reference",
-                   lines, same and published_ok)
-    if not dry:
-        b_ref, _, _ = generate(max_tokens, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="torch",
-                               disable_cuda_graph=True, disable_overlap_schedule=True, **common)
-        b_tri, _, _ = generate(max_tokens, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", attention_backend="triton",
-                               **common)
-        lines, _ = compare_lines("triton+graphs+overlap", b_tri, "torch ref", b_ref)
-        lines2, _ = compare_lines("bf16/FP8 torch ref", b_ref, "fp32 torch ref", ref_ids)
-        report.section("2. Offline, bf16 weights, FP8 E4M3 KV (informational: rounding differs by path)",
-                       lines + [""] + lines2, None)
-    return ref_texts
+def served_precision(part: Part, device: str, max_tokens: int) -> None:
+    """Check 3 (informational): stories260K in bf16 with FP8 KV, Triton + graphs + overlap against torch."""
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+
+    common = dict(dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
+    b_ref = generate(DEFAULT_MODEL, device, PROMPTS, max_tokens, attention_backend="torch", disable_cuda_graph=True,
+                     disable_overlap_schedule=True, **common)[0]
+    b_tri = generate(DEFAULT_MODEL, device, PROMPTS, max_tokens, attention_backend="triton", **common)[0]
+    sec = Section("stories260K: bf16 weights, FP8 E4M3 KV (informational: rounding differs by path)",
+                  ["prompt", "leading equal: Triton + graphs + overlap vs torch ref"],
+                  [Row([i, agree(a, b)]) for i, (a, b) in enumerate(zip(b_tri, b_ref))])
+    part.section(sec)
 
 
-def pd_check(report: Report, ref_texts: list[str], max_tokens: int, dry: bool, budget_s: float) -> None:
-    """Check 3: a 1P1D cluster on this machine's one device, completions through the router."""
-    import httpx
-    import torch
+def engine_argv(folder: str, dry: bool) -> list[str]:
+    argv = ["--model", folder, "--dtype", "float32", "--kv-cache-dtype", "fp32", "--page-size", "16",
+            "--kv-cache-memory", "64MiB" if dry else "256MiB"]
+    return argv + (["--cpu-threads", "1"] if dry else [])
 
-    from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
-    num_gpus = torch.cuda.device_count()
-    engine_argv = ["--dtype", "float32", "--kv-cache-dtype", "fp32", "--page-size", "16"]
-    engine_argv += ["--mem-fraction-static", "0.1"] if num_gpus else ["--kv-cache-memory", "64MiB"]
-    spec = ClusterSpec(num_prefill=1, num_decode=1, router_port=free_port(), engine_argv=engine_argv,
-                       log_level="info", echo=False, num_gpus=num_gpus, mem_fraction_given=True)
-    cluster = LocalCluster(spec)
-    lines: list[str] = [f"- engine flags of both workers: `{' '.join(engine_argv)}` (CUDA defaults otherwise: "
-                        "Triton backend, CUDA graphs, overlap scheduling on the decode worker)"]
-    passed = False
-    t0 = time.monotonic()
-    try:
-        cluster.start()
-        cluster.wait_ready(timeout=max(30.0, budget_s * 0.6))
-        lines.append(f"- cluster ready in {time.monotonic() - t0:.1f} s")
-        texts, t1 = [], time.monotonic()
-        with httpx.Client(timeout=max(10.0, budget_s * 0.3)) as client:
-            for prompt in PROMPTS:
-                r = client.post(cluster.router_url + "/v1/completions",
-                                json={"model": "stories260K", "prompt": prompt, "max_tokens": max_tokens,
-                                      "temperature": 0, "ignore_eos": True})
-                r.raise_for_status()
-                texts.append(r.json()["choices"][0]["text"])
-        lines.append(f"- {len(PROMPTS)} completions one after the other in {time.monotonic() - t1:.2f} s")
-        equal = [a == b for a, b in zip(texts, ref_texts)]
-        lines.append(f"- texts equal to the offline torch reference: {sum(equal)} of {len(equal)}")
-        for i, (ok, got, want) in enumerate(zip(equal, texts, ref_texts)):
-            if not ok:
-                lines.append(f"  - prompt {i}: got {json.dumps(got[:120])}, want {json.dumps(want[:120])}")
-        passed = all(equal)
-    except Exception as e:  # noqa: BLE001 - the failure and the workers' last lines are the finding
-        lines.append(f"- **failed**: {type(e).__name__}: {e}")
-        for name, log in cluster.logs.items():
-            print(f"----- last lines of {name} -----\n" + "".join(list(log)[-60:]), flush=True)
-    finally:
-        cluster.stop()
-    report.section("3. PD: 1P1D on one device through the router, fp32, == offline torch reference", lines, passed)
+
+def pd_checks(part: Part, clusters: dict, refs: dict, prompts: list[str], tokens: dict, deadline: float) -> None:
+    sec = Section("PD: 1P1D on the one device through the router, float32, against the offline torch reference",
+                  ["model", "ready after (s)", "completions (s)", "token ids equal", "texts equal"])
+    for name, cluster in clusters.items():
+        with part.guard(f"{name}: PD 1P1D"):
+            try:
+                ready = pd.wait_ready(cluster, deadline)
+                t0 = time.monotonic()
+                texts, ids = pd.complete(cluster, name, prompts, tokens[name], timeout_s=max(10.0, deadline - t0))
+            except Exception:
+                print(pd.tails(cluster), flush=True)  # the workers' last lines, into the run's log
+                sec.rows.append(Row([name, "failed", "", "", ""]))
+                part.check(f"{name}: PD 1P1D == offline torch reference", False, "the cluster failed (see errors)")
+                raise
+            want_ids, want_texts = refs.get(name) or ([], [])
+            same_ids = sum(a == b for a, b in zip(ids, want_ids))
+            same_texts = sum(a == b for a, b in zip(texts, want_texts))
+            sec.rows.append(Row([name, ready, time.monotonic() - t0, f"{same_ids} of {len(ids)}",
+                                 f"{same_texts} of {len(texts)}"]))
+            part.check(f"{name}: PD 1P1D == offline torch reference", bool(want_ids) and same_ids == len(ids),
+                       f"{same_ids} of {len(ids)} token sequences equal" + ("" if want_ids else " (no reference)"))
+            for i, (got, exp, gid, eid) in enumerate(zip(texts, want_texts, ids, want_ids)):
+                if got != exp or gid != eid:
+                    sec.notes.append(f"{name} prompt {i}: tokens {'equal' if gid == eid else 'DIFFER'}; text got "
+                                     f"{json.dumps(got[:80])}, offline {json.dumps(exp[:80])}")
+    part.section(sec)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--dry-run", action="store_true", help="CPU, a few tokens, Triton in the interpreter")
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--pd-budget-s", type=float, default=150.0, help="start-up + requests of the PD check")
-    args = p.parse_args(argv)
-    import torch
-    dry = args.dry_run or not torch.cuda.is_available()
-    if dry:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-    max_tokens = args.max_tokens or (4 if dry else 64)
-    report = Report(Path(args.out) / "e2e.md")
+    args, part = start_part(argv, "e2e", __doc__)
+    dry = args.dry_run
+    device = args.device.type
+    prompts = PROMPTS if not dry else PROMPTS[:2]
+    tokens = {name: (64 if name == STORIES else 32) if not dry else 4 for name in (STORIES, *TINY)}
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+    folders, hf_models = {STORIES: DEFAULT_MODEL}, {}
+    deadline = time.monotonic() + max(30.0, part.left_s() - 25)  # keep time to stop the clusters
+    clusters: dict = {}
     try:
-        ref_texts = offline_checks(report, device, max_tokens, dry)
-    except Exception as e:  # noqa: BLE001 - keep going to the PD check with what we have
-        import traceback
-        traceback.print_exc()
-        report.section("Offline checks", [f"- **failed**: {type(e).__name__}: {e}"], False)
-        ref_texts = []
-    if ref_texts:
-        pd_check(report, ref_texts, max_tokens, dry, args.pd_budget_s)
-    return 0 if report.ok else 1
+        with part.guard(f"{STORIES}: start a 1P1D cluster"):  # first: it comes up while the others are built
+            clusters[STORIES] = pd.start(engine_argv(DEFAULT_MODEL, dry), log_level="warning")
+        for name in TINY:
+            with part.guard(f"{name}: build the checkpoint, start a 1P1D cluster"):
+                hf_models[name] = build(name, args.work / "e2e-models" / name)
+                folders[name] = str(args.work / "e2e-models" / name)
+                clusters[name] = pd.start(engine_argv(folders[name], dry), log_level="warning")
+        refs = {}
+        for name, folder in folders.items():
+            with part.guard(f"{name}: offline"):
+                refs[name] = offline(part, name, folder, hf_models.get(name), device, prompts, tokens[name], dry)
+        pd_checks(part, clusters, refs, prompts, tokens, deadline)
+    finally:
+        pd.stop_all(clusters.values())
+    if device == "cuda":
+        with part.guard("stories260K: bf16 / FP8 KV"):
+            served_precision(part, device, tokens[STORIES])
+    return finish(part)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
 """The environment step of the GPU first contact (`first_contact`): what the machine has, and whether Triton compiles.
 
-Prints a markdown report (the driver writes it to ``env.md``): ``nvidia-smi``,
+Prints a markdown report (into the run's log): ``nvidia-smi``,
 Python, torch (and its CUDA), Triton, NIXL and the other packages the workers
 import, the C compiler and ``Python.h`` that Triton's launchers need, the
 device's properties, and the worker's own start-up self-check
-(`pd_cluster.engine.attention.triton.selfcheck.check_triton_runtime`), timed.
-Exit status 1 when a worker could not start here (no Triton compile, or a
-package the workers import is missing).
+(`pd_cluster.engine.attention.triton.selfcheck.check_triton_runtime`), timed;
+and records the versions, the device and the verdicts in its part
+(`first_contact_part`: ``info`` and two checks). Exit status 1 when a worker
+could not start here (no Triton compile, or a package the workers import is
+missing).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import platform
@@ -78,12 +79,8 @@ def device_lines() -> list[str]:
     return lines
 
 
-def selfcheck_line() -> tuple[str, bool]:
-    """Run the worker's start-up Triton self-check on the first device (CPU: the interpreter)."""
-    import torch
-    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+def selfcheck_line(device) -> tuple[str, bool]:
+    """Run the worker's start-up Triton self-check on `device` (CPU: the interpreter)."""
     t0 = time.perf_counter()
     try:
         from pd_cluster.engine.attention.triton.selfcheck import check_triton_runtime
@@ -94,9 +91,11 @@ def selfcheck_line() -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="unused; accepted so every step takes the same flags")
-    p.parse_args(argv)
+    from pd_cluster.bench.scripts.first_contact_part import finish, start_part
+
+    args, part = start_part(argv, "env", __doc__)
+    import torch
+    device = torch.device("cuda:0") if args.device.type == "cuda" else args.device
     print("# First contact: environment\n")
     print(f"- python {platform.python_version()} ({sys.executable}), {platform.platform()}")
     print(f"- CPUs: {os.cpu_count()}")
@@ -106,17 +105,25 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## Compiler\n")
     print("\n".join(compiler_lines()))
     print("\n## Device\n")
-    print("\n".join(device_lines()))
-    line, ok = selfcheck_line()
+    dev_lines = device_lines()
+    print("\n".join(dev_lines))
+    line, ok = selfcheck_line(device)
     print(line)
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit",
+                "--format=csv,noheader"])
     print("\n## nvidia-smi\n\n```")
     print(_run(["nvidia-smi"]))
-    print(_run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit",
-                "--format=csv"]))
+    print(smi)
     print("```", flush=True)
-    if missing:
-        print(f"\n**Missing for the workers:** {', '.join(missing)}")
-    return 0 if ok and not missing else 1
+    part.info("python", platform.python_version())
+    part.info("platform", platform.platform())
+    part.info("cpus", os.cpu_count())
+    part.info("packages", [ln[2:].split(" (/")[0] for ln in pkg_lines])  # name: version, without the path
+    part.info("device", [ln[2:] for ln in dev_lines])
+    part.info("nvidia_smi", smi)
+    part.check("the Triton self-check passes on " + str(device), ok, line[2:])
+    part.check("every package a worker imports is installed", not missing, ", ".join(missing))
+    return finish(part)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ It measures, in one run and on the device itself:
 6. the fused MoE kernel at Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3 (one TP-8
    rank) shapes (`moe_bench.fused_moe_table`) and the paged MLA decode kernel at
    DeepSeek-V3's shapes (`mla_decode.mla_decode_section`), each checked against
-   the torch path before it is timed;
+   the torch path before it is timed; the quantised GEMMs (FP8 blocks and per tensor, int4) against the bf16
+   matmul at Llama-3.1-8B and DeepSeek-V3 (TP 8) shapes (`gpu_quant_gemm.quant_gemm_table`);
 7. the 8k-token prefill kernel alone (launch-settings sweep);
 8. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
    against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
@@ -50,7 +51,7 @@ import torch
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
-PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "mla", "prefill_kernel", "layout", "decode_sweep")
+PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "quant", "mla", "prefill_kernel", "layout", "decode_sweep")
 
 
 def device_info(device: torch.device) -> str:
@@ -135,6 +136,11 @@ def run(args: argparse.Namespace, emit=None) -> list[Section]:
         from pd_cluster.bench.scripts.moe_bench import fused_moe_table
 
         add(fused_moe_table(device, args.smoke, ceil))
+        _free(device)
+    if "quant" not in skip:
+        from pd_cluster.bench.scripts.gpu_quant_gemm import quant_gemm_table
+
+        add(quant_gemm_table(device, args.smoke, ceil))
         _free(device)
     if "mla" not in skip:
         from pd_cluster.bench.scripts.mla_decode import mla_decode_section

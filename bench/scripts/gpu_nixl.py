@@ -17,6 +17,8 @@ import time
 import numpy as np
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section
+from pd_cluster.transfer import ucx_env
+from pd_cluster.transfer.config import TransferConfig
 
 
 def _descs(base: int, nbytes: int, desc_bytes: int, dev: int) -> np.ndarray:
@@ -33,6 +35,7 @@ def _target(conn, nbytes: int, use_cuda: bool) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0" if use_cuda else "cpu")
+    ucx_env.apply(TransferConfig())  # the workers' UCX environment (ucx_env's module doc)
     agent = nixl_agent("bench-target", nixl_agent_config(backends=["UCX"]))
     agent.register_memory([buf])
     conn.send((agent.get_agent_metadata(), buf.data_ptr()))
@@ -51,6 +54,7 @@ def _initiator(conn, nbytes: int, desc_bytes: int, iters: int, use_cuda: bool) -
     dev = "cuda:0" if use_cuda else "cpu"
     mem = "VRAM" if use_cuda else "DRAM"
     buf = torch.randint(1, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    ucx_env.apply(TransferConfig())  # the workers' UCX environment (ucx_env's module doc)
     agent = nixl_agent("bench-initiator", nixl_agent_config(backends=["UCX"]))
     agent.register_memory([buf])
     peer_meta, peer_base = conn.recv()

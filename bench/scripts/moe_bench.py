@@ -27,7 +27,7 @@ import torch
 from pd_cluster.bench.scripts.gpu_common import Ceilings, Row, Section, bench_ms, measure_ceilings, pct
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import torch_fused_experts
-from pd_cluster.engine.model.llama import MLP
+from pd_cluster.engine.model.layers import MLP
 from pd_cluster.engine.model.moe import SparseMoE
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig
 

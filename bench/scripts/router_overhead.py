@@ -1,31 +1,36 @@
 """CPU per request of ``pd-router`` against a peer router, side by side on one fake worker.
 
 Both routers front the same fast fake worker (``pd_cluster.bench.fake_server``: zero TTFT and ITL,
-8 tokens per streamed reply). The fake and the load generator (`wrk`, HTTP/1.1 keep-alive) are
-pinned to one CPU and each router in turn to another (`--router-cpu`). For every cell (case x
-connections) the routers run one after the other, in alternating order from round to round
-(interleaved A/B), so slow drifts of a shared machine hit both alike. A router's CPU time is read
-from ``/proc/<pid>/stat`` (user + system, all threads and child processes) before and after the
-`wrk` run and divided by the requests `wrk` completed. Each run also records the machine's
-1-minute load average and the CPU that other processes took meanwhile (``/proc/stat`` busy time
-minus the router's, the fake's and wrk's), so a reader can tell a quiet run from a contended one.
+8 tokens per streamed reply, ``--kv-events``: it publishes KV events and a text-to-page map as a real
+worker does). The fake and the load generator (`wrk`, HTTP/1.1 keep-alive) are pinned to one CPU and
+each router in turn to another (`--router-cpu`). For every cell (case x connections) the routers run
+one after the other, in alternating order from round to round (interleaved A/B), so slow drifts of a
+shared machine hit both alike. A router's CPU time is read from ``/proc/<pid>/stat`` (user + system,
+all threads and child processes) before and after the `wrk` run and divided by the requests `wrk`
+completed. Each run also records the machine's 1-minute load average and the CPU that other processes
+took meanwhile (``/proc/stat`` busy time minus the router's, the fake's and wrk's), so a reader can tell
+a quiet run from a contended one.
 
-Cases:
+Cases (the peer runs ``round_robin`` for the first two, ``cache_aware`` for the others):
 
 * ``plain``: non-streamed completions, ``max_tokens`` 1, policy ``round_robin`` on both;
 * ``stream``: streamed completions of 8 token events, ``round_robin``;
-* ``tokenizer``: a non-streamed completion whose prompt is ``--prompt-tokens`` (682) tokens long,
-  pd-router with ``--tokenizer-path`` (precise ``cache_aware`` on KV events) against the peer's
-  ``cache_aware``; every request sends the same prompt;
-* ``tokenizer_unique``: the same, but each request's prompt starts with a different number, so
-  no two prompts share their tokens (the router's prompt cache never hits).
+* ``precise``: a non-streamed completion whose prompt is ``--prompt-tokens`` (682) tokens of the
+  tokenizer long (1,862 characters), pd-router ``cache_aware`` on the fake's KV events through its
+  text-to-page map (no tokenizer: what ``pd-serve`` runs); every request sends the same prompt;
+* ``precise_unique``: the same, but each request's prompt starts with a different number, so no two
+  prompts share a text block (nothing the router learned ever matches);
+* ``tokenizer``, ``tokenizer_unique``: the same two with ``--tokenizer-path`` (the router tokenizes).
 
 The peer is ``sglang_router.launch_router`` (sglang-router, Rust) when it is installed; without it
 only pd-router is measured. ``--base-tree DIR`` adds a third router: pd-router run from another source
 tree (for example ``git archive <commit> | tar -x -C DIR``), to compare two versions in the same run.
+``--idle SECONDS`` measures instead what idle routers burn (``router_overhead_idle.py``), and
+``--poll-cost N`` an idle router polling N workers.
 
     python -m pd_cluster.bench.scripts.router_overhead --seconds 10 --rounds 3 --concurrency 16 64
     python -m pd_cluster.bench.scripts.router_overhead --poll-cost 32 --seconds 10
+    python -m pd_cluster.bench.scripts.router_overhead --idle 90
 """
 
 from __future__ import annotations
@@ -34,23 +39,33 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import httpx
-
 from pd_cluster.bench.fake_process import FakeServerProcess
+from pd_cluster.bench.scripts.router_overhead_kit import (
+    MODEL,
+    Run,
+    busy_ticks,
+    cpu_ticks,
+    make_prompt,
+    parse_wrk,
+    run_wrk,
+    start,
+    stop,
+    tree_env,
+    wait_ready,
+)
 from pd_cluster.common.net import free_port
 
-MODEL = "stories260K"
-CASES = ("plain", "stream", "tokenizer", "tokenizer_unique")
+CASES = ("plain", "stream", "precise", "precise_unique", "tokenizer", "tokenizer_unique")
+PROMPTED = ("precise", "precise_unique", "tokenizer", "tokenizer_unique")
 WRK_SCRIPT = """
 local counter = 0
 local head = os.getenv("BENCH_HEAD")
@@ -68,169 +83,33 @@ end
 """
 
 
-# ---- processes and /proc ----------------------------------------------------------------------------------
-def pinned(cpus: set[int]):
-    return lambda: os.sched_setaffinity(0, cpus)
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            out.setdefault(ppid, []).append(int(entry))
-    return out
-
-
-def cpu_ticks(pid: int) -> int:
-    """User + system clock ticks of ``pid`` (all its threads) and of its live descendants."""
-    tree, todo, total = _children(), [pid], 0
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
-        todo.extend(tree.get(p, ()))
-    return total
-
-
-def busy_ticks() -> int:
-    """Busy clock ticks of the whole machine, all CPUs (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    return sum(values) - values[3] - values[4]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the router exited with {proc.returncode}")
-        try:
-            r = httpx.post(url + "/v1/completions", timeout=2,
-                           json={"model": MODEL, "prompt": "warm up", "max_tokens": 1})
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{url} did not answer a completion within {timeout} s")
-
-
-def start(cmd: list[str], cpu: int, log: Path, env: dict | None = None) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, preexec_fn=pinned({cpu}), stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def tree_env(tree: str, scratch: Path) -> dict:
-    """An environment whose ``import pd_cluster`` loads the source tree ``tree``."""
-    link = scratch / "base-tree" / "pd_cluster"
-    link.parent.mkdir(exist_ok=True)
-    if not link.exists():
-        link.symlink_to(Path(tree).resolve())
-    return dict(os.environ, PYTHONPATH=str(link.parent))
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 # ---- the routers --------------------------------------------------------------------------------------------
 def pd_router_cmd(port: int, worker: str, case: str, a: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "pd_cluster.router.main", "--host", "127.0.0.1", "--port", str(port),
            "--worker", worker, "--log-level", "warning"]
     if case.startswith("tokenizer"):
         cmd += ["--policy", "cache_aware", "--tokenizer-path", a.tokenizer_path]
+    elif case.startswith("precise"):
+        cmd += ["--policy", "cache_aware"]
     else:
         cmd += ["--policy", "round_robin"]
     return cmd + a.router_args
 
 
 def peer_cmd(port: int, worker: str, case: str, a: argparse.Namespace) -> list[str]:
-    policy = "cache_aware" if case.startswith("tokenizer") else "round_robin"
+    policy = "cache_aware" if case in PROMPTED else "round_robin"
     return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", worker, "--policy", policy, "--log-level", "warn"]
 
 
 # ---- wrk ------------------------------------------------------------------------------------------------------
-_UNITS = {"us": 1.0, "ms": 1e3, "s": 1e6, "m": 60e6}
-
-
-def _micros(text: str) -> float:
-    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text.strip())
-    return float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
-
-
-@dataclass
-class Run:
-    router: str
-    case: str
-    conns: int
-    round: int
-    requests: int
-    seconds: float
-    p50_us: float
-    p99_us: float
-    non_2xx: int
-    socket_errors: int
-    cpu_s: float
-    others_cpu_s: float
-    load1: float
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def us_per_req(self) -> float:
-        return self.cpu_s / self.requests * 1e6 if self.requests else float("nan")
-
-
-def parse_wrk(out: str) -> dict:
-    got = {"requests": 0, "seconds": 0.0, "p50_us": float("nan"), "p99_us": float("nan"),
-           "non_2xx": 0, "socket_errors": 0}
-    m = re.search(r"(\d+) requests in ([\d.]+)(\w+)", out)
-    if m:
-        got["requests"] = int(m.group(1))
-        got["seconds"] = _micros(m.group(2) + m.group(3)) / 1e6
-    for q, key in (("50%", "p50_us"), ("99%", "p99_us")):
-        m = re.search(rf"^\s+{q}\s+(\S+)", out, re.M)
-        if m:
-            got[key] = _micros(m.group(1))
-    m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if m:
-        got["non_2xx"] = int(m.group(1))
-    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    if m:
-        got["socket_errors"] = sum(int(g) for g in m.groups())
-    return got
-
-
 def body_parts(case: str, prompt: str) -> tuple[str, str]:
-    """The request body as (head, tail): ``tokenizer_unique`` puts a counter between them."""
+    """The request body as (head, tail): the unique cases put a counter between them."""
     stream = case == "stream"
     tokens = 8 if stream else 1
-    text = prompt if case.startswith("tokenizer") else "Once upon a time"
+    text = prompt if case in PROMPTED else "Once upon a time"
     tail = json.dumps(text)[1:] + f', "max_tokens": {tokens}, "stream": {json.dumps(stream)}}}'
     return f'{{"model": "{MODEL}", "prompt": "', tail
-
-
-def run_wrk(port: int, conns: int, seconds: float, script: Path, env: dict, cpu: int) -> str:
-    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "--latency", "--timeout", "10s", "-s", str(script),
-           f"http://127.0.0.1:{port}/v1/completions"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=pinned({cpu}),
-                          timeout=seconds + 60).stdout
 
 
 def measure(name: str, proc: subprocess.Popen, port: int, case: str, conns: int, rnd: int,
@@ -252,22 +131,6 @@ def measure(name: str, proc: subprocess.Popen, port: int, case: str, conns: int,
                os.getloadavg()[0])
 
 
-def make_prompt(path: str, tokens: int) -> str:
-    """Story text cut to exactly ``tokens`` tokens of ``path``'s tokenizer (special tokens included)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    words = ("Once upon a time there was a little girl named Lily who loved to play in the park with her "
-             "dog Max . One day they found a shiny red ball under a big tree and ").split()
-    text, i = "", 0
-    while len(tok(text).input_ids) < tokens:
-        text += (" " if text else "") + words[i % len(words)]
-        i += 1
-    while len(tok(text).input_ids) > tokens:
-        text = text[:-1]
-    return text
-
-
 # ---- the comparison -------------------------------------------------------------------------------------------
 def compare(a: argparse.Namespace) -> list[Run]:
     if shutil.which("wrk") is None:
@@ -281,17 +144,17 @@ def compare(a: argparse.Namespace) -> list[Run]:
     script = logs / "bench.lua"
     script.write_text(WRK_SCRIPT)
     os.sched_setaffinity(0, {a.client_cpu})
-    prompt = make_prompt(a.tokenizer_path, a.prompt_tokens) if any(c.startswith("tokenizer") for c in a.cases) \
-        else ""
+    prompt = make_prompt(a.tokenizer_path, a.prompt_tokens) if any(c in PROMPTED for c in a.cases) else ""
     runs: list[Run] = []
     print(f"machine: {os.cpu_count()} CPUs; routers on CPU {a.router_cpu}, wrk and the fake on CPU "
           f"{a.client_cpu}; load average {os.getloadavg()}; logs in {logs}", flush=True)
-    with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", "8"]) as fake:
+    with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", "8", "--kv-events",
+                            "--page-size", str(a.page_size)]) as fake:
         os.sched_setaffinity(fake.proc.pid, {a.client_cpu})
         for case in a.cases:
             head, tail = body_parts(case, prompt)
             env = dict(os.environ, BENCH_HEAD=head, BENCH_TAIL=tail,
-                       BENCH_UNIQUE="1" if case == "tokenizer_unique" else "0")
+                       BENCH_UNIQUE="1" if case.endswith("_unique") else "0")
             procs = {}
             try:
                 for name, (cmd, router_env) in routers.items():
@@ -386,14 +249,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokenizer-path", default=DEFAULT_MODEL,
                    help="tokenizer of the tokenizer cases (default: the embedded stories260K model)")
     p.add_argument("--prompt-tokens", type=int, default=682)
+    p.add_argument("--page-size", type=int, default=32,
+                   help="the fake's page size in word tokens (32: the 682-token prompt's ~10 pages of 64 tokens)")
     p.add_argument("--no-peer", action="store_true", help="measure pd-router only")
     p.add_argument("--base-tree", default=None, help="also run pd-router from this source tree")
     p.add_argument("--json", default=None, help="also write every run to this file")
     p.add_argument("--poll-cost", type=int, default=0, metavar="N",
                    help="instead: idle router CPU with N workers polled (loopback aliases)")
+    p.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                   help="instead: CPU that idle routers burn over SECONDS (router_overhead_idle.py)")
     p.add_argument("--router-args", nargs=argparse.REMAINDER, default=[],
                    help="extra pd-router flags (last on the line)")
     a = p.parse_args(argv)
+    if a.idle:
+        from pd_cluster.bench.scripts.router_overhead_idle import idle_cost, report as idle_report
+
+        peer = importlib.util.find_spec("sglang_router") is not None and not a.no_peer
+        idle_report(idle_cost(a.idle, 5.0, a.tokenizer_path, a.router_cpu, peer), 5.0)
+        return
     if a.poll_cost:
         poll_cost(a)
         return

@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pd_cluster.common.routing_text import pack_u64
+
 logger = logging.getLogger(__name__)
 
 ROOT_HASH = 0
@@ -61,10 +63,11 @@ class BlockStored:
     block_size: int
     medium: str | None = None
 
-    def to_json(self) -> dict:
+    def to_json(self, token_ids: bool = True) -> dict:
         out = {"type": "BlockStored", "block_hashes": list(self.block_hashes),
-               "parent_block_hash": self.parent_block_hash, "token_ids": list(self.token_ids),
-               "block_size": self.block_size}
+               "parent_block_hash": self.parent_block_hash, "block_size": self.block_size}
+        if token_ids:
+            out["token_ids"] = list(self.token_ids)
         if self.medium is not None:
             out["medium"] = self.medium
         return out
@@ -76,7 +79,7 @@ class BlockRemoved:
 
     block_hashes: tuple[int, ...]
 
-    def to_json(self) -> dict:
+    def to_json(self, token_ids: bool = True) -> dict:
         return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes)}
 
 
@@ -84,7 +87,7 @@ class BlockRemoved:
 class AllBlocksCleared:
     """Everything before is void (a snapshot starts with it)."""
 
-    def to_json(self) -> dict:
+    def to_json(self, token_ids: bool = True) -> dict:
         return {"type": "AllBlocksCleared"}
 
 
@@ -111,10 +114,19 @@ class KVEventBatch:
     snapshot: bool
     more: bool = False
 
-    def to_json(self) -> dict:
+    def to_json(self, token_ids: bool = True, packed: bool = False) -> dict:
+        """The wire form; `token_ids` False leaves the stored pages' token ids out (a reader that only needs
+        the hashes, as the router); `packed`: each event's ``block_hashes`` as one base64 string of
+        little-endian unsigned 64-bit integers (`pd_cluster.common.routing_text.pack_u64`) instead of a list."""
+        events = []
+        for s, e in self.events:
+            out = e.to_json(token_ids)
+            out["seq"] = s
+            if packed and "block_hashes" in out:
+                out["block_hashes"] = pack_u64(out["block_hashes"])
+            events.append(out)
         return {"instance_id": self.instance_id, "page_size": self.page_size, "seq": self.seq,
-                "snapshot": self.snapshot, "more": self.more,
-                "events": [dict(e.to_json(), seq=s) for s, e in self.events]}
+                "snapshot": self.snapshot, "more": self.more, "events": events}
 
 
 class KVEventLog:

@@ -13,7 +13,7 @@
 
 `TorchLayerOps` is the reference and runs anywhere. `TritonLayerOps` launches
 one kernel per op (`pd_cluster.engine.attention.triton.fused`); the model uses it
-with the triton attention backend (`LlamaForCausalLM.set_layer_ops`). Under
+with the triton attention backend (`CausalLM.set_layer_ops`). Under
 ``TRITON_INTERPRET=1`` it runs on CPU, which is how CI checks it.
 """
 

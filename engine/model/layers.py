@@ -1,4 +1,4 @@
-"""The building blocks of a Llama-family decoder layer: RMSNorm, self-attention and the gated MLP.
+"""The building blocks of a decoder layer with K and V per head: RMSNorm, self-attention and the gated MLP.
 
 Each block reads what differs between families from `ArchConfig` (and the layer's `LayerAttention`):
 
@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
+from pd_cluster.engine.model.rope import deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import linear_no_bias, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -73,8 +74,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = make_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = make_linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         norm = cfg.qk_norm
         self.q_norm = self.k_norm = self.l2_norm = None
         if norm in ("rms", "gemma"):  # before RoPE, one weight per head dimension
@@ -106,7 +107,18 @@ class Attention(nn.Module):
         out = backend.forward(self.layer, q, k, v, pool, batch.for_group(pool.group_of(self.layer)), sinks=self.sinks)
         if self.tp.size == 1 or self.o_proj.bias is None:
             return self.tp.all_reduce(self.o_proj(out))
-        return self.tp.all_reduce(F.linear(out, self.o_proj.weight)) + self.o_proj.bias
+        return self.tp.all_reduce(linear_no_bias(self.o_proj, out)) + self.o_proj.bias
+
+    @staticmethod
+    def checkpoint_tensor(cfg: ArchConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (this rank's shard of checkpoint tensor `name`) as the module holds it. With
+        `ArchConfig.rope_interleaved` (Llama 4) each q and k head's rows (and biases) are put in rotate-half
+        order, ``0, 2, 4, ..., 1, 3, 5, ...``, which leaves every q.k unchanged (an L2 norm too)."""
+        if not cfg.rope_interleaved or not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                           "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
+            return tensor
+        rows = tensor.reshape(-1, cfg.head_dim, tensor.shape[-1] if tensor.dim() == 2 else 1)
+        return deinterleave_rope_rows(rows, 0).reshape(tensor.shape)
 
     def _rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         if self.rotary_dim == self.head_dim:
@@ -136,8 +148,8 @@ class MLP(nn.Module):
         super().__init__()
         self.tp = tp
         self.intermediate_size = (intermediate_size or cfg.intermediate_size) // tp.size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(cfg.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = make_linear(self.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.ops: TorchLayerOps = TORCH_OPS
 

@@ -1,15 +1,19 @@
-"""Load an HF checkpoint folder into `LlamaForCausalLM` (Llama family) or `DeepseekForCausalLM` (MLA).
+"""Load an HF checkpoint folder into its family's model class (`Family.model`, `pd_cluster.engine.model.decoder`).
 
 Reads ``config.json`` and ``*.safetensors`` (single file, or sharded with
-``model.safetensors.index.json``). HF's separate q/k/v and gate/up tensors are
-copied into the model's fused matrices; experts, shared experts and Phi-3's
-pre-fused tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
+``model.safetensors.index.json``). The family names the tensors: a multimodal checkpoint's language-model
+prefix and the prefixes it skips (its vision tower), and the renames of its module names
+(`weight_map.canonical`). HF's separate q/k/v and gate/up tensors are
+copied into the model's fused matrices; experts, shared experts and pre-fused
+tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
-Block-quantised FP8 weights (``quant_method: fp8``, ``weight_scale_inv``: DeepSeek-V3's
-release) are dequantised into the model's dtype as they are read (`pd_cluster.engine.model.fp8_weights`).
-A model class may name its own fused tensors (``FUSED``) and adapt a tensor
-(``checkpoint_tensor(name, tensor)``: DeepSeek's interleaved RoPE rows).
+Quantised weights (FP8, int4; `pd_cluster.engine.quant`) stay quantised: the layers the checkpoint stores
+quantised are built as `QuantLinear` (`pd_cluster.engine.model.quant_weights.plan_quantized`) and filled with
+this rank's slice of their tensors; routed experts the MoE kernel does not keep quantised, and MLA's
+``kv_b_proj``, are dequantised as they are read.
+A checkpoint tensor that is itself a parameter is copied as it is; the model adapts a tensor
+(``checkpoint_tensor(name, tensor)``: interleaved RoPE rows put in rotate-half order).
 Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
 are skipped, as transformers does. ``load_format="dummy"`` fills the
 weights with seeded random values instead (vLLM's ``--load-format dummy``).
@@ -28,12 +32,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pd_cluster.engine.model.arch import LANGUAGE_MODEL_OF, ArchConfig
-from pd_cluster.engine.model import fp8_weights, weight_map
-from pd_cluster.engine.model.deepseek import DeepseekForCausalLM
-from pd_cluster.engine.model.llama import LlamaForCausalLM
+from pd_cluster.engine.model import families, weight_map
+from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.family import Family
+from pd_cluster.engine.model.quant_weights import (PRIMARY_SUFFIXES, CheckpointTensors, QuantWeights, plan_quantized,
+                                                   split_name)
 from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.linear import QuantLinear
+from pd_cluster.engine.quant.modules import deferred_linears, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +70,11 @@ class LoadedModel:
         dtype: the weights' dtype.
         k_scales, v_scales: per-layer FP8 KV scales (1.0 where the checkpoint has none).
         identity: sha256 over the config and the weights' names, shapes and dtypes.
-        weights_nbytes: bytes of parameters.
+        weights_nbytes: bytes the weights take on this rank: parameters, and the quantised layers' values and
+            scales (`QuantLinear.nbytes`).
     """
 
-    model: LlamaForCausalLM | DeepseekForCausalLM
+    model: torch.nn.Module
     arch: ArchConfig
     dtype: torch.dtype
     k_scales: list[float]
@@ -119,22 +127,38 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, ro
     return h.hexdigest()
 
 
-def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arch: ArchConfig,
-                  tp: TPGroup, expert_parallel: bool = False) -> tuple[list[float], list[float]]:
+def _fused(arch: ArchConfig) -> dict[str, tuple[str, int]]:
+    """The checkpoint parts the model fuses: q/k/v and gate/up (under MLA only gate/up: its q_proj is a layer)."""
+    return _FUSED if arch.mla is None else {k: v for k, v in _FUSED.items() if v[0] == "gate_up_proj"}
+
+
+def _skipped(stored_name: str, hf_name: str, other_parts: tuple[str, ...], arch: ArchConfig,
+             quant: QuantWeights) -> bool:
+    """Tensors not read here: a multimodal checkpoint's vision tower, a quantised weight's companions (read with
+    it), RoPE buffers and other scales, DeepSeek-V3's multi-token-prediction layer (``model.layers.61.*``)."""
+    if other_parts and stored_name.startswith(other_parts):
+        return True
+    if quant.skips(stored_name):
+        return True
+    if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
+        return True
+    layer = _LAYER_RE.match(hf_name)
+    return bool(layer and int(layer.group(1)) >= arch.num_hidden_layers)
+
+
+def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: Family,
+                  tp: TPGroup, tensors: CheckpointTensors, expert_parallel: bool = False
+                  ) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
-    fused = getattr(model, "FUSED", _FUSED)
     adapt = getattr(model, "checkpoint_tensor", None)
     k_scales = [1.0] * arch.num_hidden_layers
     v_scales = [1.0] * arch.num_hidden_layers
     loaded: set[str] = set()
-    files = _weight_files(path)
-    scale_of = _tensor_reader(path, files)
-    prefix, other_parts = LANGUAGE_MODEL_OF.get(arch.architecture, ("", ()))
-    for file in files:
+    prefix, other_parts = family.language_model_prefix, family.skipped_prefixes
+    quant = QuantWeights(model, arch, tp, tensors, _fused(arch), adapt, prefix)
+    for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for stored_name in f.keys():
-                if other_parts and stored_name.startswith(other_parts):
-                    continue  # a multimodal checkpoint's vision tower: the engine serves its language model
                 hf_name = stored_name.removeprefix(prefix)
                 m = _SCALE_RE.match(hf_name)
                 if m:
@@ -142,44 +166,26 @@ def _load_tensors(model: LlamaForCausalLM | DeepseekForCausalLM, path: Path, arc
                     (k_scales if which == "k" else v_scales)[int(m.group(1))] = float(
                         f.get_tensor(stored_name).float().item())
                     continue
-                if "rotary_emb" in hf_name or hf_name.endswith("_scale") or hf_name.endswith("scale_inv"):
+                if _skipped(stored_name, hf_name, other_parts, arch, quant):
                     continue
-                layer = _LAYER_RE.match(hf_name)
-                if layer and int(layer.group(1)) >= arch.num_hidden_layers:
-                    continue  # DeepSeek-V3's multi-token-prediction layer (model.layers.61.*): not served
-                name = weight_map.canonical(hf_name.removeprefix("model."))
-                values = fp8_weights.block_fp8_slice(stored_name, f.get_slice(stored_name), scale_of,
-                                                     arch.fp8_weight_block)
-                if weight_map.copy_special(params, name, values, arch, tp, expert_parallel, loaded):
+                module, suffix = split_name(hf_name)
+                name = weight_map.canonical((module + ".weight" if suffix in PRIMARY_SUFFIXES else hf_name)
+                                            .removeprefix("model."), family.weight_renames)
+                if suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
+                    continue
+                values = quant.source(stored_name, name, f.get_slice(stored_name))
+                if quant.skip_zero_bias(name, values) or weight_map.copy_special(
+                        params, name, values, arch, family.split_gate_up, tp, expert_parallel, loaded):
                     continue
                 tensor = shard(name, values, tp)
-                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded, fused)
+                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded)
+    quant.finish()
     missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
     return k_scales, v_scales
-
-
-def _tensor_reader(path: Path, files: list[Path]):
-    """``read(name)``: checkpoint tensor `name` from whichever file holds it, None when none does."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        with open(index) as f:
-            where = {name: path / file for name, file in json.load(f)["weight_map"].items()}
-    else:
-        where = {}
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                where.update(dict.fromkeys(f.keys(), file))
-
-    def read(name: str) -> torch.Tensor | None:
-        if name not in where:
-            return None
-        with safe_open(str(where[name]), framework="pt") as f:
-            return f.get_tensor(name)
-    return read
 
 
 def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
@@ -206,12 +212,12 @@ def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:
     return tensor_slice[:]
 
 
-def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str],
-          fused_names: dict = _FUSED) -> None:
+def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: TPGroup, loaded: set[str]) -> None:
+    """Copy into the parameter of that name, else into its part of a fused matrix (`_FUSED`)."""
     parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in fused_names:
-            fused, index = fused_names[part]
+    for i, part in enumerate(parts if name not in params else ()):
+        if part in _FUSED:
+            fused, index = _FUSED[part]
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
             param = params[target]
             if fused == "qkv_proj":
@@ -230,7 +236,7 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
     loaded.add(name)
 
 
-def _init_dummy(model: LlamaForCausalLM | DeepseekForCausalLM, seed: int, device: torch.device) -> None:
+def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -262,21 +268,36 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     """
     folder = Path(path)
     arch = ArchConfig.from_pretrained(folder)
+    family = families.get(arch.architecture)
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
-    with torch.device(device), _default_dtype(dtype):
-        model = (DeepseekForCausalLM(arch, tp, expert_parallel) if arch.mla is not None
-                 else LlamaForCausalLM(arch, tp, expert_parallel, context_length))
+    tensors = CheckpointTensors(folder, _weight_files(folder)) if load_format != "dummy" else None
+    plan = plan_quantized(arch, tensors, _fused(arch), family.language_model_prefix, family.skipped_prefixes,
+                          family.weight_renames) if tensors is not None and arch.quant is not None else {}
+    with torch.device(device), _default_dtype(dtype), deferred_linears():
+        model = family.model()(arch, tp, expert_parallel, context_length)
+    materialize(model, plan, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.inv_freq = module.inv_freq.float()  # RoPE frequencies stay float32
+        if isinstance(module, QuantLinear):
+            module.set_kernels(device.type == "cuda")  # the quantised GEMM kernels; the reference path on CPU
     if load_format == "dummy":
+        if arch.quant is not None:
+            logger.info("dummy weights: the checkpoint's %s quantisation is not applied (unquantised layers)",
+                        arch.quant.method)
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
-        k_scales, v_scales = _load_tensors(model, folder, arch, tp, expert_parallel)
+        try:
+            k_scales, v_scales = _load_tensors(model, folder, arch, family, tp, tensors, expert_parallel)
+        finally:
+            tensors.close()
     model.eval()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(m.nbytes - (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0) for m in quantized)
+    quant_note = (f", quantized: {len(quantized)} layers, {arch.quant.describe()}" if quantized else "")
     scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
     rope = ""
     if "use_long_factor" in scaling:
@@ -287,11 +308,11 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     identity = model_identity(folder, arch, load_format, seed, rope)
     if arch.mla is not None:
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, MLA latent=%d (kv_lora_rank %d"
-                    " + qk_rope_head_dim %d), heads=%d", arch.architecture, str(dtype).removeprefix("torch."),
+                    " + qk_rope_head_dim %d), heads=%d%s", arch.architecture, str(dtype).removeprefix("torch."),
                     nbytes / 2**20, arch.num_hidden_layers, arch.mla.latent_dim, arch.mla.kv_lora_rank,
-                    arch.mla.qk_rope_head_dim, arch.num_attention_heads)
+                    arch.mla.qk_rope_head_dim, arch.num_attention_heads, quant_note)
     else:
-        logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d",
+        logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d%s",
                     arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
-                    arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+                    arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, quant_note)
     return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes)

@@ -27,6 +27,7 @@ from torch.nn import functional as F
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_moe_parallel
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.modules import make_linear
 
 
 def _score(x: torch.Tensor, scoring: str) -> torch.Tensor:
@@ -102,8 +103,8 @@ class SharedExperts(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size // tp.size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = make_linear(hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = make_linear(self.intermediate_size, hidden_size, bias=False)
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ class SparseMoE(nn.Module):
         self.experts = FusedExperts(hidden_size, cfg, tp, expert_parallel)
         self.shared_experts = (SharedExperts(hidden_size, cfg.shared_intermediate_size, tp)
                                if cfg.shared_intermediate_size else None)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
+        self.shared_expert_gate = make_linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.activation = ((cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.activation == "swiglu_clamped"
                            else ("silu",))
         self.ops: TorchLayerOps = TORCH_OPS

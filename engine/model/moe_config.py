@@ -2,7 +2,8 @@
 
 Torch-free (the memory planner reads it). `RoutingConfig` is one small frozen
 record that states, step by step, how a token picks its experts and their
-weights; every family's router is a setting of it:
+weights; every family's router is a setting of it, read from its config by its family
+(`Family.moe`, `pd_cluster.engine.model.families`):
 
 ======================  =========  ============  ======  ===========  =====================
 family                  scoring    before top-k  groups  renormalise  other
@@ -24,7 +25,7 @@ never weights), vLLM's ``FusedMoE`` routing arguments.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -161,95 +162,6 @@ class MoEConfig:
         shared = 3 * h * self.shared_intermediate_size + (h if self.shared_expert_gate else 0)
         router = self.num_experts * h + (self.num_experts if self.routing.router_bias else 0)
         return router + self.top_k * self._expert_params(h) + shared
-
-
-def moe_from_hf(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
-    """The MoE part of an HF config of `architecture`, or None for a dense model.
-
-    Reads gpt-oss, Llama 4, Mixtral (``num_local_experts``), Qwen3-MoE (``num_experts``, ``moe_intermediate_size``,
-    ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``) and DeepSeek-V2/V3 (``n_routed_experts``,
-    ``n_shared_experts``, ``topk_method``, ``n_group``, ``topk_group``, ``scoring_func``,
-    ``routed_scaling_factor``, ``norm_topk_prob``, ``first_k_dense_replace``, ``moe_layer_freq``).
-
-    Raises:
-        ValueError: a routing key with a value the engine does not implement, named.
-    """
-    layers = int(cfg["num_hidden_layers"])
-    act = str(cfg.get("hidden_act", "silu"))
-    if architecture == "MixtralForCausalLM":
-        experts = int(cfg.get("num_local_experts") or 8)
-        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 2), "softmax", renormalize=True)
-        return MoEConfig(experts, int(cfg["intermediate_size"]), routing, tuple(range(layers)), activation=act)
-    if architecture == "Qwen3MoeForCausalLM":
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-        if not experts:
-            return None
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
-        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)  # HF's rule
-        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 8), "softmax",
-                                renormalize=bool(cfg.get("norm_topk_prob", False)),
-                                weights_in_activation_dtype=True)
-        return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, moe_layers, activation=act)
-    if architecture in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
-        return _deepseek(cfg, architecture, layers, act)
-    if architecture == "GptOssForCausalLM":  # every layer; top-k on the biased logits, softmax over the k
-        experts = int(cfg.get("num_local_experts") or 128)
-        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 4), "softmax",
-                                score_before_topk=False, router_bias=True)
-        return MoEConfig(experts, int(cfg["intermediate_size"]), routing, tuple(range(layers)),
-                         activation="swiglu_clamped", expert_bias=True,
-                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
-    if architecture in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"):
-        return _llama4(cfg, layers, act)
-    return None
-
-
-def _llama4(cfg: dict[str, Any], layers: int, act: str) -> MoEConfig | None:
-    """Llama 4: ``moe_layers``, else every ``interleave_moe_layer_step``-th layer from step - 1
-    (``Llama4TextConfig``); a top-1 sigmoid router whose score scales the expert's input, and a shared expert
-    of the experts' width (``Llama4TextMoe``)."""
-    experts = int(cfg.get("num_local_experts") or 16)
-    given = cfg.get("moe_layers")
-    step = int(cfg.get("interleave_moe_layer_step") or 1)
-    moe_layers = tuple(int(i) for i in given) if given is not None else tuple(range(step - 1, layers, step))
-    inter = int(cfg["intermediate_size"])
-    routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 1), "sigmoid", score_before_topk=False,
-                            apply_weights_on_input=True, weights_in_activation_dtype=True)
-    return MoEConfig(experts, inter, routing, moe_layers, shared_intermediate_size=inter, activation=act)
-
-
-def _deepseek(cfg: dict[str, Any], architecture: str, layers: int, act: str) -> MoEConfig | None:
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
-    if not experts:
-        return None
-    v3 = architecture == "DeepseekV3ForCausalLM"
-    scoring = str(cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax"))
-    method = str(cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"))
-    known = {"greedy": False, "group_limited_greedy": True, "noaux_tc": True}
-    if method not in known:
-        raise ValueError(f"unsupported topk_method {method!r}; supported: {', '.join(known)}")
-    if method == "noaux_tc" and scoring != "sigmoid":
-        raise ValueError(f"topk_method 'noaux_tc' with scoring_func {scoring!r} is not implemented")
-    if method == "group_limited_greedy" and scoring != "softmax":
-        raise ValueError(f"topk_method 'group_limited_greedy' with scoring_func {scoring!r} is not implemented")
-    grouped = known[method]
-    routing = RoutingConfig(
-        experts, int(cfg.get("num_experts_per_tok") or 1), scoring,  # type: ignore[arg-type]
-        renormalize=bool(cfg.get("norm_topk_prob", False)),
-        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
-        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
-        group_score="top2_sum" if method == "noaux_tc" else "max",
-        e_score_correction_bias=method == "noaux_tc",
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        router_fp32=True)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    freq = int(cfg.get("moe_layer_freq") or 1)
-    moe_layers = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)  # DeepSeek's rule
-    inter = int(cfg["moe_intermediate_size"])
-    return MoEConfig(experts, inter, routing, moe_layers,
-                     shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0), activation=act)
 
 
 def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> None:

@@ -2,17 +2,17 @@
 
 * Routed experts, one tensor per expert and projection, go into the stacked ``w13_weight`` [E_local, 2 I, H]
   (gate rows, then up rows) and ``w2_weight`` [E_local, H, I] of `pd_cluster.engine.model.moe.FusedExperts`:
-  Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate, up, down) and the ``mlp.experts.{e}.gate_proj/
-  up_proj/down_proj`` of Qwen3-MoE and DeepSeek. Mixtral's ``block_sparse_moe`` prefix is the model's ``mlp``.
-* DeepSeek's ``mlp.shared_experts.gate_proj/up_proj/down_proj`` go into the shared experts' fused matrices.
-* Phi-3 stores q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``); under TP each rank reads
-  its rows of each part.
-* gpt-oss and Llama 4 store each layer's experts stacked: ``mlp.experts.gate_up_proj`` [E, H, 2 I] (x @ W
-  form; gpt-oss interleaves gate and up columns, ``0::2`` and ``1::2``, Llama 4 has gate then up) and
-  ``mlp.experts.down_proj`` [E, I, H]; gpt-oss adds ``gate_up_proj_bias`` [E, 2 I] (interleaved likewise) and
-  ``down_proj_bias`` [E, H]. They are transposed into ``w13``/``w2`` (and ``w13_bias``/``w2_bias``).
-  Llama 4's ``feed_forward`` is the model's ``mlp``, its ``router`` the ``gate``, its ``shared_expert`` the
-  ``shared_experts``; gpt-oss's ``router`` is the ``gate`` too.
+  ``mlp.experts.{e}.w1/w3/w2`` (gate, up, down) or ``mlp.experts.{e}.gate_proj/up_proj/down_proj``.
+* ``mlp.shared_experts.gate_proj/up_proj/down_proj`` go into the shared experts' fused matrices.
+* q/k/v and gate/up stored already fused (``qkv_proj``, ``gate_up_proj``): under TP each rank reads its rows
+  of each part.
+* Experts stored stacked per layer: ``mlp.experts.gate_up_proj`` [E, H, 2 I] (x @ W form; the family's
+  `Family.split_gate_up` says where the gate and up columns are) and ``mlp.experts.down_proj`` [E, I, H],
+  with optional ``gate_up_proj_bias`` [E, 2 I] and ``down_proj_bias`` [E, H]. They are transposed into
+  ``w13``/``w2`` (and ``w13_bias``/``w2_bias``).
+
+A family names its modules the model's way first (`canonical`, with `Family.weight_renames`: e.g. a
+``block_sparse_moe`` or ``feed_forward`` that is the model's ``mlp``, a ``router`` that is its ``gate``).
 
 Under TP every slice is read from the safetensors file directly (only this rank's bytes): gate/up rows and
 down columns of each expert (Megatron-LM's split per expert, vLLM's default); with expert parallelism the
@@ -28,27 +28,25 @@ import torch
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.parallel.group import TPGroup
 
-_EXPERT_RE = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+_EXPERT_RE = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
                         r"\.weight$")
 _SHARED_RE = re.compile(r"layers\.(\d+)\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
-_RENAMES = ((".block_sparse_moe.", ".mlp."), (".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."),
-            (".mlp.shared_expert.", ".mlp.shared_experts."))
 _PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down", "down_proj": "down"}
 
 
-def canonical(name: str) -> str:
-    """The model's name for a checkpoint name without its ``model.`` prefix (Mixtral's ``block_sparse_moe`` and
-    Llama 4's ``feed_forward`` are ``mlp``; gpt-oss's and Llama 4's ``router`` is ``gate``; Llama 4's
-    ``shared_expert`` is ``shared_experts``)."""
-    for old, new in _RENAMES:
+def canonical(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """The model's name for a checkpoint name without its ``model.`` prefix: each ``(old, new)`` part of
+    `renames` replaced, in order (`Family.weight_renames`)."""
+    for old, new in renames:
         name = name.replace(old, new)
     return name
 
 
-def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch: ArchConfig, tp: TPGroup,
-                 expert_parallel: bool, loaded: set[str]) -> bool:
-    """Copy `name` (a checkpoint name without ``model.``) if it is an expert, shared-expert or pre-fused tensor.
+def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch: ArchConfig, split_gate_up,
+                 tp: TPGroup, expert_parallel: bool, loaded: set[str]) -> bool:
+    """Copy `name` (a checkpoint name without ``model.``) if it is an expert, shared-expert or pre-fused tensor;
+    `split_gate_up` splits a stacked ``gate_up_proj`` (`Family.split_gate_up`).
 
     Returns:
         True when handled (copied, or skipped as another expert-parallel rank's expert); False otherwise.
@@ -63,7 +61,7 @@ def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch:
         return True
     m = _STACKED_RE.match(name)
     if m:
-        _copy_stacked(params, int(m.group(1)), m.group(2), bool(m.group(3)), tensor_slice, arch, tp,
+        _copy_stacked(params, int(m.group(1)), m.group(2), bool(m.group(3)), tensor_slice, split_gate_up, tp,
                       expert_parallel and tp.size > 1, loaded)
         return True
     m = _SHARED_RE.match(name)
@@ -110,7 +108,7 @@ def _copy_expert(params, layer: int, expert: int, part: str, tensor_slice, tp: T
     loaded.add(f"layers.{layer}.mlp.experts[{local}].{part}")
 
 
-def _copy_stacked(params, layer: int, part: str, bias: bool, tensor_slice, arch: ArchConfig, tp: TPGroup,
+def _copy_stacked(params, layer: int, part: str, bias: bool, tensor_slice, split_gate_up, tp: TPGroup,
                   expert_parallel: bool, loaded: set[str]) -> None:
     """One stacked expert tensor of a layer (module docstring): this rank's experts, and of each this rank's
     share of the intermediate width (all of it with expert parallelism)."""
@@ -121,11 +119,7 @@ def _copy_stacked(params, layer: int, part: str, bias: bool, tensor_slice, arch:
     t = tensor_slice[first:first + local_experts]
     cols = slice(0, None) if expert_parallel else slice(tp.rank * inter, (tp.rank + 1) * inter)
     if part == "gate_up_proj":
-        half = t.shape[-1] // 2
-        if arch.architecture == "GptOssForCausalLM":
-            gate, up = t[..., 0::2], t[..., 1::2]
-        else:
-            gate, up = t[..., :half], t[..., half:]
+        gate, up = split_gate_up(t)
         gate, up = gate[..., cols], up[..., cols]
         if bias:
             target = _param(params, f"{prefix}.w13_bias")

@@ -16,11 +16,11 @@ from dataclasses import replace
 
 from pd_cluster.engine.args import parse_hicache_size
 from pd_cluster.engine.config import parse_size
-from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.model import families
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
                                               rope_type, unsupported_reason)
 from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES,
-                                            WEIGHT_BYTES, Plan, PlanInput, make_plan, suggestions)
+                                            WEIGHT_BYTES, Plan, PlanInput, make_plan, quant_note, suggestions)
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
@@ -37,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="as the engine's flag; auto (its default): the model's dtype")
     p.add_argument("--dtype", default="bf16", choices=sorted(WEIGHT_BYTES),
-                   help="weights dtype in memory; fp8 is a what-if (the engine has no FP8 GEMM: NOT SERVABLE)")
+                   help="dtype of the unquantised weights in memory (a quantised checkpoint's quantised layers keep "
+                        "their own); fp8 is a what-if: the engine does not quantise an unquantised checkpoint on "
+                        "load (NOT SERVABLE; serve an FP8 release)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--role", default="mixed", choices=ROLES,
                    help="the worker's role; every role frees local layers' pages behind their window, and PD "
@@ -94,10 +96,11 @@ def _kv_layers(plan: Plan) -> str:
 def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     s, inp = plan.spec, plan.inp
     refused = unsupported_reason(s)
-    if inp.weight_dtype == "fp8":  # a what-if: kept for planning FP8 GEMMs (docs/moe.md), not a deployment today
+    if inp.weight_dtype == "fp8":  # a what-if: the engine does not quantise weights on load
         refused = ((refused + "; ") if refused else "") + (
-            "--dtype fp8: the engine has no FP8 GEMM and holds weights in bf16, fp16 or fp32 (FP8 checkpoints are "
-            "dequantised on load), so this sizes a deployment it cannot run")
+            "--dtype fp8: the engine does not quantise unquantised weights on load (it keeps an FP8 release's "
+            "quantised layers in FP8, its other weights in bf16, fp16 or fp32), so this sizes a deployment it cannot "
+            "run")
     limit = context_limit(s)
     n = inp.context_length
     beyond = n > limit.tokens
@@ -107,7 +110,8 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
     if refused:
         verdict += "; NOT SERVABLE by this engine"
     flops = prefill_flops(s, n)
-    served_arch = next((a for a in s.architectures if a in SUPPORTED_ARCHITECTURES), "")
+    served = families.find(s.architectures)
+    served_arch = served.architecture if served is not None else ""
     kv_shape = (f"MLA latent {s.mla_latent_dim} (kv_lora_rank {s.kv_lora_rank} + qk_rope_head_dim "
                 f"{s.qk_rope_head_dim})" if s.is_mla else f"{s.num_kv_heads} KV heads x {s.head_dim}")
     params = f"{s.num_params() / 1e9:.2f}B params"
@@ -123,9 +127,7 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
                        + (f" ({inp.kv_dtype})" if inp.kv_cache_dtype == "auto" else "")
                        + f", weights {inp.weight_dtype}, page_size {inp.page_size}, role {inp.role}"),
         ("engine support", f"NO: {refused}" if refused else
-         f"yes ({served_arch}, rope {rope_type(s)}"
-         + (f"; FP8 weights in {s.fp8_weight_block[0]}x{s.fp8_weight_block[1]} blocks, dequantised to the model "
-            "dtype on load" if s.fp8_weight_block else "") + ")"),
+         f"yes ({served_arch}, rope {rope_type(s)}" + (f"; weights {quant_note(s)}" if quant_note(s) else "") + ")"),
         ("model context limit", f"{limit.tokens:,} tokens ({limit.derivation})"),
         ("KV bytes/token (model)", f"{plan.kv_bytes_per_token:,} B"),
         ("KV bytes/token (per GPU)", f"{plan.kv_bytes_per_token_per_gpu:,} B ("

@@ -1,10 +1,10 @@
 """What the memory arithmetic does not say: whether the engine can load the model, how long a
 context the model was trained for, and how long one long prefill takes.
 
-- **Engine support.** The engine's loader (`engine/model/arch.py`) accepts only the architectures
-  in ``SUPPORTED_ARCHITECTURES``, its RoPE (`engine/model/rope.py`) only the scaling types in
-  `SUPPORTED_ROPE_TYPES`, and refuses any config key it would not honour
-  (`engine/model/config_check.py`); the planner asks the loader's own check (`ModelSpec.refusal`).
+- **Engine support.** The engine's loader accepts only the architectures of its family registry
+  (`engine/model/families/`), its RoPE (`engine/model/rope.py`) only the scaling types in
+  `SUPPORTED_ROPE_TYPES` (and a family's other names for them), and refuses any config key it would not
+  honour (`Family.check`); the planner asks the loader's own check (`ModelSpec.refusal`).
 - **Context limit.** As vLLM derives ``max_model_len`` (``_get_and_verify_max_len``):
   ``max_position_embeddings``, times the RoPE ``factor`` for ``linear`` and ``dynamic`` scaling;
   for ``yarn``, ``original_max_position_embeddings * factor``; ``llama3`` (and ``longrope``)
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_cluster.engine.model.arch import SUPPORTED_ARCHITECTURES
+from pd_cluster.engine.model import families
 from pd_cluster.engine.model.config_check import ROPE_TYPES
 from pd_cluster.engine.planner.spec import ModelSpec
 
@@ -35,11 +35,12 @@ DEFAULT_PREFILL_TFLOPS = 400.0
 
 def unsupported_reason(spec: ModelSpec) -> str | None:
     """Why the engine would refuse to load `spec`, naming the architecture; None when it loads."""
-    if not any(a in SUPPORTED_ARCHITECTURES for a in spec.architectures):
+    family = families.find(spec.architectures)
+    if family is None:
         names = ", ".join(spec.architectures) or "no `architectures` in config.json"
-        return (f"the engine cannot serve {names} (it loads {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        return f"the engine cannot serve {names} (it loads {', '.join(families.supported_architectures())})"
     kind = rope_type(spec)
-    if kind not in SUPPORTED_ROPE_TYPES and not (kind == "su" and "Phi3ForCausalLM" in spec.architectures):
+    if kind not in SUPPORTED_ROPE_TYPES and kind not in family.rope_aliases:
         return f"the engine cannot apply rope_scaling type {kind!r} (it has {', '.join(SUPPORTED_ROPE_TYPES)})"
     if spec.refusal:
         return f"the engine refuses this config: {spec.refusal}"

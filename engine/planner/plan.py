@@ -18,14 +18,20 @@ workers (PD) move and hold only a local group's window
 group, every layer's KV for every token: `make_plan` counts every layer there.
 
 The KV dtype defaults to the engine's ``--kv-cache-dtype auto``: the model's
-dtype (FP8 weights are dequantised to bf16, so their KV is bf16).
+dtype (bf16 for an FP8 or int4 checkpoint, whose activations are bf16).
+
+Weights per GPU: a quantised checkpoint's as the engine holds them (`pd_cluster.engine.planner.weights`:
+quantised layers at their scheme's bits, the replicated embeddings, LM head and norms whole on every rank);
+an unquantised one's parameters at ``--dtype`` divided by the TP size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pd_cluster.engine.model.linear_layers import linear_layers
 from pd_cluster.engine.planner.spec import ModelSpec
+from pd_cluster.engine.quant import support
 
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 KV_CACHE_DTYPES = ("auto", *KV_BYTES)
@@ -59,8 +65,8 @@ class PlanInput:
 
     @property
     def kv_dtype(self) -> str:
-        """The KV dtype the engine uses: `kv_cache_dtype`, ``auto`` being the model's dtype (bf16 for FP8
-        weights, which load dequantised)."""
+        """The KV dtype the engine uses: `kv_cache_dtype`, ``auto`` being the model's dtype (bf16 for quantised
+        weights: the activations' dtype)."""
         if self.kv_cache_dtype != "auto":
             return self.kv_cache_dtype
         return self.weight_dtype if self.weight_dtype in KV_BYTES else "bf16"
@@ -171,7 +177,7 @@ def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool | None = None) ->
     if window_kv is None:
         window_kv = engine_frees_window_pages(spec, inp)
     window_kv = window_kv and spec.local_layers > 0
-    weights = spec.num_params() * WEIGHT_BYTES[inp.weight_dtype] // inp.tp_size
+    weights = spec.weight_bytes(WEIGHT_BYTES[inp.weight_dtype], inp.tp_size)
     pool = int(inp.gpu_memory * inp.mem_fraction_static) - weights
     if not window_kv:
         kv_gpu = spec.num_layers * heads_per_gpu * per_layer_token
@@ -227,12 +233,26 @@ def _weight_suggestions(plan: Plan) -> list[str]:
         out.append(f"a larger static share: the weights alone take {need:.2f} of each GPU, so "
                    f"--mem-fraction-static must exceed {need:.2f} before any KV page fits")
     if not out:
-        quant = (" (its FP8 checkpoint is dequantised to the model dtype on load: the engine has no FP8 GEMM)"
-                 if s.fp8_weight_block else "")
+        quant = quant_note(s)
+        quant = f" ({quant})" if quant else ""
         out.append(f"none the engine offers: the {inp.weight_dtype} weights need {plan.weights_per_gpu / 2**30:,.2f} "
                    f"GiB per GPU at TP {inp.tp_size}{quant}, and tensor parallelism stays within one node's "
                    f"{inp.gpus_per_node} GPUs")
     return out
+
+
+def quant_note(spec: ModelSpec) -> str:
+    """How a quantised checkpoint's weights are held, in words ('' for unquantised weights)."""
+    q = spec.quantized_weights(2, 1)
+    if q is None:
+        return ""
+    kept = f"{q.quantized_params / 1e9:.1f}B of {q.params / 1e9:.1f}B parameters kept quantised"
+    expert = next((layer for layer in linear_layers(spec.arch) if layer.expert), None)
+    ws = spec.quant.for_module(expert.name) if expert is not None else None
+    if ws is not None and ws.kind not in support.EXPERT_KINDS_KEPT:
+        kept += f"; the routed experts' {ws.kind} is dequantised to the model dtype on load (the MoE kernel keeps " \
+                "no quantised experts yet)"
+    return f"{spec.quant.describe()}; {kept}"
 
 
 def _more_tp(plan: Plan) -> list[str]:

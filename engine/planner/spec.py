@@ -1,16 +1,13 @@
 """What the memory planner needs to know about a model, read from an HF ``config.json``.
 
-Torch-free. Handles dense Llama-family configs, the mixtures of experts the
-engine reads (Mixtral, Qwen3-MoE, gpt-oss, Llama 4, DeepSeek's expert counts:
-`moe_config.moe_from_hf`), and local attention layers: sliding windows (Mistral,
-Qwen2's upper layers, Gemma 2/3, gpt-oss) and chunks (Llama 4, Meta's iRoPE design:
-every ``no_rope_layer_interval``-th layer attends globally), whose queries never see
-more than `ModelSpec.local_span` tokens. Where the engine's loader accepts a config,
-the layer counts come from its own per-layer description (`ArchConfig.layer_attention`)
-and the parameter counts from `ArchConfig.num_params` (every family's norms, biases,
-sinks and expert biases counted). DeepSeek-V2/V3 (and Kimi K2): multi-head latent
-attention, whose KV is one latent of ``kv_lora_rank + qk_rope_head_dim`` values per
-token per layer, and routed plus shared experts from ``first_k_dense_replace`` on.
+Torch-free. The config's family (`pd_cluster.engine.model.families`) gives the spec of its layers, experts
+and latent attention (`Family.memory_spec`): dense configs, mixtures of experts as the engine reads them
+(`Family.moe`), local attention layers (sliding windows, and chunks: Meta's iRoPE design), whose queries never
+see more than `ModelSpec.local_span` tokens, and multi-head latent attention, whose KV is one latent of
+``kv_lora_rank + qk_rope_head_dim`` values per token per layer. Where the engine's loader accepts a config,
+the layer counts come from its own per-layer description (`ArchConfig.layer_attention`) and the parameter
+counts from `ArchConfig.num_params` (every family's norms, biases, sinks and expert biases counted). A config
+of no registered family is sized from its common keys (and is not servable).
 """
 
 from __future__ import annotations
@@ -20,8 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_cluster.engine.model import families
 from pd_cluster.engine.model.arch import ArchConfig
-from pd_cluster.engine.model.moe_config import MoEConfig, moe_from_hf
+from pd_cluster.engine.model.family import Family
+from pd_cluster.engine.model.moe_config import MoEConfig
+from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
+from pd_cluster.engine.quant.scheme import QuantConfigError, QuantScheme, read_quant_scheme
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 BUNDLED = {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
@@ -43,8 +44,9 @@ class ModelSpec:
         architectures: the config's ``architectures`` (HF class names), as the engine's loader reads them.
         rope_scaling: HF ``rope_scaling`` (or ``rope_parameters``), None for plain RoPE.
         refusal: why the engine's loader (`ArchConfig.from_dict`) refuses this config, None when it loads.
-        fp8_weight_block: the checkpoint's weights are block-quantised FP8 (``weight_block_size``); the engine
-            dequantises them on load, so they take the ``--dtype`` bytes in memory.
+        quant: the checkpoint's weight quantisation as the engine reads it (`pd_cluster.engine.quant.scheme`),
+            None for unquantised weights (or a format it refuses: `refusal` says why).
+        arch: the engine's `ArchConfig` of the model's shape (None when it cannot build one).
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: multi-head latent
             attention's shape (0 when the model has K and V per head; ``q_lora_rank`` 0: a direct query).
     """
@@ -73,7 +75,8 @@ class ModelSpec:
     architectures: tuple[str, ...] = ()
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     refusal: str | None = field(default=None, compare=False)
-    fp8_weight_block: tuple[int, int] | None = None
+    quant: QuantScheme | None = field(default=None, compare=False)
+    arch: ArchConfig | None = field(default=None, compare=False, repr=False)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -124,6 +127,20 @@ class ModelSpec:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return embed + layers + h
 
+    def weight_bytes(self, dtype_bytes: int, tp_size: int) -> int:
+        """Weight bytes per GPU: a quantised checkpoint's as the engine holds them (`quantized_weights`);
+        otherwise every parameter at `dtype_bytes`, divided by the TP size."""
+        quantized = self.quantized_weights(dtype_bytes, tp_size)
+        return quantized.total if quantized is not None else self.num_params() * dtype_bytes // tp_size
+
+    def quantized_weights(self, dtype_bytes: int, tp_size: int) -> WeightBytes | None:
+        """A quantised checkpoint's weight bytes per GPU (`pd_cluster.engine.planner.weights.weight_bytes`:
+        quantised layers at their bits, the rest at `dtype_bytes`, the replicated parts whole); None when the
+        weights are not quantised or the model's shape is unknown."""
+        if self.quant is None or self.arch is None:
+            return None
+        return weight_bytes(self.arch, self.quant, dtype_bytes, tp_size)
+
     def active_params(self) -> int:
         """`num_params` less the routed experts a token does not use (``experts - experts_per_token`` per MoE
         layer): the "active parameters" model cards quote (Mixtral-8x7B: 12.9B of 46.7B)."""
@@ -153,82 +170,47 @@ def load_spec(name_or_path: str) -> ModelSpec:
 
 
 def spec_from_config(cfg: dict, name: str) -> ModelSpec:
-    """Build a `ModelSpec` from a parsed config (Llama 4's ``text_config`` is unwrapped)."""
+    """Build a `ModelSpec` from a parsed config (a multimodal config's language model, as its family reads it)."""
     architectures = tuple(str(a) for a in cfg.get("architectures") or ())
-    cfg = cfg.get("text_config", cfg)
+    full_cfg = cfg
+    family = families.find(architectures)
+    cfg = family.text_config(cfg) if family is not None else cfg.get("text_config", cfg)
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    layers = int(cfg["num_hidden_layers"])
-    moe, refusal, arch = _engine_view(cfg, architectures)
-    local = _local_layers(cfg, layers, arch)
-    if cfg.get("kv_lora_rank"):
-        return _deepseek_spec(cfg, name, architectures, scaling, moe, refusal)
-    # Llama 4-style experts counted from the keys when the engine's MoE reader refuses the config (e.g. top-2)
-    experts = int(cfg.get("num_local_experts", 0) or 0)
-    moe_step = int(cfg.get("interleave_moe_layer_step", 1) or 1)
-    if moe is not None:
-        moe_fields = _moe_fields(moe)
-    else:
-        moe_fields = dict(num_experts=experts, expert_intermediate_size=int(cfg["intermediate_size"]) if experts else 0,
-                          shared_experts=1 if experts else 0, moe_layers=(layers // moe_step) if experts else 0,
-                          experts_per_token=int(cfg.get("num_experts_per_tok", 1) or 1) if experts else 0)
-    return ModelSpec(
-        name=name, hidden_size=hidden, num_layers=layers, num_heads=heads,
+    moe, refusal, arch = _engine_view(cfg, architectures, family)
+    fields: dict[str, Any] = dict(
+        name=name, hidden_size=hidden, num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads), vocab_size=int(cfg["vocab_size"]),
         intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        **local, **moe_fields,
         architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, fp8_weight_block=_fp8_block(cfg), params_total=arch.num_params() if arch else 0,
+        refusal=refusal, quant=_quant(full_cfg), arch=arch, params_total=arch.num_params() if arch else 0,
         params_active=arch.num_active_params() if arch else 0)
+    fields.update((family or Family()).memory_spec(cfg, arch, moe))
+    return ModelSpec(**fields)
 
 
-def _fp8_block(cfg: dict) -> tuple[int, int] | None:
-    quant = cfg.get("quantization_config")
-    block = quant.get("weight_block_size") if isinstance(quant, dict) and quant.get("quant_method") == "fp8" else None
-    return (int(block[0]), int(block[1])) if isinstance(block, (list, tuple)) and len(block) == 2 else None
+def _quant(cfg: dict) -> QuantScheme | None:
+    """The weights' quantisation as the engine reads it, None for none or one it refuses (`ModelSpec.refusal`)."""
+    try:
+        return read_quant_scheme(cfg)
+    except QuantConfigError:
+        return None
 
 
-def _local_layers(cfg: dict, layers: int, arch: ArchConfig | None) -> dict[str, Any]:
-    """`ModelSpec`'s layer fields: from the engine's per-layer description when it reads the config, else from
-    Llama 4's chunk keys (``attention_chunk_size`` with ``no_rope_layer_interval``)."""
-    if arch is not None:
-        local = [a for a in arch.layer_attention if a.kind != "full"]
-        return dict(global_layers=layers - len(local), local_layers=len(local),
-                    local_span=max((a.max_visible for a in local), default=None),
-                    local_kind=local[0].kind if local else "")
-    chunk, interval = cfg.get("attention_chunk_size"), cfg.get("no_rope_layer_interval")
-    if not (chunk and interval):
-        return dict(global_layers=layers)
-    global_layers = layers // int(interval)
-    return dict(global_layers=global_layers, local_layers=layers - global_layers, local_span=int(chunk),
-                local_kind="chunked")
-
-
-def _moe_fields(moe: MoEConfig | None) -> dict[str, int]:
-    """`ModelSpec`'s MoE fields from the engine's reading of the config (all 0 for a dense model)."""
-    if moe is None or not moe.moe_layers:
-        return dict(num_experts=0, expert_intermediate_size=0, shared_experts=0, moe_layers=0, experts_per_token=0)
-    return dict(num_experts=moe.num_experts, expert_intermediate_size=moe.intermediate_size,
-                shared_experts=moe.shared_intermediate_size // moe.intermediate_size,
-                moe_layers=len(moe.moe_layers), experts_per_token=moe.top_k)
-
-
-def _engine_view(cfg: dict, architectures: tuple[str, ...]
+def _engine_view(cfg: dict, architectures: tuple[str, ...], family: Family | None
                  ) -> tuple[MoEConfig | None, str | None, ArchConfig | None]:
     """The MoE part as the engine reads it, the engine loader's refusal of the config (None: it loads), and the
     loader's `ArchConfig` (when it loads, or when only the weights' quantisation is refused: `_shape_only`)."""
     moe = None
-    for arch in architectures:
+    if family is not None:
         try:
-            moe = moe_from_hf(cfg, arch)
-        except ValueError:
+            moe = family.moe(cfg)
+        except (ValueError, KeyError):
             moe = None
-        if moe is not None:
-            break
     full = {**cfg, "architectures": list(architectures)}
     try:
         arch = ArchConfig.from_dict(full)
@@ -240,29 +222,10 @@ def _engine_view(cfg: dict, architectures: tuple[str, ...]
 def _shape_only(cfg: dict) -> ArchConfig | None:
     """The loader's `ArchConfig` of a config it refuses for its weights' quantisation alone (gpt-oss's released
     MXFP4 experts): the layers and parameter counts do not depend on how the weights are stored. None otherwise."""
-    if "quantization_config" not in cfg:
+    keys = ("quantization_config", "compression_config")
+    if not any(k in cfg for k in keys):
         return None
     try:
-        return ArchConfig.from_dict({k: v for k, v in cfg.items() if k != "quantization_config"})
+        return ArchConfig.from_dict({k: v for k, v in cfg.items() if k not in keys})
     except (ValueError, KeyError):
         return None
-
-
-def _deepseek_spec(cfg: dict, name: str, architectures: tuple[str, ...], scaling: Any, moe: MoEConfig | None,
-                   refusal: str | None) -> ModelSpec:
-    """DeepSeek-V2/V3 (and Kimi K2): MLA, and routed experts in layers ``i >= first_k_dense_replace`` with
-    ``i % moe_layer_freq == 0`` (`moe_from_hf`). The multi-token-prediction layers
-    (``num_nextn_predict_layers``) are left out: the engine does not load them (nor does transformers)."""
-    heads, layers = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
-    return ModelSpec(
-        name=name, hidden_size=int(cfg["hidden_size"]), num_layers=layers, num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]), vocab_size=int(cfg["vocab_size"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), global_layers=layers,
-        architectures=architectures, rope_scaling=dict(scaling) if isinstance(scaling, dict) else None,
-        refusal=refusal, fp8_weight_block=_fp8_block(cfg), **_moe_fields(moe),
-        kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]), qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]))

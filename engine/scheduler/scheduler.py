@@ -2,8 +2,11 @@
 
 Every step spends a token budget (``max_prefill_tokens``): running requests
 first, in arrival order, each computing the tokens it lacks (1 for a decode,
-up to ``chunked_prefill_size`` for a prompt chunk); then waiting requests, FCFS,
-while the budget, ``max_running_requests`` and admission control allow. Pages
+up to ``chunked_prefill_size`` for a prompt chunk); then waiting requests,
+first come first served within a client request and round robin across client
+requests (`WaitingQueue`: a many-prompt request does not hold back the requests
+sent after it), while the budget, ``max_running_requests`` and admission control
+allow. Pages
 are taken on demand. When a running request cannot grow, unreferenced cached
 pages are evicted first; only then is the most recently admitted running
 request retracted: its pages are freed and it goes back to the front of the
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +45,7 @@ from pd_cluster.engine.config import SchedulerConfig
 from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.scheduler.admission import AdmissionPolicy
 from pd_cluster.engine.scheduler.page_manager import PageManager
+from pd_cluster.engine.scheduler.waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ class Scheduler:
         self.role = role
         self.max_running = max_running_requests
         self.admission = AdmissionPolicy(config.schedule_conservativeness)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}      # decode role: awaiting their KV
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class

@@ -13,11 +13,13 @@ The chosen worker's tree then records the prompt. Load is
 :func:`pd_cluster.router.policies.base.effective_load`.
 
 **On the workers' real cache state** (NVIDIA Dynamo's KV router: overlap
-against load). When the request carries its token ids (``--tokenizer-path``)
-and every candidate's :class:`~pd_cluster.router.kv_index.KvIndex` entry is
-fresh, the tree is not consulted. While the loads are balanced (the tree's
-``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's router), the
-worker holding the most of the prompt wins if it holds more than
+against load). When every candidate's :class:`~pd_cluster.router.kv_index.KvIndex`
+entry is fresh, and the request carries its token ids (``--tokenizer-path``) or
+the workers' text-to-page map of its page size is usable
+(:class:`~pd_cluster.router.text_map.TextMap`: the prompt's text blocks name
+pages, `TextPages`), the tree is not consulted. While the loads are balanced
+(the tree's ``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's
+router), the worker holding the most of the prompt wins if it holds more than
 ``cache_threshold`` of it (ties: the lower load), else the least loaded worker
 holding the fewest pages; once the loads are imbalanced each worker costs
 
@@ -32,13 +34,17 @@ Pages some worker wrote to the cluster-wide KV store (``--hicache-storage-backen
 count for every worker at `L3_HIT_WEIGHT` of a page it holds itself: reading them is cheaper than computing
 them, but not free, so a worker that holds a prefix still wins it while loads are balanced, and a busy one loses
 less by sending it elsewhere (llm-d's precise prefix scorer weighs its tiers the same way).
-Otherwise the tree decides (the fallback). The tree records every prompt either
-way, so it is warm when events lag.
+Otherwise the tree decides (the fallback), and records the prompts it routes;
+while the events route, the pending text blocks (`KvIndex.predict_text`) stand
+in for it, so a prompt costs one pass of block hashes.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
+from pd_cluster.common.routing_text import MAX_CHARS, block_chars_for, block_hashes
 
 from pd_cluster.router.config import CacheAwareConfig, KvRoutingConfig
 from pd_cluster.router.kv_index import KvIndex, PromptTokens
@@ -51,6 +57,11 @@ from pd_cluster.router.policies.base import (
     require_candidates,
 )
 from pd_cluster.router.policies.prefix_tree import ApproxPrefixTree
+from pd_cluster.router.text_map import TextMap
+
+
+HASHED_CHARS = 1 << 22
+"""Characters of recent prompts whose block hashes are remembered (a repeated prompt is hashed once)."""
 
 
 L3_HIT_WEIGHT = 0.5
@@ -62,17 +73,19 @@ class CacheAware(Policy):
 
     Counts its decisions in ``hits``, ``misses``, ``balanced`` (a hit: the chosen worker holds part of the
     prompt, by the tree or by its events), and by source in ``by_events`` and ``by_tree``.
-    ``index``: the workers' KV event index (None: the tree only).
+    ``index``: the workers' KV event index (None: the tree only). ``text_map``: what the workers' text-to-page
+    maps said (untokenized prompts are scored on the index through it; None: only prompts with token ids are).
     """
 
     name = "cache_aware"
     needs_load = True
 
     def __init__(self, config: CacheAwareConfig, clock: Callable[[], float], index: KvIndex | None = None,
-                 kv: KvRoutingConfig | None = None) -> None:
+                 kv: KvRoutingConfig | None = None, text_map: TextMap | None = None) -> None:
         self.config = config
         self.kv = kv or KvRoutingConfig()
         self.index = index
+        self.text_map = text_map
         self._clock = clock
         self.tree = ApproxPrefixTree(config.block_chars, config.max_tree_size, clock)
         self.hits = 0
@@ -80,39 +93,76 @@ class CacheAware(Policy):
         self.balanced = 0
         self.by_events = 0
         self.by_tree = 0
+        self._routed: tuple[RouteRequest | None, float] = (None, 0.0)
+        self._hashed: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self._hashed_chars = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
         require_candidates(candidates)
-        hashes = self.tree.path_hashes(request.text)
-        if self._events_usable(candidates, request):
+        now = self._clock()
+        if self._events_usable(candidates, request, now):
             self.by_events += 1
-            choice = self._by_kv_state(candidates, request.prompt)
+            if request.prompt is not None:
+                prompt = request.prompt
+                return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt),
+                                         lambda c: self.index.l3_pages(c.url, prompt))
+            self._routed = (request, now)
+            pages = TextPages(self, request.text)
+            return self._by_kv_state(candidates, pages, pages.stored)
+        self.by_tree += 1
+        hashes = self.tree.path_hashes(request.text)
+        loads = [effective_load(c) for c in candidates]
+        if self._imbalanced(loads):
+            self.balanced += 1
+            choice = self._least_loaded(candidates, loads, None)
         else:
-            self.by_tree += 1
-            loads = [effective_load(c) for c in candidates]
-            if self._imbalanced(loads):
-                self.balanced += 1
-                choice = self._least_loaded(candidates, loads, None)
-            else:
-                choice = self._by_prefix(candidates, loads, hashes, len(request.text))
+            choice = self._by_prefix(candidates, loads, hashes, len(request.text))
         if hashes:
-            self.tree.insert(hashes, choice.url)
+            self.tree.insert(hashes, choice.url, now)
         return choice
 
-    def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest) -> bool:
-        if self.index is None or request.prompt is None:
-            return False
-        now = self._clock()
-        return all(self.index.fresh(c.url, now) for c in candidates)
+    def hashes(self, text: str, page_size: int) -> list[int]:
+        """`block_hashes` of `text` in the text maps' blocks for `page_size`, remembered for the most recent texts
+        (a repeated prompt is hashed once)."""
+        key = (text, page_size)
+        cache = self._hashed
+        got = cache.get(key)
+        if got is not None:
+            cache.move_to_end(key)
+            return got
+        got = cache[key] = block_hashes(text, block_chars_for(page_size))
+        self._hashed_chars += len(text)
+        while self._hashed_chars > HASHED_CHARS and cache:
+            (old, _), _ = cache.popitem(last=False)
+            self._hashed_chars -= len(old)
+        return got
 
-    def _by_kv_state(self, candidates: Sequence[Candidate], prompt: PromptTokens) -> Candidate:
+    def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest, now: float) -> bool:
+        index = self.index
+        if index is None:
+            return False
+        if request.prompt is None:
+            if self.text_map is None or not request.text:
+                return False
+            for c in candidates:
+                w = index.get(c.url)
+                if w is None or not index.fresh(c.url, now) or not self.text_map.fresh(w.page_size, now):
+                    return False
+            return True
+        return all(index.fresh(c.url, now) for c in candidates)
+
+    def _by_kv_state(self, candidates: Sequence[Candidate], cached_pages: Callable[[Candidate], tuple[int, int]],
+                     stored_pages: Callable[[Candidate], int]) -> Candidate:
+        """The choice on the workers' KV state; ``cached_pages(c)``: (leading pages of the prompt `c` holds, the
+        prompt's pages); ``stored_pages(c)``: leading pages of the prompt in the cluster-wide KV store, in `c`'s
+        page size."""
         index, weight = self.index, self.kv.overlap_score_weight
         loads = [live_load(c) for c in candidates]
         fractions = []
         for c in candidates:
-            cached, total = index.cached_pages(c.url, prompt)
-            stored = max(index.l3_pages(c.url, prompt) - cached, 0)  # read from the store, not computed
-            fractions.append(((cached + L3_HIT_WEIGHT * stored) / total if total else 0.0, cached))
+            cached, total = cached_pages(c)
+            stored = max(stored_pages(c) - cached, 0)  # read from the store, not computed
+            fractions.append((min(1.0, (cached + L3_HIT_WEIGHT * stored) / total) if total else 0.0, cached))
         # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
         balanced = not self._imbalanced(loads)
         by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
@@ -134,10 +184,17 @@ class CacheAware(Policy):
         return best
 
     def track(self, choice: Candidate, request: RouteRequest) -> Callable[[], None] | None:
-        """Count the prompt's pages as pending on `choice` (see `KvIndex.predict`); returns what to call when
-        the worker's part of the request has ended."""
-        if self.index is None or request.prompt is None:
+        """Count the prompt's pages as pending on `choice` (see `KvIndex.predict`; an untokenized prompt: its text
+        blocks, `KvIndex.predict_text`); returns what to call when the worker's part of the request has ended."""
+        if self.index is None:
             return None
+        if request.prompt is None:
+            routed, at = self._routed
+            w = self.index.get(choice.url)
+            if routed is not request or w is None or w.page_size < 1:  # routed by the tree
+                return None
+            route = self.index.predict_text(choice.url, self.hashes(request.text, w.page_size), at)
+            return None if route is None else (lambda: KvIndex.done(route, self._clock()))
         w = self.index.get(choice.url)
         if w is None or w.page_size < 1:
             return None
@@ -187,3 +244,63 @@ class CacheAware(Policy):
     def evict(self) -> None:
         """Drop entries idle longer than the eviction interval."""
         self.tree.evict_idle(self.config.eviction_interval_secs)
+
+
+class TextPages:
+    """``cached_pages`` of an untokenized prompt (its routing `text`): per worker, the leading mapped pages it holds
+    (its block hashes for the worker's page size, `TextMap.lookup`, then the worker's `KvIndex` entry), or, when
+    more, the pages of the leading blocks routed to it and still pending (`RecentText`: its events may not say
+    yet)."""
+
+    def __init__(self, policy: CacheAware, text: str) -> None:
+        self.policy = policy
+        self.text = text
+        self._by_size: dict[int, tuple[list[int], list[tuple[int, int, int]], int, float]] = {}
+
+    def _resolved(self, page_size: int) -> tuple[list[int], list[tuple[int, int, int]], int, float]:
+        got = self._by_size.get(page_size)
+        if got is None:
+            policy = self.policy
+            tmap = policy.text_map
+            hashes = policy.hashes(self.text, page_size)
+            resolved = tmap.lookup(page_size, hashes)
+            chars_per_page = tmap.chars_per_token(page_size) * page_size
+            whole = len(self.text) <= MAX_CHARS  # the last hash names the whole text
+            if whole and resolved and resolved[-1][0] == len(hashes) - 1:
+                total = resolved[-1][2]
+            else:
+                total = max(int(len(self.text) / chars_per_page), resolved[-1][2] if resolved else 0)
+            got = self._by_size[page_size] = (hashes, resolved, total, chars_per_page)
+        return got
+
+    def __call__(self, c: Candidate) -> tuple[int, int]:
+        w = self.policy.index.get(c.url)
+        if w is None or w.page_size < 1:
+            return 0, 0
+        hashes, resolved, total, chars_per_page = self._resolved(w.page_size)
+        cached = 0
+        for _, page, pages in resolved:
+            if not w.holds(page):
+                break
+            cached = pages
+        if w.text.routes:
+            depth = w.text.depth(hashes)
+            if depth == len(hashes):
+                cached = total
+            elif depth:
+                cached = max(cached, min(total, int(depth * block_chars_for(w.page_size) / chars_per_page)))
+        return cached, total
+
+    def stored(self, c: Candidate) -> int:
+        """Leading mapped pages of the text that some worker wrote to the cluster-wide KV store (`KvIndex.l3`), in
+        `c`'s page size."""
+        index = self.policy.index
+        w = index.get(c.url)
+        if w is None or w.page_size < 1 or not index.l3:
+            return 0
+        stored = 0
+        for _, page, pages in self._resolved(w.page_size)[1]:
+            if page not in index.l3:
+                break
+            stored = pages
+        return stored

@@ -3,9 +3,10 @@
 The idea is SGLang router's approximate radix tree for cache-aware routing:
 remember which worker recently saw which prompt prefix. Here the tree's edges
 are fixed-size character blocks, and a node is identified by the hash of its
-path (the chain hash used by vLLM's prefix caching and Dynamo's KV router), so
-a node lookup is one dict access and a prompt of ``n`` characters costs
-``n / block_chars`` lookups. Hash collisions only cost routing quality.
+path (`common.routing_text.block_hashes`: the text up to the block's end; the
+last node is the whole text), so a node lookup is one dict access and a prompt
+of ``n`` characters costs ``n / block_chars`` lookups. Hash collisions only
+cost routing quality.
 
 Each (node, worker) pair is one entry in one LRU order. Entries of one prompt
 are touched deepest first, so eviction takes a chain's tail before its head.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+
+from pd_cluster.common.routing_text import block_hashes
 
 
 class ApproxPrefixTree:
@@ -49,15 +52,19 @@ class ApproxPrefixTree:
         return self._per_tenant.get(tenant, 0)
 
     def path_hashes(self, text: str) -> list[int]:
-        """Chain hashes of ``text``'s blocks, the last (partial) block included."""
-        bc = self.block_chars
-        end = min(len(text), bc * self.max_blocks)
-        h = 0
-        out = []
-        for start in range(0, end, bc):
-            h = hash((h, text[start:start + bc]))
-            out.append(h)
-        return out
+        """Chain hashes of ``text``'s full blocks, then of the whole text (`common.routing_text.block_hashes`, in
+        this tree's blocks)."""
+        return block_hashes(text, self.block_chars, self.max_blocks)
+
+    def routed_depth(self, hashes: list[int], tenant: str, since: float) -> int:
+        """How many leading blocks of ``hashes`` were sent to ``tenant`` at or after time ``since``."""
+        lru, depth = self._lru, 0
+        for h in hashes:
+            stamp = lru.get((h, tenant))
+            if stamp is None or stamp < since:
+                break
+            depth += 1
+        return depth
 
     def match(self, hashes: list[int], tenants: Iterable[str]) -> tuple[set[str], int]:
         """Deepest match among ``tenants``.
@@ -80,9 +87,9 @@ class ApproxPrefixTree:
             depth += 1
         return (alive if depth else set()), depth
 
-    def insert(self, hashes: list[int], tenant: str) -> None:
-        """Record that ``tenant`` was sent the prompt with these block hashes."""
-        now = self._clock()
+    def insert(self, hashes: list[int], tenant: str, now: float | None = None) -> None:
+        """Record that ``tenant`` was sent the prompt with these block hashes (at ``now``, else the clock's time)."""
+        now = self._clock() if now is None else now
         lru, nodes = self._lru, self._nodes
         added = 0
         for h in reversed(hashes):

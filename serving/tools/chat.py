@@ -96,20 +96,45 @@ class ChatTools:
         return ToolCallStream(self.choice, get_tool_parser(self.parser_name) if self.parser_name else None)
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """(content, OpenAI tool calls) of a complete output; no calls when it holds none (cut by
-        ``max_tokens``, or free text under ``auto``): then the content is the text."""
+        """(content, OpenAI tool calls) of a complete output; no calls when it holds none (free text under
+        ``auto``): then the content is the text.
+
+        An output that does not parse whole (cut by ``max_tokens`` or a stop string) gets what its stream would
+        have sent (`replay`): a call whose name was complete stands, with the arguments generated so far, so
+        the streamed and non-streamed answers to one request agree."""
         if self.structured_output is not None:
             try:
                 calls = forced_tool_calls(text, self.choice)
             except (ValueError, KeyError, TypeError):
-                return text, []
+                return self.replay(text)
             return None, [c.to_openai() for c in calls]
         if self.parser_name is None:
             return text, []
         found = get_tool_parser(self.parser_name).extract_tool_calls(text)
         if not found.tools_called:
-            return text, []
+            return self.replay(text)
         return found.content or None, [c.to_openai() for c in found.tool_calls]
+
+    def replay(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, OpenAI tool calls) as the client of a stream of `text` would put them together: the deltas
+        of a fresh `ToolCallStream` fed `text` whole, then finished; (text, []) when it sends no call."""
+        stream = self.stream()
+        if stream is None:
+            return text, []
+        content: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        for delta in stream.feed(text) + stream.finish():
+            if "content" in delta:
+                content.append(delta["content"])
+            for piece in delta.get("tool_calls", ()):
+                call = calls.setdefault(piece["index"], {"id": piece.get("id"), "type": "function",
+                                                         "function": {"name": "", "arguments": ""}})
+                fn = piece.get("function", {})
+                call["function"]["name"] += fn.get("name") or ""
+                call["function"]["arguments"] += fn.get("arguments") or ""
+        if not calls:
+            return text, []
+        return "".join(content) or None, [calls[i] for i in sorted(calls)]
 
 
 def chat_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, settings: ToolSettings,

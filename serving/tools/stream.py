@@ -19,8 +19,8 @@ concatenates the pieces gets what the non-streamed response holds.
   ``parameters`` stream; output that never yields a name is parsed at the end (content if it is not a call).
 
 As in vLLM, a call whose name was sent stands: output cut after it (``max_tokens``, ``finish_reason`` ``length``)
-leaves that call with the arguments sent so far, where the complete text, not being valid JSON, is content in
-the non-streamed response.
+leaves that call with the arguments sent so far; the non-streamed response of such an output is what this stream
+sends, put together (`pd_cluster.serving.tools.chat.ChatTools.replay`), so both agree.
 """
 
 from __future__ import annotations

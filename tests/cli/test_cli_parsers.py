@@ -159,6 +159,8 @@ def test_pd_serve_router_logs_text_like_the_workers_unless_asked():
     argv = launch_serve.router_argv_of(parse(["--log-format", "json", "--shutdown-grace-period-secs", "3",
                                               "--router-arg=--prefill-policy=cache_aware"]))
     assert argv == ["--log-format", "json", "--shutdown-grace-period-secs", "3.0", "--prefill-policy=cache_aware"]
+    argv = launch_serve.router_argv_of(parse(["--max-prompts-per-request", "64"]))
+    assert argv == ["--log-format", "text", "--max-prompts-per-request", "64"]  # the router's flag, passed on
 
 
 def test_pd_serve_knows_the_router_grace_period_it_waits_for():

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 from bad_input_cases import CASES, OK, assert_openai_error, send
-from cluster_util import stream_pieces, PROMPTS, running_cluster, wait_all_free
+from cluster_util import stream_pieces, PROMPTS, wait_all_free
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -63,55 +63,55 @@ def _run_table(url: str, results: list) -> None:
             results.append((case_id, time.monotonic() - t, r, status, param, code))
 
 
-def test_bad_requests_get_openai_4xx_fast_while_streams_stay_exact():
+def test_bad_requests_get_openai_4xx_fast_while_streams_stay_exact(pd_1p1d):
     assert REQUIRED <= {c[0] for c in TABLE}
-    with running_cluster(1, 1) as cluster:
-        url = cluster.router_url
+    cluster = pd_1p1d  # shared (tests/support/shared_clusters.py): it only reads, and leaves every page free
+    url = cluster.router_url
 
-        async def streams(rounds_until: threading.Event | None) -> list[dict]:
-            """N_STREAMS lanes of back-to-back streams: one round, or rounds until the event (at most 20)."""
-            async with httpx.AsyncClient(timeout=120) as client:
-                async def lane(i: int) -> list[dict]:
-                    out = [await _stream(client, url, i)]
-                    while rounds_until is not None and not rounds_until.is_set() and len(out) < 20:
-                        out.append(await _stream(client, url, i))
-                    return out
-                return [r for lane_recs in await asyncio.gather(*(lane(i) for i in range(N_STREAMS)))
-                        for r in lane_recs]
+    async def streams(rounds_until: threading.Event | None) -> list[dict]:
+        """N_STREAMS lanes of back-to-back streams: one round, or rounds until the event (at most 20)."""
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def lane(i: int) -> list[dict]:
+                out = [await _stream(client, url, i)]
+                while rounds_until is not None and not rounds_until.is_set() and len(out) < 20:
+                    out.append(await _stream(client, url, i))
+                return out
+            return [r for lane_recs in await asyncio.gather(*(lane(i) for i in range(N_STREAMS)))
+                    for r in lane_recs]
 
-        reference = {r["i"]: r["text"] for r in asyncio.run(streams(None))}
-        assert all(reference.values())
+    reference = {r["i"]: r["text"] for r in asyncio.run(streams(None))}
+    assert all(reference.values())
 
-        done = threading.Event()
-        results: list = []
+    done = threading.Event()
+    results: list = []
 
-        def table() -> None:
-            time.sleep(1.0)  # the streams are running
-            try:
-                _run_table(url, results)
-            finally:
-                done.set()
+    def table() -> None:
+        time.sleep(1.0)  # the streams are running
+        try:
+            _run_table(url, results)
+        finally:
+            done.set()
 
-        worker = threading.Thread(target=table)
-        worker.start()
-        got = asyncio.run(streams(done))
-        worker.join(timeout=300)
-        assert len(results) == len(TABLE)
-        slow = []
-        for case_id, elapsed, r, status, param, code in results:
-            assert_openai_error(r, status, param, code)
-            assert 400 <= r.status_code < 500, case_id
-            if elapsed >= CASE_BOUND:
-                slow.append((case_id, round(elapsed, 2)))
-        assert not slow, slow
-        gaps = []
-        for rec in got:
-            assert rec["error"] is None and rec["done"], rec
-            assert rec["text"] == reference[rec["i"]], rec["i"]
-            gaps += [b - a for a, b in zip(rec["token_times"], rec["token_times"][1:])]
-        max_gap = max(gaps)
-        print(f"\n{len(results)} bad requests, slowest {max(e for _, e, *_ in results):.3f} s; {len(got)} streams, "
-              f"max inter-token gap {max_gap:.3f} s")
-        assert max_gap < GAP_BOUND
-        loads = wait_all_free(cluster, timeout=30)
-        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+    worker = threading.Thread(target=table)
+    worker.start()
+    got = asyncio.run(streams(done))
+    worker.join(timeout=300)
+    assert len(results) == len(TABLE)
+    slow = []
+    for case_id, elapsed, r, status, param, code in results:
+        assert_openai_error(r, status, param, code)
+        assert 400 <= r.status_code < 500, case_id
+        if elapsed >= CASE_BOUND:
+            slow.append((case_id, round(elapsed, 2)))
+    assert not slow, slow
+    gaps = []
+    for rec in got:
+        assert rec["error"] is None and rec["done"], rec
+        assert rec["text"] == reference[rec["i"]], rec["i"]
+        gaps += [b - a for a, b in zip(rec["token_times"], rec["token_times"][1:])]
+    max_gap = max(gaps)
+    print(f"\n{len(results)} bad requests, slowest {max(e for _, e, *_ in results):.3f} s; {len(got)} streams, "
+          f"max inter-token gap {max_gap:.3f} s")
+    assert max_gap < GAP_BOUND
+    loads = wait_all_free(cluster, timeout=30)
+    assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads

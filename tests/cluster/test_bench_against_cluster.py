@@ -8,20 +8,19 @@ import subprocess
 import sys
 
 import pytest
-from cluster_util import running_cluster
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
 
 @pytest.mark.timeout(900)
-def test_pd_bench_breakdown_json_and_plots(tmp_path):
-    with running_cluster(1, 1) as cluster:
-        cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", cluster.router_url, "--dataset-name", "random",
-               "--random-input-len", "120", "--random-output-len", "24", "--num-prompts", "30",
-               "--request-rate", "10", "--seed", "1", "--save-result", "--plot", "--result-dir", str(tmp_path),
-               "--result-filename", "run.json", "--disable-tqdm"]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def test_pd_bench_breakdown_json_and_plots(tmp_path, pd_1p1d):
+    cluster = pd_1p1d  # shared (tests/support/shared_clusters.py): pd-bench's breakdown is of before/after deltas
+    cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", cluster.router_url, "--dataset-name", "random",
+           "--random-input-len", "120", "--random-output-len", "24", "--num-prompts", "30",
+           "--request-rate", "10", "--seed", "1", "--save-result", "--plot", "--result-dir", str(tmp_path),
+           "--result-filename", "run.json", "--disable-tqdm"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "run.json").read_text())
     summary = result["summary"]

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast t
 
 
 @pytest.fixture(scope="module")
-def pd():
-    with running_cluster(1, 1) as cluster:
-        yield cluster
+def pd(pd_1p1d):
+    """The shared default 1P1D cluster (`tests/support/shared_clusters.py`): these tests only read from it."""
+    return pd_1p1d
 
 
 def _mixed_requests(n: int) -> list[tuple[str, int]]:
@@ -40,6 +40,9 @@ async def _stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) 
 @pytest.mark.timeout(900)
 def test_64_concurrent_streams_complete_and_leave_no_trace(pd):
     reqs = _mixed_requests(64)
+    decode = next(p for p in pd.procs if p.role == "decode")
+    transfers_before = metric_value(httpx.get(decode.url + "/metrics", timeout=5).text,
+                                    "pd:request_transfer_time_seconds_count")  # the cluster is shared: a delta
     llm = LLM()
     ref = llm.generate([p for p, _ in reqs], [SamplingParams(max_tokens=n, temperature=0.0) for _, n in reqs])
 
@@ -59,8 +62,8 @@ def test_64_concurrent_streams_complete_and_leave_no_trace(pd):
             text = c.get(p.url + "/metrics").text
             assert metric_value(text, "pd:num_running_reqs") == 0
             assert metric_value(text, "pd:num_queue_reqs") == 0
-        decode = next(p for p in pd.procs if p.role == "decode")
-        assert metric_value(c.get(decode.url + "/metrics").text, "pd:request_transfer_time_seconds_count") >= 64
+        transfers = metric_value(c.get(decode.url + "/metrics").text, "pd:request_transfer_time_seconds_count")
+        assert transfers - transfers_before >= 64
         prefill = next(p for p in pd.procs if p.role == "prefill")
         assert metric_value(c.get(prefill.url + "/metrics").text, "pd:kv_transfer_bytes_total") > 0
 

@@ -7,15 +7,15 @@ from __future__ import annotations
 import httpx
 import pytest
 from bad_input_cases import CASES, OK, assert_openai_error, send
-from cluster_util import running_cluster, wait_all_free
+from cluster_util import wait_all_free
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with running_cluster(1, 1) as c:
-        yield c
+def cluster(pd_1p1d):
+    """The shared default 1P1D cluster (`tests/support/shared_clusters.py`): these tests only read from it."""
+    return pd_1p1d
 
 
 def _decode_url(cluster) -> str:

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 from cluster_util import running_pd_serve
-from random_models import build, hf_greedy_full, long_prompt_ids
+from random_models import build, hf_greedy_batch, hf_greedy_full, long_prompt_ids
 from reuse_util import counters, delta
 from test_moe_pd_serve import _wait_all_free
 
@@ -32,7 +32,7 @@ def test_hybrid_1p1d_over_nixl_equals_transformers(family, tp, tmp_path):
     model = tmp_path / family
     hf = build(family, model)
     prompts = long_prompt_ids(5)
-    expected = [hf_greedy_full(hf, ids, 32) for ids in prompts]
+    expected = hf_greedy_batch(hf, prompts, 32)
     argv = ["--model", str(model), *ENGINE, "--tp-size", str(tp)]
     with running_pd_serve(tmp_path / "manifest.json", argv) as (url, manifest):
         assert sorted(w["role"] for w in manifest["workers"]) == ["decode", "prefill"]

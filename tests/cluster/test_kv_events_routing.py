@@ -1,4 +1,5 @@
-"""``cache_aware`` on the workers' KV events, on a real 2P2D cluster (OS processes, NIXL, loopback).
+"""``cache_aware`` on the workers' KV events, on a real 2P2D cluster (OS processes, NIXL, loopback), with no
+tokenizer in the router: the decode workers' text-to-page maps (``GET /kv_text_map``) name the pages.
 
 1. Two conversations, three turns each, interleaved: every continuation lands on the prefill worker that holds
    its prefix, measured by the prefill workers' own ``vllm:prefix_cache_hits`` counters, and every decision was
@@ -64,13 +65,15 @@ def _wait(predicate, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _caught_up(cluster, prefills: list[str]) -> bool:
-    """The router's index of every prefill worker has applied that worker's last event."""
+def _caught_up(cluster, prefills: list[str], decodes: list[str]) -> bool:
+    """The router's index of every prefill worker has applied that worker's last event, and its text-to-page map
+    every decode worker's last entry."""
     workers = {w["url"]: w for w in httpx.get(cluster.router_url + "/workers", timeout=10).json()["workers"]}
-    for url in prefills:
-        seq = httpx.get(url + "/kv_events", timeout=10).json()["seq"]
-        kv = workers[url].get("kv_index") or {}
-        if not (kv.get("fresh") and kv.get("seq") == seq):
+    for url, path, key in [(u, "/kv_events", "kv_index") for u in prefills] + \
+                          [(u, "/kv_text_map", "text_map") for u in decodes]:
+        seq = httpx.get(url + path, timeout=10).json()["seq"]
+        got = workers[url].get(key) or {}
+        if not (got.get("fresh") and got.get("seq") == seq):
             return False
     return True
 
@@ -96,11 +99,11 @@ def _run(kv_events: bool) -> dict:
     argv += [] if kv_events else ["--no-kv-events"]
     with running_cluster(2, 2, engine_argv=ENGINE, router_argv=argv, role_argv={"prefill": PREFILL}) as cluster:
         prefills = [p.url for p in cluster.procs if p.role == "prefill"]
-        decode = next(p.url for p in cluster.procs if p.role == "decode")
+        decodes = [p.url for p in cluster.procs if p.role == "decode"]
+        decode = decodes[0]
         client = openai.OpenAI(base_url=cluster.router_url + "/v1", api_key="x", timeout=60, max_retries=0)
         if kv_events:
-            _wait(lambda: _router_metric(cluster, "pd_router_tokenizer_loaded") == 1.0, "tokenizer", 120)
-            _wait(lambda: _caught_up(cluster, prefills), "kv index sync")
+            _wait(lambda: _caught_up(cluster, prefills, decodes), "kv index sync")
         out: dict = {"conv_hits": 0.0, "conv_queries": 0.0}
         prompts = list(OPENINGS)
         for k in range(3):  # part 1: interleaved conversations
@@ -126,7 +129,7 @@ def _run(kv_events: bool) -> dict:
         else:
             raise AssertionError("the flood did not evict X's first page from P")
         if kv_events:
-            _wait(lambda: _caught_up(cluster, prefills), "kv index catch-up")
+            _wait(lambda: _caught_up(cluster, prefills, decodes), "kv index catch-up")
         turn2 = X + x_answer + QUESTIONS[0]
         before = [_counters(u) for u in prefills]
         _complete(client, turn2)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from cluster_util import running_pd_serve
-from random_models import build, hf_greedy_full, prompt_ids
+from random_models import build, hf_greedy_batch, prompt_ids
 from reuse_util import counters
 
 ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "8"]
@@ -22,7 +22,7 @@ def test_qwen3_moe_1p1d_over_nixl_equals_transformers(tmp_path):
     model = tmp_path / "qwen3-moe-tiny"
     hf = build("qwen3-moe", model)
     prompts = prompt_ids(5)
-    expected = [hf_greedy_full(hf, ids, 32) for ids in prompts]
+    expected = hf_greedy_batch(hf, prompts, 32)
     with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE]) as (url, manifest):
         assert sorted(w["role"] for w in manifest["workers"]) == ["decode", "prefill"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

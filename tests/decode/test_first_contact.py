@@ -50,7 +50,7 @@ class SlowNewPeerAgent:
 
 
 class NewPeerDirectory:
-    async def aresolve(self, url, client=None):
+    async def aresolve(self, url, expected_agent=None, client=None, timeout=None):
         return Resolved(SimpleNamespace(agent_name=NEW_PEER), fetched=True)
 
     def invalidate(self, url) -> None:

@@ -37,7 +37,7 @@ class KnownPeer:
 
 
 class CachedDirectory:
-    async def aresolve(self, url, client=None):
+    async def aresolve(self, url, expected_agent=None, client=None, timeout=None):
         return Resolved(SimpleNamespace(agent_name=PREFILL_AGENT), fetched=False)
 
     def invalidate(self, url) -> None:

@@ -301,9 +301,11 @@ def _router_pod(values):
     return one(render(values), "Deployment", "-router")["spec"]["template"]["spec"]
 
 
-def test_router_gets_the_workers_tokenizer_from_the_model_volume_read_only():
-    """Defaults (model.source=pvc): --tokenizer-path model.path, the workers' model volume mounted read-only."""
-    objs = render()
+def test_router_gets_the_workers_tokenizer_from_the_model_volume_read_only_when_asked():
+    """router.tokenizerFromModel true (model.source=pvc): --tokenizer-path model.path, the workers' model volume
+    mounted read-only."""
+    on = {"router": {"tokenizerFromModel": True}}
+    objs = render(on)
     dep = one(objs, "Deployment", "-router")
     validate(dep, KUBE_VERSION)  # at the chart's declared minimum Kubernetes
     spec = dep["spec"]["template"]["spec"]
@@ -315,32 +317,30 @@ def test_router_gets_the_workers_tokenizer_from_the_model_volume_read_only():
     assert model_volume == next(v for v in worker["volumes"] if v["name"] == "model")
     assert model_volume["persistentVolumeClaim"]["readOnly"] is True
     assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
-    sub = _router_pod({"model": {"pvc": {"subPath": "weights"}}})["containers"][0]["volumeMounts"]
+    sub = _router_pod(dict(on, model={"pvc": {"subPath": "weights"}}))["containers"][0]["volumeMounts"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "weights"} in sub
     # the decode role's own tokenizer wins over model.path, as for the workers
-    c = _router_pod({"decode": {"args": {"tokenizer": "/models/tok"}}})["containers"][0]
+    c = _router_pod(dict(on, decode={"args": {"tokenizer": "/models/tok"}}))["containers"][0]
     assert flag_value(c["args"], "--tokenizer-path") == "/models/tok"
-    # hostPath: only when asked (the folder may not exist on the router's node), then the same volume
-    host = _router_pod(load_values(CHART / "ci" / "mixed-values.yaml"))
-    assert "--tokenizer-path" not in host["containers"][0]["args"]
-    assert "model" not in [v["name"] for v in host["volumes"]]
+    # hostPath: the same volume
     values = load_values(CHART / "ci" / "mixed-values.yaml")
     values.setdefault("router", {})["tokenizerFromModel"] = True
     host = _router_pod(values)
     assert flag_value(host["containers"][0]["args"], "--tokenizer-path") == "/models/Qwen2.5-7B-Instruct"
     assert {"name": "model", "hostPath": {"path": "/mnt/models", "type": "Directory"}} in host["volumes"]
     # image: the folder is in the (shared) image, so no mount
-    image = _router_pod({"model": {"source": "image"}})
+    image = _router_pod(dict(on, model={"source": "image"}))
     assert flag_value(image["containers"][0]["args"], "--tokenizer-path") == "/models/Llama-3.1-70B-Instruct"
     assert [v["name"] for v in image["volumes"]] == ["tmp"]
 
 
 @pytest.mark.parametrize("values", [
+    {},
     {"router": {"tokenizerFromModel": False}},
-    {"model": {"source": "embedded"}},
+    {"router": {"tokenizerFromModel": True}, "model": {"source": "embedded"}},
     {"router": {"args": {"tokenizer-path": "/elsewhere"}}},
     {"router": {"extraArgs": ["--tokenizer=/elsewhere"]}},
-], ids=["off", "embedded", "args", "extraArgs"])
+], ids=["default", "off", "embedded", "args", "extraArgs"])
 def test_router_gets_no_model_tokenizer_when_off_or_unavailable_or_named(values):
     objs = render(values)
     dep = one(objs, "Deployment", "-router")

@@ -14,7 +14,6 @@ import psutil
 import pytest
 from cluster_util import FAST_ENGINE, PROMPTS, running_cluster
 
-from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.launch.cluster import ClusterSpec, free_port
 from pd_cluster.launch.ray_cluster import RayPlacement, plan_placement, router_argv, worker_argv
 
@@ -142,11 +141,8 @@ def test_argv_matches_the_worker_and_router_parsers():
         router_argv(spec, "10.0.0.1:6379", "pd-cluster-x")))
     assert (cfg.ray.address, cfg.ray.namespace, cfg.ray.actor_prefix) == ("10.0.0.1:6379", "pd-cluster-x", "pd-worker")
     assert cfg.policy.prefill == "round_robin" and cfg.port == spec.router_port
-    assert cfg.policy.kv.tokenizer_path == DEFAULT_MODEL  # the workers' model (embedded here), as LocalCluster
-    model = ClusterSpec(engine_argv=["--model", "/models/m"])
-    assert router_args.build_parser().parse_args(router_argv(model, "a:1", "n")).tokenizer_path == "/models/m"
-    tok = ClusterSpec(engine_argv=["--model", "/models/m", "--tokenizer", "/models/t"])
-    assert router_args.build_parser().parse_args(router_argv(tok, "a:1", "n")).tokenizer_path == "/models/t"
+    # no tokenizer, as LocalCluster: cache_aware routes on KV events through the workers' text-to-page maps
+    assert cfg.policy.kv.tokenizer_path is None and cfg.policy.kv.enabled
     named = ClusterSpec(engine_argv=["--model", "/models/m"], router_argv=["--tokenizer=/mine"])
     argv = router_argv(named, "a:1", "n")
     assert "--tokenizer-path" not in argv and router_args.build_parser().parse_args(argv).tokenizer_path == "/mine"

@@ -19,8 +19,8 @@ REFUSED = [
     ("hidden_act", "relu", "hidden_act"),
     ("mlp_bias", True, "mlp_bias"),
     ("rope_parameters", {"rope_type": "mrope-new", "rope_theta": 10000.0}, "rope_type"),
-    ("quantization_config", {"quant_method": "awq", "bits": 4}, "quant_method"),
-    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size"),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
+    ("quantization_config", {"quant_method": "awq", "bits": 4, "version": "gemv"}, "version"),
     ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      "activation_scheme"),
     ("final_logit_softcapping", 30.0, "final_logit_softcapping"),
@@ -108,7 +108,7 @@ def test_per_layer_windows_follow_layer_types_where_transformers_reads_them():
 def test_kv_cache_scales_alone_load():
     quant = {"quant_method": "compressed-tensors", "config_groups": {}, "kv_cache_scheme": {"num_bits": 8}}
     assert ArchConfig.from_dict(_config("llama", quantization_config=quant))
-    with pytest.raises(ValueError, match="quant_method"):
+    with pytest.raises(ValueError, match=r"config_groups\.g\.weights"):
         ArchConfig.from_dict(_config("llama", quantization_config={**quant, "config_groups": {"g": {}}}))
 
 

@@ -1,9 +1,12 @@
-"""Block-quantised FP8 weights (DeepSeek-V3's release format) are dequantised on load.
+"""Block-quantised FP8 weights (DeepSeek-V3's release format): the dense layers stay FP8, the routed experts and
+``kv_b_proj`` are dequantised on load.
 
 A tiny DeepSeek-V3 (MLA and MoE layers) is rewritten in that format by `deepseek_models.write_block_fp8`: every
 attention, MLP, expert and shared-expert projection as ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per
 32 x 32 block (the tiny shapes give partial blocks, e.g. kv_a_proj's 48 rows), the scales in another shard than
-their weights. The engine loads it and its greedy tokens equal transformers' on the exactly dequantised weights.
+their weights. The engine keeps its attention projections (RoPE rows permuted inside their blocks), dense MLP and
+shared experts in FP8 (`QuantLinear`), and its greedy tokens equal transformers' on the exactly dequantised
+weights.
 """
 
 from __future__ import annotations
@@ -17,24 +20,11 @@ from safetensors import safe_open
 from transformers import DeepseekV3ForCausalLM
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.model.fp8_weights import dequantize_block_fp8
 from pd_cluster.engine.model.loader import load_model
+from pd_cluster.engine.quant.fp8 import dequantize_fp8
+from pd_cluster.engine.quant.linear import QuantLinear
 
 BLOCK = (32, 32)
-
-
-def test_dequantize_matches_a_per_element_loop_with_partial_blocks():
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(48, 70, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale_inv = torch.rand(2, 3, generator=g) + 0.5
-    out = dequantize_block_fp8(w, scale_inv, BLOCK)
-    want = torch.empty(48, 70)
-    for i in range(48):
-        for j in range(70):
-            want[i, j] = w[i, j].float() * scale_inv[i // 32, j // 32]
-    assert torch.equal(out, want)
-    with pytest.raises(ValueError, match=r"does not tile a 48x70 weight in 32x32 blocks \(expected \(2, 3\)\)"):
-        dequantize_block_fp8(w, scale_inv[:1], BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +37,27 @@ def fp8_checkpoint(tmp_path_factory):
     return root / "fp8", DeepseekV3ForCausalLM.from_pretrained(root / "deq").eval()
 
 
-def test_the_engine_holds_the_dequantised_weights(fp8_checkpoint):
+def test_dense_layers_stay_fp8_and_the_rest_holds_the_dequantised_weights(fp8_checkpoint):
     path, _ = fp8_checkpoint
-    model = load_model(str(path)).model
-    ref = load_model(str(path.parent / "deq")).model
-    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-        assert torch.equal(p, q), name
+    loaded = load_model(str(path))
+    model, ref = loaded.model, load_model(str(path.parent / "deq")).model
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    # per layer: q_a, q_b, kv_a_proj_with_mqa, o; layer 0's dense MLP, layer 1's shared expert (gate_up, down)
+    assert sorted(n.split(".", 2)[2] for n in quant if n.startswith("layers.0.")) == [
+        "mlp.down_proj", "mlp.gate_up_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.o_proj", "self_attn.q_a_proj",
+        "self_attn.q_b_proj"]
+    assert len(quant) == 12 and all(m.weight.dtype == torch.float8_e4m3fn for m in quant.values())
+    ref_modules = dict(ref.named_modules())
+    for name, m in quant.items():  # the twin's weights, RoPE rows permuted alike (rotate-half order)
+        assert torch.equal(m.dequantized(), ref_modules[name].weight), name
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ref_params[name]), name  # norms, embeddings, router, experts, kv_b_proj
+    assert loaded.weights_nbytes < load_model(str(path.parent / "deq")).weights_nbytes
     with safe_open(str(next(path.glob("*.safetensors"))), framework="pt") as f:
         assert any(f.get_slice(n).get_dtype() == "F8_E4M3" for n in f.keys())  # the files really are FP8
+    w = quant["layers.0.mlp.down_proj"]
+    assert torch.equal(w.dequantized(), dequantize_fp8(w.weight, w.weight_scale, BLOCK))
 
 
 def test_greedy_equals_transformers_on_the_dequantised_weights(fp8_checkpoint):
@@ -73,6 +76,6 @@ def test_fp8_values_without_their_block_scales_are_refused(fp8_checkpoint, tmp_p
     for f in path.iterdir():
         if f.name != "config.json":
             (tmp_path / f.name).symlink_to(f)
-    with pytest.raises(ValueError, match=r"model\.layers\.\d+\..*proj\.weight is stored in FP8 but the checkpoint "
-                                         r"has no block scale for it"):
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\..*proj\.weight is stored in FP8 but the checkpoint's "
+                                         r"quantisation config does not describe its scales"):
         load_model(str(tmp_path))

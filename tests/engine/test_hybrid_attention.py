@@ -7,13 +7,13 @@ Every layer type appears (sliding windows and chunks of 16 tokens, full and NoPE
 tokens, so each crosses several windows and chunks. 5 prompts x 32 tokens, fp32 KV, chunked prefill of 7 tokens
 over 16-token pages, through the CPU backend (the compiled kernel: every query row starts at its first visible
 key) and the torch reference (query blocks that read only the keys they see). The reference is transformers'
-full-recompute greedy loop (`hf_greedy_full`).
+full-recompute greedy loop (`hf_greedy_batch`: the prompts side by side, one pass per token).
 """
 
 from __future__ import annotations
 
 import pytest
-from random_models import HYBRID_FAMILIES, build, hf_greedy_full, long_prompt_ids
+from random_models import HYBRID_FAMILIES, build, hf_greedy_batch, long_prompt_ids
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.model.moe import SparseMoE
@@ -37,7 +37,7 @@ def family_model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = build(request.param, folder)
     prompts = long_prompt_ids(5)
-    return request.param, folder, prompts, [hf_greedy_full(hf, ids, 32) for ids in prompts]
+    return request.param, folder, prompts, hf_greedy_batch(hf, prompts, 32)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -2,7 +2,7 @@
 Mistral ones), written by transformers (`save_pretrained`: the real tensor names, sharded), generate
 transformers' own greedy tokens.
 
-The reference is a full-recompute greedy loop (`hf_greedy_full`): each token is the argmax of a fresh
+The reference is a full-recompute greedy loop (`hf_greedy_batch`): each token is the argmax of a fresh
 forward pass over the whole sequence. 5 prompts x 32 tokens, fp32 KV, chunked prefill of 7 tokens over
 16-token pages, so prompts span several chunks and pages.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from random_models import build, hf_greedy_full, prompt_ids
+from random_models import build, hf_greedy_batch, prompt_ids
 
 from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.model.llama import MLP
+from pd_cluster.engine.model.layers import MLP
 from pd_cluster.engine.model.moe import SparseMoE
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -34,8 +34,8 @@ def test_greedy_equals_transformers_full_recompute(family, tmp_path):
     assert tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)) == LAYOUT[family]
     assert all(isinstance(layer.mlp, MLP) for i, layer in enumerate(layers) if i not in LAYOUT[family])
     outs = llm.generate(prompts, GREEDY_32)
-    for ids, out in zip(prompts, outs):
-        assert list(out.token_ids) == hf_greedy_full(hf, ids, 32), ids
+    for ids, out, want in zip(prompts, outs, hf_greedy_batch(hf, prompts, 32)):
+        assert list(out.token_ids) == want, ids
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
 
 
@@ -49,7 +49,7 @@ def test_phi3_longrope_short_factors_up_to_the_original_length(tmp_path):
     hf = build("phi3-longrope-partial", tmp_path)
     prompts = [ids[:20] for ids in prompt_ids(5)]
     short = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=64)
-    expected = [hf_greedy_full(hf, ids, 32) for ids in prompts]
+    expected = hf_greedy_batch(hf, prompts, 32)
     assert [list(o.token_ids) for o in short.generate(prompts, GREEDY_32)] == expected
     long = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=1024)
     assert [list(o.token_ids) for o in long.generate(prompts, GREEDY_32)] != expected
@@ -62,5 +62,5 @@ def test_phi3_longrope_long_factors_past_the_original_length(tmp_path):
     hf = build("phi3-longrope-partial", tmp_path)
     prompts = [(ids * 8)[:70] for ids in prompt_ids(5)]
     outs = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16).generate(prompts, GREEDY_32)
-    for ids, out in zip(prompts, outs):
-        assert list(out.token_ids) == hf_greedy_full(hf, ids, 32), ids
+    for ids, out, want in zip(prompts, outs, hf_greedy_batch(hf, prompts, 32)):
+        assert list(out.token_ids) == want, ids

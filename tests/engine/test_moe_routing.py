@@ -15,8 +15,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE, 
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock, Qwen3MoeTopKRouter
 
+from pd_cluster.engine.model.families import moe_from_hf
 from pd_cluster.engine.model.moe import Router, SparseMoE, select_experts
-from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, moe_from_hf
+from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig
 
 H, T = 32, 64
 SHAPE = dict(hidden_size=H, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, vocab_size=64)

@@ -55,7 +55,7 @@ def test_triton_engine_reads_each_kv_groups_table(tmp_path):
     """The engine with the hybrid KV manager (Llama 4: a full and a chunked KV group, chunk pages freed behind
     the chunk) on the Triton backend, eager and through the decode-graph runner: each layer reads its group's
     block table and slots; transformers' tokens, no page held at the end."""
-    from random_models import hf_greedy_full
+    from random_models import hf_greedy_batch
 
     from pd_cluster.engine import LLM, SamplingParams
 
@@ -66,7 +66,7 @@ def test_triton_engine_reads_each_kv_groups_table(tmp_path):
               attention_backend="triton", device=str(device()))
     engine = llm.engine
     assert engine.kv_groups.num_groups == 2
-    want = [hf_greedy_full(hf, ids, params.max_tokens) for ids in prompts]
+    want = hf_greedy_batch(hf, prompts, params.max_tokens)
     outs = llm.generate(prompts, params)
     assert [list(o.token_ids) for o in outs] == want
     assert engine.pages.num_trimmed_total > 0

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pd_cluster.launch.cluster import ClusterSpec, LocalCluster
-from pd_cluster.launch.placement import parse_gpu_list, plan_gpus
+from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list, plan_gpus
 
 PD = [("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]
 
@@ -65,6 +65,21 @@ def test_a_local_cluster_gives_each_worker_its_devices_and_fraction():
         assert cluster.placement.env(name) == {"CUDA_VISIBLE_DEVICES": "0"}
         argv = by_name[name].argv
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.440"
+
+
+def test_the_device_count_asks_torch_only_on_a_host_with_a_gpu_device_node(monkeypatch, tmp_path):
+    """Without a GPU device file pd-serve answers 0 before importing torch (seconds of start-up); with one, it
+    asks torch."""
+    class FakeTorch:
+        class cuda:
+            is_available = staticmethod(lambda: True)
+            device_count = staticmethod(lambda: 3)
+
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch)
+    node = tmp_path / "nvidiactl"
+    assert cuda_device_count((str(node),)) == 0  # no such file: torch is not asked
+    node.touch()
+    assert cuda_device_count((str(node),)) == 3
 
 
 @pytest.mark.slow

@@ -74,3 +74,32 @@ def test_no_two_test_modules_share_a_basename():
         if path.name != "conftest.py" and "__pycache__" not in path.parts:
             by_name[path.name].append(str(path.relative_to(tests)))
     assert {n: p for n, p in by_name.items() if len(p) > 1} == {}
+
+
+def test_a_shared_cluster_runs_from_its_first_user_to_its_last():
+    """`shared_clusters.SharedClusters`: started once for every test that asks, stopped after the last one."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from shared_clusters import SharedClusters
+
+    events = []
+
+    @contextlib.contextmanager
+    def start():
+        events.append("start")
+        yield "cluster"
+        events.append("stop")
+
+    items = [SimpleNamespace(nodeid=f"t{i}", fixturenames=names) for i, names in
+             enumerate([(), ("pd_1p1d",), ("x",), ("pd_1p1d", "y"), ()])]
+    shared = SharedClusters(["pd_1p1d"])
+    shared.plan(items)
+    for item in items:
+        if "pd_1p1d" in item.fixturenames:
+            assert shared.open("pd_1p1d", start) == "cluster"
+        shared.release(item)
+        assert events == ([] if item.nodeid == "t0" else ["start"] if item.nodeid in ("t1", "t2") else
+                          ["start", "stop"]), item.nodeid
+    shared.close("pd_1p1d")  # the session fixture's own teardown: nothing left to stop
+    assert events == ["start", "stop"]

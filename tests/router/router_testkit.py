@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -153,3 +154,13 @@ def metric_value(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+@dataclass
+class StubCandidate:
+    """A worker as a policy sees it (`router.policies.base.Candidate`), for policy tests without a registry."""
+
+    url: str
+    load: object = None
+    inflight: int = 0
+    sent_since_report: int = 0

@@ -230,5 +230,7 @@ def test_flags():
     kv = parse_config(["--tokenizer-path", "/m", "--kv-overlap-score-weight", "2.5", "--kv-events-interval-ms",
                        "50"]).policy.kv
     assert kv.enabled and (kv.tokenizer_path, kv.overlap_score_weight, kv.poll_interval_secs) == ("/m", 2.5, 0.05)
+    assert kv.tokenized
     assert not parse_config(["--tokenizer", "/m", "--no-kv-events"]).policy.kv.enabled
-    assert not parse_config([]).policy.kv.enabled  # no tokenizer: the approximate tree
+    untokenized = parse_config([]).policy.kv  # no tokenizer: the workers' text-to-page maps
+    assert untokenized.enabled and not untokenized.tokenized

@@ -32,6 +32,10 @@ CASES = [
      "invalid_request_error", "messages", "invalid_value"),
     ("POST", "/v1/completions", {"json": {**BODY, "model": "gpt-9"}}, 404,
      "invalid_request_error", "model", "model_not_found"),
+    # 9 prompts x 128 sequences: past what a worker generates for one request, refused before admission (the
+    # fake workers accept anything, so the router answers this one)
+    ("POST", "/v1/completions", {"json": {**BODY, "prompt": ["a"] * 9, "n": 128}}, 400,
+     "invalid_request_error", "prompt", "invalid_value"),
     ("POST", "/v1/completions", {"json": {**BODY, "prompt": "x " * 5000}}, 413,
      "invalid_request_error", None, "request_too_large"),
     ("POST", "/workers", {"json": {"url": "ftp://x:1", "role": "decode"}}, 400,

@@ -39,14 +39,14 @@ def test_plan_asks_for_ids_and_skips_what_cannot_migrate():
     body, tracker = plan_body({"prompt": "x", "stream": True, "max_tokens": 5, "presence_penalty": 0,
                                "repetition_penalty": 1.2}, chat=False)
     assert json.loads(body)["return_token_ids"] is True and not tracker.client_wants_ids
-    for extra in ({"n": 2}, {"echo": True}, {"stream": False}, {"best_of": 3}, {"suffix": "x"},
-                  {"prompt_logprobs": 1}, {"prompt": ["x", "y"]}, {"prompt": [[1, 2], [3]]}):
+    for extra in ({"echo": True}, {"stream": False}, {"best_of": 3}, {"suffix": "x"}, {"prompt_logprobs": 1},
+                  {"n": 2, "resume_token_ids": [[1], [2]]}):
         assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is None
     # what the new worker replays from resume_token_ids migrates
     for extra in ({"logprobs": 1}, {"response_format": {"type": "json_object"}}, {"presence_penalty": 0.5},
                   {"frequency_penalty": -1}, {"guided_choice": ["a"]}, {"tool_choice": "required"},
                   {"best_of": 1}, {"echo": False}, {"seed": 3, "temperature": 1.0}, {"prompt": ["x"]},
-                  {"prompt": [1, 2, 3]}):
+                  {"prompt": [1, 2, 3]}, {"n": 2}, {"prompt": ["x", "y"]}, {"prompt": [[1, 2], [3]]}):
         assert plan_body({"prompt": "x", "stream": True, **extra}, chat=False) is not None, extra
 
 

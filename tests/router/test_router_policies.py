@@ -197,21 +197,22 @@ def test_prefix_tree_match_depth_and_tenants():
     tree = ApproxPrefixTree(block_chars=4, max_chars=1000, clock=clock)
     tree.insert(tree.path_hashes("aaaabbbbcccc"), "x")
     tree.insert(tree.path_hashes("aaaabbbbdddd"), "y")
-    assert tree.match(tree.path_hashes("aaaabbbbcccc"), {"x", "y"}) == ({"x"}, 3)
+    # three full blocks, then the whole text's node
+    assert tree.match(tree.path_hashes("aaaabbbbcccc"), {"x", "y"}) == ({"x"}, 4)
     assert tree.match(tree.path_hashes("aaaabbbbzzzz"), {"x", "y"}) == ({"x", "y"}, 2)
     assert tree.match(tree.path_hashes("aaaabbbbcccc"), {"y"}) == ({"y"}, 2)
     assert tree.match(tree.path_hashes("zzzz"), {"x", "y"}) == (set(), 0)
 
 
 def test_prefix_tree_is_bounded_and_evicts_tails_first():
-    tree = ApproxPrefixTree(block_chars=4, max_chars=4 * 10, clock=Clock())
+    tree = ApproxPrefixTree(block_chars=4, max_chars=4 * 12, clock=Clock())
     for i in range(50):
         tree.insert(tree.path_hashes(f"{i:04d}" * 4), "x")
-        assert len(tree) <= 10
-    # 10 entries: prompts 49 and 48 whole (4 blocks each), and of 47 only its
+        assert len(tree) <= 12
+    # 12 entries: prompts 49 and 48 whole (4 blocks and the whole text's node each), and of 47 only its
     # first 2 blocks, since a prompt's tail is older than its head in the LRU.
     depth = {i: tree.match(tree.path_hashes(f"{i:04d}" * 4), {"x"})[1] for i in (49, 48, 47, 46)}
-    assert depth == {49: 4, 48: 4, 47: 2, 46: 0}
+    assert depth == {49: 5, 48: 5, 47: 2, 46: 0}
 
 
 def test_prefix_tree_evicts_idle_entries_and_removed_workers():

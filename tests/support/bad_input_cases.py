@@ -117,8 +117,8 @@ CASES = [
     ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens[0]", "invalid_value"),
     # resume_token_ids (a migrated stream's output so far): only streamed, and it must leave something to generate
     ("resume-not-streamed", C, with_(OK, resume_token_ids=[5]), 400, "resume_token_ids", "unsupported_parameter"),
-    ("resume-n-2", C, with_(OK, stream=True, n=2, resume_token_ids=[5]), 400, "resume_token_ids",
-     "unsupported_parameter"),
+    ("resume-n-2-one-list", C, with_(OK, stream=True, n=2, resume_token_ids=[5]), 400, "resume_token_ids",
+     "invalid_value"),
     ("resume-past-max_tokens", C, with_(OK, stream=True, resume_token_ids=[5] * 200_000), 400, "resume_token_ids",
      "invalid_value"),
     ("resume-str", C, with_(OK, stream=True, resume_token_ids=["5"]), 400, "resume_token_ids[0]", "invalid_value"),

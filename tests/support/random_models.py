@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -126,7 +127,7 @@ def build(family: str, out_dir: Path, seed: int = 0, **overrides):
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.1)
     model.save_pretrained(out_dir, max_shard_size="200KB")  # several shards + model.safetensors.index.json
-    AutoTokenizer.from_pretrained(DEFAULT_MODEL).save_pretrained(out_dir)
+    embedded_tokenizer().save_pretrained(out_dir)
     if family in DROP_KEYS:
         path = Path(out_dir) / "config.json"
         cfg = json.loads(path.read_text())
@@ -138,8 +139,14 @@ def prompt_ids(n: int = 5) -> list[list[int]]:
     """The first `n` TinyStories prompts of `engine_reference.PROMPTS` as the embedded tokenizer's ids."""
     from engine_reference import PROMPTS
 
-    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    tok = embedded_tokenizer()
     return [tok(p).input_ids for p in PROMPTS[:n]]
+
+
+@functools.lru_cache(maxsize=1)
+def embedded_tokenizer():
+    """The embedded model's tokenizer, loaded once per test session (read only: saved and called)."""
+    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
 
 
 def long_prompt_ids(n: int = 5, lengths: tuple[int, ...] = (40, 53, 64, 71, 80)) -> list[list[int]]:
@@ -161,6 +168,34 @@ def hf_greedy_full(model, ids: list[int], max_new_tokens: int) -> list[int]:
             logits = hf_logits(model, seq)[-1]
             seq.append(int(logits.argmax()))
     return seq[len(ids):]
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`hf_greedy_full` of every prompt, computed together: each step is one forward pass over the sequences
+    right-padded to the longest one, and each sequence's next token is the argmax at its own last position.
+    Causal attention never lets a position see the padding after it, so every token is the one
+    `hf_greedy_full` gives (the passes are batched, nothing else changes). Models whose RoPE frequencies depend
+    on the sequence length (``longrope``, ``dynamic``: the padded length would choose them) run one prompt at a
+    time."""
+    if _rope_reads_the_length(model.config):
+        return [hf_greedy_full(model, ids, max_new_tokens) for ids in prompts]
+    seqs = [list(ids) for ids in prompts]
+    if isinstance(model, Llama4ForConditionalGeneration):
+        model = model.language_model
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            width = max(map(len, seqs))
+            logits = model(torch.tensor([s + [0] * (width - len(s)) for s in seqs]), use_cache=False).logits
+            for row, seq in enumerate(seqs):
+                seq.append(int(logits[row, len(seq) - 1].argmax()))
+    return [seq[len(ids):] for seq, ids in zip(seqs, prompts)]
+
+
+def _rope_reads_the_length(config) -> bool:
+    text = config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kinds = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # one per layer type (Gemma 3), or one
+    return any(r.get("rope_type", r.get("type")) in ("longrope", "dynamic") for r in kinds)
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -173,16 +174,32 @@ def test_cli_flags():
     assert from_cli_args(p.parse_args([])) == TransferConfig()
 
 
-def test_ucx_settings_pass_through(caplog):
+def test_ucx_settings_pass_through(caplog, tmp_path):
     env = {"UCX_TLS": "tcp"}
     with caplog.at_level(logging.INFO, logger="pd_cluster.transfer.ucx_env"):
-        eff = apply_ucx(TransferConfig(ucx_tls="shm,tcp", ucx_net_devices="lo"), env)
-    assert env == {"UCX_TLS": "shm,tcp", "UCX_NET_DEVICES": "lo"} and eff == env
+        eff = apply_ucx(TransferConfig(ucx_tls="shm,tcp", ucx_net_devices="lo"), env, sys_ib=tmp_path)
+    assert env == {"UCX_TLS": "shm,tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}
+    assert eff == {"UCX_TLS": "shm,tcp", "UCX_NET_DEVICES": "lo"}
     assert "overrides UCX_TLS=tcp" in caplog.text
     env = {"UCX_NET_DEVICES": "mlx5_1:1"}
     assert apply_ucx(TransferConfig(), env) == {"UCX_TLS": None, "UCX_NET_DEVICES": "mlx5_1:1"}
     with pytest.raises(ValueError, match="empty"):
         apply_ucx(TransferConfig(), {"UCX_TLS": ""})
+
+
+def test_ib_module_left_unloaded_only_without_rdma_devices(tmp_path):
+    """Without RDMA devices UCX's ib module is not loaded (its netlink library crashes the process at exit);
+    with them, or with UCX_MODULES set by the operator, the environment is left as it is."""
+    env: dict = {}
+    apply_ucx(TransferConfig(), env, sys_ib=tmp_path / "missing")
+    assert env["UCX_MODULES"] == "^ib"
+    env = {"UCX_MODULES": "all"}
+    apply_ucx(TransferConfig(), env, sys_ib=tmp_path / "missing")
+    assert env["UCX_MODULES"] == "all"
+    (tmp_path / "mlx5_0" / "ports" / "1").mkdir(parents=True)
+    env = {}
+    apply_ucx(TransferConfig(), env, sys_ib=tmp_path)
+    assert "UCX_MODULES" not in env
 
 
 def test_warns_when_rdma_devices_present_and_net_devices_unset(monkeypatch, caplog):
@@ -290,3 +307,22 @@ def test_heartbeat_thread_beats_survives_a_failing_round_and_stops():
     n = len(rounds)
     hb.stop()
     assert len(rounds) == n
+
+
+@pytest.mark.slow
+def test_a_process_that_started_an_agent_exits_cleanly(tmp_path):
+    """A process that started a NIXL agent (UCX backend) and returns exits 0, not with SIGSEGV from a library's
+    unload hook (139 before UCX's ib module was left unloaded on hosts without RDMA devices)."""
+    import subprocess
+    import sys
+
+    script = ("from pd_cluster.transfer.config import TransferConfig\n"
+              "from pd_cluster.transfer.ucx_env import apply\n"
+              "apply(TransferConfig())\n"
+              "from nixl._api import nixl_agent, nixl_agent_config\n"
+              "agent = nixl_agent('exit-check', nixl_agent_config(backends=['UCX']))\n"
+              "print('agent', agent.get_agent_metadata() is not None)\n")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "agent True" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])

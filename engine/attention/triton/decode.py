@@ -12,7 +12,8 @@ Two launches per layer:
 * stage 1, grid ``(batch, num_kv_heads, max_splits)``: program ``(b, h, s)``
   attends the ``GROUP`` query heads of KV head ``h`` over the ``s``-th slice of
   request ``b``'s context, reading K/V pages through the block table, and writes
-  a normalised partial output and its log2-sum-exp;
+  a normalised partial output and its log2-sum-exp (the inner step is
+  `flash_decode`'s, shared with the MLA kernel);
 * stage 2, grid ``(batch, num_heads)``: merges the partials of one head.
 
 The split count of each request is a device tensor (`num_kv_splits`), so the
@@ -36,13 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pd_cluster.engine.attention.triton.common import FP16_MAX, cdiv, dot_dtype, dot_precision, head_block, next_pow2
+from pd_cluster.engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block, next_pow2
+from pd_cluster.engine.attention.triton.flash_decode import (NEG_INIT, load_query, online_softmax_tile,
+                                                             program_split, softmax_state, split_bounds, store_partial)
 from pd_cluster.engine.attention.triton.paging import load_kv_tile
-from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 
 LOG2E = 1.4426950408889634
-FP16_LIMIT = tl.constexpr(FP16_MAX)
-NEG_INIT = tl.constexpr(-1.0e30)  # finite start for the running max: a fully masked tile then gives p = 0, not NaN
 
 
 @dataclass(frozen=True)
@@ -130,60 +130,35 @@ def _decode_stage1_kernel(
     SLIDING_WINDOW: tl.constexpr, COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
     CHUNK: tl.constexpr = 0, SOFTCAP: tl.constexpr = False, softcap_l2=0.0,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.load(num_splits + b)
+    b, kv_head, split, n_splits, seq_len = program_split(num_splits, seq_lens)
     if split < n_splits:
-        seq_len = tl.load(seq_lens + b)
         lo = 0
         if SLIDING_WINDOW > 0:
             lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
         if CHUNK > 0:  # the query (at seq_len - 1) sees its own chunk only
             lo = tl.maximum(seq_len - 1, 0) // CHUNK * CHUNK
-        num_blocks = (seq_len - lo + BLOCK_N - 1) // BLOCK_N
-        blocks_per_split = (num_blocks + n_splits - 1) // n_splits
-        start = lo + split * blocks_per_split * BLOCK_N
-        end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+        start, end = split_bounds(lo, seq_len, n_splits, split, BLOCK_N)
 
         g = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + g
         h_mask = g < GROUP
         d = tl.arange(0, BLOCK_D)
         d_mask = d < HEAD_DIM
-        q = tl.load(Q + b * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
-                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-        if CLAMP_Q:
-            q = tl.minimum(tl.maximum(q.to(tl.float32), -FP16_LIMIT), FP16_LIMIT)
-        q = q.to(COMPUTE)
+        q = load_query(Q + b * stride_q_t + heads[:, None] * stride_q_h + d[None, :],
+                       h_mask[:, None] & d_mask[None, :], CLAMP_Q, COMPUTE)
         bt_row = block_tables + b * stride_bt
-
-        m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-        acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
+        m_i, l_i, acc = softmax_state(BLOCK_H, BLOCK_D)
         for start_n in range(start, end, BLOCK_N):
             k = load_kv_tile(K_cache, bt_row, start_n, end, kv_head, stride_k_p, stride_k_h, stride_k_t,
                              d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if SOFTCAP:
                 s = softcap_log2(s, softcap_l2)
-            valid = (start_n + tl.arange(0, BLOCK_N)) < end
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, row_max(s))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + row_sum(p)
             v = load_kv_tile(V_cache, bt_row, start_n, end, kv_head, stride_v_p, stride_v_h, stride_v_t,
                              d, d_mask, PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_D != HEAD_DIM).to(COMPUTE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        mo = Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
-        tl.store(mo, out, mask=h_mask[:, None] & d_mask[None, :])
-        tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+            acc, m_i, l_i = online_softmax_tile(s, v, start_n, end, acc, m_i, l_i, COMPUTE, DOT_PRECISION, BLOCK_N)
+        store_partial(Mid_O, Mid_LSE, acc, m_i, l_i, b, heads, split, d, h_mask, d_mask,
+                      stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h)
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.common import cdiv, dot_dtype, dot_precision, head_block
-from pd_cluster.engine.attention.triton.decode import FP16_LIMIT, LOG2E, NEG_INIT, softcap_log2
+from pd_cluster.engine.attention.triton.decode import LOG2E, softcap_log2
+from pd_cluster.engine.attention.triton.flash_decode import FP16_LIMIT, NEG_INIT
 from pd_cluster.engine.attention.triton.paging import load_kv_tile
 from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 

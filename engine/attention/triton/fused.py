@@ -5,7 +5,7 @@ Unfused, these are ~30 small torch ops per layer (casts, pow, mean, rsqrt,
 slices, cat), each a kernel launch and a round trip through memory. Each
 function here is one launch and reads/writes its tensors once, as vLLM's and
 SGLang's ``fused_add_rms_norm``, ``rotary_embedding`` and ``silu_and_mul`` do.
-The torch ops in `pd_cluster.engine.model.llama` / `rope` stay the reference
+The torch ops in `pd_cluster.engine.model.layer_ops` / `rope` stay the reference
 (`TorchLayerOps`); the arithmetic here follows them (float32 inside, rounding
 to the activation dtype where the reference rounds), so fp32 results agree to
 rounding and 16-bit ones to a unit in the last place.

@@ -12,8 +12,9 @@ kernels take the same shape: a ``BLOCK_DPE`` part beside the ``BLOCK_DMODEL`` pa
 Stage 1, grid ``(batch, cdiv(num_heads, BLOCK_H), max_splits)``: program
 ``(b, hb, s)`` takes query heads ``hb * BLOCK_H ...`` of request ``b`` over the
 ``s``-th slice of its context, reading latent pages through the block table, and
-writes a normalised partial ``[BLOCK_H, kv_lora_rank]`` and its log2-sum-exp.
-Stage 2 is `decode`'s merge kernel, unchanged. Split counts come from the device
+writes a normalised partial ``[BLOCK_H, kv_lora_rank]`` and its log2-sum-exp; after the
+scores, the inner step is `flash_decode`'s, the one the K/V kernel runs. Stage 2 is `decode`'s merge kernel,
+unchanged. Split counts come from the device
 (`num_kv_splits`), so the launches are graph-safe. The FP8 latent scale is folded
 into the softmax scale (keys) and into the merged output (values: the same
 latent, the same scale).
@@ -27,10 +28,11 @@ import triton.language as tl
 
 from pd_cluster.engine.attention.triton.common import cdiv, dot_dtype, dot_precision, next_pow2
 from pd_cluster.engine.attention.triton.decode import (
-    LOG2E, MID_STRIDES, NEG_INIT, DecodeKernelConfig, DecodeWorkspace, _decode_stage2_kernel, FP16_LIMIT,
+    LOG2E, MID_STRIDES, DecodeKernelConfig, DecodeWorkspace, _decode_stage2_kernel,
 )
+from pd_cluster.engine.attention.triton.flash_decode import (load_query, online_softmax_tile, program_split,
+                                                             softmax_state, split_bounds, store_partial)
 from pd_cluster.engine.attention.triton.paging import load_kv_tile
-from pd_cluster.engine.attention.triton.primitives import row_max, row_sum
 
 MLA_BLOCK_H = 16  # query heads per program: the smallest `tl.dot` side (DeepSeek-V3 at TP 8 has 16 per rank)
 
@@ -49,16 +51,9 @@ def _mla_decode_stage1_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_ALIGNED: tl.constexpr,
     COMPUTE: tl.constexpr, DOT_PRECISION: tl.constexpr, CLAMP_Q: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    split = tl.program_id(2)
-    n_splits = tl.load(num_splits + b)
+    b, head_block, split, n_splits, seq_len = program_split(num_splits, seq_lens)
     if split < n_splits:
-        seq_len = tl.load(seq_lens + b)
-        num_blocks = (seq_len + BLOCK_N - 1) // BLOCK_N
-        blocks_per_split = (num_blocks + n_splits - 1) // n_splits
-        start = split * blocks_per_split * BLOCK_N
-        end = tl.minimum(start + blocks_per_split * BLOCK_N, seq_len)
+        start, end = split_bounds(0, seq_len, n_splits, split, BLOCK_N)
 
         heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = heads < NUM_HEADS
@@ -67,18 +62,10 @@ def _mla_decode_stage1_kernel(
         e = tl.arange(0, BLOCK_PE)
         e_mask = e < ROPE
         q_row = Q + b * stride_q_t + heads[:, None] * stride_q_h
-        q_c = tl.load(q_row + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
-        q_pe = tl.load(q_row + RANK + e[None, :], mask=h_mask[:, None] & e_mask[None, :], other=0.0)
-        if CLAMP_Q:
-            q_c = tl.minimum(tl.maximum(q_c.to(tl.float32), -FP16_LIMIT), FP16_LIMIT)
-            q_pe = tl.minimum(tl.maximum(q_pe.to(tl.float32), -FP16_LIMIT), FP16_LIMIT)
-        q_c = q_c.to(COMPUTE)
-        q_pe = q_pe.to(COMPUTE)
+        q_c = load_query(q_row + r[None, :], h_mask[:, None] & r_mask[None, :], CLAMP_Q, COMPUTE)
+        q_pe = load_query(q_row + RANK + e[None, :], h_mask[:, None] & e_mask[None, :], CLAMP_Q, COMPUTE)
         bt_row = block_tables + b * stride_bt
-
-        m_i = tl.full([BLOCK_H], NEG_INIT, tl.float32)
-        l_i = tl.full([BLOCK_H], 0.0, tl.float32)
-        acc = tl.full([BLOCK_H, BLOCK_R], 0.0, tl.float32)
+        m_i, l_i, acc = softmax_state(BLOCK_H, BLOCK_R)
         for start_n in range(start, end, BLOCK_N):
             c = load_kv_tile(Latent, bt_row, start_n, end, 0, stride_c_p, 0, stride_c_t, r, r_mask,
                              PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_R != RANK).to(COMPUTE)
@@ -86,22 +73,10 @@ def _mla_decode_stage1_kernel(
                               PAGE_SIZE, BLOCK_N, PAGE_ALIGNED, BLOCK_PE != ROPE).to(COMPUTE)
             s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION)
             s += tl.dot(q_pe, tl.trans(pe), input_precision=DOT_PRECISION)
-            s = s * qk_scale
-            valid = (start_n + tl.arange(0, BLOCK_N)) < end
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, row_max(s))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + row_sum(p)
-            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), c, input_precision=DOT_PRECISION)
-            m_i = m_new
-
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        mo = Mid_O + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + r[None, :]
-        tl.store(mo, out, mask=h_mask[:, None] & r_mask[None, :])
-        tl.store(Mid_LSE + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=h_mask)
+            acc, m_i, l_i = online_softmax_tile(s * qk_scale, c, start_n, end, acc, m_i, l_i, COMPUTE, DOT_PRECISION,
+                                                BLOCK_N)
+        store_partial(Mid_O, Mid_LSE, acc, m_i, l_i, b, heads, split, r, h_mask, r_mask,
+                      stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h)
 
 
 def mla_head_blocks(num_heads: int) -> int:

@@ -1,4 +1,4 @@
-"""Row reductions for the kernels, built on `tl.reduce` (a Triton builtin).
+"""Row reductions for the kernels, built on `tl.reduce` (a Triton builtin), and the GEMMs' grouped tile order.
 
 Triton's own ``tl.sum``, ``tl.max``, ``tl.zeros`` and ``tl.cdiv`` are
 ``@triton.jit`` functions of its standard library, decorated once when
@@ -46,3 +46,14 @@ def row_max(x):
 def row_sum(x):
     """Sum over axis 1 of a 2-D float32 block."""
     return tl.reduce(x, 1, SUM_COMBINE)
+
+
+@triton.jit
+def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """The (row tile, column tile) of program `pid` among `num_m` x `num_n` output tiles, launched GROUP_M row
+    tiles at a time so consecutive programs reuse the same weight columns from L2 (Triton's matmul tutorial,
+    "L2 cache optimizations")."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size

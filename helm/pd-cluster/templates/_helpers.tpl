@@ -163,7 +163,7 @@ failureThreshold: {{ .failureThreshold }}
 
 {{/*
 The folder the router loads its tokenizer from (--tokenizer-path), or "" for none: router.tokenizerFromModel
-false (null, the default, means on except for model.source=hostPath), the router's args or extraArgs name one already, or model.source=embedded (a folder inside the installed
+not true (null, the default, means off: the router learns the workers' text-to-page maps), the router's args or extraArgs name one already, or model.source=embedded (a folder inside the installed
 package, which the chart cannot name). Otherwise the tokenizer the workers load: the decode (else mixed) role's
 `tokenizer` flag, else model.path.
 */}}
@@ -174,7 +174,7 @@ package, which the chart cannot name). Otherwise the tokenizer the workers load:
 {{- if regexMatch "^--tokenizer(-path)?(=|$)" (toString .) }}{{ $named = true }}{{ end }}
 {{- end }}
 {{- $on := $r.tokenizerFromModel }}
-{{- if kindIs "invalid" $on }}{{ $on = ne .Values.model.source "hostPath" }}{{ end }}
+{{- if kindIs "invalid" $on }}{{ $on = false }}{{ end }}
 {{- if and $on (not $named) (ne .Values.model.source "embedded") }}
 {{- $tok := "" }}
 {{- range $role := list "decode" "mixed" }}

@@ -1,24 +1,21 @@
-"""Llama-family decoder over a paged KV pool: Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, Phi-3,
-Gemma 2, Gemma 3 (text), gpt-oss and Llama 4 (text).
+"""The decoder-only model over a paged KV pool: one shell for every family (`pd_cluster.engine.model.families`).
 
-Follows the HF ``LlamaForCausalLM`` math: pre-norm RMSNorm, RoPE, GQA, SwiGLU.
-Qwen2 adds q/k/v biases, Qwen3 an RMSNorm over each q and k head before RoPE.
-Mixtral, Qwen3-MoE, gpt-oss and Llama 4 replace the MLP of their MoE layers by a
-`SparseMoE` block (`pd_cluster.engine.model.moe`); Phi-3 rotates the first
-``partial_rotary_factor`` of each head (and uses longrope, `rope`). Gemma adds
-norms after attention and around the MLP (`ArchConfig.sandwich_norms`), scales
-the embeddings and soft-caps the final logits. Each layer attends as its
-`LayerAttention` says (full, sliding window or chunked; the backends apply the
-masks, sinks and logit softcapping) and rotates with its own RoPE, or none
-(`pd_cluster.engine.model.layers`).
-q/k/v and gate/up projections are fused into one matrix each (fewer kernel
-launches); `pd_cluster.engine.model.loader` fills them from the HF checkpoint's separate
-tensors.
+Embeddings, a stack of pre-norm decoder layers, the final norm and the LM head. What differs between families
+is read from `ArchConfig`, never from an architecture name:
 
-The forward pass takes one explicit `ForwardBatch` and the `KVPool`; attention
-goes through an `AttentionBackend`. Under tensor parallelism (`TPGroup` of N
-ranks) each rank holds 1/N of the heads and of the MLP width, and the o and
-down projections end with an all-reduce (Megatron-LM's split).
+* the attention block: `layers.Attention` with K and V per head (q/k/v and o biases, q/k norms, partial or
+  per-layer RoPE, NoPE layers, sinks, temperature tuning), or `mla_attention.MLAAttention` over one latent per
+  token (``cfg.mla``);
+* the MLP: dense SwiGLU / GeGLU, or the shared MoE block `moe.SparseMoE` on ``cfg.moe``'s layers;
+* the norms: their style (`ArchConfig.norm_style`) and Gemma's sandwich norms (`ArchConfig.sandwich_norms`);
+* scaled embeddings and soft-capped final logits (Gemma).
+
+Each layer attends as its `LayerAttention` says and rotates with its own RoPE (one cos/sin table per step for
+each distinct RoPE among the layers: Gemma 3's local and global ones), or none. q/k/v and gate/up projections
+are fused into one matrix each (fewer kernel launches); `pd_cluster.engine.model.loader` fills them from the
+checkpoint's separate tensors. The forward pass takes one explicit `ForwardBatch` and the `KVPool`; attention
+goes through the backend. Under tensor parallelism (`TPGroup` of N ranks) each rank holds 1/N of the heads and
+of the MLP width, and the o and down projections end with an all-reduce (Megatron-LM's split).
 """
 
 from __future__ import annotations
@@ -26,20 +23,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pd_cluster.engine.attention.base import AttentionBackend
 from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
-from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.layer_attention import rope_key
+from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TorchLayerOps
 from pd_cluster.engine.model.layers import MLP, Attention, RMSNorm
-from pd_cluster.engine.model.moe import SharedExperts, SparseMoE
-from pd_cluster.engine.model.rope import RotaryEmbedding, deinterleave_rope_rows, longrope_scaling
+from pd_cluster.engine.model.mla_attention import MLAAttention
+from pd_cluster.engine.model.moe import SparseMoE
+from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
-
-__all__ = ["MLP", "Attention", "DecoderLayer", "LlamaForCausalLM", "RMSNorm"]
+from pd_cluster.engine.quant.modules import make_linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+def build_mlp(cfg: ArchConfig, layer: int, tp: TPGroup, expert_parallel: bool = False) -> nn.Module:
+    """The MLP of `layer`: the `SparseMoE` block where ``cfg.is_moe_layer(layer)``, else the dense MLP.
+
+    Raises:
+        ValueError: the TP size does not divide the expert width (or, with `expert_parallel`, their count).
+    """
+    if cfg.moe is not None and cfg.is_moe_layer(layer):
+        return SparseMoE(cfg.hidden_size, cfg.moe, tp, expert_parallel)
+    return MLP(cfg, tp)
+
+
+def attention_class(cfg: ArchConfig) -> type[Attention] | type[MLAAttention]:
+    """The attention block of `cfg`: latent attention under MLA, else K and V per head."""
+    return MLAAttention if cfg.mla is not None else Attention
 
 
 class DecoderLayer(nn.Module):
@@ -52,17 +64,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn = attention_class(cfg)(cfg, layer, tp)
         self.post_attention_layernorm = norm()
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp: nn.Module = (SparseMoE(cfg.hidden_size, cfg.moe, tp, expert_parallel)
-                               if cfg.moe is not None and cfg.is_moe_layer(layer) else MLP(cfg, tp))
+        self.mlp = build_mlp(cfg, layer, tp, expert_parallel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin | None,
-                batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                batch: ForwardBatch, pool: KVPool, backend) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer: the residual stream starts as the embeddings
             x, residual = self.input_layernorm(x), x
         else:
@@ -75,7 +86,7 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The decoder plus LM head.
 
     Args:
@@ -85,8 +96,8 @@ class LlamaForCausalLM(nn.Module):
         context_length: the server's context length (None: ``max_position_embeddings``); it chooses
             longrope's short or long factors (`rope.longrope_scaling`).
 
-    `forward` returns logits [len(batch.logits_indices), vocab_size] in float32. One cos/sin table is
-    computed per step for each distinct RoPE among the layers (Gemma 3: its local and global ones).
+    `forward(batch, pool, backend)` returns logits [len(batch.logits_indices), vocab_size] in float32; `backend`
+    is an `AttentionBackend`, or an `MLAAttentionBackend` under MLA.
 
     Raises:
         ValueError: the TP size does not divide the heads, widths or experts (`ArchConfig.check_tp`).
@@ -115,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.ropes = nn.ModuleList(ropes)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, expert_parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -124,24 +135,19 @@ class LlamaForCausalLM(nn.Module):
         return self.norm.ops
 
     def set_layer_ops(self, ops: TorchLayerOps) -> None:
-        """Run the layers' norms, RoPE and activation through `ops` (`pd_cluster.engine.model.layer_ops`)."""
+        """Run the layers' norms, RoPE and activations through `ops` (`pd_cluster.engine.model.layer_ops`)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention, MLP, SparseMoE, SharedExperts)):
+            if hasattr(module, "ops"):
                 module.ops = ops
 
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The loader's hook: `tensor` (this rank's shard of checkpoint tensor `name`, ``model.`` removed) as the
-        module holds it. Llama 4 rotates interleaved pairs: each q and k head's rows (and biases) are put in
-        rotate-half order, ``0, 2, 4, ..., 1, 3, 5, ...``, which leaves every q.k unchanged (the L2 norm too)."""
-        if not self.cfg.rope_interleaved or not name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                                "self_attn.q_proj.bias", "self_attn.k_proj.bias")):
-            return tensor
-        d = self.cfg.head_dim
-        rows = tensor.reshape(-1, d, tensor.shape[-1] if tensor.dim() == 2 else 1)
-        return deinterleave_rope_rows(rows, 0).reshape(tensor.shape)
+        module holds it (the attention block's row order: `Attention.checkpoint_tensor`,
+        `MLAAttention.checkpoint_tensor`)."""
+        return attention_class(self.cfg).checkpoint_tensor(self.cfg, name, tensor)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, pool: KVPool, backend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         if self.cfg.embedding_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
