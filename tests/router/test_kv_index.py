@@ -180,7 +180,8 @@ def test_pages_a_worker_wrote_to_the_kv_store_count_for_every_worker_at_half_a_h
     wa.log.l3_stored(prompt(ids).hashes(PS))  # A wrote them to the store (its write thread)
     batch = wa.batch(index.since(A))
     assert batch["events"][-1]["medium"] == "L3" and batch["events"][-1]["block_hashes"] == list(prompt(ids).hashes(PS))
-    index.apply(A, batch, clock.t)
+    index.apply(A, wa.log.read(index.since(A)).to_json(token_ids=False, packed=True), clock.t)  # as the router polls
+    assert index.fresh(A, clock.t)
     assert index.l3_pages(B, prompt(ids)) == index.l3_pages(A, prompt(ids)) == 4
     assert index.cached_pages(B, prompt(ids)) == (0, 4)  # in the store, not in B's own cache
     assert index.l3_pages(B, prompt(ids[:4] + [99] * 12)) == 1  # leading pages only
