@@ -169,6 +169,33 @@ class FlakyBackend(FileBackend):
         self._check()
         super().reconnect()
 
+    def ping(self):
+        self._check()
+        super().ping()
+
+
+def wait_until(check, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
+def test_an_idle_worker_learns_that_the_store_went_away_and_came_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_mod, "RECONNECT_SECS", 0.05)
+    llm = store_llm(tmp_path)
+    flaky = FlakyBackend(tmp_path)
+    l3 = llm.engine.l3
+    l3.backend = flaky
+    assert l3.available
+    flaky.down = True  # no request runs: only the health check can tell
+    assert wait_until(lambda: not l3.available) and l3.stats.disconnects == 1
+    flaky.down = False
+    assert wait_until(lambda: l3.available) and l3.stats.disconnects == 1
+    llm.engine.close()
+
 
 def test_a_store_that_fails_mid_run_costs_hits_not_requests(tmp_path, monkeypatch):
     monkeypatch.setattr(tier_mod, "RECONNECT_SECS", 0.05)

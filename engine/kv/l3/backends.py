@@ -55,6 +55,10 @@ class StorageBackend(Protocol):
     def reconnect(self) -> None:
         """Try to reach the store again. Raises `StoreUnavailable`."""
 
+    def ping(self) -> None:
+        """A cheap check, every few seconds while the store is in use, that it still answers (a worker that sends
+        it nothing learns that it went away). Raises `StoreUnavailable`."""
+
     def close(self) -> None:
         """Let go of the store."""
 
@@ -74,6 +78,10 @@ class FileBackend:
                 pass
         except OSError as e:
             raise StoreUnavailable(f"the KV store directory {self.root} is not writable: {e}") from e
+
+    def ping(self) -> None:
+        if not (self.root.is_dir() and os.access(self.root, os.W_OK)):
+            raise StoreUnavailable(f"the KV store directory {self.root} is gone or not writable")
 
     def _path(self, key: str) -> Path:
         head, _, digest = key.rpartition("/")
@@ -177,6 +185,10 @@ class MooncakeBackend:
             raise StoreUnavailable(f"Mooncake master {s.master_server_address} refused the client (setup "
                                    f"returned {rc})")
         self._store = store
+
+    def ping(self) -> None:
+        if self._client().is_exist(PROBE_KEY) < 0:
+            raise StoreUnavailable(f"Mooncake master {self.settings.master_server_address} does not answer")
 
     def _client(self):
         if self._store is None:

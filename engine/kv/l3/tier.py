@@ -99,7 +99,8 @@ class L3Tier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l3-read")
         self._writer = threading.Thread(target=self._write_loop, name="l3-write", daemon=True)
         self._writer.start()
-        self._reconnector: threading.Thread | None = None
+        self._health = threading.Thread(target=self._health_loop, name="l3-health", daemon=True)
+        self._health.start()
 
     # ---- the cache's observer (engine thread) ------------------------------------------------------------
     def stored(self, parent_page: int | None, pages: Sequence[int], tokens: Sequence[tuple[int, ...]]) -> None:
@@ -293,17 +294,25 @@ class L3Tier:
     # ---- health -------------------------------------------------------------------------------------------
     def _lost(self, err: Exception) -> None:
         with self._lock:
-            if not self.available:
+            if not self.available or self._closed.is_set():
                 return
             self.available = False
             self.stats.disconnects += 1
         logger.warning("KV store unavailable (%s): serving without it; reconnecting every %.0f s", err,
                        RECONNECT_SECS)
-        self._reconnector = threading.Thread(target=self._reconnect_loop, name="l3-reconnect", daemon=True)
-        self._reconnector.start()
 
-    def _reconnect_loop(self) -> None:
+    def _health_loop(self) -> None:
+        """Every `RECONNECT_SECS`: while the store is in use, ping it (a worker that sends it nothing still learns
+        that it went away, and says so in ``pd:kv_store_available``); while it is not, try to reach it again."""
         while not self._closed.wait(RECONNECT_SECS):
+            if self.available:
+                try:
+                    self.backend.ping()
+                except StoreUnavailable as e:
+                    self._lost(e)
+                except Exception:  # noqa: BLE001
+                    logger.debug("KV store ping failed", exc_info=True)
+                continue
             try:
                 self.backend.reconnect()
             except StoreUnavailable as e:
@@ -316,7 +325,6 @@ class L3Tier:
                 self._known.clear()  # a restarted store may have lost what it held
                 self.available = True
             logger.info("KV store %s reachable again: reading and writing pages", self.backend.name)
-            return
 
     def close(self) -> None:
         self._closed.set()
