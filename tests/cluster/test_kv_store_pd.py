@@ -193,6 +193,11 @@ def test_master_killed_mid_run_fails_nothing_and_the_store_comes_back(cluster):
     assert wait_for(lambda: all(metrics(p.url)["pd:kv_store_available"] == 0 for p in workers(cluster)), 30)
     cluster.restart("kv-master")
     assert wait_for(lambda: all(metrics(p.url)["pd:kv_store_available"] == 1 for p in workers(cluster)), 60)
+    # a restarted master starts empty and holds memory again once the kv-store process's client has mounted its
+    # segment anew (Mooncake's heartbeat does that): until then a write finds no space and is dropped
+    store = _client(cluster)
+    assert wait_for(lambda: store.put(f"probe-{time.monotonic()}", b"x" * 1024) == 0, 60)
+    store.close()
     written = sum(metrics(p.url)["pd:backuped_tokens_total"] for p in workers(cluster, "prefill"))
     fresh = family_prompts(2, 2, seed=5)
     assert complete(cluster.router_url, fresh, 1) == reference(fresh)
