@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from cluster_util import FAST_ENGINE
+from cluster_util import FAST_ENGINE, running_cluster
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.kv.l3.keys import prefix_digests
-from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
+from pd_cluster.launch.cluster import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +38,9 @@ PAGE = 16
 MAX_TOKENS = 8
 # a long prefetch wait: a loaded 2-core machine may take seconds for a new client's first read, and these tests
 # count hits (the wait's effect on TTFT is the benchmark's business)
-ENGINE = [*FAST_ENGINE, "--page-size", str(PAGE), "--hicache-storage-backend", "mooncake",
-          "--hicache-storage-backend-extra-config", json.dumps({"prefetch_timeout": 10})]
+STORE_ARGS = ["--page-size", str(PAGE), "--hicache-storage-backend", "mooncake",
+              "--hicache-storage-backend-extra-config", json.dumps({"prefetch_timeout": 10})]
+ENGINE = [*FAST_ENGINE, *STORE_ARGS]
 
 
 def family_prompts(families: int, per_family: int, seed: int) -> list[list[int]]:
@@ -96,16 +97,9 @@ def wait_for(check, timeout: float) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster():
-    spec = ClusterSpec(num_prefill=2, num_decode=2, router_port=free_port(), engine_argv=ENGINE,
-                       router_argv=["--prefill-policy", "round_robin", "--health-check-interval-secs", "0.5"],
-                       log_level="warning", echo=False, kv_store_size="128MiB")
-    c = LocalCluster(spec)
-    try:
-        c.start()
-        c.wait_ready(timeout=240)
+    with running_cluster(2, 2, engine_argv=STORE_ARGS, router_argv=["--prefill-policy", "round_robin"],
+                         kv_store_size="128MiB") as c:
         yield c
-    finally:
-        c.stop()
 
 
 def workers(cluster, role=None):
