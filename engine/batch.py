@@ -34,6 +34,9 @@ class ForwardBatch:
         group_batches: with KV cache groups (`pd_cluster.engine.kv.groups`), the same batch for groups 1..G:
             each with its group's ``slot_mapping`` and ``block_tables`` (the fields above are group 0's); None
             with one group.
+        rope_variant: [T] int64, 1 where the token's request rotates by longrope's long factors
+            (`Request.rope_variant`); None when every token rotates by the short ones (or the model has no
+            longrope).
     """
 
     input_ids: torch.Tensor
@@ -48,6 +51,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
     group_batches: "tuple[ForwardBatch, ...] | None" = None
+    rope_variant: torch.Tensor | None = None
 
     def for_group(self, group: int) -> "ForwardBatch":
         """This step as KV group `group`'s layers see it (its slot mapping and block tables)."""

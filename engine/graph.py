@@ -68,6 +68,8 @@ class CaptureBuffers:
         logits_indices: [max_bs] int64.
         group_slots, group_tables: with KV cache groups (`pd_cluster.engine.kv.groups`), groups 1..G's
             slot mappings ([max_bs] int64 each) and block tables ([max_bs, max_pages] int32 each); empty with one.
+        rope_variant: [max_bs] int64, each request's longrope factor set (`ForwardBatch.rope_variant`; 0 when the
+            batch has none).
     """
 
     input_ids: torch.Tensor
@@ -79,6 +81,7 @@ class CaptureBuffers:
     logits_indices: torch.Tensor
     group_slots: tuple[torch.Tensor, ...] = ()
     group_tables: tuple[torch.Tensor, ...] = ()
+    rope_variant: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, max_bs: int, max_pages: int, device: torch.device, num_groups: int = 1) -> "CaptureBuffers":
@@ -96,6 +99,7 @@ class CaptureBuffers:
                               for _ in range(num_groups - 1)),
             group_tables=tuple(torch.zeros(max_bs, max_pages, dtype=torch.int32, device=device)
                                for _ in range(num_groups - 1)),
+            rope_variant=longs(),
         )
         return bufs
 
@@ -137,6 +141,10 @@ class CaptureBuffers:
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
         self.block_tables[:n, :width].copy_(batch.block_tables)
+        if batch.rope_variant is not None:
+            self.rope_variant[:n].copy_(batch.rope_variant)
+        else:
+            self.rope_variant[:n].zero_()
         num_logits = batch.logits_indices.shape[0]
         self.logits_indices[:num_logits].copy_(batch.logits_indices)
         if bs > n:
@@ -145,6 +153,7 @@ class CaptureBuffers:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(PAD_SEQ_LEN)
             self.block_tables[n:bs].zero_()
+            self.rope_variant[n:bs].zero_()
         if bs > num_logits:
             self.logits_indices[num_logits:bs].copy_(self.query_start_loc[num_logits:bs])
 
@@ -159,6 +168,7 @@ class CaptureBuffers:
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], logits_indices=self.logits_indices[:bs], num_decodes=bs,
             query_lens_cpu=[1] * bs, seq_lens_cpu=[PAD_SEQ_LEN] * bs, query_start_loc_cpu=list(range(bs + 1)),
+            rope_variant=self.rope_variant[:bs],
         )
         if self.group_tables:
             batch.group_batches = tuple(dataclasses.replace(batch, slot_mapping=slots[:bs], block_tables=table[:bs])

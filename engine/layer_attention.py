@@ -135,6 +135,17 @@ def alternating(cfg: dict[str, Any], layers: int, pattern: int) -> list[str]:
     return kinds if kinds is not None else ["sliding" if (i + 1) % pattern else "full" for i in range(layers)]
 
 
+def rope_layers(cfg: dict[str, Any]) -> list[bool]:
+    """Which layers rotate, from ``no_rope_layers`` (1: RoPE, 0: NoPE), else all but every
+    ``no_rope_layer_interval``-th (default 4): the keys of transformers' Llama 4 and SmolLM3 configs."""
+    layers = int(cfg["num_hidden_layers"])
+    given = cfg.get("no_rope_layers")
+    if given:
+        return [bool(x) for x in list(given)[:layers]]
+    interval = int(cfg.get("no_rope_layer_interval") or 4)
+    return [(i + 1) % interval != 0 for i in range(layers)]
+
+
 def build_layers(kinds: list[str], window: int | None, chunk: int | None, ropes: list[tuple[bool, float, Any]],
                  sinks: bool = False, softcap: float | None = None) -> tuple[LayerAttention, ...]:
     """One `LayerAttention` per layer: its kind (a kind whose size is None becomes ``full``), the window or

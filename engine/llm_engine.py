@@ -24,6 +24,7 @@ from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.engine.model.generation_config import load_generation_config
+from pd_cluster.engine.model.rope import longrope_threshold
 from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.group_cache import GroupedPrefixCache
@@ -136,9 +137,11 @@ class LLMEngine:
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
         self.stats = EngineStats(sc.decode_log_interval)
+        self.scheduler.long_rope_from = longrope_threshold(arch.layer_attention)
         self.limits = RequestLimits(arch.vocab_size, self.context_length, self.layout.page_size,
                                     self.pool.num_pages, sc.max_queued_requests, self.eos_token_ids, self.role,
-                                    None if not grouped else self.kv_groups, sc.chunked_prefill_size)
+                                    None if not grouped else self.kv_groups, sc.chunked_prefill_size,
+                                    self.scheduler.long_rope_from)
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.role)
         self.overlap = OverlapState(*overlap_mode(config, self.device.type))
@@ -218,8 +221,9 @@ class LLMEngine:
         once read (`_admit_prefetched`). False: nothing to read."""
         if self.l3 is None or req.params.prompt_logprobs is not None:
             return False
-        cached = len(self.prefix_cache.walk(req.token_ids, req.num_tokens - 1))
-        return self.l3.prefetch(req, req.token_ids, cached)
+        tokens = req.cache_tokens  # longrope's long-factor KV is keyed apart, in the store as in the cache
+        cached = len(self.prefix_cache.walk(tokens, req.num_tokens - 1))
+        return self.l3.prefetch(req, tokens, cached)
 
     def _admit_prefetched(self) -> None:
         if not self.scheduler.has_work() and self.l3.has_pending():

@@ -173,7 +173,8 @@ class ModelRunner:
         group_rows = [rows[g * b:(g + 1) * b] for g in range(1, self.num_groups)]
         prev_tokens = prev.pending.token_ids if dst else None
         step = pack_step(token_ids, starts, qlens, rows[:b], logits, num_decodes, edits, dst, src,
-                         0 if prev_tokens is None else prev_tokens.numel(), group_rows)
+                         0 if prev_tokens is None else prev_tokens.numel(), group_rows,
+                         [it.req.rope_variant for it in items])
         return step, sample_rows, prompt_rows, prev_tokens
 
     @staticmethod

@@ -9,11 +9,11 @@ included, decodes the same arrays with `build_step` against its own
 
 Layout (all int64)::
 
-    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N, F, P, G
+    header  [HEADER_LEN]: STEP_MAGIC, B, num_decodes, T, L, C, S, N, F, P, G, R
     payload: token ids [T] | start positions [B] | query lengths [B] | table rows [B] | logits rows [L]
              | rows to clear [C] | append rows [S] | append first columns [S] | append lengths [S]
              | appended page ids [N] | future token positions [F] | their rows of the previous tokens [F]
-             | table rows of KV groups 1..G [G * B]
+             | table rows of KV groups 1..G [G * B] | longrope factor sets [R * B]
 
 B requests (decodes first), T tokens, L logits rows (indices into the T tokens),
 the block-table edits of `pd_cluster.engine.block_tables.TableEdits`, and
@@ -21,7 +21,9 @@ the block-table edits of `pd_cluster.engine.block_tables.TableEdits`, and
 sampled by the previous step: their ids come from its P sampled ids on the
 device (rank 0's, broadcast to the other ranks on the device group). With KV cache groups
 (`pd_cluster.engine.kv.groups`) every request has one table row per group, all in the one device table: the
-rows above are group 0's, and G more rows per request follow; the edits cover every group's rows.
+rows above are group 0's, and G more rows per request follow; the edits cover every group's rows. R is 1
+when some request of the step rotates by longrope's long factors (`Request.rope_variant`): each request's set
+follows (0 short, 1 long); with R 0 every token rotates by the short ones.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import torch
 from pd_cluster.engine.batch import ForwardBatch, HostStaging, token_layout, upload
 from pd_cluster.engine.block_tables import DeviceBlockTable, TableEdits
 
-HEADER_LEN = 11
-STEP_MAGIC = 0x53544550_0003  # "STEP", layout version 3
+HEADER_LEN = 12
+STEP_MAGIC = 0x53544550_0004  # "STEP", layout version 4
 COMMAND_MAGIC = 0x434D4E44_0001  # "CMND": a pickled command follows (pd_cluster.engine.executor.tp)
 
 
@@ -49,7 +51,8 @@ class StepArrays:
         rows: [B] block-table rows; logits: [L] token rows whose logits are needed; num_decodes: leading decodes;
         edits: the block-table edits; future_pos: [F] token positions whose id is the previous step's
         ``future_src`` [F] row of its sampled ids (of which there are ``num_prev``); group_rows: [G, B] table rows
-        of KV groups 1..G (G is 0 with one group).
+        of KV groups 1..G (G is 0 with one group); rope_variants: [B] longrope factor set of each request, None
+        when all are 0.
     """
 
     input_ids: np.ndarray
@@ -63,23 +66,26 @@ class StepArrays:
     future_src: np.ndarray
     num_prev: int
     group_rows: np.ndarray | None = None
+    rope_variants: np.ndarray | None = None
 
 
 def pack_step(input_ids: list[int], starts: list[int], query_lens: list[int], rows: list[int], logits: list[int],
               num_decodes: int, edits: TableEdits, future_pos: list[int] = (), future_src: list[int] = (),
-              num_prev: int = 0, group_rows: list[list[int]] = ()) -> np.ndarray:
+              num_prev: int = 0, group_rows: list[list[int]] = (), rope_variants: list[int] = ()) -> np.ndarray:
     """The flat int64 array ``header + payload`` of one step (see the module docstring).
 
     Args:
         group_rows: per KV group after the first, the table row of each request (in `rows`' order).
+        rope_variants: each request's longrope factor set; packed only when one of them is 1.
     """
     b, t, n_l = len(starts), len(input_ids), len(logits)
     c, s, n, f, g = edits.clear.size, edits.seg_rows.size, edits.ids.size, len(future_pos), len(group_rows)
-    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n + 2 * f + g * b, dtype=np.int64)
-    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n, f, num_prev, g)
+    variants = [rope_variants] if any(rope_variants) else []
+    out = np.empty(HEADER_LEN + t + 3 * b + n_l + c + 3 * s + n + 2 * f + (g + len(variants)) * b, dtype=np.int64)
+    out[:HEADER_LEN] = (STEP_MAGIC, b, num_decodes, t, n_l, c, s, n, f, num_prev, g, len(variants))
     o = HEADER_LEN
     for part in (input_ids, starts, query_lens, rows, logits, edits.clear, edits.seg_rows, edits.seg_cols,
-                 edits.seg_lens, edits.ids, future_pos, future_src, *group_rows):
+                 edits.seg_lens, edits.ids, future_pos, future_src, *group_rows, *variants):
         k = len(part)
         out[o:o + k] = part
         o += k
@@ -94,8 +100,8 @@ def payload_len(header: np.ndarray) -> int:
     """
     if int(header[0]) != STEP_MAGIC:
         raise ValueError(f"not a packed step header: {header.tolist()}")
-    _, b, _, t, n_l, c, s, n, f, _, g = (int(x) for x in header)
-    return t + 3 * b + n_l + c + 3 * s + n + 2 * f + g * b
+    _, b, _, t, n_l, c, s, n, f, _, g, r = (int(x) for x in header)
+    return t + 3 * b + n_l + c + 3 * s + n + 2 * f + (g + r) * b
 
 
 def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
@@ -107,15 +113,16 @@ def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
     size = payload_len(header)
     if payload.size != size:
         raise ValueError(f"packed step payload has {payload.size} elements, its header announces {size}")
-    _, b, nd, t, n_l, c, s, n, f, n_prev, g = (int(x) for x in header)
+    _, b, nd, t, n_l, c, s, n, f, n_prev, g, r = (int(x) for x in header)
     parts, o = [], 0
     for k in (t, b, b, b, n_l, c, s, s, s, n, f, f):
         parts.append(payload[o:o + k])
         o += k
     ids, starts, qlens, rows, logits, clear, seg_rows, seg_cols, seg_lens, pages, fpos, fsrc = parts
     group_rows = payload[o:o + g * b].reshape(g, b) if g else None
+    variants = payload[o + g * b:o + (g + r) * b] if r else None
     return StepArrays(ids, starts, qlens, rows, logits, nd, TableEdits(clear, seg_rows, seg_cols, seg_lens, pages),
-                      fpos, fsrc, n_prev, group_rows)
+                      fpos, fsrc, n_prev, group_rows, variants)
 
 
 def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None
@@ -151,6 +158,8 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
               (step.edits.clear, torch.long), (flat_idx, torch.long), (values, torch.int32)]
     for rows, slots in zip(groups[1:], slot_list[1:]):
         arrays += [(rows, torch.long), (slots, torch.long)]
+    if step.rope_variants is not None:
+        arrays.append((step.rope_variants[req_of_token], torch.long))
     tensors = upload(arrays, table.device, staging)
     ids_t, pos_t, slots_t, qsl_t, seq_t, logits_t, rows_t, clear_t, idx_t, val_t = tensors[:10]
     table.apply_device(clear_t, idx_t, val_t)
@@ -158,6 +167,7 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
         input_ids=ids_t, positions=pos_t, slot_mapping=slots_t, query_start_loc=qsl_t, seq_lens=seq_t,
         block_tables=table.gather(rows_t, widths[0]), logits_indices=logits_t, num_decodes=step.num_decodes,
         query_lens_cpu=qlens.tolist(), seq_lens_cpu=seq_lens.tolist(), query_start_loc_cpu=qsl.tolist(),
+        rope_variant=tensors[-1] if step.rope_variants is not None else None,
     )
     if len(groups) > 1:
         extra = tensors[10:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,24 @@ def request_group(request_id: str) -> str:
     return head if sep else request_id
 
 
+VARIANT_OFFSET = 1 << 31  # above every vocabulary, within the uint32 the KV events hash
+
+
+class VariantTokens(Sequence):
+    """A read-only view of `ids` with `offset` added to each id (`Request.cache_tokens`)."""
+
+    def __init__(self, ids: list[int], offset: int) -> None:
+        self.ids, self.offset = ids, offset
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [t + self.offset for t in self.ids[i]]
+        return self.ids[i] + self.offset
+
+
 class Request:
     """One generation request.
 
@@ -110,6 +129,7 @@ class Request:
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.prompt_logprobs: list[tuple[float, list[tuple[int, float]], int]] = []  # `PromptLogprob`s
         self.num_retractions = 0
+        self.rope_variant = 0  # longrope: 1 while its KV is rotated by the long factors (`make_request`, `Scheduler`)
         self.times = RequestTimes()
 
     @property
@@ -121,6 +141,13 @@ class Request:
     def num_tokens(self) -> int:
         """Tokens the scheduler counts: the known ones plus those in flight (`num_inflight`, overlap scheduling)."""
         return len(self.token_ids) + self.num_inflight
+
+    @property
+    def cache_tokens(self) -> Sequence[int]:
+        """The prefix cache's key of this request's tokens: its token ids, or for KV rotated by longrope's long
+        factors (`rope_variant` 1) the same ids moved past every vocabulary (``id + 2**31``), so that pages
+        rotated one way never serve a request rotated the other."""
+        return self.token_ids if not self.rope_variant else VariantTokens(self.token_ids, VARIANT_OFFSET)
 
     @property
     def output_token_ids(self) -> list[int]:

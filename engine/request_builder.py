@@ -37,6 +37,8 @@ class RequestLimits:
             each group's most pages at once, fewer than its tokens for windowed groups; None: one page per
             ``page_size`` tokens.
         chunk: the most tokens computed per step (``--chunked-prefill-size``), for `kv_groups`.
+        long_rope_from: longrope's ``original_max_position_embeddings``: a request of more tokens rotates by the
+            long factors (`Request.rope_variant`); None without longrope.
     """
 
     vocab_size: int
@@ -48,6 +50,7 @@ class RequestLimits:
     role: str
     kv_groups: KVGroups | None = None
     chunk: int = 0
+    long_rope_from: int | None = None
 
     @property
     def pool_tokens(self) -> int:
@@ -130,6 +133,8 @@ def make_request(limits: RequestLimits, request_id: str, prompt_token_ids: list[
         raise EngineOverloaded(f"the admission queue is full ({num_waiting} requests waiting)")
     req = Request(request_id, prompt_token_ids, params, limits.eos_token_ids, remote_kv=remote_kv,
                   resumed_output_ids=resumed)
+    if limits.long_rope_from is not None:  # the same choice on a prefill and a decode worker: their lengths agree
+        req.rope_variant = int(len(req.token_ids) > limits.long_rope_from)
     req.generator = sampler.new_request_generator(params.seed)
     if params.structured_output is not None:
         try:

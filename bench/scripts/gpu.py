@@ -27,7 +27,10 @@ It measures, in one run and on the device itself:
 8. the pool-layout question: decode attention on a 32-layer ~50 GiB pool
    against a 1-layer pool, at page sizes 16 and 64 (`gpu_layout`);
 9. a sweep of the decode kernel's launch settings and split sizing at several
-   (batch, context) points (`gpu_attention.decode_sweep`).
+   (batch, context) points (`gpu_attention.decode_sweep`);
+10. the fused MoE kernel on quantised experts, DeepSeek-V3's FP8 blocks (W8A8) and
+    gpt-oss-120b's MXFP4, against the bf16 kernel and the weight-read floor
+    (`gpu_quant_moe.quant_moe_table`).
 
 Prints a markdown table per part and writes them, with the device, date and
 command, to ``--output`` (and the raw numbers to the same name with ``.json``),
@@ -51,7 +54,8 @@ import torch
 
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
-PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "quant", "mla", "prefill_kernel", "layout", "decode_sweep")
+PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "quant", "mla", "prefill_kernel", "layout", "decode_sweep",
+         "quant_moe")
 
 
 def device_info(device: torch.device) -> str:
@@ -157,6 +161,11 @@ def run(args: argparse.Namespace, emit=None) -> list[Section]:
         _free(device)
     if "decode_sweep" not in skip:
         add(gpu_attention.decode_sweep(device, ceil, num_sms, args.smoke))
+        _free(device)
+    if "quant_moe" not in skip:
+        from pd_cluster.bench.scripts.gpu_quant_moe import quant_moe_table
+
+        add(quant_moe_table(device, args.smoke, ceil))
         _free(device)
     return sections
 

@@ -171,8 +171,7 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     """
     mc = config.model
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
-                        expert_parallel=config.parallel.enable_expert_parallel,
-                        context_length=config.scheduler.context_length)
+                        expert_parallel=config.parallel.enable_expert_parallel)
     groups = kv_groups(config, loaded.arch)
     layout = kv_layout(config, loaded, tp, groups)
     plan = plan_pool(layout, config.cache, device)

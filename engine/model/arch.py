@@ -26,10 +26,14 @@ from pd_cluster.engine.quant.tp import check_splits
 
 __all__ = ["ArchConfig", "MLAConfig", "check_model_folder"]
 
+QK_NORMS = ("", "rms", "gemma", "l2", "rms_across")
+NORM_STYLES = ("llama", "gemma", "float", "layernorm", "layernorm_bias")
+NORM_LAYOUTS = ("pre", "sandwich", "post", "parallel")
+
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """The shape of a decoder-only Llama-family model.
+    """The shape of a decoder-only model, as its family reads it (families named here as examples only).
 
     Attributes:
         architecture: the HF class name of ``architectures`` that chose the family (`families`).
@@ -40,7 +44,8 @@ class ArchConfig:
         mla: the latent attention's shape (DeepSeek-V2/V3), or None for K/V per head.
         qk_norm: per-head norm on q and k: ``""`` none, ``rms`` RMSNorm before RoPE (Qwen3), ``gemma`` the
             ``(1 + w)`` RMSNorm before RoPE (Gemma 3), ``l2`` a weightless RMSNorm after RoPE on RoPE layers only
-            (Llama 4's ``use_qk_norm``).
+            (Llama 4's ``use_qk_norm``), ``rms_across`` one ``float``-style RMSNorm over all of q's heads and one
+            over all of k's, before RoPE (OLMo 2).
         layer_attention: each layer's attention type (`LayerAttention`: full, sliding window or chunked;
             RoPE or NoPE and its base; sinks; logit softcapping). One entry per layer.
         torch_dtype: the checkpoint's dtype name, e.g. ``bfloat16``.
@@ -48,19 +53,30 @@ class ArchConfig:
         partial_rotary_factor: the share of each head that RoPE rotates (Phi-3 family), from its start.
         quant: the checkpoint's weight quantisation (`pd_cluster.engine.quant.scheme.QuantScheme`), None for
             unquantised weights.
-        hidden_act: the dense MLP's gate activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
-        norm_style: how an RMSNorm applies its weight: ``llama`` (``w * round(x_normed)``), ``gemma``
-            (``round((1 + w) * x_normed)`` in float32) or ``float`` (``round(w * x_normed)`` in float32, gpt-oss).
-        sandwich_norms: norms after attention and around the MLP (Gemma's post_attention, pre_feedforward and
-            post_feedforward layernorms).
+        hidden_act: the dense MLP's activation: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (Gemma's GeGLU).
+        mlp_gated: the dense MLP is gated (``act(gate) * up``); False: ``down(act(up(x)))`` (StarCoder2).
+        mlp_bias: the dense MLP's projections carry biases.
+        norm_style: the norms: RMSNorm applying its weight ``llama``'s way (``w * round(x_normed)``), ``gemma``'s
+            (``round((1 + w) * x_normed)`` in float32) or ``float`` (``round(w * x_normed)`` in float32, gpt-oss);
+            or a LayerNorm (mean removed): ``layernorm`` with a weight alone, multiplied in float32 (Cohere), or
+            ``layernorm_bias``, torch's ``LayerNorm`` with weight and bias (StarCoder2, Phi-3.5-MoE).
+        norm_layout: where a layer's norms sit: ``pre`` (before attention and before the MLP), ``sandwich`` (also
+            after each: Gemma's post_attention, pre_feedforward and post_feedforward layernorms), ``post`` (after
+            each only, none before: OLMo 2, EXAONE 4) or ``parallel`` (one norm; attention and MLP both read it
+            and both outputs join the residual: Cohere).
+        residual_multiplier: each block's output is multiplied by this before its residual add (Granite).
         embedding_scale: embeddings multiplied by this (Gemma: ``sqrt(hidden_size)``, rounded to the weights'
             dtype), None for none.
         final_logit_softcap: logits ``l`` become ``cap * tanh(l / cap)`` (Gemma 2), None for none.
+        logit_scale: logits multiplied by this (Cohere), None for none.
+        logit_divisor: logits divided by this (Granite's ``logits_scaling``), None for none.
+        lm_head_bias: the LM head carries a bias (Phi-3.5-MoE).
         attention_scale: the softmax scale (Gemma: ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``.
         attn_temperature: Llama 4's temperature tuning of NoPE layers, ``(attn_scale, floor_scale)``: a query at
             position ``p`` is multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``; None off.
-        rope_interleaved: the checkpoint rotates (x0, x1), (x2, x3), ... pairs (Llama 4); the loader permutes
-            q and k rows into the rotate-half order, which leaves every q.k unchanged.
+        rope_interleaved: the checkpoint rotates (x0, x1), (x2, x3), ... pairs of each head's rotary part
+            (Llama 4, GLM-4, Cohere); the loader permutes those q and k rows into the rotate-half order, which leaves
+            every q.k unchanged.
     """
 
     architecture: str
@@ -88,10 +104,16 @@ class ArchConfig:
     quant: QuantScheme | None = None
     o_proj_bias: bool = False
     hidden_act: str = "silu"
+    mlp_gated: bool = True
+    mlp_bias: bool = False
     norm_style: str = "llama"
-    sandwich_norms: bool = False
+    norm_layout: str = "pre"
+    residual_multiplier: float | None = None
     embedding_scale: float | None = None
     final_logit_softcap: float | None = None
+    logit_scale: float | None = None
+    logit_divisor: float | None = None
+    lm_head_bias: bool = False
     attention_scale: float | None = None
     attn_temperature: tuple[float, float] | None = None
     rope_interleaved: bool = False
@@ -106,8 +128,10 @@ class ArchConfig:
                                                                 self.rope_scaling))
         if len(self.layer_attention) != self.num_hidden_layers:
             raise ValueError(f"{len(self.layer_attention)} layer attention types for {self.num_hidden_layers} layers")
-        if self.qk_norm not in ("", "rms", "gemma", "l2") or self.norm_style not in ("llama", "gemma", "float"):
-            raise ValueError(f"unknown qk_norm {self.qk_norm!r} or norm_style {self.norm_style!r}")
+        if (self.qk_norm not in QK_NORMS or self.norm_style not in NORM_STYLES
+                or self.norm_layout not in NORM_LAYOUTS):
+            raise ValueError(f"unknown qk_norm {self.qk_norm!r}, norm_style {self.norm_style!r} or norm_layout "
+                             f"{self.norm_layout!r}")
 
     @property
     def softmax_scale(self) -> float:
@@ -173,17 +197,21 @@ class ArchConfig:
             attn += h
         if self.qk_norm in ("rms", "gemma"):
             attn += 2 * self.head_dim
+        if self.qk_norm == "rms_across":
+            attn += self.q_size + self.kv_size
         if self.layer_attention[layer].sinks:
             attn += self.num_attention_heads
         return attn
 
     def _norm_params(self) -> int:
-        return (4 if self.sandwich_norms else 2) * self.hidden_size
+        norms = {"pre": 2, "sandwich": 4, "post": 2, "parallel": 1}[self.norm_layout]
+        return norms * self.hidden_size * (2 if self.norm_style == "layernorm_bias" else 1)
 
     def _mlp_params(self, layer: int, active: bool) -> int:
-        h = self.hidden_size
+        h, inter = self.hidden_size, self.intermediate_size
         if not self.is_moe_layer(layer):
-            return 3 * h * self.intermediate_size
+            mats = 3 if self.mlp_gated else 2
+            return mats * h * inter + ((mats - 1) * inter + h if self.mlp_bias else 0)
         assert self.moe is not None
         return self.moe.active_layer_params(h) if active else self.moe.layer_params(h)
 
@@ -193,8 +221,11 @@ class ArchConfig:
         layers = sum(self._attention_params(i) + self._mlp_params(i, False) + self._norm_params()
                      for i in range(self.num_hidden_layers))
         embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + layers + h + head
+        head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
+        return embed + layers + self._final_norm_params() + head
+
+    def _final_norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm_style == "layernorm_bias" else 1)
 
     def num_active_params(self) -> int:
         """Parameters one token multiplies through: as `num_params` but only the router, the shared experts
@@ -202,8 +233,8 @@ class ArchConfig:
         h = self.hidden_size
         layers = sum(self._attention_params(i) + self._mlp_params(i, True) + self._norm_params()
                      for i in range(self.num_hidden_layers))
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + layers + h + head
+        head = (0 if self.tie_word_embeddings else self.vocab_size * h) + (self.vocab_size if self.lm_head_bias else 0)
+        return self.vocab_size * h + layers + self._final_norm_params() + head
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], folder: str | Path | None = None) -> "ArchConfig":
@@ -253,7 +284,8 @@ def check_model_folder(path: str | Path) -> Path:
 
 
 def _quant(cfg: dict[str, Any], folder: str | Path | None) -> QuantScheme | None:
-    """The weights' quantisation; MXFP4 (gpt-oss's experts) is refused until the MoE kernel computes it.
+    """The weights' quantisation; MXFP4 (gpt-oss's experts) is read only while the fused MoE keeps that kind
+    (`support.EXPERT_KINDS_KEPT`).
 
     Raises:
         QuantConfigError: a format or value the engine does not compute, naming it and its file.

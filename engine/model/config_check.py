@@ -43,9 +43,10 @@ def check_activation(cfg: dict[str, Any], keys: tuple[str, ...], allowed: tuple[
             raise refuse(key, cfg[key], what)
 
 
-def check_biases(cfg: dict[str, Any], architecture: str, attention_bias_built: bool) -> None:
-    """``mlp_bias`` is never built; ``attention_bias`` only where the family builds it."""
-    if cfg.get("mlp_bias"):
+def check_biases(cfg: dict[str, Any], architecture: str, attention_bias_built: bool,
+                 mlp_bias_built: bool = False) -> None:
+    """``attention_bias`` and ``mlp_bias`` only where the family builds them."""
+    if cfg.get("mlp_bias") and not mlp_bias_built:
         raise refuse("mlp_bias", cfg["mlp_bias"], "MLP projections without bias")
     if cfg.get("attention_bias") and not attention_bias_built:
         raise refuse("attention_bias", cfg["attention_bias"], f"{architecture} without attention biases")

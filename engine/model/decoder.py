@@ -7,8 +7,10 @@ is read from `ArchConfig`, never from an architecture name:
   per-layer RoPE, NoPE layers, sinks, temperature tuning), or `mla_attention.MLAAttention` over one latent per
   token (``cfg.mla``);
 * the MLP: dense SwiGLU / GeGLU, or the shared MoE block `moe.SparseMoE` on ``cfg.moe``'s layers;
-* the norms: their style (`ArchConfig.norm_style`) and Gemma's sandwich norms (`ArchConfig.sandwich_norms`);
-* scaled embeddings and soft-capped final logits (Gemma).
+* the norms: their style (`ArchConfig.norm_style`) and where they sit (`ArchConfig.norm_layout`: before each
+  block, Gemma's sandwich, after each block only, or one norm for attention and MLP in parallel);
+* scaled embeddings and block outputs (Gemma, Granite), soft-capped, scaled or divided final logits (Gemma,
+  Cohere, Granite), an LM head bias.
 
 Each layer attends as its `LayerAttention` says and rotates with its own RoPE (one cos/sin table per step for
 each distinct RoPE among the layers: Gemma 3's local and global ones), or none. q/k/v and gate/up projections
@@ -28,10 +30,10 @@ from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.layer_attention import rope_key
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TorchLayerOps
-from pd_cluster.engine.model.layers import MLP, Attention, RMSNorm
+from pd_cluster.engine.model.layers import MLP, Attention, Norm
 from pd_cluster.engine.model.mla_attention import MLAAttention
 from pd_cluster.engine.model.moe import SparseMoE
-from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_variants
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 from pd_cluster.engine.quant.modules import make_linear
 
@@ -55,35 +57,58 @@ def attention_class(cfg: ArchConfig) -> type[Attention] | type[MLAAttention]:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block. It carries the residual stream separately (vLLM's and SGLang's form): it takes
-    (x, residual) and returns (mlp output, residual), so each residual add fuses into the next norm. With
-    `ArchConfig.sandwich_norms` (Gemma) the attention output is normalised before its residual add, and the
-    MLP has a norm before (fused with that add) and after it."""
+    """One decoder block. It carries the residual stream separately (vLLM's and SGLang's form): it takes
+    (x, residual) and returns (block output, residual), so each residual add fuses into the next norm; the
+    hidden state is their sum. By `ArchConfig.norm_layout`:
+
+    * ``pre``: ``h = h + attn(n1(h))``, ``h = h + mlp(n2(h))``;
+    * ``sandwich`` (Gemma): ``h = h + n2(attn(n1(h)))``, ``h = h + n4(mlp(n3(h)))``;
+    * ``post`` (OLMo 2, EXAONE 4): ``h = h + n2(attn(h))``, ``h = h + n4(mlp(h))``;
+    * ``parallel`` (Cohere): ``h = h + attn(n1(h)) + mlp(n1(h))``.
+
+    With `ArchConfig.residual_multiplier` (Granite) each block output is multiplied by it before its add.
+    """
 
     def __init__(self, cfg: ArchConfig, layer: int, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)  # noqa: E731
-        self.input_layernorm = norm()
+        norm = lambda: Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)  # noqa: E731
+        self.layout = cfg.norm_layout
+        if self.layout != "post":
+            self.input_layernorm = norm()
         self.self_attn = attention_class(cfg)(cfg, layer, tp)
-        self.post_attention_layernorm = norm()
-        self.sandwich = cfg.sandwich_norms
-        if self.sandwich:
+        if self.layout != "parallel":
+            self.post_attention_layernorm = norm()
+        if self.layout == "sandwich":
             self.pre_feedforward_layernorm = norm()
+        if self.layout in ("sandwich", "post"):
             self.post_feedforward_layernorm = norm()
         self.mlp = build_mlp(cfg, layer, tp, expert_parallel)
+        self.scale = cfg.residual_multiplier
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin | None,
                 batch: ForwardBatch, pool: KVPool, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layout == "post":
+            return self._post(x if residual is None else x + residual, cos_sin, batch, pool, backend)
         if residual is None:  # the first layer: the residual stream starts as the embeddings
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos_sin, batch, pool, backend)
-        if not self.sandwich:
-            x, residual = self.post_attention_layernorm(x, residual)
-            return self.mlp(x), residual
-        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+        a = self._scaled(self.self_attn(x, cos_sin, batch, pool, backend))
+        if self.layout == "parallel":
+            return self._scaled(self.mlp(x)), residual + a
+        if self.layout == "pre":
+            x, residual = self.post_attention_layernorm(a, residual)
+            return self._scaled(self.mlp(x)), residual
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(a), residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+    def _post(self, h: torch.Tensor, cos_sin: CosSin | None, batch: ForwardBatch, pool: KVPool,
+              backend) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + self.post_attention_layernorm(self.self_attn(h, cos_sin, batch, pool, backend))
+        return self.post_feedforward_layernorm(self.mlp(h)), h
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.scale is None else out * self.scale
 
 
 class CausalLM(nn.Module):
@@ -93,18 +118,16 @@ class CausalLM(nn.Module):
         cfg: the architecture.
         tp: the tensor-parallel group (embedding, norms, routers and LM head are replicated).
         expert_parallel: MoE layers hold whole experts, E / tp.size per rank, instead of a slice of each.
-        context_length: the server's context length (None: ``max_position_embeddings``); it chooses
-            longrope's short or long factors (`rope.longrope_scaling`).
 
     `forward(batch, pool, backend)` returns logits [len(batch.logits_indices), vocab_size] in float32; `backend`
-    is an `AttentionBackend`, or an `MLAAttentionBackend` under MLA.
+    is an `AttentionBackend`, or an `MLAAttentionBackend` under MLA. A longrope model holds its short and long
+    factor sets; each token rotates by its request's (`ForwardBatch.rope_variant`; the short ones without it).
 
     Raises:
         ValueError: the TP size does not divide the heads, widths or experts (`ArchConfig.check_tp`).
     """
 
-    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False,
-                 context_length: int | None = None) -> None:
+    def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
         cfg.check_tp(tp.size, expert_parallel)
         self.cfg = cfg
@@ -114,19 +137,20 @@ class CausalLM(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(cfg.embedding_scale or 1.0, dtype=torch.float32),
                              persistent=False)
         keys: list[str] = []
-        ropes: list[RotaryEmbedding] = []
+        ropes: list[nn.ModuleList] = []  # per distinct RoPE: its variants (longrope: short, long)
         self.layer_rope: list[int] = []  # index into self.ropes, -1 for a NoPE layer
         for spec in cfg.layer_attention:
             key = rope_key(spec)
             if key is not None and key not in keys:
                 keys.append(key)
-                scaling = longrope_scaling(spec.rope_scaling, cfg.max_position_embeddings, context_length)
-                ropes.append(RotaryEmbedding(cfg.rotary_dim, spec.rope_theta, scaling, cfg.max_position_embeddings))
+                ropes.append(nn.ModuleList(RotaryEmbedding(cfg.rotary_dim, spec.rope_theta, scaling,
+                                                           cfg.max_position_embeddings)
+                                           for scaling in longrope_variants(spec.rope_scaling)))
             self.layer_rope.append(-1 if key is None else keys.index(key))
         self.ropes = nn.ModuleList(ropes)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, expert_parallel) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
-        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_style)
+        self.lm_head = make_linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -152,15 +176,33 @@ class CausalLM(nn.Module):
         if self.cfg.embedding_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         dtype = self.layer_ops.cos_sin_dtype(x.dtype)
-        tables = [rope.cos_sin(batch.positions, dtype) for rope in self.ropes]
+        tables = [self._cos_sin(variants, batch, dtype) for variants in self.ropes]
         backend.prepare(batch, pool)
         residual = None
         for layer, rope in zip(self.layers, self.layer_rope):
             x, residual = layer(x, residual, tables[rope] if rope >= 0 else None, batch, pool, backend)
         rows = batch.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
-        logits = self.lm_head(x)
-        cap = self.cfg.final_logit_softcap
-        if cap is not None:  # Gemma 2: in the activation dtype, as transformers does
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return self._final_logits(self.lm_head(x)).float()
+
+    @staticmethod
+    def _cos_sin(variants: nn.ModuleList, batch: ForwardBatch, dtype: torch.dtype) -> CosSin:
+        """The step's cos/sin of one RoPE; for longrope each token's from its request's factor set."""
+        short = variants[0].cos_sin(batch.positions, dtype)
+        if len(variants) == 1 or batch.rope_variant is None:
+            return short
+        long = variants[1].cos_sin(batch.positions, dtype)
+        use_long = batch.rope_variant[:, None].bool()
+        return torch.where(use_long, long[0], short[0]), torch.where(use_long, long[1], short[1])
+
+    def _final_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Soft-capped (Gemma 2), multiplied (Cohere) or divided (Granite), in the activation dtype as
+        transformers does."""
+        cfg = self.cfg
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        if cfg.logit_scale is not None:
+            logits = logits * cfg.logit_scale
+        if cfg.logit_divisor is not None:
+            logits = logits / cfg.logit_divisor
+        return logits

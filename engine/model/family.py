@@ -9,7 +9,9 @@ mini-sglang's model registries, keyed the same way). A family:
   model (`text_config`);
 * refuses the keys it would not honour (`check`: the rules of `config_check`, with the family's settings
   `own_keys`, `rope_types`, `partial_rotary`, `attention_bias_built`);
-* maps its weight names (`language_model_prefix`, `skipped_prefixes`, `weight_renames`, `split_gate_up`);
+* maps its weight names (`language_model_prefix`, `skipped_prefixes`, `weight_renames`, `split_gate_up`) and
+  names its routed experts' checkpoint modules (`expert_projections`, read by `checkpoint_name` and
+  `expert_checkpoint_module`): the planner, the TP checks and the reading of the experts' stored format;
 * picks its model class (`model_class`, a ``module:Class`` path imported when a model is built, so that this
   module and the registry stay torch-free);
 * gives ``pd-plan`` its memory spec (`memory_spec`).
@@ -20,6 +22,7 @@ sliding window for every layer when ``sliding_window`` is set, SwiGLU, no biases
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -27,6 +30,7 @@ from pd_cluster.engine.layer_attention import LayerAttention, build_layers
 from pd_cluster.engine.model import config_check as rules
 from pd_cluster.engine.model.mla_config import MLAConfig, mla_spec_fields
 from pd_cluster.engine.model.moe_config import MoEConfig
+from pd_cluster.engine.quant.expert_format import expert_quant_of
 
 DECODER = "pd_cluster.engine.model.decoder:CausalLM"
 
@@ -42,12 +46,17 @@ class Family:
         rope_aliases: other names of a RoPE type in its configs (Phi-3's ``su``), renamed when read.
         default_original_max_position: ``original_max_position_embeddings`` when the config has none (Phi-3).
         partial_rotary: RoPE may rotate only part of each head (``partial_rotary_factor``).
+        default_partial_rotary: ``partial_rotary_factor`` when the config has none.
+        default_head_dim: ``head_dim`` when the config has none (None: ``hidden_size // num_attention_heads``).
         attention_bias_built: ``attention_bias`` true is built (else refused).
         default_window: the class's ``sliding_window`` when the config leaves the key out.
         sinks: every layer has attention sinks (the learned logits are the checkpoint's ``self_attn.sinks``).
-        language_model_prefix: the checkpoint's prefix of the served language model's tensors (multimodal).
+        language_model_prefix: the checkpoint's prefix of the served language model's tensors (a multimodal
+            class, whose config's ``text_config`` is the language model's: `text_config`).
         skipped_prefixes: tensor name prefixes that are not read (a vision tower).
         weight_renames: ``(old, new)`` parts of checkpoint names, replaced in order (`weight_map.canonical`).
+        ignored_keys: config keys the transformers class never reads (dropped before the config is read).
+        mlp_bias_built: ``mlp_bias`` true is built (else refused).
         expert_projections: the checkpoint names of one routed expert's gate, up and down projections
             (``mlp.experts.{e}.<name>``), or None when the experts are stored stacked (one ``experts`` tensor per
             projection and layer); `pd_cluster.engine.model.linear_layers` names the quantised layers by them.
@@ -61,27 +70,41 @@ class Family:
     rope_aliases: dict[str, str] = {}
     default_original_max_position: int | None = None
     partial_rotary: bool = False
+    default_partial_rotary: float = 1.0
+    default_head_dim: int | None = None
     attention_bias_built: bool = False
     default_window: int | None = None
     sinks: bool = False
     language_model_prefix: str = ""
     skipped_prefixes: tuple[str, ...] = ()
     weight_renames: tuple[tuple[str, str], ...] = ()
+    ignored_keys: tuple[str, ...] = ()
+    mlp_bias_built: bool = False
     expert_projections: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     model_class: str = DECODER
+    # a multimodal config's keys taken from its top level into its text_config (where the text_config lacks them)
+    top_level_keys: tuple[str, ...] = ("torch_dtype", "dtype", "quantization_config")
 
     # --- reading the config --------------------------------------------------------------------------------
 
     def text_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        """The config of the language model the engine serves (a multimodal class: its ``text_config``)."""
-        return cfg
+        """The config of the language model the engine serves, without the `ignored_keys`: a multimodal class's
+        ``text_config`` with its ``architectures`` and the `top_level_keys` it lacks (a config without
+        ``text_config`` is already the language model's: the memory planner unwraps it first)."""
+        if self.language_model_prefix and "text_config" in cfg:
+            text = dict(cfg["text_config"] or {})
+            for key in self.top_level_keys:
+                if key in cfg and key not in text:
+                    text[key] = cfg[key]
+            cfg = {**text, "architectures": list(cfg.get("architectures") or [self.architecture])}
+        return {k: v for k, v in cfg.items() if k not in self.ignored_keys}
 
     def arch_fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
         """`ArchConfig`'s keyword arguments for `cfg` (the language model's config, already `check`-ed)."""
         heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         theta, scaling, partial = self.rope(cfg)
-        moe = self.moe(cfg)
+        moe = self.stored_experts(cfg, self.moe(cfg))
         fields: dict[str, Any] = dict(
             architecture=self.architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -90,7 +113,7 @@ class Family:
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=int(cfg.get("head_dim") or self.default_head_dim or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=dict(scaling) if scaling else None,
@@ -115,7 +138,8 @@ class Family:
         theta = cfg.get("rope_theta")
         if theta is None and scaling:
             theta = scaling.get("rope_theta")
-        partial = float(scaling.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+        partial = float(scaling.get("partial_rotary_factor") or cfg.get("partial_rotary_factor")
+                        or self.default_partial_rotary)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind in self.rope_aliases:
             kind = self.rope_aliases[kind]
@@ -166,6 +190,37 @@ class Family:
         """
         return None
 
+    def stored_experts(self, cfg: dict[str, Any], moe: MoEConfig | None) -> MoEConfig | None:
+        """`moe` with the format its checkpoint stores the routed experts in (``weight_quant``: FP8 blocks, MXFP4),
+        read from the quantisation config (`expert_quant_of`); as it is for unquantised experts.
+
+        Raises:
+            ValueError: experts in a quantised format the fused MoE does not compute, named.
+        """
+        if moe is None or not moe.moe_layers:
+            return moe
+        modules = [self.language_model_prefix + self.expert_checkpoint_module(layer) for layer in moe.moe_layers]
+        quant = expert_quant_of(cfg, modules)
+        return dataclasses.replace(moe, weight_quant=quant) if quant else moe
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of model module `name` (``model.layers.0.mlp.down_proj``): `weight_renames`
+        undone (Mixtral's ``block_sparse_moe``, Llama 4's ``feed_forward``)."""
+        name += "."
+        for old, new in reversed(self.weight_renames):
+            name = name.replace(new, old)
+        return name[:-1]
+
+    def expert_checkpoint_module(self, layer: int) -> str:
+        """One routed expert's checkpoint module in layer `layer`, from `expert_projections`: expert 0's gate
+        projection (``model.layers.3.mlp.experts.0.gate_proj``, Mixtral's ``...block_sparse_moe.experts.0.w1``), or
+        the stacked module (gpt-oss's ``model.layers.3.mlp.experts``). A quantisation config's targets and ignore
+        lists are matched against it (`expert_quant_of`)."""
+        experts = f"model.layers.{layer}.mlp.experts"
+        if self.expert_projections is not None:
+            experts += f".0.{self.expert_projections[0]}"
+        return self.checkpoint_name(experts)
+
     def mla(self, cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig | None:
         """The latent attention's shape, None for K and V per head."""
         return None
@@ -174,7 +229,7 @@ class Family:
         """`ArchConfig` fields particular to the family (biases, norms, activation, scales); they override
         `arch_fields`' generic ones."""
         return dict(tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                    attention_bias=bool(cfg.get("attention_bias") or False))
+                    attention_bias=bool(cfg.get("attention_bias") or False), mlp_bias=bool(cfg.get("mlp_bias")))
 
     # --- refusing what would run with different math --------------------------------------------------------
 
@@ -185,7 +240,7 @@ class Family:
             ValueError: naming the key and its value.
         """
         self.check_activation(cfg)
-        rules.check_biases(cfg, self.architecture, self.attention_bias_built)
+        rules.check_biases(cfg, self.architecture, self.attention_bias_built, self.mlp_bias_built)
         self.check_rope(cfg)
         self.layer_kinds(cfg)  # an unknown layer type is refused by name
         self.check_family(cfg)

@@ -5,6 +5,8 @@
 * ``rms_norm(x, weight, eps, residual, style)``: RMSNorm of ``x + residual``; returns the
   normalised rows and the new residual (the pre-norm residual stream never
   materialises as a separate add); `style` is how the weight applies (`ArchConfig.norm_style`);
+* ``layer_norm(x, weight, bias, eps, residual)``: LayerNorm of ``x + residual`` (torch's with a bias; without
+  one, Cohere's: weight multiplied in float32); torch in both classes;
 * ``rope_qk(q, k, cos, sin)``: RoPE on q and k;
 * ``silu_and_mul(x)``: SwiGLU's activation over the fused gate/up output; ``gelu_tanh_and_mul(x)``
   Gemma's GeGLU; ``swiglu_clamped(x, alpha, limit)`` gpt-oss's experts' clamped SwiGLU;
@@ -22,11 +24,14 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from pd_cluster.engine.quant.experts import QuantizedExperts, expert_weight, fake_quant_fp8_groups
+
 
 class TorchLayerOps:
     """The reference: plain torch ops, the math of HF's Llama."""
 
     name = "torch"
+    fp8_activations = False  # FP8 block experts: quantise each GEMM's input per token group (W8A8's math)
 
     def cos_sin_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
         """The dtype of the step's cos/sin table: the activation dtype, as HF Llama does."""
@@ -51,6 +56,21 @@ class TorchLayerOps:
         if style == "float":
             return (weight.float() * h).to(dtype), residual
         return weight * h.to(dtype), residual
+
+    def layer_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(LayerNorm of ``x + residual``, ``x + residual`` or None); x [T, N]. With `bias`: torch's
+        ``layer_norm`` in x's dtype (transformers' ``nn.LayerNorm``); without: mean and variance in float32, the
+        weight multiplied in float32, rounded once (transformers' ``CohereLayerNorm``)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        if bias is not None:
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, eps), residual
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (weight.float() * h).to(x.dtype), residual
 
     def rope_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,8 +99,10 @@ class TorchLayerOps:
     def fused_experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
                       b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
-        """Routed experts' output [T, H] (`torch_fused_experts`: shapes, -1 ids, biases, activation)."""
-        return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input, b13, b2, activation)
+        """Routed experts' output [T, H] (`torch_fused_experts`: shapes, -1 ids, biases, activation; quantised
+        experts dequantised one at a time, FP8 activations quantised only with `fp8_activations`)."""
+        return torch_fused_experts(x, w13, w2, weights, ids, self, apply_weights_on_input, b13, b2, activation,
+                                   self.fp8_activations)
 
     def activation(self, x: torch.Tensor, activation: tuple) -> torch.Tensor:
         """An expert activation named by `activation`: ``("silu",)`` or ``("swiglu_clamped", alpha, limit)``."""
@@ -98,6 +120,7 @@ class TritonLayerOps(TorchLayerOps):
     """One Triton launch per op; float32 cos/sin (the kernel computes in float32 anyway)."""
 
     name = "triton"
+    fp8_activations = True  # FP8 block experts run W8A8, as vLLM's and SGLang's fused MoE
 
     def __init__(self) -> None:
         from pd_cluster.engine.attention.triton import fused  # imported here: torch-only installs never need triton
@@ -128,7 +151,7 @@ class TritonLayerOps(TorchLayerOps):
         from pd_cluster.engine.attention.triton import fused_moe
 
         return fused_moe.fused_experts(x, w13, w2, weights, ids, apply_weights_on_input, b13=b13, b2=b2,
-                                       activation=activation)
+                                       activation=activation, fp8_activations=self.fp8_activations)
 
     def warm_up_experts(self, w13, w2, top_k, dtype, b13=None, b2=None, activation=("silu",)):
         from pd_cluster.engine.attention.triton import fused_moe
@@ -147,22 +170,28 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 TORCH_OPS = TorchLayerOps()
 
 
-def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                        ids: torch.Tensor, ops: TorchLayerOps = TORCH_OPS,
+def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w2: torch.Tensor | QuantizedExperts,
+                        weights: torch.Tensor, ids: torch.Tensor, ops: TorchLayerOps = TORCH_OPS,
                         apply_weights_on_input: bool = False, b13: torch.Tensor | None = None,
-                        b2: torch.Tensor | None = None, activation: tuple = ("silu",)) -> torch.Tensor:
+                        b2: torch.Tensor | None = None, activation: tuple = ("silu",),
+                        fp8_activations: bool = False) -> torch.Tensor:
     """The routed experts' output: ``sum_j weights[t, j] * down_e(act(gate_up_e(x[t])))`` with ``e = ids[t, j]``.
 
     Args:
         x: [T, H] activations.
-        w13: [E, 2 I, H] gate rows then up rows of each (local) expert, x's dtype.
-        w2: [E, H, I] down projections.
+        w13: [E, 2 I, H] gate rows then up rows of each (local) expert, x's dtype, or `QuantizedExperts`
+            (FP8 blocks, MXFP4) of that shape: each used expert is dequantised into x's dtype when it runs, so
+            the experts stay quantised in memory.
+        w2: [E, H, I] down projections, plain or quantised like w13.
         weights: [T, k] float32 or x's dtype, from `select_experts`.
         ids: [T, k] local expert indices; -1 marks a choice another rank computes (contributes 0).
         ops: the activation (``silu_and_mul``, ``swiglu_clamped``).
         apply_weights_on_input: scale the expert's input instead of its output (Llama 4).
         b13, b2: [E, 2 I] and [E, H] biases of the two projections (gpt-oss), added after each product, or None.
         activation: ``("silu",)`` or ``("swiglu_clamped", alpha, limit)`` (`LayerOps.activation`).
+        fp8_activations: with FP8 block weights, each GEMM's input is quantised per token group and dequantised
+            first (`fake_quant_fp8_groups`): the W8A8 kernel's math. Off by default: the activations stay as
+            they are, the math of the dequantised checkpoint.
 
     Returns:
         [T, H] in x's dtype. Each (token, choice) product is rounded to x's dtype before the k of
@@ -172,7 +201,7 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
     flat = ids.reshape(-1)
     out = x.new_zeros(t * k, x.shape[1])
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat[flat >= 0], minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat[flat >= 0], minlength=w13.shape[0]).tolist()  # w13: a tensor or quantised
     start = int((flat < 0).sum())  # the -1 entries sort first
     w = weights.reshape(-1)
     for e, n in enumerate(counts):
@@ -183,14 +212,20 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, we
         inp = x[rows // k]
         if apply_weights_on_input:
             inp = (inp * w[rows, None]).to(x.dtype)
-        h = F.linear(inp, w13[e])
+        group = w13.quant.block[1] if fp8_activations and _is_fp8(w13) else 0
+        h = F.linear(fake_quant_fp8_groups(inp, group) if group else inp, expert_weight(w13, e, x.dtype))
         if b13 is not None:  # transformers adds the biases after the products (x @ W + b)
             h = h + b13[e]
-        h = F.linear(ops.activation(h, activation), w2[e])
+        h = ops.activation(h, activation)
+        h = F.linear(fake_quant_fp8_groups(h, group) if group else h, expert_weight(w2, e, x.dtype))
         if b2 is not None:
             h = h + b2[e]
         out[rows] = h if apply_weights_on_input else (h * w[rows, None]).to(x.dtype)
     return out.view(t, k, x.shape[1]).sum(dim=1)
+
+
+def _is_fp8(w) -> bool:
+    return isinstance(w, QuantizedExperts) and w.quant.format == "fp8_block"
 
 
 def layer_ops(name: str) -> TorchLayerOps:

@@ -6,7 +6,7 @@ The split is Megatron-LM's, as the loader applies it (`pd_cluster.engine.model.l
 layers (q/k/v, gate/up, MLA's q_b_proj and kv_b_proj, experts' gate/up) keep output rows, row-parallel ones
 (o, down) input columns; MLA's q_a_proj and kv_a_proj_with_mqa are replicated. Routed experts are one entry per
 projection with `LinearLayer.count` experts (each split like a dense layer). Names are the checkpoint's: the
-model's names with the family's renames undone (`Family.weight_renames`), its experts named as it stores them
+model's names with the family's renames undone (`Family.checkpoint_name`), its experts named as it stores them
 (`Family.expert_projections`).
 """
 
@@ -38,14 +38,6 @@ class LinearLayer:
         return self.count * self.n * self.k
 
 
-def _checkpoint_name(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    """The checkpoint's name of model module `name` (``model.layers.0.mlp.down_proj``): renames undone."""
-    name += "."
-    for old, new in reversed(renames):
-        name = name.replace(new, old)
-    return name[:-1]
-
-
 def _layer(arch: ArchConfig, i: int, projections: tuple[str, str, str] | None) -> list[LinearLayer]:
     h, p, out = arch.hidden_size, f"model.layers.{i}", []
     a = f"{p}.self_attn"
@@ -64,8 +56,8 @@ def _layer(arch: ArchConfig, i: int, projections: tuple[str, str, str] | None) -
                 LinearLayer(f"{a}.v_proj", arch.kv_size, h, ROWS), LinearLayer(f"{a}.o_proj", h, arch.q_size, COLS)]
     if not arch.is_moe_layer(i):
         w = arch.intermediate_size
-        return out + [LinearLayer(f"{p}.mlp.gate_proj", w, h, ROWS), LinearLayer(f"{p}.mlp.up_proj", w, h, ROWS),
-                      LinearLayer(f"{p}.mlp.down_proj", h, w, COLS)]
+        gate = [LinearLayer(f"{p}.mlp.gate_proj", w, h, ROWS)] if arch.mlp_gated else []  # StarCoder2: no gate
+        return out + gate + [LinearLayer(f"{p}.mlp.up_proj", w, h, ROWS), LinearLayer(f"{p}.mlp.down_proj", h, w, COLS)]
     moe = arch.moe
     e, w = moe.num_experts, moe.intermediate_size
     if projections is None:  # stacked: one tensor per projection
@@ -89,6 +81,6 @@ def linear_layers(arch: ArchConfig) -> list[LinearLayer]:
     out = []
     for i in range(arch.num_hidden_layers):
         for layer in _layer(arch, i, family.expert_projections):
-            name = _checkpoint_name(layer.name, family.weight_renames)
+            name = family.checkpoint_name(layer.name)
             out.append(LinearLayer(name, layer.n, layer.k, layer.split, layer.count, layer.expert))
     return out

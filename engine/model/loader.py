@@ -8,10 +8,11 @@ copied into the model's fused matrices; experts, shared experts and pre-fused
 tensors go through `pd_cluster.engine.model.weight_map`. FP8 KV scales, where a checkpoint has
 them (``...self_attn.k_scale`` / ``v_scale``, as written by llm-compressor and
 ModelOpt), are returned for the KV pool (for an MLA latent, the K scale).
-Quantised weights (FP8, int4; `pd_cluster.engine.quant`) stay quantised: the layers the checkpoint stores
-quantised are built as `QuantLinear` (`pd_cluster.engine.model.quant_weights.plan_quantized`) and filled with
-this rank's slice of their tensors; routed experts the MoE kernel does not keep quantised, and MLA's
-``kv_b_proj``, are dequantised as they are read.
+Quantised weights (`pd_cluster.engine.quant`) stay quantised: the dense layers the checkpoint stores in FP8 or
+int4 are built as `QuantLinear` (`pd_cluster.engine.model.quant_weights.plan_quantized`) and filled with this
+rank's slice of their tensors; routed experts in FP8 blocks (DeepSeek-V3's release) or MXFP4 (gpt-oss's) stay in
+that format in the fused MoE's weights (`pd_cluster.engine.quant.expert_loading`); MLA's ``kv_b_proj`` is
+dequantised as it is read.
 A checkpoint tensor that is itself a parameter is copied as it is; the model adapts a tensor
 (``checkpoint_tensor(name, tensor)``: interleaved RoPE rows put in rotate-half order).
 Layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token-prediction layer)
@@ -35,10 +36,12 @@ from safetensors import safe_open
 from pd_cluster.engine.model import families, weight_map
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.family import Family
+from pd_cluster.engine.model.moe import FusedExperts
 from pd_cluster.engine.model.quant_weights import (PRIMARY_SUFFIXES, CheckpointTensors, QuantWeights, plan_quantized,
                                                    split_name)
-from pd_cluster.engine.model.rope import RotaryEmbedding, longrope_scaling
+from pd_cluster.engine.model.rope import RotaryEmbedding
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.expert_loading import copy_quantized_expert, init_dummy_quantized
 from pd_cluster.engine.quant.linear import QuantLinear
 from pd_cluster.engine.quant.modules import deferred_linears, materialize
 
@@ -70,8 +73,10 @@ class LoadedModel:
         dtype: the weights' dtype.
         k_scales, v_scales: per-layer FP8 KV scales (1.0 where the checkpoint has none).
         identity: sha256 over the config and the weights' names, shapes and dtypes.
-        weights_nbytes: bytes the weights take on this rank: parameters, and the quantised layers' values and
-            scales (`QuantLinear.nbytes`).
+        weights_nbytes: bytes the weights take on this rank: parameters (quantised experts at their stored
+            bytes), and the quantised linear layers' values and scales (`QuantLinear.nbytes`).
+        expert_nbytes: bytes of this rank's routed experts (values, scales, biases), as held: quantised
+            experts count their stored bytes.
     """
 
     model: torch.nn.Module
@@ -81,6 +86,7 @@ class LoadedModel:
     v_scales: list[float]
     identity: str
     weights_nbytes: int
+    expert_nbytes: int = 0
 
 
 def resolve_dtype(name: str, arch: ArchConfig) -> torch.dtype:
@@ -107,15 +113,13 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, rope: str = "") -> str:
-    """A hash naming the exact model: config plus every tensor's name, shape and dtype (and `rope`, the
-    longrope factor set a context length chose, so two servers that rotate keys differently never match).
+def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int) -> str:
+    """A hash naming the exact model: config plus every tensor's name, shape and dtype.
 
     Dummy weights hash the seed instead of files. Used by the KV transfer
     handshake to refuse pages from a different model.
     """
     h = hashlib.sha256(json.dumps(arch.__dict__, sort_keys=True, default=str).encode())
-    h.update(rope.encode())
     if load_format == "dummy":
         h.update(f"dummy:{seed}".encode())
         return h.hexdigest()
@@ -128,8 +132,12 @@ def model_identity(path: Path, arch: ArchConfig, load_format: str, seed: int, ro
 
 
 def _fused(arch: ArchConfig) -> dict[str, tuple[str, int]]:
-    """The checkpoint parts the model fuses: q/k/v and gate/up (under MLA only gate/up: its q_proj is a layer)."""
-    return _FUSED if arch.mla is None else {k: v for k, v in _FUSED.items() if v[0] == "gate_up_proj"}
+    """The checkpoint parts the model fuses: q/k/v (not under MLA: its q_proj is a layer) and gate/up (not in a
+    plain MLP, `ArchConfig.mlp_gated` false: its up_proj is a layer)."""
+    kept = {"qkv_proj"} if arch.mla is None else set()
+    if arch.mlp_gated:
+        kept.add("gate_up_proj")
+    return {k: v for k, v in _FUSED.items() if v[0] in kept}
 
 
 def _skipped(stored_name: str, hf_name: str, other_parts: tuple[str, ...], arch: ArchConfig,
@@ -156,6 +164,12 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
     loaded: set[str] = set()
     prefix, other_parts = family.language_model_prefix, family.skipped_prefixes
     quant = QuantWeights(model, arch, tp, tensors, _fused(arch), adapt, prefix)
+    experts_stored = arch.moe.weight_quant if arch.moe is not None else None  # FP8 blocks, MXFP4 or None
+
+    def scale_of(name: str) -> torch.Tensor | None:  # an FP8 expert's weight_scale_inv
+        tensor_slice = tensors(name)
+        return None if tensor_slice is None else tensor_slice[:]
+
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for stored_name in f.keys():
@@ -171,8 +185,10 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
                 module, suffix = split_name(hf_name)
                 name = weight_map.canonical((module + ".weight" if suffix in PRIMARY_SUFFIXES else hf_name)
                                             .removeprefix("model."), family.weight_renames)
-                if suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
-                    continue
+                if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), scale_of,
+                                         experts_stored, tp.rank, tp.size, expert_parallel and tp.size > 1,
+                                         loaded) or suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
+                    continue  # experts kept quantised (`expert_loading`), quantised linear layers (`quant`)
                 values = quant.source(stored_name, name, f.get_slice(stored_name))
                 if quant.skip_zero_bias(name, values) or weight_map.copy_special(
                         params, name, values, arch, family.split_gate_up, tp, expert_parallel, loaded):
@@ -239,10 +255,28 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
 def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
+        if init_dummy_quantized(name, p, gen):
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=gen)  # HF's initializer_range
+
+
+def _held_bytes(model: torch.nn.Module, arch: ArchConfig, dtype: torch.dtype) -> tuple[int, int, str]:
+    """(bytes of this rank's weights, of its routed experts, the start-up log's note on quantised layers); logs the
+    experts' bytes and format."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(m.nbytes - (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0) for m in quantized)
+    quant_note = (f", quantized: {len(quantized)} layers, {arch.quant.describe()}" if quantized else "")
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    expert_nbytes = sum(m.nbytes for m in experts)
+    if experts:
+        logger.info("Routed experts: %.2f MiB on this rank, %s", expert_nbytes / 2**20,
+                    experts[0].quant.name + " (kept quantised)" if experts[0].quant else str(dtype).removeprefix(
+                        "torch."))
+    return nbytes, expert_nbytes, quant_note
 
 
 @contextmanager
@@ -256,11 +290,10 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False,
-               context_length: int | None = None) -> LoadedModel:
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False
+               ) -> LoadedModel:
     """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism; with
-    `expert_parallel`, whole MoE experts per rank instead of a slice of each; `context_length` chooses
-    longrope's factor set, `pd_cluster.engine.model.rope`).
+    `expert_parallel`, whole MoE experts per rank instead of a slice of each).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -275,7 +308,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     plan = plan_quantized(arch, tensors, _fused(arch), family.language_model_prefix, family.skipped_prefixes,
                           family.weight_renames) if tensors is not None and arch.quant is not None else {}
     with torch.device(device), _default_dtype(dtype), deferred_linears():
-        model = family.model()(arch, tp, expert_parallel, context_length)
+        model = family.model()(arch, tp, expert_parallel)
     materialize(model, plan, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -284,8 +317,8 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
             module.set_kernels(device.type == "cuda")  # the quantised GEMM kernels; the reference path on CPU
     if load_format == "dummy":
         if arch.quant is not None:
-            logger.info("dummy weights: the checkpoint's %s quantisation is not applied (unquantised layers)",
-                        arch.quant.method)
+            logger.info("dummy weights: the checkpoint's %s quantisation is not applied to the linear layers "
+                        "(routed experts are drawn in their stored format)", arch.quant.method)
         _init_dummy(model, seed, device)  # the same seed on every rank: replicated weights agree
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
@@ -294,18 +327,8 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         finally:
             tensors.close()
     model.eval()
-    quantized = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + \
-        sum(m.nbytes - (m.bias.numel() * m.bias.element_size() if m.bias is not None else 0) for m in quantized)
-    quant_note = (f", quantized: {len(quantized)} layers, {arch.quant.describe()}" if quantized else "")
-    scaling = longrope_scaling(arch.rope_scaling, arch.max_position_embeddings, context_length) or {}
-    rope = ""
-    if "use_long_factor" in scaling:
-        rope = "longrope:" + ("long" if scaling["use_long_factor"] else "short")
-        logger.info("longrope: the %s factors (context length %d, original_max_position_embeddings %d)",
-                    rope[9:], context_length or arch.max_position_embeddings,
-                    scaling["original_max_position_embeddings"])
-    identity = model_identity(folder, arch, load_format, seed, rope)
+    nbytes, expert_nbytes, quant_note = _held_bytes(model, arch, dtype)
+    identity = model_identity(folder, arch, load_format, seed)
     if arch.mla is not None:
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, MLA latent=%d (kv_lora_rank %d"
                     " + qk_rope_head_dim %d), heads=%d%s", arch.architecture, str(dtype).removeprefix("torch."),
@@ -315,4 +338,4 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         logger.info("Load weight end. arch=%s, dtype=%s, weights=%.2f MiB, layers=%d, kv_heads=%d, head_dim=%d%s",
                     arch.architecture, str(dtype).removeprefix("torch."), nbytes / 2**20,
                     arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, quant_note)
-    return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes)
+    return LoadedModel(model, arch, dtype, k_scales, v_scales, identity, nbytes, expert_nbytes)

@@ -29,7 +29,7 @@ from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
-from pd_cluster.engine.model.layers import RMSNorm
+from pd_cluster.engine.model.layers import Norm
 from pd_cluster.engine.model.rope import deinterleave_rope_rows
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 from pd_cluster.engine.quant.modules import make_linear
@@ -50,10 +50,10 @@ class MLAAttention(nn.Module):
             self.q_proj = make_linear(h, q_out, bias=False)
         else:
             self.q_a_proj = make_linear(h, m.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = Norm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = make_linear(m.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = make_linear(h, m.latent_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = Norm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = make_linear(m.kv_lora_rank, self.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = make_linear(self.num_heads * m.v_head_dim, h, bias=False)
         self.ops: TorchLayerOps = TORCH_OPS

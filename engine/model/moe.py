@@ -27,6 +27,7 @@ from torch.nn import functional as F
 from pd_cluster.engine.model.layer_ops import TORCH_OPS, TorchLayerOps
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig, check_moe_parallel
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
+from pd_cluster.engine.quant.experts import QuantizedExperts, quantized_storage
 from pd_cluster.engine.quant.modules import make_linear
 
 
@@ -48,6 +49,8 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
         (``torch.topk``), as in transformers.
     """
     logits = logits.float()
+    if cfg.scoring == "sparsemixer":
+        return sparsemixer(logits, cfg.jitter_eps)
     if cfg.score_before_topk:
         scores = _score(logits, cfg.scoring)
         choice = scores if correction_bias is None else scores + correction_bias
@@ -72,6 +75,19 @@ def select_experts(logits: torch.Tensor, cfg: RoutingConfig,
     if cfg.routed_scaling_factor != 1.0:
         weights = weights * cfg.routed_scaling_factor
     return weights, ids
+
+
+def sparsemixer(logits: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phi-3.5-MoE's top-2 routing at inference (`RoutingConfig`'s docstring; transformers' ``sparsemixer``
+    with ``training`` false): (weights [T, 2], ids [T, 2]) from logits [T, E]."""
+    weights, ids, rest = [], [], logits
+    for _ in range(2):
+        top, idx = rest.max(dim=-1, keepdim=True)
+        far = ((top - logits) / logits.abs().clamp(min=top)) > 2 * jitter_eps
+        weights.append(rest.masked_fill(far, float("-inf")).softmax(dim=-1).gather(-1, idx))
+        ids.append(idx)
+        rest = rest.scatter(-1, idx, float("-inf"))
+    return torch.cat(weights, dim=-1), torch.cat(ids, dim=-1)
 
 
 class Router(nn.Module):
@@ -116,9 +132,19 @@ class FusedExperts(nn.Module):
 
     ``w13_weight`` [E_local, 2 I_local, H] (each expert's gate rows, then its up rows) and ``w2_weight``
     [E_local, H, I_local]. Under TP ``I_local = I / tp`` and ``E_local = E``; with expert parallelism
-    ``E_local = E / tp`` whole experts, from ``first_expert`` on. With ``expert_bias`` (gpt-oss) also
+    ``E_local = E / tp`` whole experts, from ``first_expert`` on (MXFP4 under TP: `ExpertQuant.rank_width`, whole
+    blocks of 32 with the tail zero-padded). With ``expert_bias`` (gpt-oss) also
     ``w13_bias`` [E_local, 2 I_local] and ``w2_bias`` [E_local, H] (whole on every rank: under TP only rank 0
     adds it, so the all-reduce counts it once).
+
+    Quantised experts (``cfg.weight_quant``) keep the checkpoint's format: FP8 blocks hold ``w13_weight`` /
+    ``w2_weight`` as float8_e4m3fn of those shapes with ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``
+    [E_local, N / bn, K / bk] float32; MXFP4 holds the E2M1 codes two a byte, [E_local, N, K / 2] uint8, with
+    ``w13_weight_scale`` / ``w2_weight_scale`` [E_local, N, K / 32] E8M0. `w13` and `w2` give either form to
+    the fused MoE (`pd_cluster.engine.quant.experts.QuantizedExperts`).
+
+    Raises:
+        ValueError: quantised experts whose shapes the format cannot hold (`ExpertQuant.check_shapes`).
     """
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, tp: TPGroup, expert_parallel: bool) -> None:
@@ -127,15 +153,47 @@ class FusedExperts(nn.Module):
         split = 1 if self.expert_parallel else tp.size
         self.num_local_experts = cfg.num_experts // tp.size if self.expert_parallel else cfg.num_experts
         self.first_expert = tp.rank * self.num_local_experts if self.expert_parallel else 0
-        self.intermediate_size = cfg.intermediate_size // split
-        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * self.intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, self.intermediate_size))
+        self.quant = cfg.weight_quant
+        self.intermediate_size = (self.quant.rank_width(cfg.intermediate_size, split) if self.quant
+                                  else cfg.intermediate_size // split)
+        e, i, h = self.num_local_experts, self.intermediate_size, hidden_size
+        if self.quant is None:
+            self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h))
+            self.w2_weight = nn.Parameter(torch.empty(e, h, i))
+        else:
+            self.quant.check_shapes(hidden_size, i)
+            for name, (n, k) in (("w13_weight", (2 * i, h)), ("w2_weight", (h, i))):
+                data, scale = quantized_storage(self.quant, e, n, k)
+                setattr(self, name, nn.Parameter(data, requires_grad=False))
+                setattr(self, name + self.quant.scale_suffix, nn.Parameter(scale, requires_grad=False))
         if cfg.expert_bias:
-            self.w13_bias = nn.Parameter(torch.zeros(self.num_local_experts, 2 * self.intermediate_size))
-            self.w2_bias = nn.Parameter(torch.zeros(self.num_local_experts, hidden_size))
+            self.w13_bias = nn.Parameter(torch.zeros(e, 2 * i))
+            self.w2_bias = nn.Parameter(torch.zeros(e, h))
         else:
             self.w13_bias = self.w2_bias = None
         self.adds_down_bias = self.expert_parallel or tp.rank == 0
+        self.act_dtype = torch.get_default_dtype()  # the model's dtype (the loader builds under it)
+
+    @property
+    def w13(self) -> torch.Tensor | QuantizedExperts:
+        """The gate/up projections: ``w13_weight``, or it with its scales when quantised."""
+        return self._stacked("w13_weight")
+
+    @property
+    def w2(self) -> torch.Tensor | QuantizedExperts:
+        """The down projections, as `w13`."""
+        return self._stacked("w2_weight")
+
+    def _stacked(self, name: str) -> torch.Tensor | QuantizedExperts:
+        data = getattr(self, name)
+        if self.quant is None:
+            return data
+        return QuantizedExperts(data, getattr(self, name + self.quant.scale_suffix), self.quant)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank holds for its routed experts (values, scales, biases)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids [T, k] as this rank's indices, -1 where another rank holds the expert."""
@@ -179,7 +237,7 @@ class SparseMoE(nn.Module):
         if self.cfg.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
         ex = self.experts
-        out = self.ops.fused_experts(x, ex.w13_weight, ex.w2_weight, weights, ex.local_ids(ids),
+        out = self.ops.fused_experts(x, ex.w13, ex.w2, weights, ex.local_ids(ids),
                                      self.cfg.routing.apply_weights_on_input, ex.w13_bias,
                                      ex.w2_bias if ex.adds_down_bias else None, self.activation)
         if self.shared_experts is not None:
@@ -192,6 +250,6 @@ class SparseMoE(nn.Module):
     def warm_up_kernels(self) -> None:
         """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""
         ex = self.experts
-        self.ops.warm_up_experts(ex.w13_weight, ex.w2_weight, self.cfg.top_k, ex.w13_weight.dtype, ex.w13_bias,
-                                 ex.w2_bias, self.activation)
+        self.ops.warm_up_experts(ex.w13, ex.w2, self.cfg.top_k, ex.act_dtype, ex.w13_bias, ex.w2_bias,
+                                 self.activation)
 

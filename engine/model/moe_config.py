@@ -14,10 +14,15 @@ DeepSeek-V2             softmax    yes           max     norm_topk_p  x routed_s
 DeepSeek-V3 / Kimi K2   sigmoid    yes           top2    norm_topk_p  + e_score_correction_bias
 gpt-oss                 softmax    no (over k)   --      --           router bias
 Llama 4                 sigmoid    no (top-1)    --      --           weight on the input
+Qwen2-MoE               softmax    yes           --      norm_topk_p  gated shared expert
+GLM-4-MoE               sigmoid    yes           top2    norm_topk_p  as DeepSeek-V3
+Phi-3.5-MoE             sparsemixer (top-2)      --      --           weights in act. dtype
 ======================  =========  ============  ======  ===========  =====================
 
 Sources: transformers' ``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``,
-``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``, ``Llama4Router`` (5.24), DeepSeek-V3 technical
+``DeepseekV2TopkRouter``, ``DeepseekV3TopkRouter``, ``GptOssTopKRouter``, ``Llama4Router`` (5.24),
+``Qwen2MoeTopKRouter``, ``Glm4MoeTopkRouter``, ``PhimoeTopKRouter`` and its ``sparsemixer`` (5.25; Liu et al.,
+"GRIN: GRadient-INformed MoE", 2024), DeepSeek-V3 technical
 report sec. 2.1.2 (auxiliary-loss-free balancing: the bias only chooses, it
 never weights), vLLM's ``FusedMoE`` routing arguments.
 """
@@ -27,7 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Scoring = Literal["softmax", "sigmoid"]
+from pd_cluster.engine.quant.expert_format import ExpertQuant
+
+Scoring = Literal["softmax", "sigmoid", "sparsemixer"]
 GroupScore = Literal["max", "top2_sum"]
 
 EXPERT_ACTIVATIONS = ("silu", "swiglu_clamped")
@@ -57,6 +64,11 @@ class RoutingConfig:
     `apply_weights_on_input` multiplies the expert's input by the weight instead of its output
     (Llama 4, top-1 only).
 
+    ``sparsemixer`` (Phi-3.5-MoE, top-2 only) replaces steps 2 to 6, at inference: the first expert is the
+    argmax of the logits, its weight the softmax of the logits masked to those within
+    ``2 * jitter_eps`` (relative, ``(max - l) / max(|l|, max)``) of the max; the second is the argmax of the
+    others, weighted likewise against its own max over the others.
+
     Raises:
         ValueError: inconsistent sizes (top_k > experts, groups that do not divide the experts, ...).
     """
@@ -75,12 +87,16 @@ class RoutingConfig:
     router_fp32: bool = False
     weights_in_activation_dtype: bool = False
     apply_weights_on_input: bool = False
+    jitter_eps: float = 0.01
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, {self.num_experts}]")
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"unsupported MoE scoring_func {self.scoring!r}; supported: softmax, sigmoid")
+        if self.scoring not in ("softmax", "sigmoid", "sparsemixer"):
+            raise ValueError(f"unsupported MoE scoring_func {self.scoring!r}; supported: softmax, sigmoid, "
+                             f"sparsemixer")
+        if self.scoring == "sparsemixer" and self.top_k != 2:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}): sparsemixer routing is defined for top-2")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ValueError(f"n_group ({self.n_group}) must divide the number of experts ({self.num_experts})")
         if not 1 <= self.topk_group <= self.n_group:
@@ -115,6 +131,8 @@ class MoEConfig:
         expert_bias: experts' gate/up and down projections carry biases (gpt-oss), added before the
             activation and before the routing weight.
         swiglu_alpha, swiglu_limit: ``swiglu_clamped``'s sigmoid gain and clamp (gpt-oss: 1.702, 7.0).
+        weight_quant: the routed experts as the checkpoint stores them and the engine holds them, quantised
+            (`ExpertQuant`: FP8 blocks, MXFP4), or None for the model dtype.
 
     Raises:
         ValueError: an activation the engine does not implement, named.
@@ -130,6 +148,7 @@ class MoEConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    weight_quant: ExpertQuant | None = None
 
     def __post_init__(self) -> None:
         if self.activation not in EXPERT_ACTIVATIONS:
@@ -165,8 +184,9 @@ class MoEConfig:
 
 
 def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> None:
-    """Refuse a TP size that cannot split this MoE block: the experts' width under TP, their count under
-    expert parallelism, and the shared experts' width (always TP-split).
+    """Refuse a TP size that cannot split this MoE block: the experts' width under TP (for quantised experts, in
+    whole blocks: `ExpertQuant.check_split`), their count under expert parallelism, and the shared experts'
+    width (always TP-split).
 
     Raises:
         ValueError: naming the sizes.
@@ -174,8 +194,11 @@ def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> N
     if expert_parallel and cfg.num_experts % tp_size:
         raise ValueError(f"--tp-size {tp_size} with --enable-expert-parallel must divide the number of experts "
                          f"({cfg.num_experts})")
-    if not expert_parallel and cfg.intermediate_size % tp_size:
+    mxfp4 = cfg.weight_quant is not None and cfg.weight_quant.format == "mxfp4"  # split in whole blocks, padded
+    if not expert_parallel and cfg.intermediate_size % tp_size and not mxfp4:
         raise ValueError(f"--tp-size {tp_size} must divide the experts' intermediate size ({cfg.intermediate_size})")
+    if cfg.weight_quant is not None and not (expert_parallel and tp_size > 1):
+        cfg.weight_quant.check_split(cfg.intermediate_size, tp_size)
     if cfg.shared_intermediate_size % tp_size:
         raise ValueError(f"--tp-size {tp_size} must divide the shared experts' intermediate size "
                          f"({cfg.shared_intermediate_size})")

@@ -108,7 +108,7 @@ def plan_quantized(arch: ArchConfig, tensors: CheckpointTensors, fused: dict[str
             continue
         ws = scheme.for_module(module) if scheme is not None else None
         quantized = is_quantized(prefix + module, ws, tensors)
-        name = weight_map.canonical(module.removeprefix("model."), renames) + ".weight"
+        name = weight_map.canonical(module.removeprefix("model.") + ".weight", renames)  # a rename may end the name
         if quantized and ws is None:
             where = scheme.source if scheme is not None else "config.json (no quantization_config)"
             raise ValueError(f"{stored} is stored quantised but {where} leaves {module} unquantised; refusing to load "

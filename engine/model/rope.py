@@ -9,14 +9,15 @@ Scaling types (the ``rope_type`` of HF's ``rope_scaling``):
 - ``llama3``: Llama 3.1's frequency-dependent scaling (Meta's reference code).
 - ``yarn``: Peng et al., "YaRN" (2023), with its attention factor on cos/sin.
 - ``longrope``: Ding et al., "LongRoPE" (2024), as Phi-3 uses it: per-frequency ``short_factor`` and
-  ``long_factor`` divisors and the attention factor ``sqrt(1 + ln(f) / ln(L0))``. One set serves the whole
-  server, chosen by its context length as vLLM does (vllm-project/vllm#27431): the long factors when
-  ``--context-length`` (default ``max_position_embeddings``) exceeds ``original_max_position_embeddings`` (L0),
-  else the short ones. transformers switches per forward pass and, in ``generate``, recomputes the cache
-  when a sequence first passes L0; a paged cache cannot mix the two rotations (keys rotated by the short
-  factors and queries by the long ones give garbage past L0), so the set is fixed per server. The result
-  equals transformers for every sequence longer than L0 when the long set is chosen, and for every
-  sequence up to L0 when the short one is.
+  ``long_factor`` divisors and the attention factor ``sqrt(1 + ln(f) / ln(L0))`` (or Phi-3.5-MoE's
+  ``short_mscale`` / ``long_mscale``). As transformers does, each sequence is rotated by the set its own
+  length calls for: the short factors up to ``original_max_position_embeddings`` (L0) tokens, the long ones
+  past it. The model holds both (`longrope_variants`); each request carries its set
+  (`Request.rope_variant`: its length when its KV is computed from the start), the step's
+  `ForwardBatch.rope_variant` gives it per token, and a request that grows past L0 on the short factors is
+  recomputed with the long ones (transformers' ``generate`` recomputes its cache at that point too), since a
+  paged cache cannot mix the two rotations. The prefix cache keeps the two sets' pages apart
+  (`Request.cache_tokens`).
 
 cos/sin are computed per step from the positions, never as a table sized by
 the context length, so a 10M-token context costs nothing at start-up.
@@ -86,7 +87,7 @@ def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
         head_dim: rotary dimension (the full head).
         base: ``rope_theta``.
         scaling: HF ``rope_scaling`` dict or None; for ``longrope`` the engine adds ``use_long_factor``
-            (`longrope_scaling`).
+            (`longrope_variants`).
         max_position_embeddings: the config's value.
 
     Returns:
@@ -110,18 +111,20 @@ def rope_parameters(head_dim: int, base: float, scaling: dict[str, Any] | None,
     if kind == "yarn":
         return _yarn(base, head_dim, scaling, max_position_embeddings)
     if kind == "longrope":
-        short, long, orig, attention_factor = longrope(base, head_dim, scaling, max_position_embeddings)
+        short, long, orig, factors = longrope(base, head_dim, scaling, max_position_embeddings)
         use_long = scaling.get("use_long_factor")
         if use_long is None:  # the engine's default context length: max_position_embeddings
             use_long = max_position_embeddings > orig
-        return (long if use_long else short), attention_factor
+        return (long if use_long else short), factors[1 if use_long else 0]
     raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, dynamic, llama3, yarn, longrope")
 
 
 def longrope(base: float, dim: int, p: dict[str, Any],
-             max_pos: int) -> tuple[torch.Tensor, torch.Tensor, int, float]:
-    """LongRoPE's (short inv_freq, long inv_freq, L0, attention factor), as transformers'
-    ``_compute_longrope_parameters``: ``factor`` defaults to max_position_embeddings / L0.
+             max_pos: int) -> tuple[torch.Tensor, torch.Tensor, int, tuple[float, float]]:
+    """LongRoPE's (short inv_freq, long inv_freq, L0, (short attention factor, long attention factor)), as
+    transformers' ``_compute_longrope_parameters``: ``factor`` defaults to max_position_embeddings / L0, and one
+    attention factor serves both sets; with ``short_mscale`` and ``long_mscale`` (Phi-3.5-MoE) each set has its
+    own (transformers' ``PhimoeRotaryEmbedding``).
 
     Raises:
         ValueError: the factor lists do not have `dim` / 2 entries.
@@ -131,6 +134,9 @@ def longrope(base: float, dim: int, p: dict[str, Any],
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    factors = (float(attention_factor), float(attention_factor))
+    if p.get("short_mscale") is not None and p.get("long_mscale") is not None:
+        factors = (float(p["short_mscale"]), float(p["long_mscale"]))
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     out = []
     for key in ("short_factor", "long_factor"):
@@ -138,7 +144,7 @@ def longrope(base: float, dim: int, p: dict[str, Any],
         if ext.numel() != dim // 2:
             raise ValueError(f"longrope {key} has {ext.numel()} entries, the rotary dimension needs {dim // 2}")
         out.append(1.0 / (ext * base ** shape))
-    return out[0], out[1], orig, float(attention_factor)
+    return out[0], out[1], orig, factors
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -171,14 +177,25 @@ class RotaryEmbedding(torch.nn.Module):
         return rotate_half(x, cos, sin)
 
 
-def longrope_scaling(scaling: dict[str, Any] | None, max_position_embeddings: int,
-                     context_length: int | None) -> dict[str, Any] | None:
-    """`scaling` with ``use_long_factor`` set for a server of `context_length` tokens (None: the model's
-    ``max_position_embeddings``) when its type is ``longrope``; unchanged otherwise (module docstring)."""
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
-        return scaling
-    orig = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
-    return {**scaling, "use_long_factor": (context_length or max_position_embeddings) > orig}
+def is_longrope(scaling: dict[str, Any] | None) -> bool:
+    return bool(scaling) and scaling.get("rope_type", scaling.get("type")) == "longrope"
+
+
+def longrope_variants(scaling: dict[str, Any] | None) -> list[dict[str, Any] | None]:
+    """The scalings a model rotates by: `scaling` alone, or for longrope the short then the long set
+    (``use_long_factor`` false, then true; module docstring)."""
+    if not is_longrope(scaling):
+        return [scaling]
+    return [{**scaling, "use_long_factor": False}, {**scaling, "use_long_factor": True}]
+
+
+def longrope_threshold(layers) -> int | None:
+    """The L0 past which a sequence rotates by longrope's long factors (``original_max_position_embeddings``),
+    for the layers' `LayerAttention`s; None when no layer uses longrope."""
+    for layer in layers:
+        if layer.rope and is_longrope(layer.rope_scaling):
+            return int(layer.rope_scaling.get("original_max_position_embeddings") or 0) or None
+    return None
 
 
 def deinterleave_rope_rows(w: torch.Tensor, start: int) -> torch.Tensor:

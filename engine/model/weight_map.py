@@ -114,7 +114,7 @@ def _copy_stacked(params, layer: int, part: str, bias: bool, tensor_slice, split
     share of the intermediate width (all of it with expert parallelism)."""
     prefix = f"layers.{layer}.mlp.experts"
     w2 = _param(params, f"{prefix}.w2_weight")
-    local_experts, inter = w2.shape[0], w2.shape[2]
+    local_experts, inter = w2.shape[0], params[f"{prefix}.w13_weight"].shape[1] // 2  # rows: quantised or not
     first = tp.rank * local_experts if expert_parallel else 0
     t = tensor_slice[first:first + local_experts]
     cols = slice(0, None) if expert_parallel else slice(tp.rank * inter, (tp.rank + 1) * inter)

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from pd_cluster.engine.model.linear_layers import linear_layers
 from pd_cluster.engine.planner.spec import ModelSpec
-from pd_cluster.engine.quant import support
 
 KV_BYTES = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 KV_CACHE_DTYPES = ("auto", *KV_BYTES)
@@ -247,11 +245,6 @@ def quant_note(spec: ModelSpec) -> str:
     if q is None:
         return ""
     kept = f"{q.quantized_params / 1e9:.1f}B of {q.params / 1e9:.1f}B parameters kept quantised"
-    expert = next((layer for layer in linear_layers(spec.arch) if layer.expert), None)
-    ws = spec.quant.for_module(expert.name) if expert is not None else None
-    if ws is not None and ws.kind not in support.EXPERT_KINDS_KEPT:
-        kept += f"; the routed experts' {ws.kind} is dequantised to the model dtype on load (the MoE kernel keeps " \
-                "no quantised experts yet)"
     return f"{spec.quant.describe()}; {kept}"
 
 

@@ -6,9 +6,10 @@ experts and routed experts (a slice of each, or whole experts with expert parall
 over the ranks; the embeddings, the LM head, the norms, the MoE router, an o_proj bias and MLA's ``q_a_proj`` and
 ``kv_a_proj_with_mqa`` are replicated. Quantised layers (the checkpoint's `QuantScheme`, asked per module by
 its checkpoint name) take ``bits_per_weight`` (values and scales) when the engine keeps that kind quantised in
-that place (`pd_cluster.engine.quant.support`), else the model dtype (a dequantised layer); routed experts of a
-kind the engine neither keeps nor dequantises (MXFP4 until the MoE kernel computes it: the config is refused)
-are sized as released. Biases and sinks are counted with the replicated parts (an upper bound: a few MiB).
+that place (`pd_cluster.engine.quant.support`: routed experts in FP8 blocks or MXFP4, held so by the fused MoE
+kernel), else the model dtype (a dequantised layer: MLA's ``kv_b_proj``). Experts in another quantised format are
+refused when the config is read (`pd_cluster.engine.quant.expert_format.expert_quant_of`). Biases and sinks are
+counted with the replicated parts (an upper bound: a few MiB).
 """
 
 from __future__ import annotations
@@ -62,8 +63,6 @@ def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int,
         linear_params += params
         ws = scheme.for_module(layer.name) if scheme is not None else None
         kept = ws is not None and (ws.kind in kept_experts if layer.expert else ws.kind in support.DENSE_KINDS_KEPT)
-        if ws is not None and layer.expert and ws.kind not in support.EXPERT_KINDS_DEQUANTIZED:
-            kept = True  # a kind the engine refuses (MXFP4 until the MoE kernel takes it): sized as released
         if kept and layer.name.rsplit(".", 1)[-1] in support.DEQUANTIZED_MODULES:
             kept = False
         share = params / (tp_size if split else 1)

@@ -14,4 +14,9 @@ The scheme API (torch-free; the planner and the config checks use it):
   ``block``, ``group_size``, ``activations``, ``symmetric``, ``act_order``; ``bits_per_weight()`` for memory.
 
 The types live in `weight_scheme`, compressed-tensors' reader in `compressed_tensors`. See ``docs/quantization.md``.
+
+Routed experts (`docs/moe.md`): `mxfp4` is the OCP MX E2M1 encoding with E8M0 block scales (gpt-oss's experts),
+its packing and reference dequantisation; `expert_format` (torch-free) and `experts` keep a MoE layer's experts
+quantised (FP8 blocks, MXFP4) in the layout the fused MoE kernel reads, with the reference math that
+dequantises one expert at a time.
 """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pd_cluster.engine.quant import support
 from pd_cluster.engine.quant.weight_scheme import FP8, INT4, QuantScheme, WeightScheme
 
 
@@ -41,7 +42,10 @@ def rank_range(total: int, rank: int, size: int, align: int, module: str, what: 
 
 def check_splits(layers: Iterable, scheme: QuantScheme, tp_size: int) -> None:
     """Refuse a `tp_size` that cuts a quantised layer's blocks, groups or words (`layers`: `LinearLayer` s with
-    ``name``, ``n``, ``k``, ``split``).
+    ``name``, ``n``, ``k``, ``split``, ``expert``). Layers held dequantised (`support.DEQUANTIZED_MODULES`: the
+    whole weight is dequantised, then sliced) may be cut anywhere; routed experts are checked by
+    `pd_cluster.engine.model.moe_config.check_moe_parallel`, which knows expert parallelism (whole experts) and
+    MXFP4's padded split.
 
     Raises:
         ValueError: from `rank_range`, for the first layer cut.
@@ -49,6 +53,8 @@ def check_splits(layers: Iterable, scheme: QuantScheme, tp_size: int) -> None:
     if tp_size == 1:
         return
     for layer in layers:
+        if layer.expert or layer.name.rsplit(".", 1)[-1] in support.DEQUANTIZED_MODULES:
+            continue
         ws = scheme.for_module(layer.name) if layer.split else None
         if ws is None or ws.kind not in (FP8, INT4):
             continue

@@ -168,7 +168,7 @@ class GroupedPageManager(PageManager):
         its last known token is never matched. Returns the cached tokens (0 without a cache)."""
         if self.cache is None or req.block_table:
             return 0
-        tables, chains = self.cache.match(req.token_ids, req.num_tokens - 1)
+        tables, chains = self.cache.match(req.cache_tokens, req.num_tokens - 1)
         req.block_table, req.group_tables = tables[0], tables[1:]
         self._group_chains[req.request_id] = chains
         return chains[0].num_pages * self.page_size
@@ -183,7 +183,7 @@ class GroupedPageManager(PageManager):
         if chains is None:
             chains = self._group_chains[req.request_id] = [CacheChain(t.root) for t in self.cache.trees]
         for g, (table, chain) in enumerate(zip(self.tables(req), chains)):
-            self.cache.insert(g, req.token_ids, table, full, chain)
+            self.cache.insert(g, req.cache_tokens, table, full, chain)
 
     # ---- release ------------------------------------------------------------------------
     def _drop(self, group: int, pages: list[int]) -> None:

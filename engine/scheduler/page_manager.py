@@ -103,11 +103,11 @@ class PageManager:
         """
         if self.cache is None or req.block_table:
             return 0
-        pages, chain = self.cache.match(req.token_ids, req.num_tokens - 1)
+        pages, chain = self.cache.match(req.cache_tokens, req.num_tokens - 1)
         if self.l3 is not None:  # pages read from the store for this request continue the match
             payloads = self.l3.take(req.request_id, len(pages))
             if payloads:
-                pages += self.cache.load_pages(chain, req.token_ids, payloads, self.l3.copy_in)
+                pages += self.cache.load_pages(chain, req.cache_tokens, payloads, self.l3.copy_in)
         req.block_table = pages
         self._chains[req.request_id] = chain
         return len(pages) * self.page_size
@@ -140,7 +140,8 @@ class PageManager:
         chain = self._chains.get(req.request_id)
         if chain is None:
             chain = self._chains[req.request_id] = CacheChain(self.cache.root)
-        self.cache.insert(req.token_ids, req.block_table, min(computed, len(req.token_ids)) // self.page_size, chain)
+        self.cache.insert(req.cache_tokens, req.block_table, min(computed, len(req.token_ids)) // self.page_size,
+                          chain)
 
     # ---- release -------------------------------------------------------------------------
     def release(self, req: Request) -> None:

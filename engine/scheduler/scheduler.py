@@ -75,6 +75,7 @@ class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)
     prefills: list[ScheduledRequest] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
+    recomputed: list[Request] = field(default_factory=list)  # longrope: KV of the short factors, now too long
     reserved: list[Request] = field(default_factory=list)  # decode role: pages just reserved
     local_prefills: list[Request] = field(default_factory=list)  # decode role: remote requests prefilled here
     num_cached_tokens: int = 0       # prompt tokens found in the prefix cache by the requests admitted this step
@@ -125,6 +126,9 @@ class Scheduler:
         self.num_retracted_total = 0
         self.on_leave = on_leave
         self._cost = pages.pool_tokens if pages.grouped else None  # admission in pool tokens (hybrid KV)
+        # longrope's original_max_position_embeddings (`rope.longrope_threshold`), None without longrope: a
+        # request whose KV was rotated by the short factors is recomputed when it grows past it
+        self.long_rope_from: int | None = None
 
     def _left(self, req: Request) -> None:
         if self.on_leave is not None:
@@ -195,6 +199,10 @@ class Scheduler:
                 continue
             if req.num_inflight and req.num_output_tokens + req.num_inflight >= req.max_tokens:
                 continue  # overlap scheduling: its token in flight is its last (max_tokens); nothing to run
+            if self._outgrew_short_rope(req):  # recomputed with the long factors, as transformers does
+                self._requeue(req)
+                out.recomputed.append(req)
+                continue
             self.pages.trim(req)  # window pages behind the next query go back to the pool first
             n = self._chunk(req, budget)
             if n <= 0:
@@ -224,17 +232,28 @@ class Scheduler:
                 return False
         return True
 
+    def _outgrew_short_rope(self, req: Request) -> bool:
+        """`req`'s KV is rotated by longrope's short factors and it now has more tokens than the factors serve."""
+        return self.long_rope_from is not None and not req.rope_variant and req.num_tokens > self.long_rope_from
+
     def _retract(self, req: Request, out: SchedulerOutput) -> None:
+        self._requeue(req)
+        req.num_retractions += 1
+        out.retracted.append(req)
+        self.num_retracted_total += 1
+
+    def _requeue(self, req: Request) -> None:
+        """Free a running request's pages and put it first in the queue, to be recomputed locally (also in the
+        decode role), with longrope's factors for its length now."""
         self.running.remove(req)
         self._left(req)
         self.pages.release(req)
         req.num_computed_tokens = 0
-        req.remote_kv = False  # recomputed locally, also in the decode role
-        req.num_retractions += 1
+        if self.long_rope_from is not None:
+            req.rope_variant = int(req.num_tokens > self.long_rope_from)
+        req.remote_kv = False
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
-        out.retracted.append(req)
-        self.num_retracted_total += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         reserved = (self.admission.reserved_tokens(self.running, self._cost)

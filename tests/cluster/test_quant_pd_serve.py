@@ -1,8 +1,12 @@
-"""Acceptance: `pd-serve` 1P1D on quantised checkpoints as released (a tiny Llama 3 in DeepSeek/Qwen3-style FP8
-blocks, and in GPTQ int4 with act order, described by quantize_config.json): both workers keep the weights
-quantised, the prefill worker pushes the prompt's KV over NIXL, and the decode worker's greedy tokens equal
-transformers' full-recompute loop on the dequantised twin, through the real `openai` client; every page comes
-back on both sides."""
+"""Acceptance: `pd-serve` 1P1D on quantised checkpoints as released, kept quantised on both workers:
+
+* a tiny Llama 3 whose dense layers are in DeepSeek/Qwen3-style FP8 blocks, and in GPTQ int4 with act order
+  (described by quantize_config.json);
+* the flagship MoE formats: a tiny gpt-oss with MXFP4 experts and a tiny DeepSeek-V3 in FP8 blocks (every
+  projection, routed experts included; `quant_models`).
+
+The prefill worker pushes the prompt's KV over NIXL, and the real `openai` client gets transformers' greedy tokens
+on the dequantised twin; every page comes back on both sides."""
 
 from __future__ import annotations
 
@@ -10,12 +14,28 @@ import openai
 import pytest
 from cluster_util import running_pd_serve
 from quant_checkpoints import write_quantized
+from quant_models import deepseek_fp8, gpt_oss_mxfp4
 from random_models import build, hf_greedy_full, prompt_ids
 from reuse_util import counters
 from test_moe_pd_serve import _wait_all_free
 from transformers import AutoModelForCausalLM
 
 ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "8"]
+
+
+def _serve_and_compare(model, prompts, expected, tmp_path, what) -> None:
+    """Greedy completions of `prompts` through 1P1D equal `expected`; no page leaks; the KV went over NIXL."""
+    with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE]) as (url, manifest):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for ids, want in zip(prompts, expected):
+            r = client.completions.create(model=model.name, prompt=ids, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_dump()["token_ids"] == want, (what, ids)
+        workers = {w["role"]: w["url"] for w in manifest["workers"]}
+        loads = _wait_all_free(workers, timeout=10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+        pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]
+        assert pushed == counters(workers["decode"])["pd:kv_transfer_received_bytes_total"] > 0
 
 
 @pytest.mark.slow
@@ -27,14 +47,12 @@ def test_quantised_1p1d_over_nixl_equals_transformers_on_the_twin(fmt, tmp_path)
     write_quantized(tmp_path / "src", model, tmp_path / "twin", fmt)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "twin").eval()
     prompts = prompt_ids(3)
-    expected = [hf_greedy_full(hf, ids, 16) for ids in prompts]
-    with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE]) as (url, manifest):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        for ids, want in zip(prompts, expected):
-            r = client.completions.create(model=model.name, prompt=ids, max_tokens=16, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert r.choices[0].model_dump()["token_ids"] == want, ids
-        workers = {w["role"]: w["url"] for w in manifest["workers"]}
-        loads = _wait_all_free(workers, timeout=10)
-        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
-        assert counters(workers["decode"])["pd:kv_transfer_received_bytes_total"] > 0  # pushed over NIXL
+    _serve_and_compare(model, prompts, [hf_greedy_full(hf, ids, 16) for ids in prompts], tmp_path, fmt)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
+def test_1p1d_quantised_experts_equal_transformers_on_the_twin(family, tmp_path):
+    path, _, prompts, hf_greedy = (gpt_oss_mxfp4 if family == "gpt-oss" else deepseek_fp8)(tmp_path / "model")
+    _serve_and_compare(path, prompts, [hf_greedy(ids)[:16] for ids in prompts], tmp_path, family)

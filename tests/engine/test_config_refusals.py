@@ -150,11 +150,19 @@ def test_hybrid_configs_load_and_foreign_keys_are_refused(family):
     ("attn_logit_softcapping", 30.0, "llama4"),
     ("query_pre_attn_scalar", 64, "gpt-oss"),
     ("use_qk_norm", True, "gemma2"),
-    ("quantization_config", {"quant_method": "mxfp4"}, "gpt-oss"),  # gpt-oss's released weights
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True}, "gpt-oss"),
 ])
 def test_hybrid_family_values_outside_the_build_are_refused_by_name(key, value, family):
     with pytest.raises(ValueError, match=key if key != "quantization_config" else "quant_method"):
         ArchConfig.from_dict(_hybrid(family, **{key: value}))
+
+
+def test_experts_in_a_format_the_fused_moe_does_not_take_are_refused_by_name():
+    """gpt-oss's MXFP4 release is served; GPTQ would quantise its stacked experts to int4, which the fused MoE
+    does not compute (dense GPTQ layers load: `tests/engine/test_quant_checkpoints.py`)."""
+    with pytest.raises(ValueError, match=r"config\.json: routed experts in int4 groups of 128 \(gptq\).* not "
+                                         r"computed by the fused MoE kernel"):
+        ArchConfig.from_dict(_hybrid("gpt-oss", quantization_config={"quant_method": "gptq", "bits": 4}))
 
 
 def test_each_familys_keys_reach_the_layer_description():

@@ -1,12 +1,12 @@
-"""Block-quantised FP8 weights (DeepSeek-V3's release format): the dense layers stay FP8, the routed experts and
-``kv_b_proj`` are dequantised on load.
+"""Block-quantised FP8 weights (DeepSeek-V3's release format): the dense layers and the routed experts stay FP8,
+``kv_b_proj`` is dequantised on load.
 
 A tiny DeepSeek-V3 (MLA and MoE layers) is rewritten in that format by `deepseek_models.write_block_fp8`: every
 attention, MLP, expert and shared-expert projection as ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per
 32 x 32 block (the tiny shapes give partial blocks, e.g. kv_a_proj's 48 rows), the scales in another shard than
 their weights. The engine keeps its attention projections (RoPE rows permuted inside their blocks), dense MLP and
-shared experts in FP8 (`QuantLinear`), and its greedy tokens equal transformers' on the exactly dequantised
-weights.
+shared experts in FP8 (`QuantLinear`) and its routed experts in FP8 blocks (the fused MoE's weights), and its
+greedy tokens equal transformers' on the exactly dequantised weights.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def fp8_checkpoint(tmp_path_factory):
     return root / "fp8", DeepseekV3ForCausalLM.from_pretrained(root / "deq").eval()
 
 
-def test_dense_layers_stay_fp8_and_the_rest_holds_the_dequantised_weights(fp8_checkpoint):
+def test_dense_layers_and_experts_stay_fp8_and_the_rest_holds_the_dequantised_weights(fp8_checkpoint):
     path, _ = fp8_checkpoint
     loaded = load_model(str(path))
     model, ref = loaded.model, load_model(str(path.parent / "deq")).model
@@ -52,7 +52,13 @@ def test_dense_layers_stay_fp8_and_the_rest_holds_the_dequantised_weights(fp8_ch
         assert torch.equal(m.dequantized(), ref_modules[name].weight), name
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        assert torch.equal(p, ref_params[name]), name  # norms, embeddings, router, experts, kv_b_proj
+        if ".mlp.experts." in name:
+            continue  # the routed experts: FP8 with their block scales, below
+        assert torch.equal(p, ref_params[name]), name  # norms, embeddings, router, kv_b_proj
+    experts = model.layers[1].mlp.experts  # `tests/engine/test_quantized_experts.py`
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(experts.w13.dequantize(torch.float32), ref_params["layers.1.mlp.experts.w13_weight"])
+    assert torch.equal(experts.w2.dequantize(torch.float32), ref_params["layers.1.mlp.experts.w2_weight"])
     assert loaded.weights_nbytes < load_model(str(path.parent / "deq")).weights_nbytes
     with safe_open(str(next(path.glob("*.safetensors"))), framework="pt") as f:
         assert any(f.get_slice(n).get_dtype() == "F8_E4M3" for n in f.keys())  # the files really are FP8

@@ -37,30 +37,3 @@ def test_greedy_equals_transformers_full_recompute(family, tmp_path):
     for ids, out, want in zip(prompts, outs, hf_greedy_batch(hf, prompts, 32)):
         assert list(out.token_ids) == want, ids
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
-
-
-
-
-def test_phi3_longrope_short_factors_up_to_the_original_length(tmp_path):
-    """original_max_position_embeddings is 64. A server of context length 64 uses the short factors:
-    transformers' choice for sequences up to 64 tokens (20 + 32 here). A server of context length 1024 uses the
-    long ones, whose tokens differ for these sequences (the factor set matters), and says so in its identity,
-    so PD peers that rotate keys differently refuse each other's pages."""
-    hf = build("phi3-longrope-partial", tmp_path)
-    prompts = [ids[:20] for ids in prompt_ids(5)]
-    short = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=64)
-    expected = hf_greedy_batch(hf, prompts, 32)
-    assert [list(o.token_ids) for o in short.generate(prompts, GREEDY_32)] == expected
-    long = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16, context_length=1024)
-    assert [list(o.token_ids) for o in long.generate(prompts, GREEDY_32)] != expected
-    assert short.engine.loaded.identity != long.engine.loaded.identity
-
-
-def test_phi3_longrope_long_factors_past_the_original_length(tmp_path):
-    """Prompts of 70 tokens (past 64): transformers rotates every position by the long factors, as a server of
-    the default context length (max_position_embeddings, 1024) does."""
-    hf = build("phi3-longrope-partial", tmp_path)
-    prompts = [(ids * 8)[:70] for ids in prompt_ids(5)]
-    outs = LLM(str(tmp_path), kv_cache_dtype="fp32", page_size=16).generate(prompts, GREEDY_32)
-    for ids, out, want in zip(prompts, outs, hf_greedy_batch(hf, prompts, 32)):
-        assert list(out.token_ids) == want, ids

@@ -110,7 +110,7 @@ def test_a_row_short_of_pages_is_refused():
 
 def test_a_decode_step_packs_into_bytes_that_do_not_grow_with_the_contexts():
     """28 decodes over 32k-token contexts (2,048 pages each, page 16): once the rows hold the pages, a step is
-    8 x (11 + 5 x 28) bytes, and 32 bytes more per appended page; the context length does not enter."""
+    8 x (12 + 5 x 28) bytes, and 32 bytes more per appended page; the context length does not enter."""
     tracker = BlockTableRows()
     names = [f"r{i}" for i in range(28)]
     tables = {n: list(range(1 + 2048 * i, 1 + 2048 * (i + 1))) for i, n in enumerate(names)}
@@ -121,10 +121,10 @@ def test_a_decode_step_packs_into_bytes_that_do_not_grow_with_the_contexts():
         return pack_step([7] * n, [32767] * n, [1] * n, rows, list(range(n)), n, edits).nbytes
 
     assert step_bytes() > 28 * 2048 * 8  # the first step writes every row's pages once
-    assert step_bytes() == 8 * (HEADER_LEN + 5 * 28) == 1208
+    assert step_bytes() == 8 * (HEADER_LEN + 5 * 28) == 1216
     for i, n in enumerate(names):
         tables[n].append(100_000 + i)  # every request gains a page
-    assert step_bytes() == 1208 + 28 * 32 == 2104
+    assert step_bytes() == 1216 + 28 * 32 == 2112
 
 
 def test_a_second_kv_group_gets_its_own_rows_slots_and_tables():
@@ -149,3 +149,18 @@ def test_a_second_kv_group_gets_its_own_rows_slots_and_tables():
     one = batch.for_group(1)
     assert torch.equal(one.slot_mapping, want1.slot_mapping) and torch.equal(one.block_tables, want1.block_tables)
     assert not torch.equal(one.slot_mapping, batch.slot_mapping)
+
+
+def test_longrope_factor_sets_travel_per_request_and_reach_each_token():
+    """Requests a (2 tokens) and c (1) rotate by longrope's long factors, b (3) by the short ones: the step
+    carries one value per request, the batch one per token; a step where every request is short carries none."""
+    tracker = BlockTableRows()
+    table = DeviceBlockTable(CPU)
+    rows, edits = tracker.step(["a", "b", "c"], [[3], [5], [8]])
+    flat = pack_step([1, 2, 3, 4, 5, 6], [0, 0, 0], [2, 3, 1], rows, [1, 4, 5], 0, edits, rope_variants=[1, 0, 1])
+    step = unpack_step(flat[:HEADER_LEN], flat[HEADER_LEN:])
+    assert step.rope_variants.tolist() == [1, 0, 1]
+    assert build_step(step, table, PAGE, None).rope_variant.tolist() == [1, 1, 0, 0, 0, 1]
+    short = pack_step([1], [2], [1], rows[:1], [0], 1, BlockTableRows().step(["a"], [[3]])[1], rope_variants=[0])
+    assert short.size == pack_step([1], [2], [1], rows[:1], [0], 1, BlockTableRows().step(["a"], [[3]])[1]).size
+    assert unpack_step(short[:HEADER_LEN], short[HEADER_LEN:]).rope_variants is None

@@ -185,11 +185,12 @@ def test_hybrid_families_layers_and_parameters(name, layers, total, active, caps
     assert f"{layers[1]} sliding" in _row(text, "model")
 
 
-def test_gpt_oss_released_weights_are_refused_by_name(capsys):
+def test_gpt_oss_released_mxfp4_weights_are_supported(capsys):
+    """Its experts stay MXFP4 (`docs/moe.md`); the same model with unquantised (e.g. bf16) weights loads too."""
     text = _render("--model", "gpt-oss-120b", "--tp-size", "8", capsys=capsys)
-    assert "mxfp4 quant_method='mxfp4' is not supported (MXFP4 experts (gpt-oss)" in _row(text, "engine support")
+    assert _row(text, "engine support").split()[2] == "yes"
     cfg = json.loads(BUNDLED["gpt-oss-120b"].read_text())
-    del cfg["quantization_config"]  # the same model with unquantised (e.g. bf16) weights loads
+    del cfg["quantization_config"]
     assert unsupported_reason(spec_from_config(cfg, "gpt-oss-120b-bf16")) is None
 
 

@@ -70,17 +70,12 @@ def _row(text: str, name: str) -> str:
     return next(line for line in text.splitlines() if line.startswith(name + " "))
 
 
-def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys, monkeypatch):
-    """`pd-plan --model deepseek-v3 --tp-size 8` on 8 x H200: with the MoE kernel keeping FP8 experts the weights
-    take 82.43 GiB a GPU and the pool gets the rest of the static budget; while the experts load dequantised
-    (this engine's loader today) they take 158.54 GiB and the engine would not start."""
-    from pd_cluster.engine.quant import support
-
-    today = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
-    assert _row(today, "weights per GPU").endswith("158.54 GiB") and "NOT" not in _row(today, "engine support")
-    monkeypatch.setattr(support, "EXPERT_KINDS_KEPT", frozenset({"fp8"}))
+def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys):
+    """`pd-plan --model deepseek-v3 --tp-size 8` on 8 x H200: the fused MoE keeps the FP8 experts, so the weights
+    take 82.43 GiB a GPU (158.54 GiB were they dequantised: above) and the pool gets the rest of the static
+    budget."""
     text = _render("--model", "deepseek-v3", "--tp-size", "8", capsys=capsys)
-    assert _row(text, "weights per GPU").endswith("82.43 GiB")
+    assert _row(text, "weights per GPU").endswith("82.43 GiB") and "NOT" not in _row(text, "engine support")
     assert _row(text, "KV pool per GPU").endswith(f"{123.55 - 82.43:.2f} GiB")
     assert "668.0B of 671.0B parameters kept quantised" in _row(text, "engine support")
     pool = int(143771 * 2**20 * 0.88) - 88_511_366_000  # the static budget less the weights, bytes
@@ -88,13 +83,7 @@ def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys, monkeypatc
     assert _row(text, "asked context").endswith("fits one TP-8 instance")
 
 
-def test_pd_plan_gpt_oss_120b_sizes_its_mxfp4_experts_at_4_25_bits(capsys, monkeypatch):
-    from pd_cluster.engine.quant import support
-
-    text = _render("--model", "gpt-oss-120b", capsys=capsys)
-    assert _row(text, "weights per GPU").endswith("60.77 GiB")  # as released; the engine refuses MXFP4 today
-    assert "NOT SERVABLE" in _row(text, "asked context")
-    monkeypatch.setattr(support, "EXPERT_KINDS_KEPT", frozenset({"mxfp4"}))
+def test_pd_plan_gpt_oss_120b_sizes_its_mxfp4_experts_at_4_25_bits(capsys):
     text = _render("--model", "gpt-oss-120b", capsys=capsys)
     assert _row(text, "weights per GPU").endswith("60.77 GiB") and "NOT SERVABLE" not in text
     assert _row(text, "asked context").endswith("fits one TP-1 instance")

@@ -10,8 +10,9 @@ beside its dequantised twin:
 * the engine's own memory report (`LoadedModel.weights_nbytes`, in the start-up log) is within 10% of the
   checkpoint's tensor bytes, and so are the quantised layers' bytes against the checkpoint's quantised tensors.
 
-The same for the dense layers of a tiny Qwen3-MoE in FP8 blocks (its experts dequantised on load, as the loader
-holds them until the MoE kernel keeps FP8 experts). DeepSeek-V3's FP8 release: `tests/engine/test_fp8_weights.py`.
+The same for a tiny Qwen3-MoE in FP8 blocks: its dense layers stay `QuantLinear`, its routed experts FP8 blocks in
+the fused MoE's weights (`tests/engine/test_quantized_experts.py`). DeepSeek-V3's FP8 release:
+`tests/engine/test_fp8_weights.py`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def test_each_format_equals_its_dequantised_twin_and_transformers(fmt, llama3, c
     assert resident < 0.6 * twin.engine.loaded.weights_nbytes  # against the float32 twin
 
 
-def test_qwen3_moe_dense_layers_stay_fp8_in_blocks(tmp_path):
+def test_qwen3_moe_dense_layers_and_experts_stay_fp8_in_blocks(tmp_path):
     build("qwen3-moe", tmp_path / "src", head_dim=16, num_attention_heads=4, num_key_value_heads=2)
     count = write_quantized(tmp_path / "src", tmp_path / "fp8", tmp_path / "twin", "fp8-block")
     assert count == 3 * 4 + 3 + 2 * 4 * 3  # attention, layer 1's dense MLP, 2 MoE layers x 4 experts x 3
@@ -86,6 +87,8 @@ def test_qwen3_moe_dense_layers_stay_fp8_in_blocks(tmp_path):
     quant = {n for n, m in llm.engine.loaded.model.named_modules() if isinstance(m, QuantLinear)}
     assert quant == {f"layers.{i}.self_attn.{p}" for i in range(3) for p in ("qkv_proj", "o_proj")} | {
         "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"}
+    experts = [m for m in llm.engine.loaded.model.modules() if type(m).__name__ == "FusedExperts"]
+    assert len(experts) == 2 and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in experts)
     prompts = prompt_ids(5)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "twin").eval()
     assert [list(o.token_ids) for o in llm.generate(prompts, GREEDY)] == [hf_greedy_full(hf, p, 24) for p in prompts]

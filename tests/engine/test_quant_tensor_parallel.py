@@ -57,3 +57,20 @@ def test_a_tp_size_that_cuts_an_fp8_block_is_refused_before_any_rank_starts():
     with pytest.raises(ValueError, match=r"--tp-size 4 splits model\.layers\.0\.mlp\.down_proj's 16x32 FP8 blocks "
                                          r"\(input columns\): 192 / 4 = 48 per rank is not a multiple of 32"):
         arch.check_tp(4)  # what check_tp_size runs on the checkpoint's config before starting the ranks
+
+
+def test_a_layer_held_dequantised_may_cut_blocks():
+    """A tiny DeepSeek-V3 in 32 x 32 FP8 blocks at TP 2: MLA's kv_b_proj (4 heads x (8 + 32) = 160 rows, 80 a rank)
+    is dequantised whole before it is sliced, so it does not refuse the split; the FP8 layers it keeps split in
+    whole blocks (q_b_proj's 4 x (8 + 8) rows, o_proj's 4 x 32 input columns, the 64-wide experts and shared
+    expert)."""
+    from deepseek_models import COMMON, FAMILIES
+
+    cfg = {**COMMON, **FAMILIES["deepseek-v3"][2], "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 32,
+           "moe_intermediate_size": 64,
+           "architectures": ["DeepseekV3ForCausalLM"],
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    ArchConfig.from_dict(cfg).check_tp(2)
+    with pytest.raises(ValueError, match=r"--tp-size 2 splits model\.layers\.0\.self_attn\.o_proj's 32x32 FP8 blocks "
+                                         r"\(input columns\): 96 / 2 = 48 per rank is not a multiple of 32"):
+        ArchConfig.from_dict({**cfg, "v_head_dim": 24}).check_tp(2)

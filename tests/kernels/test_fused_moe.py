@@ -98,7 +98,7 @@ def test_warm_up_runs_the_large_batch_tiles(monkeypatch):
 
     seen = []
     real = fused_moe._grouped_gemm
-    monkeypatch.setattr(fused_moe, "_grouped_gemm", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(fused_moe, "_grouped_gemm", lambda *a: seen.append(a[10]) or real(*a))
     _, w13, w2, _, _ = _case(1, 4, 2, 64, 32, torch.float32, seed=0)
     fused_moe.warm_up(w13, w2, 2, torch.float32)
     assert seen and all(cfg == fused_moe.default_config(fused_moe.LARGE_BATCH_PAIRS + 1) for cfg in seen)

@@ -34,7 +34,8 @@ FORMATS = {  # name: (quantised layout, config written)
     "awq": "AWQ GEMM: qweight/qzeros in AWQ order, fp16 scales",
     "gptq": "GPTQ from quantize_config.json (no quantization_config), desc_act, sym: qzeros stored minus one",
 }
-_LINEAR = re.compile(r"\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+# projections by their usual names, StarCoder2's c_fc and Mixtral-style experts' w1/w2/w3
+_LINEAR = re.compile(r"\.layers\.\d+\..*(_proj|_proj_with_mqa|\.c_fc|\.experts\.\d+\.w[123])\.weight$")
 
 
 def pack_nibbles(values: torch.Tensor, axis: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
@@ -210,6 +211,7 @@ def write_quantized(src: Path, out: Path, twin: Path, fmt: str, input_amax: dict
         shutil.copytree(src, d)
     index_path = out / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
+    stored = set(index["weight_map"])
     count = 0
     for file in sorted(set(index["weight_map"].values())):
         tensors = load_file(str(src / file))
@@ -221,6 +223,7 @@ def write_quantized(src: Path, out: Path, twin: Path, fmt: str, input_amax: dict
                 continue
             amax = (input_amax or {}).get(name.removesuffix(".weight"), 1.0)
             parts, values = quantize_tensor(fmt, name, w, amax)
+            parts = {k: v for k, v in parts.items() if k == name or k not in stored}  # a real bias is kept
             quant.update(parts)
             deq[name] = values.to(w.dtype)
             del index["weight_map"][name]

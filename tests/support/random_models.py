@@ -15,11 +15,14 @@ from transformers import (AutoTokenizer, DynamicCache, Gemma2Config, Gemma2ForCa
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
+from family_models import MULTIMODAL, NEW_FAMILIES
+
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
 from pd_cluster.engine.batch import build_forward_batch
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.model.loader import load_model
+from pd_cluster.engine.model.rope import longrope_threshold
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
               max_position_embeddings=1024)
@@ -55,6 +58,13 @@ FAMILIES = {
         num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=64,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.3], "long_factor": [3.0, 7.0]})),
+    # Phi-4-mini's shape: GQA (4 heads, 2 KV), 16-wide heads of which 0.75 rotate, tied embeddings, longrope from
+    # 64 tokens (its attention factor from max_position_embeddings / 64)
+    "phi4-mini-longrope": (Phi3ForCausalLM, Phi3Config, dict(
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+        original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], "long_factor": [2.0, 3.0, 5.0, 8.0, 9.0, 12.0]})),
 }
 MOE_FAMILIES = ("mixtral", "qwen3-moe", "qwen3-moe-sparse-step")
 
@@ -98,13 +108,14 @@ HYBRID_FAMILIES = {
     "mistral-window16": (MistralForCausalLM, MistralConfig, dict(num_key_value_heads=2, sliding_window=16)),
 }
 FAMILIES.update(HYBRID_FAMILIES)
+FAMILIES.update(NEW_FAMILIES)
 DROP_KEYS = {"qwen2-window-layers": ("layer_types",)}  # config.json keys removed after save_pretrained
 
 
 def hf_config(family: str, **overrides):
-    """The transformers config of `family` (`overrides` replace its keys)."""
+    """The transformers config of `family` (`overrides` replace its keys; a multimodal one's text keys)."""
     _, cfg_cls, extra = FAMILIES[family]
-    if family == "llama4-multimodal":
+    if family == "llama4-multimodal" or family in MULTIMODAL:
         return cfg_cls(**overrides)
     return cfg_cls(**{**COMMON, **extra, **overrides})
 
@@ -210,7 +221,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def engine_logits(path: Path, ids: list[int], kv_cache_dtype: str = "fp32", page_size: int = 16) -> torch.Tensor:
-    """Logits [len(ids), vocab] of one prefill through the engine's model, pool and reference attention."""
+    """Logits [len(ids), vocab] of one prefill through the engine's model, pool and reference attention (longrope:
+    the factor set of a request of `ids`, `Request.rope_variant`)."""
     lm = load_model(str(path))
     a = lm.arch
     layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, page_size, kv_cache_dtype,
@@ -221,6 +233,9 @@ def engine_logits(path: Path, ids: list[int], kv_cache_dtype: str = "fp32", page
     pages = list(range(1, -(-len(ids) // page_size) + 1))
     batch = build_forward_batch([np.array(ids)], [0], [pages], [np.arange(len(ids))], 0, page_size,
                                 torch.device("cpu"))
+    long_from = longrope_threshold(a.layer_attention)
+    if long_from is not None and len(ids) > long_from:
+        batch.rope_variant = torch.ones(len(ids), dtype=torch.long)
     return lm.model(batch, pool, backend)
 
 

@@ -13,6 +13,14 @@ multiplies them by that expert's weight tile. So a layer is
 4. ``[T k, H] = h @ w2[e].T * weight`` (the same kernel, ``MUL_WEIGHT``);
 5. the k products of each token summed (torch).
 
+Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`: ``data``, ``scale``, ``quant``; taken
+by those attributes, so the kernels do not import the quantisation package) run through the same kernel
+(``W_FORMAT``): FP8 blocks either W8A8, each GEMM's input quantised per token and group of the block's
+columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
+``use_fp8_w8a8`` with a block shape; FP8 dots from compute capability 8.9), or W8A16, each weight tile
+dequantised; MXFP4 tiles are decoded from their E2M1 codes and E8M0 scales next to the activations (vLLM's
+bf16-activation path on Hopper).
+
 Expert id -1 (a choice that another expert-parallel rank computes) gets its
 own padded run whose tiles are stored as zeros. Products accumulate in
 float32 (IEEE dots for float32 activations); each GEMM's output is rounded to
@@ -29,6 +37,7 @@ import triton.language as tl
 
 from pd_cluster.engine.attention.triton import fused
 from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
+from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
 
 
 @dataclass(frozen=True)
@@ -105,15 +114,39 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+W_PLAIN, W_FP8_BLOCK, W_MXFP4 = 0, 1, 2  # the weights' storage (`W_FORMAT`)
+
+
+@triton.jit
+def _mxfp4_tile(B, B_SCALE, base, scale_base, stride_bn, stride_bsn, cols, kk, mask):
+    # [BLOCK_K, BLOCK_N] float32 values of MXFP4 weights: byte kk // 2 of each column row holds codes 2j (low
+    # nibble) and 2j + 1; the E2M1 code s e1 e0 m and the E8M0 scale are assembled as float32 bits (exact)
+    byte = tl.load(B + base + cols[None, :] * stride_bn + (kk // 2)[:, None], mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((kk % 2) * 4)[:, None]) & 0xF
+    exp = (code >> 1) & 3
+    man = code & 1
+    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22)) | ((code >> 3) << 31)
+    value = bits.to(tl.float32, bitcast=True)
+    s = tl.load(B_SCALE + scale_base + cols[None, :] * stride_bsn + (kk // 32)[:, None], mask=mask,
+                other=127).to(tl.int32)
+    scale = tl.where(s == 0, 1 << 22, s << 23).to(tl.float32, bitcast=True)  # 2 ** (s - 127); code 0 subnormal
+    return value * scale
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # both vary with the batch
-def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, num_pairs, num_m_blocks,
-                         stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
+def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, A_SCALE, B_SCALE,
+                         num_pairs, num_m_blocks,
+                         stride_am, stride_be, stride_bn, stride_cm, stride_bias_e, stride_asm, stride_bse,
+                         stride_bsn,
                          N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                          MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr, A_FP8: tl.constexpr,
+                         FP8_DOT: tl.constexpr, FP8_PRECISION: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
-    # C[p] = (A[p // TOP_K] @ B[e].T (+ BIAS[e])) (x WEIGHTS[p]) for the pairs p of each expert's M-blocks
+    # C[p] = (A[p // TOP_K] @ B[e].T (+ BIAS[e])) (x WEIGHTS[p]) for the pairs p of each expert's M-blocks.
+    # FP8 blocks: each K step lies in one GROUP_K block (BLOCK_K divides it) and is scaled per column's block
+    # (and, with A_FP8, per row's activation group); MXFP4: each tile is dequantised before the dot.
     pid = tl.program_id(0)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     in_group = GROUP_M * num_n
@@ -126,22 +159,41 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
         pair = tl.load(SORTED_IDS + rows).to(tl.int64)
         valid = pair < num_pairs
         expert = tl.load(EXPERT_IDS + pid_m).to(tl.int64)
+        e = tl.maximum(expert, 0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < N
+        cols64 = cols.to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = A + (pair // TOP_K)[:, None] * stride_am + ks[None, :]
-        b_ptrs = B + tl.maximum(expert, 0) * stride_be + cols[None, :].to(tl.int64) * stride_bn + ks[:, None]
+        b_ptrs = B + e * stride_be + cols64[None, :] * stride_bn + ks[:, None]
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         k_end = tl.where(expert >= 0, K, 0)  # the -1 run: no products, zeros stored
         for k0 in range(0, k_end, BLOCK_K):
             k_mask = ks < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            if W_FORMAT == 2:
+                b = _mxfp4_tile(B, B_SCALE, e * stride_be, e * stride_bse, stride_bn, stride_bsn, cols64, k0 + ks,
+                                b_mask)
+                acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
+            elif W_FORMAT == 1:
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+                b_scale = tl.load(B_SCALE + e * stride_bse + (cols64 // GROUP_N) * stride_bsn + k0 // GROUP_K,
+                                  mask=col_mask, other=0.0)
+                if A_FP8:  # W8A8: FP8 x FP8 products, scaled by the row's group and the column's block
+                    a_scale = tl.load(A_SCALE + (pair // TOP_K) * stride_asm + k0 // GROUP_K, mask=valid, other=0.0)
+                    acc += tl.dot(a.to(FP8_DOT), b.to(FP8_DOT), input_precision=FP8_PRECISION) \
+                        * a_scale[:, None] * b_scale[None, :]
+                else:
+                    b = (b.to(tl.float32) * b_scale[None, :]).to(COMPUTE)
+                    acc += tl.dot(a.to(COMPUTE), b, input_precision=DOT_PRECISION)
+            else:
+                b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+                acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         if HAS_BIAS:  # rounded to the activation dtype first, as the reference's x @ W + b
-            bias = tl.load(BIAS + tl.maximum(expert, 0) * stride_bias_e + cols, mask=col_mask, other=0.0)
+            bias = tl.load(BIAS + e * stride_bias_e + cols, mask=col_mask, other=0.0)
             bias = tl.where(expert >= 0, bias.to(tl.float32), 0.0)  # the -1 run stays zero
             acc = acc.to(C.dtype.element_ty).to(tl.float32) + bias[None, :]
         if MUL_WEIGHT:
@@ -150,36 +202,79 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
                  mask=valid[:, None] & col_mask[None, :])
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+def fp8_dot_dtype(device: torch.device):
+    """The operand dtype of the W8A8 dots: FP8 itself where the GPU multiplies FP8 (compute capability 8.9 and
+    up), else float16 (every E4M3 value is exact in it) on older GPUs, and float32 in the interpreter."""
+    if device.type != "cuda":
+        return tl.float32
+    return tl.float8e4nv if torch.cuda.get_device_capability(device) >= (8, 9) else tl.float16
+
+
+def _grouped_gemm(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor,
                   sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int,
-                  mul_weight: bool, bias: torch.Tensor | None, cfg: FusedMoEKernelConfig) -> None:
+                  mul_weight: bool, bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, act_dtype: torch.dtype,
+                  a_scale: torch.Tensor | None = None) -> None:
     _, n, k = w.shape
     num_m = sorted_ids.numel() // cfg.block_m
     grid = (num_m * triton.cdiv(n, cfg.block_n),)
+    data, scale, fmt, group = w, None, W_PLAIN, (1, 1)
+    block_k = cfg.block_k
+    fp8_dot = fp8_dot_dtype(a.device)
+    if _quantized(w):
+        data, scale, group = w.data, w.scale, w.quant.block
+        fmt = W_FP8_BLOCK if w.quant.format == "fp8_block" else W_MXFP4
+        if fmt == W_FP8_BLOCK:
+            block_k = fp8_block_k(cfg.block_k, group[1])
     _grouped_gemm_kernel[grid](
-        a, w, out, weights, w if bias is None else bias, sorted_ids, expert_ids, num_padded, out.shape[0], num_m,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
-        N=n, K=k, TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None, COMPUTE=compute_dtype(a.dtype),
-        DOT_PRECISION=dot_precision(a.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        a, data, out, weights, data if bias is None else bias, sorted_ids, expert_ids, num_padded,
+        data if a_scale is None else a_scale, data if scale is None else scale, out.shape[0], num_m,
+        a.stride(0), data.stride(0), data.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
+        0 if a_scale is None else a_scale.stride(0), 0 if scale is None else scale.stride(0),
+        0 if scale is None else scale.stride(1),
+        N=n, K=k, TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None, COMPUTE=compute_dtype(act_dtype),
+        DOT_PRECISION=dot_precision(act_dtype), W_FORMAT=fmt, A_FP8=a_scale is not None,
+        FP8_DOT=fp8_dot, FP8_PRECISION="ieee" if fp8_dot == tl.float32 else "tf32", GROUP_N=group[0], GROUP_K=group[1], BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  apply_weights_on_input: bool = False, cfg: FusedMoEKernelConfig | None = None,
-                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                  activation: tuple = ("silu",)) -> torch.Tensor:
+def fp8_block_k(block_k: int, group_k: int) -> int:
+    """The K step for FP8 block weights: a power of two at most `block_k` that divides the block's columns, so
+    each step lies in one block (vLLM takes ``min(BLOCK_SIZE_K, block_k)`` for 128-wide blocks).
+
+    Raises:
+        ValueError: a block narrower than 16 columns or not a multiple of 16 (the smallest dot).
+    """
+    step = block_k
+    while step >= 16 and group_k % step:
+        step //= 2
+    if step < 16:
+        raise ValueError(f"FP8 expert weight blocks of {group_k} columns: the kernel needs a multiple of 16")
+    return step
+
+
+def fused_experts(x: torch.Tensor, w13, w2,
+                  weights: torch.Tensor, ids: torch.Tensor, apply_weights_on_input: bool = False,
+                  cfg: FusedMoEKernelConfig | None = None, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, activation: tuple = ("silu",), fp8_activations: bool = True
+                  ) -> torch.Tensor:
     """The routed experts' output, ``sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))``.
 
     Args:
         x: [T, H] float16/bfloat16/float32, rows contiguous.
-        w13: [E, 2 I, H] gate rows then up rows per expert, x's dtype, contiguous.
-        w2: [E, H, I], contiguous.
+        w13: [E, 2 I, H] gate rows then up rows per expert, x's dtype, contiguous; or `QuantizedExperts` of
+            that logical shape (FP8 blocks or MXFP4).
+        w2: [E, H, I], contiguous, or `QuantizedExperts` (in the same format as w13).
         weights: [T, k] routing weights (float32 or x's dtype).
         ids: [T, k] expert indices in ``[0, E)``, or -1 for a choice computed elsewhere (contributes 0).
         apply_weights_on_input: scale the expert's input (first GEMM) instead of its output (Llama 4).
         cfg: tiles; `default_config` by the pair count when None.
         b13, b2: [E, 2 I] and [E, H] contiguous biases of the two projections (gpt-oss), or None.
         activation: ``("silu",)`` (SwiGLU) or ``("swiglu_clamped", alpha, limit)`` (gpt-oss).
+        fp8_activations: with FP8 block weights, quantise each GEMM's input per token and group of the blocks'
+            columns (`fp8_gemm.quantize_activations`) and multiply FP8 by FP8 (W8A8, vLLM's ``use_fp8_w8a8``);
+            False dequantises the weight tiles next to the activations instead (W8A16). MXFP4 weights are
+            always dequantised next to the activations.
 
     Returns:
         [T, H] in x's dtype.
@@ -189,10 +284,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     """
     t, h = x.shape
     e, two_i, h1 = w13.shape
-    if h1 != h or w2.shape != (e, h, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != t:
+    if h1 != h or tuple(w2.shape) != (e, h, two_i // 2) or ids.shape != weights.shape or ids.shape[0] != t:
         raise ValueError(f"fused_experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
                          f"ids {tuple(ids.shape)}, weights {tuple(weights.shape)} disagree")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
+    if not all(_data(w).is_contiguous() for w in (w13, w2)):
         raise ValueError("fused_experts needs contiguous expert weights")
     k = ids.shape[1]
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
@@ -203,10 +298,30 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     sorted_ids, expert_ids, num_padded = moe_align(ids, e, cfg.block_m)
     flat_weights = weights.reshape(-1).contiguous()
     gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, flat_weights, sorted_ids, expert_ids, num_padded, k, apply_weights_on_input, b13,
-                  cfg)
+    _gemm_maybe_fp8(x, w13, gate_up, flat_weights, sorted_ids, expert_ids, num_padded, k, apply_weights_on_input,
+                    b13, cfg, fp8_activations)
     act = (fused.swiglu_clamped(gate_up, activation[1], activation[2]) if activation[0] == "swiglu_clamped"
            else fused.silu_and_mul(gate_up))
-    _grouped_gemm(act, w2, out, flat_weights, sorted_ids, expert_ids, num_padded, 1, not apply_weights_on_input, b2,
-                  cfg)
+    _gemm_maybe_fp8(act, w2, out, flat_weights, sorted_ids, expert_ids, num_padded, 1, not apply_weights_on_input,
+                    b2, cfg, fp8_activations)
     return out.view(t, k, h).sum(dim=1)
+
+
+def _quantized(w) -> bool:
+    return not isinstance(w, torch.Tensor)  # a QuantizedExperts
+
+
+def _data(w) -> torch.Tensor:
+    return w.data if _quantized(w) else w
+
+
+def _gemm_maybe_fp8(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
+                    expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int, mul_weight: bool,
+                    bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, fp8_activations: bool) -> None:
+    """One grouped GEMM; under W8A8 its input is first quantised per token group (one Triton launch)."""
+    if _quantized(w) and w.quant.format == "fp8_block" and fp8_activations:
+        q, scale = quantize_activations(a, w.quant.block[1])
+        _grouped_gemm(q, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg,
+                      a.dtype, scale)
+        return
+    _grouped_gemm(a, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg, a.dtype)

@@ -51,6 +51,33 @@ def routing_method(cfg: dict[str, Any], v3: bool) -> tuple[str, str]:
     return scoring, method
 
 
+def deepseek_moe(cfg: dict[str, Any], v3: bool) -> MoEConfig | None:
+    """The routed and shared experts of a DeepSeek-style config (V3's routing when `v3`, else V2's); None
+    without routed experts.
+
+    Raises:
+        ValueError: a top-k method or scoring function the engine does not implement, named.
+    """
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return None
+    scoring, method = routing_method(cfg, v3)
+    grouped = TOPK_METHODS[method][0]
+    routing = RoutingConfig(
+        experts, int(cfg.get("num_experts_per_tok") or 1), scoring,  # type: ignore[arg-type]
+        renormalize=bool(cfg.get("norm_topk_prob", False)),
+        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score="top2_sum" if method == "noaux_tc" else "max",
+        e_score_correction_bias=method == "noaux_tc",
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        router_fp32=True)
+    inter = int(cfg["moe_intermediate_size"])
+    return MoEConfig(experts, inter, routing, deepseek_moe_layers(cfg),
+                     shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
+                     activation=str(cfg.get("hidden_act", "silu")))
+
+
 class DeepseekV3(Family):
     architecture = "DeepseekV3ForCausalLM"
     name = "deepseek_v3"
@@ -60,24 +87,7 @@ class DeepseekV3(Family):
         return MLAConfig.from_dict(cfg, scaling, not self.v3 or bool(cfg.get("rope_interleave", True)))
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
-        experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
-        if not experts:
-            return None
-        scoring, method = routing_method(cfg, self.v3)
-        grouped = TOPK_METHODS[method][0]
-        routing = RoutingConfig(
-            experts, int(cfg.get("num_experts_per_tok") or 1), scoring,  # type: ignore[arg-type]
-            renormalize=bool(cfg.get("norm_topk_prob", False)),
-            n_group=int(cfg.get("n_group") or 1) if grouped else 1,
-            topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
-            group_score="top2_sum" if method == "noaux_tc" else "max",
-            e_score_correction_bias=method == "noaux_tc",
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-            router_fp32=True)
-        inter = int(cfg["moe_intermediate_size"])
-        return MoEConfig(experts, inter, routing, deepseek_moe_layers(cfg),
-                         shared_intermediate_size=inter * int(cfg.get("n_shared_experts") or 0),
-                         activation=str(cfg.get("hidden_act", "silu")))
+        return deepseek_moe(cfg, self.v3)
 
 
 class DeepseekV2(DeepseekV3):

@@ -40,7 +40,7 @@ class Gemma2(Family):
         softcap = cfg.get("final_logit_softcapping", self.default_final_softcap)
         return dict(tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                     attention_bias=bool(cfg.get("attention_bias")), o_proj_bias=bool(cfg.get("attention_bias")),
-                    hidden_act="gelu_pytorch_tanh", norm_style="gemma", sandwich_norms=True,
+                    hidden_act="gelu_pytorch_tanh", norm_style="gemma", norm_layout="sandwich",
                     embedding_scale=float(cfg["hidden_size"]) ** 0.5,
                     final_logit_softcap=float(softcap) if softcap else None,
                     attention_scale=float(cfg.get("query_pre_attn_scalar") or 256) ** -0.5)

@@ -18,37 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd_cluster.engine.layer_attention import kinds_from_layer_types, refuse
+from pd_cluster.engine.layer_attention import kinds_from_layer_types, refuse, rope_layers
 from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig
-
-# A multimodal checkpoint's config keys the engine takes from its top level into its text_config.
-TOP_LEVEL_KEYS = ("torch_dtype", "dtype", "quantization_config")
-
-
-def text_config_of(cfg: dict[str, Any], architecture: str) -> dict[str, Any]:
-    """A multimodal config's ``text_config`` with its ``architectures`` and the `TOP_LEVEL_KEYS` it lacks; a
-    config without ``text_config`` unchanged (already the language model's: the memory planner unwraps it)."""
-    if "text_config" not in cfg:
-        return cfg
-    text = dict(cfg["text_config"] or {})
-    for key in TOP_LEVEL_KEYS:
-        if key in cfg and key not in text:
-            text[key] = cfg[key]
-    text["architectures"] = list(cfg.get("architectures") or [architecture])
-    return text
-
-
-def llama4_rope_layers(cfg: dict[str, Any]) -> list[bool]:
-    """Which layers use RoPE (``no_rope_layers[i] == 1``; default: all but every ``no_rope_layer_interval``-th),
-    as ``Llama4TextConfig.__post_init__``."""
-    layers = int(cfg["num_hidden_layers"])
-    given = cfg.get("no_rope_layers")
-    if given:
-        return [bool(x) for x in list(given)[:layers]]
-    interval = int(cfg.get("no_rope_layer_interval") or 4)
-    return [(i + 1) % interval != 0 for i in range(layers)]
-
 
 class Llama4(Family):
     architecture = "Llama4ForCausalLM"
@@ -69,12 +41,12 @@ class Llama4(Family):
         chunk = cfg.get("attention_chunk_size", 8192)  # Llama4TextConfig's default
         kinds = kinds_from_layer_types(cfg, int(cfg["num_hidden_layers"]), ("full_attention", "chunked_attention"))
         if kinds is None:
-            kinds = ["chunked" if use_rope and chunk is not None else "full" for use_rope in llama4_rope_layers(cfg)]
+            kinds = ["chunked" if use_rope and chunk is not None else "full" for use_rope in rope_layers(cfg)]
         return kinds, None, chunk
 
     def layer_rope(self, cfg: dict[str, Any], kind: str, layer: int, theta: float,
                    scaling: dict[str, Any] | None) -> tuple[bool, float, dict[str, Any] | None]:
-        return llama4_rope_layers(cfg)[layer], theta, scaling
+        return rope_layers(cfg)[layer], theta, scaling
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
         experts = int(cfg.get("num_local_experts") or 16)
@@ -102,9 +74,6 @@ class Llama4Multimodal(Llama4):
     architecture = "Llama4ForConditionalGeneration"
     language_model_prefix = "language_model."
     skipped_prefixes = ("vision_model.", "multi_modal_projector.")
-
-    def text_config(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        return text_config_of(cfg, self.architecture)
 
 
 FAMILIES = (Llama4(), Llama4Multimodal())
