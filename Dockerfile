@@ -53,7 +53,7 @@ RUN python3 -m venv "$VIRTUAL_ENV" \
 
 # The project itself (not editable: the source tree is not needed at run time).
 COPY . /tmp/pd-cluster
-RUN pip install "/tmp/pd-cluster[gpu,ray,k8s]" && rm -rf /tmp/pd-cluster \
+RUN pip install "/tmp/pd-cluster[gpu,ray,k8s,mooncake]" && rm -rf /tmp/pd-cluster \
  && pd-worker --help > /dev/null && pd-router --help > /dev/null && pd-bench --help > /dev/null
 
 # Ubuntu images ship a user with UID 1000; replace it with ours.

@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, CacheConfig, DeviceConfig, EngineConfig, ModelConfig,
-                                      ParallelConfig, SchedulerConfig, parse_size)
+from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, STORAGE_BACKENDS, STORAGE_PREFETCH_POLICIES, CacheConfig,
+                                      DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                      parse_size)
 from pd_cluster.common.flags import Flag, Refused, add_flags
 
 
@@ -76,6 +77,18 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--hicache-ratio", "cache.hicache_ratio", float, "Host tier size over device pool size (default 2.0)."),
     Flag("--hicache-size", "cache.hicache_size", parse_hicache_size,
          "Host tier size: a bare number is GB (SGLang's), or a size such as 512MiB; overrides --hicache-ratio."),
+    Flag("--hicache-storage-backend", "cache.hicache_storage_backend", str,
+         "A cluster-wide KV store behind the prefix cache (HiCache L3): mooncake (Mooncake Store) or file "
+         "(a directory); every worker reads it on a miss and writes what it computes.", choices=STORAGE_BACKENDS),
+    Flag("--hicache-storage-backend-extra-config", "cache.hicache_storage_backend_extra_config", str,
+         "JSON settings of the store, e.g. '{\"master_server_address\": \"10.0.0.1:50051\"}' "
+         "(docs/kv-store.md)."),
+    Flag("--hicache-storage-prefetch-policy", "cache.hicache_storage_prefetch_policy", str,
+         "When a request stops waiting for its pages from the store: timeout (default), best_effort, "
+         "wait_complete.", choices=STORAGE_PREFETCH_POLICIES),
+    Flag("--hicache-storage-required", "cache.hicache_storage_required", None,
+         "Refuse to start when the store cannot be reached (default: warn and serve without it).",
+         action="store_true"),
     Flag("--disable-hybrid-kv-cache-manager", "cache.disable_hybrid_kv_cache_manager", None,
          "Keep every layer's KV for every token, also on sliding-window/chunked layers (one KV group).",
          action="store_true"),

@@ -7,6 +7,7 @@ them; `pd_cluster.engine.args` builds it from SGLang-named command-line flags.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,6 +16,8 @@ from pd_cluster.engine.assets import DEFAULT_MODEL
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 ROLES = ("mixed", "prefill", "decode")
+STORAGE_BACKENDS = ("file", "mooncake")
+STORAGE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 Role = Literal["mixed", "prefill", "decode"]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -131,6 +134,18 @@ class CacheConfig:
             ``--hicache-ratio``, default 2.0).
         hicache_size: bytes of the host pool; overrides `hicache_ratio` when set
             (SGLang's ``--hicache-size``, whose bare numbers are GB).
+        hicache_storage_backend: the cluster-wide KV store behind the cache (SGLang's HiCache L3 flag):
+            ``mooncake`` (Mooncake Store) or ``file`` (a directory); None: off. Every role reads it on a miss
+            and writes what it computes (``docs/kv-store.md``).
+        hicache_storage_backend_extra_config: a JSON object of the store's settings (SGLang's flag): Mooncake's
+            ``master_server_address``, ``metadata_server``, ``protocol``, ``device_name``, ``local_hostname``,
+            ``global_segment_size``, ``local_buffer_size``; the file store's ``storage_dir``; and
+            ``prefetch_timeout`` (seconds). Unset keys come from SGLang's environment variables.
+        hicache_storage_prefetch_policy: when a request stops waiting for its pages from the store (SGLang's):
+            ``timeout`` (default: when read, or after ``prefetch_timeout``), ``best_effort`` (at once, with what
+            is read by then) or ``wait_complete`` (when read).
+        hicache_storage_required: refuse to start when the store cannot be reached (default: warn and serve
+            without it until it answers).
         disable_hybrid_kv_cache_manager: keep every layer's KV for every token (one KV group), also on a model
             with sliding-window or chunked layers (vLLM's flag). By default such a model's layers form KV
             groups and window layers hold only their window's pages (`pd_cluster.engine.kv.groups`; mixed
@@ -146,6 +161,10 @@ class CacheConfig:
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
     hicache_size: int | None = None
+    hicache_storage_backend: str | None = None
+    hicache_storage_backend_extra_config: str | None = None
+    hicache_storage_prefetch_policy: str = "timeout"
+    hicache_storage_required: bool = False
     disable_hybrid_kv_cache_manager: bool = False
 
     @property
@@ -170,6 +189,23 @@ class CacheConfig:
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache and disable_radix_cache are mutually exclusive "
                              "(the host tier holds pages the prefix cache evicts)")
+        if self.hicache_storage_backend is not None:
+            if self.hicache_storage_backend not in STORAGE_BACKENDS:
+                raise ValueError(f"hicache_storage_backend must be one of {STORAGE_BACKENDS}, got "
+                                 f"{self.hicache_storage_backend!r}")
+            if self.disable_radix_cache:
+                raise ValueError("hicache_storage_backend and disable_radix_cache are mutually exclusive (the store "
+                                 "serves the prefix cache's misses)")
+        if self.hicache_storage_prefetch_policy not in STORAGE_PREFETCH_POLICIES:
+            raise ValueError(f"hicache_storage_prefetch_policy must be one of {STORAGE_PREFETCH_POLICIES}, got "
+                             f"{self.hicache_storage_prefetch_policy!r}")
+        if self.hicache_storage_backend_extra_config is not None:
+            try:
+                extra = json.loads(self.hicache_storage_backend_extra_config)
+            except ValueError as e:
+                raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
+            if not isinstance(extra, dict):
+                raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
 
 
 @dataclass(frozen=True)
@@ -297,6 +333,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.cache.hicache_storage_backend and self.parallel.tp_size > 1:
+            raise ValueError("hicache_storage_backend is not built for tp_size > 1 yet (each rank would read and "
+                             "write its own share of every page)")
         if self.cache.enable_hierarchical_cache and self.parallel.tp_size > 1:
             raise ValueError("enable_hierarchical_cache is not built for tp_size > 1 yet (each rank would need "
                              "its own host pool and copies in lockstep)")

@@ -29,6 +29,7 @@ from pd_cluster.engine.kv.allocator import PageAllocator
 from pd_cluster.engine.kv.events import KVEventLog
 from pd_cluster.engine.kv.group_cache import GroupedPrefixCache
 from pd_cluster.engine.kv.hiradix_cache import build_prefix_cache
+from pd_cluster.engine.kv.l3.setup import attach_l3
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
@@ -119,6 +120,7 @@ class LLMEngine:
             logger.info("hybrid KV cache: %s", self.kv_groups.describe())
         else:
             self.pages = PageManager(self.allocator, self.layout.page_size, self.prefix_cache)
+        self.l3 = attach_l3(self)  # the cluster-wide KV store (HiCache L3), or None
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
@@ -211,7 +213,24 @@ class LLMEngine:
     def _register(self, req: Request, stream: bool) -> None:
         self.outputs.add_request(req, stream)  # raises before anything is held
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        if not self._prefetch(req):
+            self.scheduler.add(req)
+
+    def _prefetch(self, req: Request) -> bool:
+        """Start reading `req`'s pages past this worker's cached prefix from the KV store; it joins the queue
+        once read (`_admit_prefetched`). False: nothing to read."""
+        if self.l3 is None or req.params.prompt_logprobs is not None:
+            return False
+        tokens = req.cache_tokens  # longrope's long-factor KV is keyed apart, in the store as in the cache
+        cached = len(self.prefix_cache.walk(tokens, req.num_tokens - 1))
+        return self.l3.prefetch(req, tokens, cached)
+
+    def _admit_prefetched(self) -> None:
+        if not self.scheduler.has_work() and self.l3.has_pending():
+            self.l3.wait(0.002)  # nothing else to run: sleep on the reads rather than spin
+        for req in self.l3.ready():
+            if not req.status.finished:
+                self.scheduler.add(req)
 
     def complete_remote_prefill(self, request_id: str, first_token_id: int, first_logprob=None,
                                 num_cached_tokens: int = 0, prompt_logprobs=None) -> bool:
@@ -265,6 +284,8 @@ class LLMEngine:
         return True
 
     def _end(self, req: Request, status: RequestStatus, release_pages: bool, error: str | None = None) -> None:
+        if self.l3 is not None:
+            self.l3.discard(req.request_id)
         held = self.scheduler.remove(req, release_pages=release_pages)
         req.status = status
         req.times.finished = time.monotonic()
@@ -289,7 +310,8 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self.outputs.has_deltas or self.overlap.in_flight is not None
+        return (self.scheduler.has_work() or self.outputs.has_deltas or self.overlap.in_flight is not None
+                or (self.l3 is not None and self.l3.has_pending()))
 
     def step(self) -> StepOutput:
         """Schedule and launch one step; complete the step before it; return what was completed.
@@ -300,6 +322,8 @@ class LLMEngine:
         ``local_prefills`` always report this call's scheduling.
         """
         started = time.monotonic()
+        if self.l3 is not None:
+            self._admit_prefetched()
         out = StepOutput()
         prev = self._take_in_flight(out)
         sched = self.scheduler.schedule()
@@ -411,7 +435,11 @@ class LLMEngine:
             self.outputs.token(req, token, logprob)
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (no-op without TP). The engine is unusable afterwards."""
+        """Stop the tensor-parallel ranks (no-op without TP) and the KV store's threads. The engine is unusable
+        afterwards."""
+        if self.l3 is not None:
+            self.l3.close()
+            self.l3 = None
         if self.tp_driver is not None:
             self.tp_driver.shutdown()
             self.tp_driver = None

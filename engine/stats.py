@@ -32,7 +32,10 @@ class EngineStats:
         prefix_cache_hits: of those, tokens found cached on the device (vLLM's ``prefix_cache_hits``).
         external_prefix_cache_queries: the same lookups while the host tier is on (vLLM's
             ``external_prefix_cache_queries``, which counts its CPU-offload tier there).
-        external_prefix_cache_hits: of those, tokens loaded back from the host tier.
+        external_prefix_cache_hits: of those, tokens loaded back from the host tier or read from the
+            cluster-wide KV store (vLLM counts every connector tier there).
+        storage_cache_hits: of those, tokens read from the KV store (SGLang's ``cached_tokens{cache_source=
+            "storage"}``).
         cached_tokens_total: tokens served from the cache, retracted requests' re-admissions included.
     """
 
@@ -44,6 +47,7 @@ class EngineStats:
         self.prefix_cache_hits = 0
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
+        self.storage_cache_hits = 0
         self.cached_tokens_total = 0
         self.finished: Counter[str] = Counter()
         self.gen_throughput = 0.0
@@ -61,6 +65,7 @@ class EngineStats:
         self.prefix_cache_hits += out.prefix_cache_hits
         self.external_prefix_cache_queries += out.host_cache_queries
         self.external_prefix_cache_hits += out.host_cache_hits
+        self.storage_cache_hits += out.storage_cache_hits
         self.cached_tokens_total += out.num_cached_tokens
         self._interval_tokens += num_sampled
         if out.retracted:

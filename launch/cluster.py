@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pd_cluster.common.net import free_port, port_taken
+from pd_cluster.launch.kv_store import MASTER_NAME, STORE_NAME, plan_kv_store, wait_for_port
 from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.restarts import RestartBackoff, RestartState, parent_bound_argv
 
@@ -72,6 +73,8 @@ class ClusterSpec:
         internal_api_key: the cluster's shared internal key, given to the router and every worker through
             their environment (`internal_key_env`); pd-serve generates one per cluster.
         restart: when to restart a process that exited (`tend`).
+        kv_store_size: the memory of the KV store the cluster starts when the workers use a Mooncake store and
+            name no master (`pd_cluster.launch.kv_store`).
         shutdown_grace_period_secs: how long `LocalCluster.stop` lets the router drain before it stops the
             workers (the router's ``--shutdown-grace-period-secs``; `router_grace_period` reads it from
             `router_argv`).
@@ -103,6 +106,7 @@ class ClusterSpec:
     tp_size: int = 1
     mem_fraction_given: bool = False
     shutdown_grace_period_secs: float = 180.0
+    kv_store_size: str = "1GiB"
 
 
 class LocalCluster:
@@ -112,6 +116,10 @@ class LocalCluster:
         self.spec = spec
         self.procs: list[Proc] = []
         self.logs: dict[str, deque[str]] = {}  # the last lines each process printed
+        self.kv_store, self.engine_argv = plan_kv_store(spec.engine_argv, spec.kv_store_size)
+        self.services = [] if self.kv_store is None else [  # started first, stopped last, never routed to
+            Proc(MASTER_NAME, "kv-store", "", self.kv_store.master_argv()),
+            Proc(STORE_NAME, "kv-store", "", self.kv_store.store_argv())]
         host = spec.host
         if spec.colocated:
             workers = [(f"mixed-{i}", "mixed") for i in range(spec.num_workers or spec.num_prefill + spec.num_decode)]
@@ -134,7 +142,7 @@ class LocalCluster:
     def _add_worker(self, name: str, role: str, port: int) -> None:
         url = f"http://{self.spec.host}:{port}"
         argv = [sys.executable, "-m", "pd_cluster.launch.worker", "--role", role, "--host", self.spec.host, "--port", str(port),
-                "--advertise-url", url, "--log-level", self.spec.log_level, *self.spec.engine_argv,
+                "--advertise-url", url, "--log-level", self.spec.log_level, *self.engine_argv,
                 *self.spec.role_argv.get(role, []), *self.placement.argv(name), *worker_auth_argv(self.spec)]
         prefill_urls = [q.url for q in self.procs if q.role == "prefill"]
         if role == "decode" and prefill_urls:  # the X-PD-Prefill-Url allow-list (prefill workers start first)
@@ -156,6 +164,11 @@ class LocalCluster:
         if reason is not None:
             raise RuntimeError(f"the router cannot listen on {self.spec.host}:{self.spec.router_port} "
                                f"(port {self.spec.router_port}: {reason}); stop what uses it or pass another --port")
+        for p in self.services:
+            self._spawn(p)
+        if self.kv_store is not None and not wait_for_port(self.kv_store.host, self.kv_store.master_port, 30):
+            self._say(f"the KV store's master does not answer on {self.kv_store.address}; the workers start "
+                      "without it and keep trying")
         for p in self.procs + [self.router]:
             self._spawn(p)
         if timeout is not None:
@@ -163,7 +176,7 @@ class LocalCluster:
 
     def dead(self) -> list[str]:
         """Names of the processes that exited."""
-        return [p.name for p in self.procs + [self.router] if not p.alive()]
+        return [p.name for p in self.procs + [self.router] + self.services if not p.alive()]
 
     def _spawn(self, p: Proc) -> None:
         """Start `p`, always from the cluster's own spawner thread.
@@ -250,7 +263,7 @@ class LocalCluster:
         """
         now = time.monotonic() if now is None else now
         changed = False
-        for p in self.procs + [self.router]:
+        for p in self.procs + [self.router] + self.services:
             r = p.restarts
             if p.popen is None or r.given_up:
                 continue
@@ -264,7 +277,7 @@ class LocalCluster:
                     self._say(f"restarted {p.name} (pid {p.pid}, restart {r.total})")
             elif r.awaiting_health and self._answers(p):
                 r.awaiting_health = False
-                if p.role != "router":
+                if p.role not in ("router", "kv-store"):
                     self._register(p)
                 self._say(f"{p.name} is serving again ({p.url})")
         return changed
@@ -275,6 +288,8 @@ class LocalCluster:
         p.restarts.awaiting_health = False
         if p.role == "router":
             left = "no request is served until it is back"
+        elif p.role == "kv-store":
+            left = "the workers serve without the KV store until it is back"
         else:
             others = [q.name for q in self.procs if q.role == p.role and q is not p and q.alive()]
             left = (f"the router routes {p.role} work to {', '.join(others)}" if others else
@@ -284,6 +299,8 @@ class LocalCluster:
         self._say(f"{p.name} (pid {p.pid}) exited with code {code}; {left}; {plan}")
 
     def _answers(self, p: Proc) -> bool:
+        if p.role == "kv-store":
+            return p.alive()
         with httpx.Client(timeout=1.0) as client:
             if p.role == "router":
                 return router_ready(client, p.url)
@@ -322,7 +339,7 @@ class LocalCluster:
         self._spawn(p)
 
     def by_name(self, name: str) -> Proc:
-        return next(p for p in self.procs + [self.router] if p.name == name)
+        return next(p for p in self.procs + [self.router] + self.services if p.name == name)
 
     def stop(self, timeout: float = 15.0, force: threading.Event | None = None) -> None:
         """Drain, then stop: the router first, the workers once it has exited.
@@ -337,6 +354,9 @@ class LocalCluster:
         wait_or_kill([self.router], self.spec.shutdown_grace_period_secs + timeout, force, self._say)
         signal_all(self.procs, signal.SIGTERM)
         wait_or_kill(self.procs, timeout, force, self._say)
+        for p in reversed(self.services):  # the store's memory first, then its master
+            signal_all([p], signal.SIGTERM)
+            wait_or_kill([p], timeout, force, self._say)
 
     @property
     def manifest(self) -> dict:

@@ -29,6 +29,7 @@ from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
                                       LocalCluster)
+from pd_cluster.launch.kv_store import plan_kv_store
 from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.supervise import serve_until_stopped
 from pd_cluster.serving.tools.chat import add_tool_args, tool_argv, tool_settings_from_args
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{role}-gpus", default=None, metavar="LIST",
                        help=f"GPUs of the {role} workers, e.g. 0-3 or 0,2 (each worker takes the next --tp-size; "
                             "default: consecutive blocks of all GPUs, prefill first)")
+    p.add_argument("--kv-store-size", default=ClusterSpec.kv_store_size,
+                   help="with --hicache-storage-backend mooncake and no master given: the memory of the Mooncake "
+                        "store pd-serve starts (a master and one process lending this much, on loopback; default "
+                        f"{ClusterSpec.kv_store_size})")
     for role in ("prefill", "decode", "mixed"):
         p.add_argument(f"--{role}-ports", default=None, metavar="LIST",
                        help=f"HTTP ports of the {role} workers, one per worker in order, e.g. 30001,30002 or "
@@ -191,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                        internal_api_key=internal_api_key, restart=restart, role_gpus=role_gpus,
                        role_ports=role_ports,
                        num_gpus=0 if args.ray_address else cuda_device_count(), tp_size=args.tp_size or 1,
-                       mem_fraction_given=args.mem_fraction_static is not None)
+                       mem_fraction_given=args.mem_fraction_static is not None, kv_store_size=args.kv_store_size)
     if args.ray_address:
+        if plan_kv_store(spec.engine_argv)[0] is not None:
+            parser.error("--hicache-storage-backend mooncake on Ray needs a master you run: give its address as "
+                         "master_server_address in --hicache-storage-backend-extra-config")
         if role_gpus or role_ports:
             parser.error("--prefill-gpus/--decode-gpus/--mixed-gpus and the --*-ports flags are for one host: Ray "
                          "places the workers itself")

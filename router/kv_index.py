@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ from pd_cluster.router.text_map import RecentText, TextRoute
 ROOT_HASH = 0
 MAX_PENDING_ROUTES = 4096
 """Per worker: the oldest pending routes are dropped past this many (bounded memory)."""
+MAX_L3_PAGES = 1 << 19
+"""Pages of the cluster-wide KV store the index remembers (the least recently reported are dropped past this)."""
 
 
 def page_hash(parent: int, token_ids: Sequence[int]) -> int:
@@ -115,6 +118,20 @@ class BadBatch(ValueError):
     """A batch that cannot be applied (malformed)."""
 
 
+def _block_hashes(e: dict) -> list[int]:
+    """An event's ``block_hashes``: a list, or packed (``hashes=packed``: base64 of little-endian u64).
+
+    Raises:
+        ValueError: neither.
+    """
+    hashes = e["block_hashes"]
+    if isinstance(hashes, str):
+        return unpack_u64(hashes)
+    if not isinstance(hashes, list):
+        raise ValueError("block_hashes is neither a list nor packed")
+    return hashes
+
+
 class KvIndex:
     """`WorkerIndex` per worker URL, fed by `apply`; read by the ``cache_aware`` policy.
 
@@ -132,6 +149,7 @@ class KvIndex:
         self.stale_secs = stale_secs
         self._text_polled = text_polled
         self._workers: dict[str, WorkerIndex] = {}
+        self.l3: OrderedDict[int, None] = OrderedDict()  # pages any worker wrote to the cluster-wide KV store
         self.events_received = 0
         self.resyncs: dict[str, int] = {}
 
@@ -186,7 +204,10 @@ class KvIndex:
                 return 0
             w.instance_id, w.page_size = instance, page_size
             for e in events:
-                self._apply_event(w, e)
+                if e.get("medium") == "L3":  # in the store every worker reads, not in this worker's cache
+                    self._apply_l3(e)
+                else:
+                    self._apply_event(w, e)
         except (KeyError, TypeError, ValueError) as exc:
             self.drop(url, "malformed")
             raise BadBatch(f"bad /kv_events answer from {url}: {exc!r}") from None
@@ -204,11 +225,7 @@ class KvIndex:
         if kind == "AllBlocksCleared":
             blocks.clear()
             return
-        hashes = e["block_hashes"]
-        if isinstance(hashes, str):  # packed (``hashes=packed``): base64 of little-endian u64
-            hashes = unpack_u64(hashes)
-        elif not isinstance(hashes, list):
-            raise ValueError("block_hashes is neither a list nor packed")
+        hashes = _block_hashes(e)
         if kind == "BlockStored":
             get = blocks.get
             for h in hashes:
@@ -224,6 +241,29 @@ class KvIndex:
                     blocks.pop(h, None)
         else:
             raise ValueError(f"unknown event type {kind!r}")
+
+    def _apply_l3(self, e: dict) -> None:
+        if e["type"] != "BlockStored":
+            return  # the store's own evictions are not reported: its entries age out of `l3` instead
+        l3 = self.l3
+        for h in _block_hashes(e):
+            h = int(h)
+            l3[h] = None
+            l3.move_to_end(h)
+        while len(l3) > MAX_L3_PAGES:
+            l3.popitem(last=False)
+
+    def l3_pages(self, url: str, prompt: PromptTokens) -> int:
+        """Leading pages of `prompt` (in `url`'s page size) that some worker wrote to the cluster-wide KV store."""
+        w = self._workers.get(url)
+        if w is None or w.page_size < 1 or not self.l3:
+            return 0
+        n = 0
+        for h in prompt.hashes(w.page_size):
+            if h not in self.l3:
+                break
+            n += 1
+        return n
 
     # ---- pending routes ----------------------------------------------------------------------------------
     def predict(self, url: str, hashes: tuple[int, ...]) -> PendingRoute | None:

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestDelta
+from pd_cluster.serving.kv_store_metrics import KVStoreMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -68,6 +69,9 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "pd:request_generation_tokens": ("vllm:request_generation_tokens",),
     "pd:request_max_num_generation_tokens": ("vllm:request_max_num_generation_tokens",),
     "pd:cache_config_info": ("vllm:cache_config_info",),
+    # the KV store's traffic (`pd_cluster.serving.kv_store_metrics`), vLLM's offload counters
+    "pd:kv_offload_total_bytes": ("vllm:kv_offload_total_bytes",),
+    "pd:kv_offload_total_time": ("vllm:kv_offload_total_time",),
 }
 
 # The vLLM twins a role does not export, so that each figure is counted once per cluster (module docstring).
@@ -127,9 +131,9 @@ class WorkerMetrics:
                                    "(0 while the engine does not count them).")
         # The host tier (--enable-hierarchical-cache), SGLang's HiCache names; 0 while it is off.
         self.external_prefix_cache_queries = c("external_prefix_cache_queries", "Prompt tokens looked up while "
-                                               "the host tier is on.")
+                                               "the host tier or the KV store is on.")
         self.external_prefix_cache_hits = c("external_prefix_cache_hits", "Prompt tokens loaded back from the "
-                                            "host tier at admission (host-tier hits).")
+                                            "host tier or read from the KV store at admission (external hits).")
         self.load_back_tokens = c("load_back_tokens", "Tokens of KV copied host tier -> device pool.")
         self.hicache_backup_tokens = c("hicache_backup_tokens", "Tokens of KV spilled device pool -> host tier.")
         self.evicted_tokens = c("evicted_tokens", "Tokens of cached KV evicted from the device pool.")
@@ -154,6 +158,7 @@ class WorkerMetrics:
                                        CACHE_CONFIG_LABELS, registry=own)
         self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0, "ext_queries": 0,
                       "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
+        self.kv_store = KVStoreMetrics(own)  # cached tokens by source; the cluster-wide KV store
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
         self.dropped_tokens = 0  # sampled for requests that return none (echo with max_tokens 0): not generated
         self._cache_config_set = False
@@ -182,17 +187,18 @@ class WorkerMetrics:
             self._inc(self.prefix_cache_queries, "pc_queries", int(queries))
             self._inc(self.prefix_cache_hits, "pc_hits", int(hits))
         self._on_host_tier(engine)
+        self.kv_store.on_step(engine)
 
     def _on_host_tier(self, engine: LLMEngine) -> None:
         st, cache, host = engine.stats, getattr(engine, "prefix_cache", None), getattr(engine, "host_tier", None)
         if cache is not None:
             self._inc(self.evicted_tokens, "evicted", cache.num_evicted_total * cache.page_size)
-        if host is None:
-            return
-        queries, hits = (int(getattr(st, name, 0)) for name in HOST_TIER_STATS)
+        queries, hits = (int(getattr(st, name, 0)) for name in HOST_TIER_STATS)  # the host tier's and the store's
         self._inc(self.external_prefix_cache_queries, "ext_queries", queries)
         self._inc(self.external_prefix_cache_hits, "ext_hits", hits)
-        self._inc(self.load_back_tokens, "load_back", host.load_back_pages_total * host.page_size)
+        if host is None:
+            return
+        self._inc(self.load_back_tokens, "load_back", host.load_back_pages_total * host.page_size)  # host only
         self._inc(self.hicache_backup_tokens, "backup", host.backup_pages_total * host.page_size)
         self.hicache_host_used_tokens.set(host.num_used * host.page_size)
         self.hicache_host_total_tokens.set(host.max_total_num_tokens)

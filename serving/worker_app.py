@@ -346,4 +346,6 @@ def server_info(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[
         "layout_hash": layout.hash(),
         "tp_size": layout.tp_size,
         **({"kv_groups": list(layout.kv_groups)} if layout.kv_groups else {}),
+        **({"kv_store": {"backend": engine.l3.backend.name, "key_prefix": engine.l3.namespace.prefix}}
+           if getattr(engine, "l3", None) is not None else {}),
     }, **(extra or {}))

@@ -39,9 +39,13 @@ ROOT_HASH = 0
 """The parent hash of a prompt's first page."""
 
 
-def page_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """The chained hash of one page (see the module docstring); an unsigned 64-bit integer."""
-    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+def page_hash(parent: int, token_ids: Sequence[int], digest_size: int = 8) -> int:
+    """The chained hash of one page (see the module docstring); an unsigned 64-bit integer.
+
+    `digest_size` 16 gives the 128-bit chain that names pages in the cluster-wide KV store
+    (`pd_cluster.engine.kv.l3.keys`): the parent is then 16 bytes too.
+    """
+    h = hashlib.blake2b(parent.to_bytes(digest_size, "little"), digest_size=digest_size)
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
     return int.from_bytes(h.digest(), "little")
 
@@ -49,18 +53,23 @@ def page_hash(parent: int, token_ids: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class BlockStored:
     """Pages that joined the cache, in chain order; the first one's parent is `parent_block_hash`
-    (None for a prompt's first page)."""
+    (None for a prompt's first page). `medium` (vLLM's field): None for the worker's own cache; ``"L3"`` for pages
+    this worker wrote to the cluster-wide KV store, which every worker can read (no parent or token ids then:
+    the hashes name whole prefixes)."""
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    medium: str | None = None
 
     def to_json(self, token_ids: bool = True) -> dict:
         out = {"type": "BlockStored", "block_hashes": list(self.block_hashes),
                "parent_block_hash": self.parent_block_hash, "block_size": self.block_size}
         if token_ids:
             out["token_ids"] = list(self.token_ids)
+        if self.medium is not None:
+            out["medium"] = self.medium
         return out
 
 
@@ -169,6 +178,13 @@ class KVEventLog:
             hashes = tuple(self._pages.pop(p)[0] for p in pages if p in self._pages)  # only pages reported stored
             if hashes:
                 self._append(BlockRemoved(hashes), len(hashes))
+
+    def l3_stored(self, hashes: Sequence[int]) -> None:
+        """Pages (by hash) this worker wrote to the cluster-wide KV store (any thread): one ``BlockStored`` with
+        medium ``"L3"``, which the router adds to its cluster-wide set (``docs/kv-store.md``)."""
+        if hashes:
+            with self._lock:
+                self._append(BlockStored(tuple(hashes), None, (), self.page_size, "L3"), len(hashes))
 
     def _append(self, event: KVEvent, num_pages: int) -> None:
         self._seq += 1

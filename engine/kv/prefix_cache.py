@@ -78,12 +78,14 @@ class CacheChain:
             (matched or inserted); `PrefixCache.insert` continues from here.
         anchors: cached pages the request references without using (see the module docstring).
         num_loaded: how many of the matched pages were loaded back from the host tier.
+        num_stored: how many were read from the cluster-wide KV store (`load_pages`).
     """
 
     node: _Node
     num_pages: int = 0
     anchors: list[int] = field(default_factory=list)
     num_loaded: int = 0
+    num_stored: int = 0
 
 
 class PrefixCache:
@@ -153,6 +155,42 @@ class PrefixCache:
             self._acquire(p)
             self._by_page[p].stamp = stamp
         return pages, CacheChain(node, len(pages))
+
+    def load_pages(self, chain: CacheChain, token_ids: Sequence[int], payloads: Sequence, copy_in) -> list[int]:
+        """Cache pages read from the cluster-wide KV store right below `chain` (a request's matched prefix, which
+        they continue) and hand them to the request as hits (`pd_cluster.engine.kv.l3.tier`).
+
+        As many pages as free plus evictable device pages allow are taken (evicting others), and fewer when the
+        tree already has a node for one of them (a host-only copy, which `match` could not load). Each gets
+        the cache's reference and the caller's; ``copy_in(pages, payloads)`` writes their bytes.
+
+        Returns:
+            The new device pages, in order (``chain`` advanced past them, ``chain.num_stored`` their count).
+        """
+        first = chain.num_pages
+        keys = list(self._keys(token_ids, first, first + len(payloads)))
+        if not keys or keys[0] in chain.node.children:  # a new node has no children: only the first can clash
+            return []
+        short = len(keys) - self.allocator.num_free
+        if short > 0:
+            self.evict(short)  # the chain's pages are the request's: never evicted here
+        keys = keys[:self.allocator.num_free]
+        if not keys:
+            return []
+        pages = self.allocator.allocate(len(keys))  # the cache's reference
+        copy_in(pages, payloads[:len(pages)])
+        self.allocator.incref(pages)  # the request's reference
+        parent, node, stamp = chain.node, chain.node, next(self._clock)
+        for key, page in zip(keys, pages):
+            child = _Node(key, page, node)
+            child.stamp = stamp
+            node.children[key] = child
+            self._by_page[page] = child
+            node = child
+        chain.node, chain.num_pages, chain.num_stored = node, first + len(pages), len(pages)
+        if self.observer is not None:
+            self.observer.stored(None if parent is self.root else parent.page, pages, keys)
+        return pages
 
     def walk(self, token_ids: Sequence[int], max_tokens: int) -> list[_Node]:
         """The nodes of the longest cached chain of full pages that is a prefix of ``token_ids[:max_tokens]``,

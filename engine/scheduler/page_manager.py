@@ -32,6 +32,7 @@ class PageManager:
         self.allocator = allocator
         self.page_size = page_size
         self.cache = cache
+        self.l3 = None  # the cluster-wide KV store's tier (`pd_cluster.engine.kv.l3.tier.L3Tier`), set by the engine
         self._chains: dict[str, CacheChain] = {}  # request id -> its place in the cache
 
     # ---- sizes ---------------------------------------------------------------------
@@ -103,6 +104,10 @@ class PageManager:
         if self.cache is None or req.block_table:
             return 0
         pages, chain = self.cache.match(req.cache_tokens, req.num_tokens - 1)
+        if self.l3 is not None:  # pages read from the store for this request continue the match
+            payloads = self.l3.take(req.request_id, len(pages))
+            if payloads:
+                pages += self.cache.load_pages(chain, req.cache_tokens, payloads, self.l3.copy_in)
         req.block_table = pages
         self._chains[req.request_id] = chain
         return len(pages) * self.page_size
@@ -112,9 +117,15 @@ class PageManager:
         chain = self._chains.get(req.request_id)
         return chain.num_loaded * self.page_size if chain is not None else 0
 
+    def stored_hit_tokens(self, req: Request) -> int:
+        """Tokens of `req`'s last `match` read from the cluster-wide KV store (0 without one)."""
+        chain = self._chains.get(req.request_id)
+        return chain.num_stored * self.page_size if chain is not None else 0
+
     @property
     def has_host_tier(self) -> bool:
-        return self.cache is not None and self.cache.host is not None
+        """A tier beyond the device is on: the host tier or the KV store (vLLM's external prefix cache)."""
+        return self.cache is not None and (self.cache.host is not None or self.l3 is not None)
 
     def cache_computed(self, req: Request, num_tokens: int | None = None) -> None:
         """Add the pages of `req` that are full and computed to the prefix cache.

@@ -82,7 +82,8 @@ class SchedulerOutput:
     prefix_cache_queries: int = 0    # tokens looked up in the prefix cache (first admissions only, as vLLM)
     prefix_cache_hits: int = 0       # of which found on the device
     host_cache_queries: int = 0      # the same lookups, counted when a host tier is on (vLLM's external_*)
-    host_cache_hits: int = 0         # of which loaded back from the host tier
+    host_cache_hits: int = 0         # of which loaded back from the host tier or read from the KV store
+    storage_cache_hits: int = 0      # of those, read from the cluster-wide KV store
     reserved_cached_tokens: int = 0  # decode role: of the reserved requests' tokens, those their cache held
     launched: bool = False           # `Scheduler.on_step_launched` ran (admission updates applied)
 
@@ -303,11 +304,13 @@ class Scheduler:
             req.num_cached_tokens = min(cached, req.num_prompt_tokens)
             if self.pages.cache is not None and req.params.prompt_logprobs is None:
                 loaded = self.pages.host_hit_tokens(req)
+                stored = self.pages.stored_hit_tokens(req)
                 out.prefix_cache_queries += req.num_tokens
-                out.prefix_cache_hits += cached - loaded
+                out.prefix_cache_hits += cached - loaded - stored
                 if self.pages.has_host_tier:
                     out.host_cache_queries += req.num_tokens
-                    out.host_cache_hits += loaded
+                    out.host_cache_hits += loaded + stored
+                    out.storage_cache_hits += stored
 
     def _reserve_remote(self, req: Request, out: SchedulerOutput) -> bool:
         """Reserve pages for every known token beyond the matched prefix (`num_computed_tokens` until the KV

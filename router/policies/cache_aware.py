@@ -30,6 +30,10 @@ where ``cached_pages`` are the prompt's leading full pages the worker holds
 last poll), ``prompt_pages`` the prompt's full pages, and ``load`` is
 :func:`~pd_cluster.router.policies.base.live_load` in requests. The lowest
 cost wins; ties go to the lower load, then to the worker holding fewer pages.
+Pages some worker wrote to the cluster-wide KV store (``--hicache-storage-backend``; their ``"L3"`` KV events)
+count for every worker at `L3_HIT_WEIGHT` of a page it holds itself: reading them is cheaper than computing
+them, but not free, so a worker that holds a prefix still wins it while loads are balanced, and a busy one loses
+less by sending it elsewhere (llm-d's precise prefix scorer weighs its tiers the same way).
 Otherwise the tree decides (the fallback), and records the prompts it routes;
 while the events route, the pending text blocks (`KvIndex.predict_text`) stand
 in for it, so a prompt costs one pass of block hashes.
@@ -58,6 +62,10 @@ from pd_cluster.router.text_map import TextMap
 
 HASHED_CHARS = 1 << 22
 """Characters of recent prompts whose block hashes are remembered (a repeated prompt is hashed once)."""
+
+
+L3_HIT_WEIGHT = 0.5
+"""What a page in the cluster-wide KV store counts for, against one in the worker's own cache (1) or a miss (0)."""
 
 
 class CacheAware(Policy):
@@ -96,9 +104,11 @@ class CacheAware(Policy):
             self.by_events += 1
             if request.prompt is not None:
                 prompt = request.prompt
-                return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt))
+                return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt),
+                                         lambda c: self.index.l3_pages(c.url, prompt))
             self._routed = (request, now)
-            return self._by_kv_state(candidates, TextPages(self, request.text))
+            pages = TextPages(self, request.text)
+            return self._by_kv_state(candidates, pages, pages.stored)
         self.by_tree += 1
         hashes = self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
@@ -141,16 +151,18 @@ class CacheAware(Policy):
             return True
         return all(index.fresh(c.url, now) for c in candidates)
 
-    def _by_kv_state(self, candidates: Sequence[Candidate],
-                     cached_pages: Callable[[Candidate], tuple[int, int]]) -> Candidate:
+    def _by_kv_state(self, candidates: Sequence[Candidate], cached_pages: Callable[[Candidate], tuple[int, int]],
+                     stored_pages: Callable[[Candidate], int]) -> Candidate:
         """The choice on the workers' KV state; ``cached_pages(c)``: (leading pages of the prompt `c` holds, the
-        prompt's pages)."""
+        prompt's pages); ``stored_pages(c)``: leading pages of the prompt in the cluster-wide KV store, in `c`'s
+        page size."""
         index, weight = self.index, self.kv.overlap_score_weight
         loads = [live_load(c) for c in candidates]
         fractions = []
         for c in candidates:
             cached, total = cached_pages(c)
-            fractions.append((min(1.0, cached / total) if total else 0.0, cached))
+            stored = max(stored_pages(c) - cached, 0)  # read from the store, not computed
+            fractions.append((min(1.0, (cached + L3_HIT_WEIGHT * stored) / total) if total else 0.0, cached))
         # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
         balanced = not self._imbalanced(loads)
         by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
@@ -278,3 +290,17 @@ class TextPages:
             elif depth:
                 cached = max(cached, min(total, int(depth * block_chars_for(w.page_size) / chars_per_page)))
         return cached, total
+
+    def stored(self, c: Candidate) -> int:
+        """Leading mapped pages of the text that some worker wrote to the cluster-wide KV store (`KvIndex.l3`), in
+        `c`'s page size."""
+        index = self.policy.index
+        w = index.get(c.url)
+        if w is None or w.page_size < 1 or not index.l3:
+            return 0
+        stored = 0
+        for _, page, pages in self._resolved(w.page_size)[1]:
+            if page not in index.l3:
+                break
+            stored = pages
+        return stored

@@ -236,6 +236,7 @@ def test_every_schema_flag_renders_and_parses():
         args[key] = next(v for v in prop.get("enum", []) if v is not None) if "enum" in prop else sample[kind]
     args["kv-cache-memory"] = "64MiB"
     args["hicache-size"] = "1GiB"  # sizes, like kv-cache-memory, are strings with a unit
+    args["tp-size"] = 1  # the chart refuses the KV store (hicache-storage-backend) with more ranks
     objs = render({"engine": {"args": args}, "gpu": {"count": 0}})
     for sts in objects(objs, "StatefulSet"):
         argv = [expand(a, FAKE_ENV) for a in sts["spec"]["template"]["spec"]["containers"][0]["args"]]

@@ -42,7 +42,7 @@ def test_package_list_matches_the_folders():
 
 def test_console_scripts_point_into_the_namespace():
     scripts = _pyproject()["project"]["scripts"]
-    assert set(scripts) == {"pd-serve", "pd-worker", "pd-router", "pd-bench", "pd-plan", "pd-generate"}
+    assert set(scripts) == {"pd-serve", "pd-worker", "pd-router", "pd-bench", "pd-plan", "pd-generate", "pd-kv-store"}
     assert all(target.startswith("pd_cluster.") for target in scripts.values()), scripts
 
 

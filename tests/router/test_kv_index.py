@@ -163,6 +163,36 @@ def test_cache_aware_scores_real_overlap_against_load_and_falls_back_to_the_tree
     assert policy.select([a, b], RouteRequest(text, 1, prompt(ids))) is a and policy.by_tree == 3
 
 
+def test_pages_a_worker_wrote_to_the_kv_store_count_for_every_worker_at_half_a_held_page():
+    clock, index = Clock(), KvIndex()
+    kv = KvRoutingConfig(tokenizer_path="t", overlap_score_weight=100.0)
+    policy = CacheAware(CacheAwareConfig(), clock, index, kv)
+    registry = WorkerRegistry(CircuitBreakerConfig())
+    wa, wb = Worker(), Worker()
+    ids = list(range(1, 18))  # 4 full pages
+    wa.cache_prompt(ids)  # A holds the prompt; B nothing
+    a, b = _candidates(registry, Role.PREFILL, [A, B], {A: 100, B: 20})  # imbalanced
+    for url, w in ((A, wa), (B, wb)):
+        sync(index, url, w, clock.t)
+    assert index.l3_pages(B, prompt(ids)) == 0
+    # cost = weight x uncached fraction + load: A 0 + 100 against B 100 + 20
+    assert policy.select([a, b], RouteRequest("t", 1, prompt(ids))) is a
+    wa.log.l3_stored(prompt(ids).hashes(PS))  # A wrote them to the store (its write thread)
+    batch = wa.batch(index.since(A))
+    assert batch["events"][-1]["medium"] == "L3" and batch["events"][-1]["block_hashes"] == list(prompt(ids).hashes(PS))
+    index.apply(A, wa.log.read(index.since(A)).to_json(token_ids=False, packed=True), clock.t)  # as the router polls
+    assert index.fresh(A, clock.t)
+    assert index.l3_pages(B, prompt(ids)) == index.l3_pages(A, prompt(ids)) == 4
+    assert index.cached_pages(B, prompt(ids)) == (0, 4)  # in the store, not in B's own cache
+    assert index.l3_pages(B, prompt(ids[:4] + [99] * 12)) == 1  # leading pages only
+    # B now reads the prompt from the store: 100 x 0.5 + 20 < 0 + 100
+    assert policy.select([a, b], RouteRequest("t", 1, prompt(ids))) is b
+    # balanced loads: the worker holding the prefix still wins it over the store
+    a.load = LoadReport.from_json({"num_running_reqs": 1, "num_queue_reqs": 0}, 0.0)
+    b.load = LoadReport.from_json({"num_running_reqs": 0, "num_queue_reqs": 0}, 0.0)
+    assert policy.select([a, b], RouteRequest("t", 1, prompt(ids))) is a
+
+
 def test_decode_routing_and_pending_routes_through_the_pair_selector():
     clock = Clock()
     config = PolicyConfig(prefill="cache_aware", decode="cache_aware", kv=KvRoutingConfig(tokenizer_path="t"))

@@ -121,3 +121,19 @@ def test_recent_text_counts_routes_until_confirmed_and_drops_old_generations():
     assert recent.depth([1, 2]) == 0 and recent.horizon == float("inf")
     recent.add([5], now=12.0)
     assert recent.depth([1]) == 0 and recent.depth([5]) == 1  # older blocks do not count for a new horizon
+
+
+def test_an_untokenized_prompt_counts_the_pages_a_worker_wrote_to_the_kv_store():
+    fleet = Fleet()
+    fleet.policy = CacheAware(CacheAwareConfig(), fleet.clock, fleet.index, KvRoutingConfig(overlap_score_weight=100.0),
+                              fleet.text_map)
+    fleet.kv["a"].observe({"prompt": STORY}, chat=False)  # a holds the story; b nothing
+    fleet.poll()
+    busy_a = [StubCandidate("a", inflight=100), StubCandidate("b", inflight=20)]  # imbalanced
+    request = RouteRequest(parse_request(json.dumps({"prompt": STORY + "?"}).encode(), chat=False).text)
+    assert fleet.policy.select(busy_a, request).url == "a"  # b would compute it all: 100 + 20 against ~100
+    fleet.kv["a"].events.l3_stored(list(fleet.index.get("a").blocks))  # a wrote its pages to the store
+    fleet.poll()
+    assert fleet.index.l3 and not fleet.index.get("b").blocks
+    assert fleet.policy.select(busy_a, request).url == "b"  # b reads them from the store at half a page's cost
+    assert fleet.policy.by_events == 2 and fleet.policy.by_tree == 0

@@ -29,13 +29,13 @@ FAST_ENGINE = ["--kv-cache-memory", "64MiB", "--cpu-threads", "1"]
 
 @contextlib.contextmanager
 def running_cluster(num_prefill: int = 1, num_decode: int = 1, colocated: bool = False, engine_argv=(),
-                    router_argv=(), num_workers: int = 0, echo: bool = False, role_argv=None):
-    """Start a `LocalCluster`, yield it ready, always stop it."""
+                    router_argv=(), num_workers: int = 0, echo: bool = False, role_argv=None, **spec_kw):
+    """Start a `LocalCluster`, yield it ready, always stop it; `spec_kw`: more `ClusterSpec` fields."""
     spec = ClusterSpec(num_prefill=num_prefill, num_decode=num_decode, colocated=colocated, num_workers=num_workers,
                        router_port=free_port(), engine_argv=FAST_ENGINE + list(engine_argv),
                        role_argv=dict(role_argv or {}),
                        router_argv=["--health-check-interval-secs", "0.5", *router_argv], log_level="warning",
-                       echo=echo)
+                       echo=echo, **spec_kw)
     cluster = LocalCluster(spec)
     try:
         cluster.start()

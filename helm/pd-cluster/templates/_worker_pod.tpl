@@ -83,6 +83,13 @@ spec:
         - {{ $root.Values.model.path | quote }}
         {{- end }}
         {{- include "pd-cluster.flags" .args | trim | nindent 8 }}
+        {{- if and (or $root.Values.kvStore.enabled (index .args "hicache-storage-backend")) (gt ((index .args "tp-size") | default 1 | int) 1) }}
+        {{- fail (printf "%s: the KV store (kvStore.enabled or hicache-storage-backend) is not built for tp-size > 1 yet; set %s.args.tp-size: 1 or turn the store off" .role .role) }}
+        {{- end }}
+        {{- if and $root.Values.kvStore.enabled (not (index .args "hicache-storage-backend")) }}
+        - "--hicache-storage-backend"
+        - "mooncake"
+        {{- end }}
         {{- if .lws }}
         {{- range $w.leaderWorkerSet.args }}
         - {{ . | quote }}
@@ -189,6 +196,20 @@ spec:
     secretKeyRef:
       name: {{ include "pd-cluster.fullname" $root }}-internal-key
       key: internal-api-key
+{{- with $root.Values.kvStore }}
+{{- if .enabled }}
+- name: MOONCAKE_MASTER
+  value: {{ printf "%s-kv-master:%v" (include "pd-cluster.fullname" $root) .rpcPort | quote }}
+- name: MOONCAKE_LOCAL_HOSTNAME
+  value: "$(POD_IP)"
+- name: MOONCAKE_PROTOCOL
+  value: {{ .protocol | quote }}
+{{- with .deviceName }}
+- name: MOONCAKE_DEVICE
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- with .values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
