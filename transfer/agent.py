@@ -167,6 +167,11 @@ class TransferAgent:
     def is_connected(self, name: str) -> bool:
         return name in self._peers
 
+    @property
+    def peer_names(self) -> tuple[str, ...]:
+        """The agents whose metadata is loaded (safe from any thread: a snapshot)."""
+        return tuple(self._peers)
+
     def connect(self, info: AgentInfo) -> None:
         """The handshake: check the peer's layout, then load its NIXL metadata (once per incarnation).
 

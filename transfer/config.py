@@ -37,7 +37,8 @@ class TransferConfig:
             heartbeats keep its transfers alive: a step loop that has not
             polled for longer is taken as hung, its heartbeats stop, and decode's
             deadline ends its transfers. SGLang's ``--watchdog-timeout`` has the
-            same default for one forward batch.
+            same default for one forward batch. On decode, also the longest a
+            ticket waits for a live prefill worker to take it (`KVReceiver`).
         abort_quarantine: seconds decode keeps the pages of an aborted or timed-out
             transfer out of use when the sender neither confirms it stopped nor is
             known dead; None means `kv_transfer_timeout`.

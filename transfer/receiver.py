@@ -27,7 +27,13 @@ timeout and gives up after half of it without progress or heartbeat.
 The deadline counts silence: a transfer fails when neither a push nor the
 sender's heartbeat (`protocol.Alive`, sent by a thread of its own while its
 step loop is alive, `KVSender.heartbeat`) named it for ``kv_transfer_timeout``,
-so a prefill chunk that computes longer than that does not fail it.
+so a prefill chunk that computes longer than that does not fail it. Until the
+sender first names a ticket (a heartbeat or a push), the sender's process
+counts instead: it may not have read the ticket yet (its HTTP server's queue,
+or this worker's own, when one request hands out a thousand tickets at once),
+so any message from that peer restarts the deadline, and the ticket fails
+when the peer is silent for ``kv_transfer_timeout`` or has not named it within
+``step_timeout`` (no queue holds a ticket that long).
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class KVReceiver:
         self._failures: list[RecvFailed] = []
         self._seq = 0
         self._next_ping = 0.0
+        self._peer_heard: dict[str, float] = {}  # when each sender last sent anything (`_silent_since`)
 
     @property
     def num_waiting(self) -> int:
@@ -232,6 +239,7 @@ class KVReceiver:
         ev = ReceiverEvents()
         self._drain_failures(ev)
         for peer, msg in self.agent.take(protocol.Push, protocol.Stopped, protocol.Alive):
+            self._peer_heard[peer] = now
             if isinstance(msg, protocol.Alive):
                 self._on_alive(peer, msg, now)
             else:
@@ -242,12 +250,10 @@ class KVReceiver:
         for job in list(self._jobs.values()):
             if job.error is None and self._complete(job):
                 self._finish(job, now, ev)
-            elif job.error is None and now - job.last_progress > self.config.kv_transfer_timeout:
-                self._fail(job, TransferTimeoutError(
-                    f"transfer {job.ticket.transfer_id} from {job.peer}: no push or heartbeat for "
-                    f"{self.config.kv_transfer_timeout:.1f} s (--kv-transfer-timeout); {len(job.pushes)} pushes, "
-                    f"{job.pages_arrived}/{job.ticket.num_pages} pages arrived, {job.heartbeats} heartbeats",
-                    transfer_id=job.ticket.transfer_id, peer=job.peer), now, cancel=True)
+            elif job.error is None and now - self._silent_since(job, now) > self.config.kv_transfer_timeout:
+                self._fail(job, TransferTimeoutError(self._timeout_message(job, now),
+                                                     transfer_id=job.ticket.transfer_id, peer=job.peer), now,
+                           cancel=True)
             elif job.error is not None and now >= job.release_at:
                 logger.warning("KV transfer %s: releasing %d pages after the %.1f s quarantine without the sender's "
                                "confirmation", job.ticket.transfer_id, job.ticket.num_pages, self.config.quarantine)
@@ -257,6 +263,24 @@ class KVReceiver:
         return ev
 
     # ---- internals -----------------------------------------------------------
+    def _silent_since(self, job: _Expect, now: float) -> float:
+        """When the deadline of `job` started: its own last push or heartbeat once the sender named it; before
+        that, the sender process's last message too, for at most `step_timeout` (module doc)."""
+        if job.heartbeats or job.pushes:
+            return job.last_progress
+        if now - job.created > self.config.step_timeout:
+            return job.created
+        return max(job.last_progress, self._peer_heard.get(job.peer, 0.0))
+
+    def _timeout_message(self, job: _Expect, now: float) -> str:
+        head = f"transfer {job.ticket.transfer_id} from {job.peer}: "
+        if not (job.heartbeats or job.pushes) and now - job.created > self.config.step_timeout:
+            return (head + f"the prefill worker did not take the ticket in {now - job.created:.1f} s "
+                    f"(--kv-transfer-step-timeout {self.config.step_timeout:.1f} s)")
+        return (head + f"no push or heartbeat for {self.config.kv_transfer_timeout:.1f} s (--kv-transfer-timeout); "
+                f"{len(job.pushes)} pushes, {job.pages_arrived}/{job.ticket.num_pages} pages arrived, "
+                f"{job.heartbeats} heartbeats")
+
     def _on_message(self, peer: str, msg, now: float, ev: ReceiverEvents) -> None:
         if isinstance(msg, protocol.Stopped):  # whatever it concerns, the sender may stop waiting
             self._ack(peer, msg.transfer_id, "stopped")
@@ -372,7 +396,9 @@ class KVReceiver:
             self._closed.popitem(last=False)
 
     def _heartbeat(self, now: float, ev: ReceiverEvents) -> None:
-        for peer in {j.peer for j in self._jobs.values()}:
+        peers = {j.peer for j in self._jobs.values()}
+        self._peer_heard = {p: t for p, t in self._peer_heard.items() if p in peers}  # a new ticket starts anew
+        for peer in peers:
             try:
                 self.agent.send(peer, protocol.Ping())
             except PeerDiedError as e:

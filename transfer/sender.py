@@ -28,7 +28,10 @@ than the deadline (the last chunks of a 10M-token prompt take seconds each),
 and the step loop polls nothing meanwhile. So `heartbeat`, run every
 `heartbeat_period` by a thread of its own (`start_heartbeat`), sends decode an
 `Alive` naming this process's transfers: decode's deadline restarts for each.
-A process frozen (SIGSTOP, a VM pause) or killed sends none, so decode's
+Every connected decode peer gets one each period, naming none if need be: a
+ticket this process has not read yet (it waits in its HTTP server's queue, or
+in decode's own send queue, when a 1,000-prompt request hands out tickets at
+once) is then kept alive by the process's life (`KVReceiver`). A process frozen (SIGSTOP, a VM pause) or killed sends none, so decode's
 deadline and its liveness probe find it as before; a step loop that has not
 polled for `step_timeout` is taken as hung and is vouched for no more. A
 heartbeat is never sent for a transfer already idle past
@@ -259,7 +262,8 @@ class KVSender:
             self._waiting.pop(transfer_id, None)
 
     def heartbeat(self) -> int:
-        """Tell each decode peer that this process is alive and working on its transfers (`protocol.Alive`).
+        """Tell each decode peer that this process is alive and working on its transfers (`protocol.Alive`);
+        a connected peer with none of them gets an `Alive` naming none (the process lives).
 
         Safe from any thread (`start_heartbeat` runs it on its own). Nothing is sent for a transfer that
         already failed or has been idle (no progress, no heartbeat) past `sender_idle_timeout` (the step
@@ -284,9 +288,11 @@ class KVSender:
         for tid, peer in waiting:  # no push can be posted before `add_request`, which restarts its clock
             if self.agent.is_connected(peer):
                 by_peer.setdefault(peer, []).append((tid, None))
+        for peer in self.agent.peer_names:  # the process lives: tickets not read yet (an HTTP queue) may wait
+            by_peer.setdefault(peer, [])
         vouched = 0
         for peer, group in by_peer.items():
-            for i in range(0, len(group), _ALIVE_IDS):  # a notification stays small (tens of ids)
+            for i in range(0, max(len(group), 1), _ALIVE_IDS):  # a notification stays small (tens of ids)
                 part = group[i:i + _ALIVE_IDS]
                 try:
                     self.agent.send(peer, protocol.Alive(tuple(tid for tid, _ in part)), progress_data=False)

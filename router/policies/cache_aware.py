@@ -20,14 +20,17 @@ the workers' text-to-page map of its page size is usable
 pages, `TextPages`), the tree is not consulted. While the loads are balanced
 (the tree's ``balance_abs_threshold`` / ``balance_rel_threshold``, as SGLang's
 router), the worker holding the most of the prompt wins if it holds more than
-``cache_threshold`` of it (ties: the lower load), else the least loaded worker
+``cache_threshold`` of it (of its pages; of an untokenized prompt's characters,
+`TextPages`) (ties: the lower load), else the least loaded worker
 holding the fewest pages; once the loads are imbalanced each worker costs
 
-    cost = overlap_score_weight x (1 - cached_pages / prompt_pages) + load
+    cost = overlap_score_weight x (1 - matched fraction) + load
 
-where ``cached_pages`` are the prompt's leading full pages the worker holds
-(reported by its KV events, or pending from a request routed there since the
-last poll), ``prompt_pages`` the prompt's full pages, and ``load`` is
+where the matched fraction is ``cached_pages / prompt_pages``, the prompt's
+leading full pages the worker holds (reported by its KV events, or pending from
+a request routed there since the last poll) over its full pages (for an
+untokenized prompt: the characters up to its deepest held text block over its
+characters), and ``load`` is
 :func:`~pd_cluster.router.policies.base.live_load` in requests. The lowest
 cost wins; ties go to the lower load, then to the worker holding fewer pages.
 Pages some worker wrote to the cluster-wide KV store (``--hicache-storage-backend``; their ``"L3"`` KV events)
@@ -104,11 +107,10 @@ class CacheAware(Policy):
             self.by_events += 1
             if request.prompt is not None:
                 prompt = request.prompt
-                return self._by_kv_state(candidates, lambda c: self.index.cached_pages(c.url, prompt),
-                                         lambda c: self.index.l3_pages(c.url, prompt))
+                return self._by_kv_state(candidates, lambda c: _page_match(
+                    self.index.cached_pages(c.url, prompt), self.index.l3_pages(c.url, prompt)))
             self._routed = (request, now)
-            pages = TextPages(self, request.text)
-            return self._by_kv_state(candidates, pages, pages.stored)
+            return self._by_kv_state(candidates, TextPages(self, request.text))
         self.by_tree += 1
         hashes = self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
@@ -151,18 +153,14 @@ class CacheAware(Policy):
             return True
         return all(index.fresh(c.url, now) for c in candidates)
 
-    def _by_kv_state(self, candidates: Sequence[Candidate], cached_pages: Callable[[Candidate], tuple[int, int]],
-                     stored_pages: Callable[[Candidate], int]) -> Candidate:
-        """The choice on the workers' KV state; ``cached_pages(c)``: (leading pages of the prompt `c` holds, the
-        prompt's pages); ``stored_pages(c)``: leading pages of the prompt in the cluster-wide KV store, in `c`'s
-        page size."""
+    def _by_kv_state(self, candidates: Sequence[Candidate],
+                     matched: Callable[[Candidate], tuple[float, int]]) -> Candidate:
+        """The choice on the workers' KV state; ``matched(c)``: (the fraction of the prompt `c` holds, 0..1, with
+        what the cluster-wide KV store holds beyond it at `L3_HIT_WEIGHT`; the leading pages of it that `c`
+        holds)."""
         index, weight = self.index, self.kv.overlap_score_weight
         loads = [live_load(c) for c in candidates]
-        fractions = []
-        for c in candidates:
-            cached, total = cached_pages(c)
-            stored = max(stored_pages(c) - cached, 0)  # read from the store, not computed
-            fractions.append((min(1.0, (cached + L3_HIT_WEIGHT * stored) / total) if total else 0.0, cached))
+        fractions = [matched(c) for c in candidates]
         # SGLang's rule on the real match: balanced loads and a match above cache_threshold: the best match
         balanced = not self._imbalanced(loads)
         by_match = balanced and max(f for f, _ in fractions) > self.config.cache_threshold
@@ -246,16 +244,31 @@ class CacheAware(Policy):
         self.tree.evict_idle(self.config.eviction_interval_secs)
 
 
+def _page_match(cached_total: tuple[int, int], stored: int = 0) -> tuple[float, int]:
+    """(fraction, pages) of a tokenized prompt from `KvIndex.cached_pages`' (held pages, the prompt's pages) and
+    the leading pages of it in the cluster-wide KV store (`KvIndex.l3_pages`), those beyond the held ones at
+    `L3_HIT_WEIGHT` (read from the store, not computed)."""
+    cached, total = cached_total
+    held = cached + L3_HIT_WEIGHT * max(stored - cached, 0)
+    return (min(1.0, held / total) if total else 0.0, cached)
+
+
 class TextPages:
-    """``cached_pages`` of an untokenized prompt (its routing `text`): per worker, the leading mapped pages it holds
+    """The match of an untokenized prompt (its routing `text`) on each worker: the leading mapped pages it holds
     (its block hashes for the worker's page size, `TextMap.lookup`, then the worker's `KvIndex` entry), or, when
     more, the pages of the leading blocks routed to it and still pending (`RecentText`: its events may not say
-    yet)."""
+    yet).
+
+    The fraction is of the text, in characters, as SGLang's router measures its match: the deepest held block
+    ends at a known character, while the prompt's pages are only estimated from the sources' mean characters per
+    token, which a text unlike the others' misjudges (a held page at 42% of the text counted as 1 of 4 estimated
+    pages fell below ``cache_threshold`` and the continuation went elsewhere)."""
 
     def __init__(self, policy: CacheAware, text: str) -> None:
         self.policy = policy
         self.text = text
         self._by_size: dict[int, tuple[list[int], list[tuple[int, int, int]], int, float]] = {}
+        self._stored: dict[int, int] = {}  # page size -> `_stored_blocks`
 
     def _resolved(self, page_size: int) -> tuple[list[int], list[tuple[int, int, int]], int, float]:
         got = self._by_size.get(page_size)
@@ -273,34 +286,37 @@ class TextPages:
             got = self._by_size[page_size] = (hashes, resolved, total, chars_per_page)
         return got
 
-    def __call__(self, c: Candidate) -> tuple[int, int]:
+    def __call__(self, c: Candidate) -> tuple[float, int]:
         w = self.policy.index.get(c.url)
-        if w is None or w.page_size < 1:
-            return 0, 0
+        if w is None or w.page_size < 1 or not self.text:
+            return 0.0, 0
         hashes, resolved, total, chars_per_page = self._resolved(w.page_size)
-        cached = 0
-        for _, page, pages in resolved:
+        block = block_chars_for(w.page_size)
+        cached = blocks = 0
+        for k, page, pages in resolved:
             if not w.holds(page):
                 break
-            cached = pages
+            cached, blocks = pages, k + 1
         if w.text.routes:
             depth = w.text.depth(hashes)
             if depth == len(hashes):
-                cached = total
-            elif depth:
-                cached = max(cached, min(total, int(depth * block_chars_for(w.page_size) / chars_per_page)))
-        return cached, total
+                return 1.0, total
+            if depth > blocks:
+                cached = max(cached, min(total, int(depth * block / chars_per_page)))
+                blocks = depth
+        stored = self._stored.get(w.page_size)
+        if stored is None:
+            stored = self._stored[w.page_size] = self._stored_blocks(resolved)
+        held = blocks + L3_HIT_WEIGHT * max(stored - blocks, 0)  # read from the store, not computed
+        return min(1.0, held * block / len(self.text)), cached
 
-    def stored(self, c: Candidate) -> int:
-        """Leading mapped pages of the text that some worker wrote to the cluster-wide KV store (`KvIndex.l3`), in
-        `c`'s page size."""
-        index = self.policy.index
-        w = index.get(c.url)
-        if w is None or w.page_size < 1 or not index.l3:
-            return 0
-        stored = 0
-        for _, page, pages in self._resolved(w.page_size)[1]:
-            if page not in index.l3:
-                break
-            stored = pages
-        return stored
+    def _stored_blocks(self, resolved: list[tuple[int, int, int]]) -> int:
+        """Leading text blocks whose mapped pages some worker wrote to the cluster-wide KV store (`KvIndex.l3`)."""
+        l3 = self.policy.index.l3
+        blocks = 0
+        if l3:
+            for k, page, _ in resolved:
+                if page not in l3:
+                    break
+                blocks = k + 1
+        return blocks

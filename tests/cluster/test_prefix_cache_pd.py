@@ -152,9 +152,6 @@ def _conversations_hits(policy: str, answers: list[list[str]], turns: int) -> tu
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=False, reason="open bug since routing on the workers' text-to-page maps: cache_aware "
-                   "sometimes misses one page of a continuation (224 of the ideal 240 hit tokens, 2 of 4 runs here; "
-                   "a 1.5 s wait between turns did not help)")
 def test_cache_aware_routing_lands_on_cached_prefixes_2p2d():
     """Three conversations (an odd count, so that round robin does not happen to send a conversation back
     to the same worker), three turns each; hits are the prefill workers' own counters."""

@@ -74,6 +74,25 @@ def test_a_prompt_goes_where_its_text_prefix_is_cached_even_if_this_router_never
     assert fleet.route("A completely different story about a robot who wanted to learn to dance. " * 3) == "a"
 
 
+def test_the_match_is_a_fraction_of_the_text_not_of_pages_estimated_from_other_texts():
+    """A conversation's next turn, whose held prefix is 48% of its text: the pages of the turn are estimated from
+    the sources' mean characters per token, which short-token text elsewhere (worker a) pulls down, so the held
+    pages were 2 of an estimated 7 (below ``cache_threshold`` 0.3) and the turn went to the worker holding fewer
+    pages. Measured in characters, as SGLang's router does, it goes where its prefix is (the 2P2D conversations'
+    missing page: ``tests/cluster/test_prefix_cache_pd.py``)."""
+    fleet = Fleet()
+    head = STORY[:120]
+    fleet.kv["b"].observe({"prompt": head}, chat=False)
+    fleet.kv["b"].observe({"prompt": "Another tale of a brave knight and a dragon who lived far away in the hills " * 8},
+                          chat=False)
+    fleet.kv["a"].observe({"prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 4}, chat=False)
+    fleet.poll()
+    assert fleet.index.num_pages("a") < fleet.index.num_pages("b")  # a tie would go to a
+    turn = head + " and then the little girl went home to her mother who was waiting with a warm pie."
+    assert fleet.route(turn) == "b"
+    assert fleet.policy.by_events == 1 and fleet.policy.hits == 1
+
+
 def test_a_new_prompt_stays_where_it_was_sent_until_the_events_say_otherwise():
     fleet = Fleet()
     first = fleet.route(STORY)  # nothing cached anywhere: the lower load, then fewer pages

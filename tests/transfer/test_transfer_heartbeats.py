@@ -155,3 +155,65 @@ def test_a_ticket_waiting_for_a_long_step_is_named_by_heartbeats_until_added_or_
     clock.t += p.sender.config.step_timeout + 1
     p.sender.poll()  # the step loop is alive; no step waits that long: the announcement is dropped
     assert p.sender.heartbeat() == 0
+
+
+def _fails(side: Side, p: Side, tid: str) -> list:
+    failed = []
+    for _ in range(20):
+        p.agent.take()
+        failed += [f for f in side.receiver.poll().failed if f.transfer_id == tid]
+    return failed
+
+
+def test_a_ticket_the_sender_has_not_read_yet_lives_while_the_sender_lives(sides):
+    """One request hands out many tickets at once: the last ones wait in the prefill worker's HTTP queue (or in
+    decode's own) before anyone announces them. The sender names them nowhere, but its heartbeat reaches decode
+    every period naming none, so decode waits past T and the transfer then completes. A sender silent for T
+    (frozen) still fails such a ticket; so does a live sender that has not taken it within the step timeout."""
+    clock, p, d = sides
+    p.pool.kv[14] = 6
+    t = d.receiver.expect("queued-in-http", [27], 10, p.agent.name)
+    for _ in range(8):  # 2 T in the sender's HTTP queue
+        clock.t += T / 4
+        assert p.sender.heartbeat() == 0  # it vouches for no transfer, yet tells decode the process lives
+        assert not _fails(d, p, t.transfer_id)
+    p.sender.announce(t)
+    p.sender.add_request(t)
+    assert p.sender.push(t.transfer_id, [14], 10, meta={"first_token_id": 3}) == 1
+    done = None
+    for _ in range(200):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        assert not ev.failed, ev.failed
+        if ev.completed:
+            done = ev.completed[0]
+            break
+    assert done is not None and done.transfer_id == t.transfer_id
+    assert torch.equal(d.pool.read_pages([27]), p.pool.read_pages([14]))
+
+    frozen = d.receiver.expect("sender-frozen", [28], 10, p.agent.name)
+    clock.t += T + 0.1  # no heartbeat at all
+    failed = _fails(d, p, frozen.transfer_id)
+    assert [type(f.error).__name__ for f in failed] == ["TransferTimeoutError"]
+    assert "no push or heartbeat" in str(failed[0].error) and "0 heartbeats" in str(failed[0].error)
+    p.sender.poll()  # woken: reads decode's cancel and confirms (nothing of it in flight)
+    assert [r.pages for r in drain(d, 50, p).released] == [(28,)]
+
+    e = Side("decode", clock, TransferConfig(kv_transfer_timeout=T, heartbeat_interval=0.5, step_timeout=3 * T))
+    p.agent.connect(e.agent.info)
+    e.agent.connect(p.agent.info)
+    try:
+        lost = e.receiver.expect("never-taken", [29], 10, p.agent.name)
+        beats, failed = 0, []
+        while not failed and beats < 20:
+            clock.t += T / 4
+            p.sender.poll()  # the sender's step loop is alive
+            p.sender.heartbeat()
+            beats += 1
+            failed = _fails(e, p, lost.transfer_id)
+        assert beats == 13, beats  # past 3 T (the step timeout), not at T: the sender lived meanwhile
+        assert [type(f.error).__name__ for f in failed] == ["TransferTimeoutError"]
+        assert "did not take the ticket in 6.5 s" in str(failed[0].error), failed[0].error
+    finally:
+        p.agent.disconnect(e.agent.name)
+        e.agent.close()
