@@ -69,9 +69,11 @@ def test_experts_equal_the_twin_and_stay_quantised(source, fmt):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fmt", ["fbgemm", "ct-w4a16"])
-def test_tp2_experts_equal_the_twin(source, fmt):
-    path, twin = _write(source, fmt)
+def test_tp2_experts_equal_the_twin(fmt, tmp_path):
+    """Experts 64 wide: each rank's 32 down columns are whole int4 groups of 32."""
+    random_models.build("qwen3-moe", tmp_path / "src", moe_intermediate_size=64)
+    write_quantized(tmp_path / "src", tmp_path / fmt, tmp_path / "twin", fmt)
     prompts = random_models.prompt_ids(2)
-    got, _ = _generate(path, prompts, tp_size=2, chunked_prefill_size=7)
-    want, _ = _generate(twin, prompts)
+    got, _ = _generate(tmp_path / fmt, prompts, tp_size=2, chunked_prefill_size=7)
+    want, _ = _generate(tmp_path / "twin", prompts)
     assert got == want
