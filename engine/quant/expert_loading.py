@@ -161,16 +161,18 @@ def _copy_read(params, layer: int, expert: int, part: str, stored_name: str, ten
             held = params[name + "_input_scale"].data
             held.copy_(torch.maximum(held, parts["input_scale"].reshape(1)))
     else:
-        _copy_int4(params, name, local, rows, parts, quant, stored_name, name + "_scales" in loaded)
+        other = {"gate": "up", "up": "gate"}.get(part)
+        _copy_int4(params, name, local, rows, parts, quant, stored_name, name + "_scales" in loaded,
+                   other is not None and f"layers.{layer}.mlp.experts[{local}].{other}" in loaded)
     loaded.update(n for n in params if n.startswith(name))
     loaded.add(f"layers.{layer}.mlp.experts[{local}].{part}")
 
 
 def _copy_int4(params, name: str, local: int, rows: slice, parts: dict, quant: ExpertQuant, stored_name: str,
-               started: bool) -> None:
+               started: bool, sibling_in: bool) -> None:
     """One int4 projection's ``qweight`` [K / 8, n], ``scales`` [G, n] (in the checkpoint's dtype: the stacked
-    scales take it on the first copy, `started` False), ``zeros`` and ``g_idx`` into the columns `rows` of expert
-    `local`."""
+    scales take it on the first copy, `started` False), ``zeros`` and ``g_idx`` (the same as gate's or up's when
+    `sibling_in`) into the columns `rows` of expert `local`."""
     scales = params[name + "_scales"]
     if scales.dtype != parts["scales"].dtype:
         if started:
@@ -185,8 +187,12 @@ def _copy_int4(params, name: str, local: int, rows: slice, parts: dict, quant: E
     elif zeros is not None:
         raise ValueError(f"{stored_name}: zero points in a symmetric scheme ({quant.scheme.describe()})")
     if name + "_g_idx" in params:  # act order; a checkpoint's trivial g_idx (read as None) is each column's group
-        k = params[name + "_g_idx"].shape[-1]
-        params[name + "_g_idx"].data[local].copy_(g_idx if g_idx is not None else torch.arange(k) // quant.group)
+        held = params[name + "_g_idx"].data[local]
+        g_idx = g_idx if g_idx is not None else torch.arange(held.shape[-1]) // quant.group
+        if sibling_in and not torch.equal(held.cpu(), g_idx.to(torch.int32).cpu()):  # gate and up share one row
+            raise ValueError(f"{stored_name}: its g_idx differs from its expert's other gate/up projection's; the "
+                             "engine stacks gate and up, which share their input's group order")
+        held.copy_(g_idx)
     elif g_idx is not None:
         raise ValueError(f"{stored_name}: a g_idx that permutes the groups, but the config does not say act order")
 

@@ -126,8 +126,8 @@ def quantize_tensor(fmt: str, name: str, w: torch.Tensor, input_amax: float | No
         return out, deq
     k = w.shape[1]
     # act order follows the input's Hessian: layers of one input (q/k/v, gate/up) share their g_idx, as GPTQ's do
-    seed = sum(map(ord, re.sub(r"\.(q|k|v)_proj\.|\.(gate|up)_proj\.", lambda m: "." + ("qkv" if m.group(1) else "gu")
-                              + ".", name)))
+    seed = sum(map(ord, re.sub(r"\.(q|k|v)_proj\.|\.(gate|up)_proj\.|\.(w1|w3)\.",
+                              lambda m: "." + ("qkv" if m.group(1) else "gu") + ".", name)))
     if fmt == "ct-w4a16":
         g_idx = _act_order(k, seed)
         q, scales, zeros, deq = _int4(w, False, g_idx, torch.bfloat16)

@@ -14,8 +14,8 @@ multiplies them by that expert's weight tile. So a layer is
 5. the k products of each token summed (torch).
 
 Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`: ``data``, ``scale``, ``quant``,
-``zeros``, ``g_idx``, ``input_scale``; taken by those attributes, so the kernels import only the quantisation
-package's torch-only FP8 helpers) run through the same kernel (``W_FORMAT``): FP8 blocks either W8A8, each
+``zeros``, ``g_idx``, ``input_scale``; taken by those attributes, so the kernels do not import the
+quantisation package) run through the same kernel (``W_FORMAT``): FP8 blocks either W8A8, each
 GEMM's input quantised per token and group of the block's columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
 ``use_fp8_w8a8`` with a block shape; FP8 dots from compute capability 8.9), or W8A16, each weight tile
 dequantised; MXFP4 tiles are decoded from their E2M1 codes and E8M0 scales next to the activations (vLLM's
@@ -38,10 +38,9 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton import fused
-from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
+from pd_cluster.engine.attention.triton.common import FP8_E4M3_MAX, compute_dtype, dot_precision
 from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
 from pd_cluster.engine.attention.triton.primitives import grouped_tile, int4_tile
-from pd_cluster.engine.quant.fp8 import FP8_MAX, SCALE_EPS, quantize_fp8
 
 
 @dataclass(frozen=True)
@@ -355,5 +354,6 @@ def fp8_input(a: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor] | None:
     if scheme.activations in ("token", "group"):
         return quantize_activations(a, a.shape[1], scheme.activation_scale_ub)
     scale = w.input_scale if scheme.activations == "static" else \
-        (a.abs().amax().float().clamp(min=SCALE_EPS) / FP8_MAX).reshape(1)
-    return quantize_fp8(a, scale), scale.reshape(1, 1).expand(a.shape[0], 1)
+        (a.abs().amax().float().clamp(min=1e-10) / FP8_E4M3_MAX).reshape(1)  # vLLM's floor on the amax
+    q = (a.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reshape(1, 1).expand(a.shape[0], 1)
