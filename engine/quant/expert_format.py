@@ -222,6 +222,11 @@ def expert_quant_of(config: Mapping[str, Any] | QuantScheme | None, expert_modul
         return ExpertQuant("fp8_block", weights.block)
     if weights.kind == MXFP4:
         return ExpertQuant.mxfp4()
+    stacked = any(m.endswith(".experts") for m in expert_modules)  # gpt-oss's and Llama 4's tensors per layer
+    if stacked and weights.kind != MXFP4:
+        raise ValueError(f"{scheme.source}: routed experts stored stacked per layer in {weights.describe()} "
+                         f"({scheme.method}) are not computed by the fused MoE kernel, which reads stacked experts "
+                         "in MXFP4 only")
     if weights.kind == FP8 and weights.block is None and weights.activations in ("none", "token", "tensor", "static"):
         return ExpertQuant("fp8_rows", (1, 0), weights)
     if weights.kind == INT4:
