@@ -251,7 +251,7 @@ class ArchConfig:
         quant = _quant(cfg, folder)
         text = family.text_config(cfg)
         family.check(text)
-        return cls(**family.arch_fields(text), quant=quant)
+        return cls(**family.arch_fields(text, quant), quant=quant)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ArchConfig":

@@ -33,6 +33,7 @@ from pd_cluster.engine.model.moe_config import MoEConfig
 from pd_cluster.engine.quant.expert_format import expert_quant_of
 
 DECODER = "pd_cluster.engine.model.decoder:CausalLM"
+_FROM_CONFIG = object()  # `Family.arch_fields`: read the quantisation from the config itself
 
 
 class Family:
@@ -99,12 +100,13 @@ class Family:
             cfg = {**text, "architectures": list(cfg.get("architectures") or [self.architecture])}
         return {k: v for k, v in cfg.items() if k not in self.ignored_keys}
 
-    def arch_fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        """`ArchConfig`'s keyword arguments for `cfg` (the language model's config, already `check`-ed)."""
+    def arch_fields(self, cfg: dict[str, Any], quant: Any = _FROM_CONFIG) -> dict[str, Any]:
+        """`ArchConfig`'s keyword arguments for `cfg` (the language model's config, already `check`-ed); `quant`
+        the checkpoint's `QuantScheme` (read with its side files), else read from `cfg`."""
         heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         eos = cfg.get("eos_token_id")
         theta, scaling, partial = self.rope(cfg)
-        moe = self.stored_experts(cfg, self.moe(cfg))
+        moe = self.stored_experts(cfg if quant is _FROM_CONFIG else quant, self.moe(cfg))
         fields: dict[str, Any] = dict(
             architecture=self.architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -190,9 +192,10 @@ class Family:
         """
         return None
 
-    def stored_experts(self, cfg: dict[str, Any], moe: MoEConfig | None) -> MoEConfig | None:
+    def stored_experts(self, cfg: Any, moe: MoEConfig | None) -> MoEConfig | None:
         """`moe` with the format its checkpoint stores the routed experts in (``weight_quant``: FP8 blocks, MXFP4),
-        read from the quantisation config (`expert_quant_of`); as it is for unquantised experts.
+        read from the quantisation config or the `QuantScheme` `cfg` (`expert_quant_of`); as it is for unquantised
+        experts.
 
         Raises:
             ValueError: experts in a quantised format the fused MoE does not compute, named.
@@ -200,7 +203,7 @@ class Family:
         if moe is None or not moe.moe_layers:
             return moe
         modules = [self.language_model_prefix + self.expert_checkpoint_module(layer) for layer in moe.moe_layers]
-        quant = expert_quant_of(cfg, modules)
+        quant = expert_quant_of(cfg, modules, self.language_model_prefix)
         return dataclasses.replace(moe, weight_quant=quant) if quant else moe
 
     def checkpoint_name(self, name: str) -> str:

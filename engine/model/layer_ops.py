@@ -212,7 +212,7 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w
         inp = x[rows // k]
         if apply_weights_on_input:
             inp = (inp * w[rows, None]).to(x.dtype)
-        group = w13.quant.block[1] if fp8_activations and _is_fp8(w13) else 0
+        group = _fp8_group(w13) if fp8_activations else 0
         h = F.linear(fake_quant_fp8_groups(inp, group) if group else inp, expert_weight(w13, e, x.dtype))
         if b13 is not None:  # transformers adds the biases after the products (x @ W + b)
             h = h + b13[e]
@@ -224,8 +224,14 @@ def torch_fused_experts(x: torch.Tensor, w13: torch.Tensor | QuantizedExperts, w
     return out.view(t, k, x.shape[1]).sum(dim=1)
 
 
-def _is_fp8(w) -> bool:
-    return isinstance(w, QuantizedExperts) and w.quant.format == "fp8_block"
+def _fp8_group(w) -> int:
+    """The activation columns per FP8 scale of the W8A8 kernel on experts `w`: the blocks' columns, a whole row
+    for FP8 rows with per-token scales; 0 where the kernel does not quantise the input this way."""
+    if not isinstance(w, QuantizedExperts):
+        return 0
+    if w.quant.format == "fp8_block":
+        return w.quant.block[1]
+    return 1 << 30 if w.quant.format == "fp8_rows" and w.quant.scheme.activations == "token" else 0
 
 
 def layer_ops(name: str) -> TorchLayerOps:

@@ -164,11 +164,7 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
     loaded: set[str] = set()
     prefix, other_parts = family.language_model_prefix, family.skipped_prefixes
     quant = QuantWeights(model, arch, tp, tensors, _fused(arch), adapt, prefix)
-    experts_stored = arch.moe.weight_quant if arch.moe is not None else None  # FP8 blocks, MXFP4 or None
-
-    def scale_of(name: str) -> torch.Tensor | None:  # an FP8 expert's weight_scale_inv
-        tensor_slice = tensors(name)
-        return None if tensor_slice is None else tensor_slice[:]
+    experts_stored = arch.moe.weight_quant if arch.moe is not None else None  # `ExpertQuant` or None
 
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -185,7 +181,7 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
                 module, suffix = split_name(hf_name)
                 name = weight_map.canonical((module + ".weight" if suffix in PRIMARY_SUFFIXES else hf_name)
                                             .removeprefix("model."), family.weight_renames)
-                if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), scale_of,
+                if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), tensors,
                                          experts_stored, tp.rank, tp.size, expert_parallel and tp.size > 1,
                                          loaded) or suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
                     continue  # experts kept quantised (`expert_loading`), quantised linear layers (`quant`)

@@ -140,8 +140,11 @@ class FusedExperts(nn.Module):
     Quantised experts (``cfg.weight_quant``) keep the checkpoint's format: FP8 blocks hold ``w13_weight`` /
     ``w2_weight`` as float8_e4m3fn of those shapes with ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``
     [E_local, N / bn, K / bk] float32; MXFP4 holds the E2M1 codes two a byte, [E_local, N, K / 2] uint8, with
-    ``w13_weight_scale`` / ``w2_weight_scale`` [E_local, N, K / 32] E8M0. `w13` and `w2` give either form to
-    the fused MoE (`pd_cluster.engine.quant.experts.QuantizedExperts`).
+    ``w13_weight_scale`` / ``w2_weight_scale`` [E_local, N, K / 32] E8M0; FP8 rows hold float8_e4m3fn values with
+    ``*_weight_scale`` [E_local, N] float32 (and ``*_weight_input_scale`` [1] for static activations); int4
+    holds ``*_weight`` [E_local, K / 8, N] int32 words with ``*_weight_scales`` [E_local, G, N] (and
+    ``*_weight_zeros``, ``*_weight_g_idx``: `pd_cluster.engine.quant.experts.quantized_storage`). `w13` and `w2`
+    give either form to the fused MoE (`pd_cluster.engine.quant.experts.QuantizedExperts`).
 
     Raises:
         ValueError: quantised experts whose shapes the format cannot hold (`ExpertQuant.check_shapes`).
@@ -162,10 +165,12 @@ class FusedExperts(nn.Module):
             self.w2_weight = nn.Parameter(torch.empty(e, h, i))
         else:
             self.quant.check_shapes(hidden_size, i)
+            act_order = self.quant.scheme is not None and self.quant.scheme.act_order
             for name, (n, k) in (("w13_weight", (2 * i, h)), ("w2_weight", (h, i))):
-                data, scale = quantized_storage(self.quant, e, n, k)
-                setattr(self, name, nn.Parameter(data, requires_grad=False))
-                setattr(self, name + self.quant.scale_suffix, nn.Parameter(scale, requires_grad=False))
+                # int4 with act order: every rank keeps the scales of every group of down's whole width
+                scale_k = cfg.intermediate_size if act_order and name == "w2_weight" else k
+                for suffix, t in quantized_storage(self.quant, e, n, k, scale_k).items():
+                    setattr(self, name + suffix, nn.Parameter(t, requires_grad=False))
         if cfg.expert_bias:
             self.w13_bias = nn.Parameter(torch.zeros(e, 2 * i))
             self.w2_bias = nn.Parameter(torch.zeros(e, h))
@@ -188,7 +193,9 @@ class FusedExperts(nn.Module):
         data = getattr(self, name)
         if self.quant is None:
             return data
-        return QuantizedExperts(data, getattr(self, name + self.quant.scale_suffix), self.quant)
+        return QuantizedExperts(data, getattr(self, name + self.quant.scale_suffix), self.quant,
+                                getattr(self, name + "_zeros", None), getattr(self, name + "_g_idx", None),
+                                getattr(self, name + "_input_scale", None))
 
     @property
     def nbytes(self) -> int:

@@ -106,7 +106,7 @@ def plan_quantized(arch: ArchConfig, tensors: CheckpointTensors, fused: dict[str
         layer = _LAYER_RE.match(module)
         if suffix not in PRIMARY_SUFFIXES or (layer and int(layer.group(1)) >= arch.num_hidden_layers):
             continue
-        ws = scheme.for_module(module) if scheme is not None else None
+        ws = scheme.for_module(prefix + module, prefix) if scheme is not None else None
         quantized = is_quantized(prefix + module, ws, tensors)
         name = weight_map.canonical(module.removeprefix("model.") + ".weight", renames)  # a rename may end the name
         if quantized and ws is None:
@@ -143,6 +143,7 @@ class QuantWeights:
         self.arch, self.tp, self.tensors, self.fused, self.adapt = arch, tp, tensors, fused, adapt
         self.prefix = prefix
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+        self.expert_modules = {name: m for name, m in model.named_modules() if type(m).__name__ == "FusedExperts"}
         self.rows: dict[str, int] = dict.fromkeys(self.layers, 0)
         self.model = model
 
@@ -164,7 +165,7 @@ class QuantWeights:
         """
         module, suffix = split_name(stored)
         if suffix in PRIMARY_SUFFIXES:
-            ws = self.arch.quant.for_module(module.removeprefix(self.prefix)) if self.arch.quant is not None else None
+            ws = self.arch.quant.for_module(module, self.prefix) if self.arch.quant is not None else None
             if ws is not None and is_quantized(module, ws, self.tensors):
                 return DequantizedSlice(module, ws, self.tensors)
         if tensor_slice.get_dtype() in FP8_DTYPE_NAMES:
@@ -204,14 +205,17 @@ class QuantWeights:
         return sum(sizes[:index])
 
     def skip_zero_bias(self, name: str, tensor_slice) -> bool:
-        """An all-zero bias of a layer without one (AutoGPTQ writes them): True, to skip it.
+        """An all-zero bias of a layer without one (AutoGPTQ writes them, for routed experts too): True, to skip it.
 
         Raises:
             ValueError: a nonzero bias for a layer that has none.
         """
         target, _ = _target(name, self.fused)
         layer = self.layers.get(target)
-        if not name.endswith(".bias") or layer is None or layer.bias is not None:
+        owner = name.split(".experts.")[0] + ".experts"
+        expert_without_bias = ".experts." in name and owner in self.expert_modules and \
+            getattr(self.expert_modules[owner], "w13_bias", None) is None
+        if not name.endswith(".bias") or not expert_without_bias and (layer is None or layer.bias is not None):
             return False
         if bool(tensor_slice[:].any()):
             raise ValueError(f"{name}: a nonzero bias for a layer the config builds without one")

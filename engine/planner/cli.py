@@ -20,7 +20,8 @@ from pd_cluster.engine.model import families
 from pd_cluster.engine.planner.limits import (DEFAULT_PREFILL_TFLOPS, context_limit, prefill_flops, prefill_seconds,
                                               rope_type, unsupported_reason)
 from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYTES, KV_CACHE_DTYPES, ROLES,
-                                            WEIGHT_BYTES, Plan, PlanInput, make_plan, quant_note, suggestions)
+                                            WEIGHT_BYTES, Plan, PlanInput, make_plan, quant_note, stored_weights,
+                                            suggestions)
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
 
 
@@ -125,7 +126,7 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}"
                        + (f" ({inp.kv_dtype})" if inp.kv_cache_dtype == "auto" else "")
-                       + f", weights {inp.weight_dtype}, page_size {inp.page_size}, role {inp.role}"),
+                       + f", weights {stored_weights(s, inp.weight_dtype)}, page_size {inp.page_size}, role {inp.role}"),
         ("engine support", f"NO: {refused}" if refused else
          f"yes ({served_arch}, rope {rope_type(s)}" + (f"; weights {quant_note(s)}" if quant_note(s) else "") + ")"),
         ("model context limit", f"{limit.tokens:,} tokens ({limit.derivation})"),

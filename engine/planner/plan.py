@@ -248,6 +248,25 @@ def quant_note(spec: ModelSpec) -> str:
     return f"{spec.quant.describe()}; {kept}"
 
 
+def stored_weights(spec: ModelSpec, dtype: str) -> str:
+    """The weights' formats as stored and held, in words: `dtype` for unquantised weights, else the quantised
+    formats with the share left at `dtype` (DeepSeek-V3: ``FP8 128x128 blocks (bf16 for the other 0.4% of
+    parameters)``)."""
+    q = spec.quantized_weights(2, 1)
+    if q is None or not q.quantized_params:
+        return dtype
+    formats = ", ".join(dict.fromkeys(_format_name(w) for w in spec.quant.weight_schemes))
+    return f"{formats} ({dtype} for the other {100 * (1 - q.quantized_params / q.params):.1f}% of parameters)"
+
+
+def _format_name(w) -> str:
+    if w.kind == "fp8":
+        return f"FP8 {w.block[0]}x{w.block[1]} blocks" if w.block else f"FP8 per {w.granularity}"
+    if w.kind == "int4":
+        return f"int4 groups of {w.group_size}" if w.group_size else "int4 per channel"
+    return "MXFP4"
+
+
 def _more_tp(plan: Plan) -> list[str]:
     """The more-TP tip (TP over the whole node), with its verdict; none when TP already spans the node."""
     inp = plan.inp

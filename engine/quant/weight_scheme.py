@@ -117,12 +117,17 @@ class QuantScheme:
     rules: tuple[QuantRule, ...]
     ignore: tuple[str, ...] = ()
 
-    def for_module(self, name: str) -> WeightScheme | None:
-        """The `WeightScheme` of checkpoint module `name` (no ``.weight`` suffix), None when it is unquantised."""
-        if any(module_matches(p, name) for p in self.ignore):
+    def for_module(self, name: str, prefix: str = "") -> WeightScheme | None:
+        """The `WeightScheme` of checkpoint module `name` (no ``.weight`` suffix), None when it is unquantised.
+
+        `prefix` is the checkpoint's prefix of a multimodal model's language model (``language_model.``): its
+        releases name those modules in ignore lists and targets either with it (Llama 4's
+        ``language_model.model.layers.0.feed_forward.router``) or without it, so either form matches."""
+        names = (name, name.removeprefix(prefix)) if prefix and name.startswith(prefix) else (name,)
+        if any(module_matches(p, n) for p in self.ignore for n in names):
             return None
         for rule in self.rules:
-            if any(module_matches(t, name) for t in rule.targets):
+            if any(module_matches(t, n) for t in rule.targets for n in names):
                 return rule.weights
         return None
 

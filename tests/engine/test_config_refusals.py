@@ -159,9 +159,9 @@ def test_hybrid_family_values_outside_the_build_are_refused_by_name(key, value, 
 
 def test_experts_in_a_format_the_fused_moe_does_not_take_are_refused_by_name():
     """gpt-oss's MXFP4 release is served; GPTQ would quantise its stacked experts to int4, which the fused MoE
-    does not compute (dense GPTQ layers load: `tests/engine/test_quant_checkpoints.py`)."""
-    with pytest.raises(ValueError, match=r"config\.json: routed experts in int4 groups of 128 \(gptq\).* not "
-                                         r"computed by the fused MoE kernel"):
+    does not read (int4 experts one tensor per expert load: `tests/engine/test_quantized_experts_rows_int4.py`)."""
+    with pytest.raises(ValueError, match=r"config\.json: routed experts stored stacked per layer in int4 groups of "
+                                         r"128 \(gptq\).* not computed by the fused MoE kernel"):
         ArchConfig.from_dict(_hybrid("gpt-oss", quantization_config={"quant_method": "gptq", "bits": 4}))
 
 

@@ -81,9 +81,13 @@ def test_pd_plan_deepseek_v3_tp8_is_servable_with_fp8_experts(capsys):
     pool = int(143771 * 2**20 * 0.88) - 88_511_366_000  # the static budget less the weights, bytes
     assert _row(text, "pool tokens per GPU / instance").endswith(f"{pool // 70_272 // 64 * 64:,}")  # 628,288
     assert _row(text, "asked context").endswith("fits one TP-8 instance")
+    # the stored formats, not the model dtype alone: 668.0B of 671.0B parameters are FP8
+    assert ", weights FP8 128x128 blocks (bf16 for the other 0.4% of parameters), " in _row(text, "deployment")
 
 
 def test_pd_plan_gpt_oss_120b_sizes_its_mxfp4_experts_at_4_25_bits(capsys):
     text = _render("--model", "gpt-oss-120b", capsys=capsys)
     assert _row(text, "weights per GPU").endswith("60.77 GiB") and "NOT SERVABLE" not in text
     assert _row(text, "asked context").endswith("fits one TP-1 instance")
+    assert ", weights MXFP4 (bf16 for the other 1.9% of parameters), " in _row(text, "deployment")
+    assert ", weights bf16, " in _row(_render("--model", "llama-3.1-8b", capsys=capsys), "deployment")

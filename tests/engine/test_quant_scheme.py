@@ -172,3 +172,19 @@ def test_refusals_of_a_side_file_name_that_file(tmp_path):
     (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 3, "group_size": 128, "desc_act": False}))
     with pytest.raises(QuantConfigError, match=r"quantize_config\.json: gptq bits=3 is not supported \(4-bit"):
         read_quant_scheme({}, tmp_path)
+
+
+def test_a_multimodal_checkpoints_language_model_names_match_with_or_without_their_prefix():
+    """Llama 4's multimodal FP8 release names its dense layers under ``language_model.`` in its ignore list; a
+    rule written without the prefix matches those modules too."""
+    from pd_cluster.engine.quant.weight_scheme import QuantRule, QuantScheme, WeightScheme
+
+    w = WeightScheme("fp8", "channel", "fp8_scale", activations="token")
+    s = QuantScheme("fbgemm_fp8", "config.json", (QuantRule(("Linear",), w),),
+                    ("language_model.model.layers.0.feed_forward.router", "re:model.layers.1.self_attn.*",
+                     "vision_model"))
+    prefix = "language_model."
+    assert s.for_module("language_model.model.layers.0.feed_forward.router", prefix) is None
+    assert s.for_module("language_model.model.layers.1.self_attn.q_proj", prefix) is None  # re: on the short name
+    assert s.for_module("language_model.model.layers.1.self_attn.q_proj") == w  # no prefix given: full name only
+    assert s.for_module("language_model.model.layers.0.self_attn.q_proj", prefix) == w

@@ -110,13 +110,18 @@ def test_tp_splits_keep_whole_blocks():
     assert (mx.rank_width(2880, 8), mx.rank_width(2880, 2), mx.rank_width(96, 2)) == (384, 1440, 64)
 
 
-def test_formats_the_kernel_does_not_compute_are_refused():
+def test_each_expert_format_is_read_from_the_config():
+    """Per-tensor and per-channel FP8 and int4 experts are kept in those formats; FP8 with dynamic per-token-group
+    activations but no blocks is refused by name."""
     per_tensor = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
-    with pytest.raises(ValueError, match=r"routed experts in fp8 per tensor.*not computed by the fused MoE kernel"):
-        expert_quant_of(per_tensor, [DEEPSEEK.expert_checkpoint_module(i) for i in (0, 1)])
+    rows = expert_quant_of(per_tensor, [DEEPSEEK.expert_checkpoint_module(i) for i in (0, 1)])
+    assert (rows.format, rows.name, rows.scheme.activations) == ("fp8_rows", "fp8 per tensor", "token")
     gptq = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}}
-    with pytest.raises(ValueError, match=r"routed experts in int4 groups of 128 \(gptq\).*not computed by the fused"):
-        expert_quant_of(gptq, [DEEPSEEK.expert_checkpoint_module(1)])
+    int4 = expert_quant_of(gptq, [DEEPSEEK.expert_checkpoint_module(1)])
+    assert (int4.format, int4.name, int4.group) == ("int4", "int4 groups of 128", 128)
+    assert int4.nbytes(8, 256, 1024) == 8 * 128 * 256 * 4 + 8 * 8 * 256 * 2  # words + fp16 scales (symmetric)
+    with pytest.raises(ValueError, match=r"--tp-size 4 splits .* 192, which cuts .*int4 groups of 128"):
+        int4.check_split(768, 4)
     ds = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
     assert expert_quant_of(ds, [DEEPSEEK.expert_checkpoint_module(3)]) == ExpertQuant("fp8_block", (128, 128))
     ignored = {"quantization_config": {**ds["quantization_config"], "modules_to_not_convert": ["mlp.experts"]}}

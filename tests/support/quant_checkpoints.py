@@ -1,8 +1,8 @@
 """Tiny checkpoints in the weight-quantisation formats as released, and their dequantised twins.
 
 `write_quantized(src, out, twin, fmt)` takes a transformers-saved checkpoint (real random weights, real tensor
-names), quantises every linear layer of its decoder layers (attention and MLP projections; experts too for the
-FP8 formats; never the router, the norms, the embeddings or the LM head) into format `fmt` with the tensor
+names), quantises every linear layer of its decoder layers (attention and MLP projections; experts too; never the
+router, the norms, the embeddings or the LM head) into format `fmt` with the tensor
 names, dtypes, packings and config keys of that format's real releases, and writes the exact dequantised values
 of the same weights as an ordinary checkpoint to `twin` (transformers and the engine load it as unquantised).
 
@@ -126,8 +126,8 @@ def quantize_tensor(fmt: str, name: str, w: torch.Tensor, input_amax: float | No
         return out, deq
     k = w.shape[1]
     # act order follows the input's Hessian: layers of one input (q/k/v, gate/up) share their g_idx, as GPTQ's do
-    seed = sum(map(ord, re.sub(r"\.(q|k|v)_proj\.|\.(gate|up)_proj\.", lambda m: "." + ("qkv" if m.group(1) else "gu")
-                              + ".", name)))
+    seed = sum(map(ord, re.sub(r"\.(q|k|v)_proj\.|\.(gate|up)_proj\.|\.(w1|w3)\.",
+                              lambda m: "." + ("qkv" if m.group(1) else "gu") + ".", name)))
     if fmt == "ct-w4a16":
         g_idx = _act_order(k, seed)
         q, scales, zeros, deq = _int4(w, False, g_idx, torch.bfloat16)
@@ -205,8 +205,8 @@ def calibrate(model, prompts: list[list[int]]) -> dict[str, float]:
 
 def write_quantized(src: Path, out: Path, twin: Path, fmt: str, input_amax: dict[str, float] | None = None,
                     experts: bool = True) -> int:
-    """Write `src` in format `fmt` to `out` and its dequantised twin to `twin` (module docstring); the FP8
-    formats quantise MoE experts too unless `experts` is False. Returns the number of weights quantised."""
+    """Write `src` in format `fmt` to `out` and its dequantised twin to `twin` (module docstring); MoE experts
+    (routed and shared) are quantised too unless `experts` is False. Returns the number of weights quantised."""
     for d in (out, twin):
         shutil.copytree(src, d)
     index_path = out / "model.safetensors.index.json"
@@ -218,7 +218,7 @@ def write_quantized(src: Path, out: Path, twin: Path, fmt: str, input_amax: dict
         quant, deq = {}, {}
         for name, w in tensors.items():
             is_expert = ".experts." in name or ".shared_experts." in name
-            if not _LINEAR.search(name) or (is_expert and (not experts or "w4" in fmt or fmt in ("awq", "gptq"))):
+            if not _LINEAR.search(name) or (is_expert and not experts):
                 quant[name] = deq[name] = w
                 continue
             amax = (input_amax or {}).get(name.removesuffix(".weight"), 1.0)

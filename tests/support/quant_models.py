@@ -64,16 +64,17 @@ def write_mxfp4(src: Path, q_dir: Path, twin_dir: Path) -> int:
     return count
 
 
-def expert_tensor_bytes(folder: Path) -> int:
-    """Bytes of the routed experts' tensors in a checkpoint folder (values, scales and biases)."""
+def expert_tensor_bytes(folder: Path, skip: tuple[str, ...] = ()) -> int:
+    """Bytes of the routed experts' tensors in a checkpoint folder (values, scales, zero points, g_idx, biases),
+    but those whose names end with one of `skip`."""
     total = 0
     for file in folder.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if ".mlp.experts." in name:
+                if ".mlp.experts." in name and not name.endswith(skip or ("\0",)):
                     t = f.get_slice(name)
                     shape, dtype = t.get_shape(), t.get_dtype()
-                    size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1}[dtype]
+                    size = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "U8": 1, "I32": 4, "I64": 8}[dtype]
                     n = 1
                     for d in shape:
                         n *= d

@@ -13,13 +13,15 @@ multiplies them by that expert's weight tile. So a layer is
 4. ``[T k, H] = h @ w2[e].T * weight`` (the same kernel, ``MUL_WEIGHT``);
 5. the k products of each token summed (torch).
 
-Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`: ``data``, ``scale``, ``quant``; taken
-by those attributes, so the kernels do not import the quantisation package) run through the same kernel
-(``W_FORMAT``): FP8 blocks either W8A8, each GEMM's input quantised per token and group of the block's
-columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
+Quantised experts (`pd_cluster.engine.quant.experts.QuantizedExperts`: ``data``, ``scale``, ``quant``,
+``zeros``, ``g_idx``, ``input_scale``; taken by those attributes, so the kernels do not import the
+quantisation package) run through the same kernel (``W_FORMAT``): FP8 blocks either W8A8, each
+GEMM's input quantised per token and group of the block's columns and the FP8 x FP8 products scaled per row group and column block (vLLM's and SGLang's
 ``use_fp8_w8a8`` with a block shape; FP8 dots from compute capability 8.9), or W8A16, each weight tile
 dequantised; MXFP4 tiles are decoded from their E2M1 codes and E8M0 scales next to the activations (vLLM's
-bf16-activation path on Hopper).
+bf16-activation path on Hopper). FP8 per channel or per tensor (one scale per row) takes the block path with
+blocks of one row by the whole K, its input quantised as the scheme says (`fp8_input`); int4 (W4A16) tiles are
+dequantised by `primitives.int4_tile`, the W4A16 GEMM's own (vLLM's ``use_int4_w4a16``).
 
 Expert id -1 (a choice that another expert-parallel rank computes) gets its
 own padded run whose tiles are stored as zeros. Products accumulate in
@@ -36,9 +38,9 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton import fused
-from pd_cluster.engine.attention.triton.common import compute_dtype, dot_precision
+from pd_cluster.engine.attention.triton.common import FP8_E4M3_MAX, compute_dtype, dot_precision
 from pd_cluster.engine.attention.triton.fp8_gemm import quantize_activations
-from pd_cluster.engine.attention.triton.primitives import grouped_tile
+from pd_cluster.engine.attention.triton.primitives import grouped_tile, int4_tile
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
-W_PLAIN, W_FP8_BLOCK, W_MXFP4 = 0, 1, 2  # the weights' storage (`W_FORMAT`)
+W_PLAIN, W_FP8_BLOCK, W_MXFP4, W_INT4 = 0, 1, 2, 3  # the weights' storage (`W_FORMAT`; FP8 rows are blocks of
+WHOLE_ROW = 1 << 30                                   # one row by WHOLE_ROW columns, as int4 groups of a whole row)
 
 
 @triton.jit
@@ -135,7 +138,7 @@ def _mxfp4_tile(B, B_SCALE, base, scale_base, stride_bn, stride_bsn, cols, kk, m
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])  # both vary with the batch
-def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, A_SCALE, B_SCALE,
+def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PADDED, A_SCALE, B_SCALE, ZEROS, GIDX,
                          num_pairs, num_m_blocks,
                          stride_am, stride_be, stride_bn, stride_cm, stride_bias_e, stride_asm, stride_bse,
                          stride_bsn,
@@ -143,11 +146,14 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
                          MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr, A_FP8: tl.constexpr,
                          FP8_DOT: tl.constexpr, FP8_PRECISION: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                         HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr):
     # C[p] = (A[p // TOP_K] @ B[e].T (+ BIAS[e])) (x WEIGHTS[p]) for the pairs p of each expert's M-blocks.
     # FP8 blocks: each K step lies in one GROUP_K block (BLOCK_K divides it) and is scaled per column's block
-    # (and, with A_FP8, per row's activation group); MXFP4: each tile is dequantised before the dot.
+    # (and, with A_FP8, per row's activation group); MXFP4 and int4 (B [E, K / 8, N] words, stride_bn their
+    # row stride; scales and zeros [E, G, N], stride_bsn the group stride; GROUP_K columns a group): each tile is
+    # dequantised before the dot.
     pid = tl.program_id(0)
     num_n = (N + BLOCK_N - 1) // BLOCK_N
     pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n, GROUP_M)
@@ -169,7 +175,11 @@ def _grouped_gemm_kernel(A, B, C, WEIGHTS, BIAS, SORTED_IDS, EXPERT_IDS, NUM_PAD
             k_mask = ks < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
             b_mask = k_mask[:, None] & col_mask[None, :]
-            if W_FORMAT == 2:
+            if W_FORMAT == 3:
+                b = int4_tile(B + e * stride_be, B_SCALE + e * stride_bse, ZEROS + e * stride_bse, GIDX + e * K,
+                              stride_bn, stride_bsn, k0 + ks, k_mask, cols64, b_mask, GROUP_K, HAS_ZEROS, HAS_GIDX)
+                acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
+            elif W_FORMAT == 2:
                 b = _mxfp4_tile(B, B_SCALE, e * stride_be, e * stride_bse, stride_bn, stride_bsn, cols64, k0 + ks,
                                 b_mask)
                 acc += tl.dot(a.to(COMPUTE), b.to(COMPUTE), input_precision=DOT_PRECISION)
@@ -215,22 +225,27 @@ def _grouped_gemm(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor,
     num_m = sorted_ids.numel() // cfg.block_m
     grid = (num_m * triton.cdiv(n, cfg.block_n),)
     data, scale, fmt, group = w, None, W_PLAIN, (1, 1)
+    zeros = g_idx = None
     block_k = cfg.block_k
     fp8_dot = fp8_dot_dtype(a.device)
     if _quantized(w):
-        data, scale, group = w.data, w.scale, w.quant.block
-        fmt = W_FP8_BLOCK if w.quant.format == "fp8_block" else W_MXFP4
-        if fmt == W_FP8_BLOCK:
+        data, scale, group, zeros, g_idx = w.data, w.scale, w.quant.block, w.zeros, w.g_idx
+        fmt = {"fp8_block": W_FP8_BLOCK, "fp8_rows": W_FP8_BLOCK, "int4": W_INT4}.get(w.quant.format, W_MXFP4)
+        if w.quant.format in ("fp8_rows", "int4") and not group[1]:
+            group = (1, WHOLE_ROW)
+        if w.quant.format == "fp8_block":
             block_k = fp8_block_k(cfg.block_k, group[1])
     _grouped_gemm_kernel[grid](
         a, data, out, weights, data if bias is None else bias, sorted_ids, expert_ids, num_padded,
-        data if a_scale is None else a_scale, data if scale is None else scale, out.shape[0], num_m,
+        data if a_scale is None else a_scale, data if scale is None else scale, data if zeros is None else zeros,
+        data if g_idx is None else g_idx, out.shape[0], num_m,
         a.stride(0), data.stride(0), data.stride(1), out.stride(0), 0 if bias is None else bias.stride(0),
         0 if a_scale is None else a_scale.stride(0), 0 if scale is None else scale.stride(0),
         0 if scale is None else scale.stride(1),
         N=n, K=k, TOP_K=top_k, MUL_WEIGHT=mul_weight, HAS_BIAS=bias is not None, COMPUTE=compute_dtype(act_dtype),
         DOT_PRECISION=dot_precision(act_dtype), W_FORMAT=fmt, A_FP8=a_scale is not None,
-        FP8_DOT=fp8_dot, FP8_PRECISION="ieee" if fp8_dot == tl.float32 else "tf32", GROUP_N=group[0], GROUP_K=group[1], BLOCK_M=cfg.block_m,
+        FP8_DOT=fp8_dot, FP8_PRECISION="ieee" if fp8_dot == tl.float32 else "tf32", GROUP_N=group[0], GROUP_K=group[1],
+        HAS_ZEROS=zeros is not None, HAS_GIDX=g_idx is not None, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
 
@@ -315,10 +330,30 @@ def _data(w) -> torch.Tensor:
 def _gemm_maybe_fp8(a: torch.Tensor, w, out: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
                     expert_ids: torch.Tensor, num_padded: torch.Tensor, top_k: int, mul_weight: bool,
                     bias: torch.Tensor | None, cfg: FusedMoEKernelConfig, fp8_activations: bool) -> None:
-    """One grouped GEMM; under W8A8 its input is first quantised per token group (one Triton launch)."""
-    if _quantized(w) and w.quant.format == "fp8_block" and fp8_activations:
-        q, scale = quantize_activations(a, w.quant.block[1])
-        _grouped_gemm(q, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg,
-                      a.dtype, scale)
-        return
+    """One grouped GEMM; under W8A8 its input is first quantised (`fp8_input`)."""
+    if _quantized(w) and fp8_activations:
+        quantized = fp8_input(a, w)
+        if quantized is not None:
+            _grouped_gemm(quantized[0], w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias,
+                          cfg, a.dtype, quantized[1])
+            return
     _grouped_gemm(a, w, out, weights, sorted_ids, expert_ids, num_padded, top_k, mul_weight, bias, cfg, a.dtype)
+
+
+def fp8_input(a: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A W8A8 GEMM's input for FP8 experts `w`: (a [M, K] float8_e4m3fn, its scales [M, groups] float32, rows
+    of stride 0 for one scale): FP8 blocks per token and group of the blocks' columns; FP8 rows as the scheme
+    says: per token (capped by ``activation_scale_ub``), per step (``tensor``) or the static ``input_scale``.
+    None for weight-only schemes and other formats (the weight tiles are dequantised next to `a`)."""
+    fmt = w.quant.format
+    if fmt == "fp8_block":
+        return quantize_activations(a, w.quant.block[1])
+    if fmt != "fp8_rows" or w.quant.scheme.activations == "none":
+        return None
+    scheme = w.quant.scheme
+    if scheme.activations in ("token", "group"):
+        return quantize_activations(a, a.shape[1], scheme.activation_scale_ub)
+    scale = w.input_scale if scheme.activations == "static" else \
+        (a.abs().amax().float().clamp(min=1e-10) / FP8_E4M3_MAX).reshape(1)  # vLLM's floor on the amax
+    q = (a.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.reshape(1, 1).expand(a.shape[0], 1)

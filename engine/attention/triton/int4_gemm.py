@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.fp8_gemm import interpreting
-from pd_cluster.engine.attention.triton.primitives import grouped_tile
+from pd_cluster.engine.attention.triton.primitives import grouped_tile, int4_tile
 
 WHOLE_ROW = 1 << 30  # GROUP_SIZE of a checkpoint with one group per row
 
@@ -62,26 +62,19 @@ def _int4_gemm_kernel(A, QW, SC, ZR, GIDX, C, BIAS, M, N, K,
         k_mask = k < K
         a = tl.load(A + rows[:, None] * stride_am + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         mask = k_mask[:, None] & col_mask[None, :]
-        packed = tl.load(QW + (k // 8)[:, None].to(tl.int64) * stride_qk + cols[None, :], mask=mask, other=0)
-        q = ((packed >> shifts) & 0xF).to(tl.float32)
         if SCALE_ROW:  # one group for the whole tile
+            packed = tl.load(QW + (k // 8)[:, None].to(tl.int64) * stride_qk + cols[None, :], mask=mask, other=0)
+            q = ((packed >> shifts) & 0xF).to(tl.float32)
             g = k0 // GROUP_SIZE
             s = tl.load(SC + g * stride_sg + cols, mask=col_mask, other=0.0)[None, :]
             if HAS_ZEROS:
                 z = tl.load(ZR + g * stride_zg + cols, mask=col_mask, other=8).to(tl.float32)[None, :]
             else:
                 z = 8.0
-        else:
-            if HAS_GIDX:
-                g = tl.load(GIDX + k, mask=k_mask, other=0).to(tl.int64)
-            else:
-                g = (k // GROUP_SIZE).to(tl.int64)
-            s = tl.load(SC + g[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0)
-            if HAS_ZEROS:
-                z = tl.load(ZR + g[:, None] * stride_zg + cols[None, :], mask=mask, other=8).to(tl.float32)
-            else:
-                z = 8.0
-        w = (q - z) * s
+            w = (q - z) * s
+        else:  # scales and zeros gathered per column's group (zeros share the scales' contiguous [G, N] layout)
+            w = int4_tile(QW, SC, ZR, GIDX, stride_qk, stride_sg, k, k_mask, cols, mask, GROUP_SIZE, HAS_ZEROS,
+                          HAS_GIDX)
         if DOT_FP32:
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
         else:

@@ -1,4 +1,5 @@
-"""Row reductions for the kernels, built on `tl.reduce` (a Triton builtin), and the GEMMs' grouped tile order.
+"""Row reductions for the kernels, built on `tl.reduce` (a Triton builtin), the GEMMs' grouped tile order, and
+the int4 weight tile that the W4A16 GEMM and the fused MoE kernel dequantise.
 
 Triton's own ``tl.sum``, ``tl.max``, ``tl.zeros`` and ``tl.cdiv`` are
 ``@triton.jit`` functions of its standard library, decorated once when
@@ -57,3 +58,25 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
     first_m = (pid // in_group) * GROUP_M
     group_size = tl.minimum(num_m - first_m, GROUP_M)
     return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size
+
+
+@triton.jit
+def int4_tile(QW, SC, ZR, GIDX, stride_qk, stride_sg, k, k_mask, cols, mask, GROUP_SIZE: tl.constexpr,
+              HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] float32 values ``(q - z[g]) * s[g]`` of int4 weights in the engine's layout
+    (`pd_cluster.engine.quant.int4`): rows `k` (input columns) and columns `cols` (outputs) of ``qweight``
+    [K / 8, N] int32 at `QW` (nibble ``k % 8`` of word row ``k // 8``), scales and zero points [G, N] at `SC`
+    and `ZR` (8 without zeros; both contiguous, one row stride), each column's group ``k // GROUP_SIZE`` or
+    ``g_idx[k]`` at `GIDX`; `mask` ([BLOCK_K, BLOCK_N]) and `k_mask` ([BLOCK_K]) mark the tile's valid part."""
+    packed = tl.load(QW + (k // 8)[:, None].to(tl.int64) * stride_qk + cols[None, :], mask=mask, other=0)
+    q = ((packed >> ((k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    if HAS_GIDX:
+        g = tl.load(GIDX + k, mask=k_mask, other=0).to(tl.int64)
+    else:
+        g = (k // GROUP_SIZE).to(tl.int64)
+    s = tl.load(SC + g[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(ZR + g[:, None] * stride_sg + cols[None, :], mask=mask, other=8).to(tl.float32)
+    else:
+        z = 8.0
+    return (q - z) * s
