@@ -6,7 +6,9 @@ process is killed on ``stop()`` or at the end of its ``with`` block.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,8 @@ import httpx
 from pd_cluster.common.net import free_port  # noqa: F401  (used by the router tests)
 
 REPO = Path(__file__).resolve().parents[2]
+_LOGS = Path(tempfile.mkdtemp(prefix="router-testkit-"))  # the children's logs, removed when this process exits
+atexit.register(shutil.rmtree, _LOGS, True)
 
 
 def wait_http(url: str, timeout: float, ok=lambda r: r.status_code == 200) -> httpx.Response:
@@ -45,7 +49,7 @@ class Proc:
         self.cmd = cmd
         self.name = name
         self.proc: subprocess.Popen | None = None
-        self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log")[1])
+        self.log_path = Path(tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=_LOGS)[1])
 
     def start(self) -> "Proc":
         # Keep the caller's PYTHONPATH after the repo: it may point ``pd_cluster`` at this tree.
