@@ -2,8 +2,8 @@
 
 * a tiny Llama 3 whose dense layers are in DeepSeek/Qwen3-style FP8 blocks, and in GPTQ int4 with act order
   (described by quantize_config.json);
-* the flagship MoE formats: a tiny gpt-oss with MXFP4 experts and a tiny DeepSeek-V3 in FP8 blocks (every
-  projection, routed experts included; `quant_models`).
+* the flagship MoE formats: a tiny gpt-oss with MXFP4 experts, and a tiny DeepSeek-V3 and Qwen3-MoE in FP8
+  blocks (every projection, routed experts included; `quant_models`).
 
 The prefill worker pushes the prompt's KV over NIXL, and the real `openai` client gets transformers' greedy tokens
 on the dequantised twin; every page comes back on both sides."""
@@ -14,7 +14,7 @@ import openai
 import pytest
 from cluster_util import running_pd_serve
 from quant_checkpoints import write_quantized
-from quant_models import deepseek_fp8, gpt_oss_mxfp4
+from quant_models import deepseek_fp8, gpt_oss_mxfp4, qwen3_moe_fp8
 from random_models import build, hf_greedy_full, prompt_ids
 from reuse_util import counters
 from test_moe_pd_serve import _wait_all_free
@@ -52,7 +52,8 @@ def test_quantised_1p1d_over_nixl_equals_transformers_on_the_twin(fmt, tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3", "qwen3-moe"])
 def test_1p1d_quantised_experts_equal_transformers_on_the_twin(family, tmp_path):
-    path, _, prompts, hf_greedy = (gpt_oss_mxfp4 if family == "gpt-oss" else deepseek_fp8)(tmp_path / "model")
+    build = {"gpt-oss": gpt_oss_mxfp4, "deepseek-v3": deepseek_fp8, "qwen3-moe": qwen3_moe_fp8}[family]
+    path, _, prompts, hf_greedy = build(tmp_path / "model")
     _serve_and_compare(path, prompts, [hf_greedy(ids)[:16] for ids in prompts], tmp_path, family)

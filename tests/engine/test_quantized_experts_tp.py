@@ -1,5 +1,5 @@
 """Quantised experts under tensor parallelism on CPU (2 OS processes over gloo): gpt-oss's MXFP4 experts and
-DeepSeek-V3's FP8-block experts (`quant_models`), split by width in whole blocks (each rank reads its gate/up
+DeepSeek-V3's and Qwen3-MoE's FP8-block experts (`quant_models`), split by width in whole blocks (each rank reads its gate/up
 rows and its down columns of codes and scales; MXFP4 experts of 3 blocks split 2 + 1, the second rank's tail
 zero-padded) or, with ``enable_expert_parallel``, held whole per rank. Greedy
 tokens equal transformers' on the dequantised twin, and rank 0 holds its share quantised."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_models import deepseek_fp8, gpt_oss_mxfp4
+from quant_models import deepseek_fp8, gpt_oss_mxfp4, qwen3_moe_fp8
 
 from pd_cluster.engine import LLM, SamplingParams
 
@@ -17,10 +17,13 @@ from pd_cluster.engine import LLM, SamplingParams
 SHAPES = {("gpt-oss", False): ((4, 64, 32), torch.uint8), ("gpt-oss", True): ((2, 128, 32), torch.uint8),
           ("gpt-oss-96", False): ((4, 128, 32), torch.uint8),
           ("deepseek-v3", False): ((4, 64, 64), torch.float8_e4m3fn),
-          ("deepseek-v3", True): ((2, 128, 64), torch.float8_e4m3fn)}
+          ("deepseek-v3", True): ((2, 128, 64), torch.float8_e4m3fn),
+          ("qwen3-moe", False): ((4, 64, 64), torch.float8_e4m3fn)}
 BUILD = {"gpt-oss": gpt_oss_mxfp4, "gpt-oss-96": lambda root: gpt_oss_mxfp4(root, intermediate_size=96),
          # v_head_dim 32: o_proj's 4 x 32 input columns split in whole blocks (its dense layers stay FP8 too)
-         "deepseek-v3": lambda root: deepseek_fp8(root, v_head_dim=32)}
+         "deepseek-v3": lambda root: deepseek_fp8(root, v_head_dim=32),
+         # 4 KV heads of 16: k_proj/v_proj split in whole 32-row blocks
+         "qwen3-moe": lambda root: qwen3_moe_fp8(root, num_key_value_heads=4)}
 
 
 @pytest.mark.slow

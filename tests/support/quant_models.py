@@ -112,3 +112,17 @@ def deepseek_fp8(root: Path, **overrides):
     hf = DeepseekV3ForCausalLM.from_pretrained(root / "twin").eval()
     return (root / "q", root / "twin", [deepseek_models.prompt_ids(p) for p in deepseek_models.PROMPTS[:3]],
             lambda ids: deepseek_models.hf_greedy_recompute(hf, ids, 24))
+
+
+def qwen3_moe_fp8(root: Path, **overrides):
+    """The same for a tiny Qwen3-MoE (Qwen3-30B-A3B-FP8's format) in `FP8_BLOCK` blocks, experts 64 wide (whole
+    blocks per rank at TP 2; `overrides`: config keys); prompts of `random_models.prompt_ids`."""
+    import deepseek_models
+    import random_models
+    from transformers import Qwen3MoeForCausalLM
+
+    random_models.build("qwen3-moe", root / "src", **{"moe_intermediate_size": 64, **overrides})
+    deepseek_models.write_block_fp8(root / "src", root / "q", root / "twin", FP8_BLOCK)
+    hf = Qwen3MoeForCausalLM.from_pretrained(root / "twin").eval()
+    return (root / "q", root / "twin", random_models.prompt_ids(3),
+            lambda ids: random_models.hf_greedy_full(hf, ids, 24))
