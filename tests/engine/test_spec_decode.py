@@ -198,3 +198,18 @@ def test_vllm_speculative_config_equals_sglang_flags():
                            speculative_ngram_min_match_window_size=2,
                            speculative_ngram_max_match_window_size=5).speculative
     assert a == b and a.enabled and a.num_draft_tokens == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_greedy_with_speculation_equals_transformers():
+    """Two gloo ranks run each verify extend like any chunk; rank 0 verifies."""
+    llm = LLM(tp_size=2, page_size=4, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    try:
+        prompts = REPETITIVE[:2] + PROMPTS[:1]
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert tuple(out.token_ids) == hf_greedy(prompt, 48), prompt
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+        assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+    finally:
+        llm.engine.close()
