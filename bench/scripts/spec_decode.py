@@ -70,7 +70,7 @@ def run_setting(k: int, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded stories260K)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="runs per setting; the best wall-clock is kept")
