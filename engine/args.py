@@ -23,6 +23,7 @@ from pd_cluster.engine.config import (KV_CACHE_DTYPES, ROLES, STORAGE_BACKENDS, 
                                       DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                                       parse_size)
 from pd_cluster.common.flags import Flag, Refused, add_flags
+from pd_cluster.engine.spec.config import SpeculativeConfig, parse_speculative_config
 
 
 def _kv_dtype(text: str) -> str:
@@ -123,6 +124,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Overlap scheduling also on CPU (no gain there; exercises the CUDA path's bookkeeping).",
          action="store_true"),
     Flag("--cpu-threads", "device.cpu_threads", int, "Intra-op threads on CPU (default 1)."),
+    Flag("--speculative-algorithm", "speculative.speculative_algorithm", str,
+         "Speculative decoding: NGRAM (prompt lookup drafts, verified losslessly; docs/speculative-decoding.md)."),
+    Flag("--speculative-num-draft-tokens", "speculative.speculative_num_draft_tokens", int,
+         "Draft tokens proposed and verified per request and step (default 4)."),
+    Flag("--speculative-ngram-min-match-window-size", "speculative.speculative_ngram_min_match_window_size", int,
+         "NGRAM: the shortest suffix looked up (default 1)."),
+    Flag("--speculative-ngram-max-match-window-size", "speculative.speculative_ngram_max_match_window_size", int,
+         "NGRAM: the longest suffix looked up, tried first (default 4)."),
+    Flag("--speculative-config", "speculative.speculative_config", str,
+         "vLLM's JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'."),
     Flag("--trust-remote-code", "compat.trust_remote_code", None,
          "Accepted for vLLM/SGLang command lines; no effect: no code from a checkpoint is ever run.",
          action="store_true"),
@@ -136,7 +147,7 @@ REFUSED_FLAGS: tuple[Refused, ...] = (
 COMPAT_ONLY = ("--trust-remote-code",)  # accepted so pasted command lines run; they change nothing
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-             "parallel": ParallelConfig, "device": DeviceConfig}
+             "parallel": ParallelConfig, "device": DeviceConfig, "speculative": SpeculativeConfig}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, include_role: bool = False) -> argparse.ArgumentParser:
@@ -172,9 +183,26 @@ def config_from_kwargs(**kwargs: Any) -> EngineConfig:
             value = parse_hicache_size(value)
         elif f.attr == "kv_cache_dtype":
             value = _kv_dtype(value)
+        elif f.attr == "speculative_config":
+            _merge_speculative_config(sections["speculative"], value)
+            continue
         sections[f.section][f.attr] = value
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     return EngineConfig(**built, **({"role": role} if role else {}))
+
+
+def _merge_speculative_config(section: dict[str, Any], value: str | dict) -> None:
+    """vLLM's ``--speculative-config`` into the speculative section; a field also given by its own flag must
+    agree.
+
+    Raises:
+        ValueError: bad JSON, an unsupported key, or a conflict with a ``--speculative-*`` flag (both named).
+    """
+    for key, v in parse_speculative_config(value).items():
+        if key in section and section[key] != v:
+            raise ValueError(f"--speculative-config sets {key} to {v!r} but --{key.replace('_', '-')} is "
+                             f"{section[key]!r}")
+        section[key] = v
 
 
 def config_from_args(ns: argparse.Namespace) -> EngineConfig:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.spec.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
 ROLES = ("mixed", "prefill", "decode")
@@ -328,6 +329,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     role: Role = "mixed"
 
     def __post_init__(self) -> None:

@@ -44,6 +44,8 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.group_pages import GroupedPageManager
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.spec.drafter import Drafter
+from pd_cluster.engine.spec.stats import SpecDecodeStats
 from pd_cluster.engine.stats import EngineStats
 
 logger = logging.getLogger("engine")
@@ -114,6 +116,10 @@ class LLMEngine:
             self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool,
                                                    self.kv_events)
         self.host_tier = self.prefix_cache.host if self.prefix_cache is not None else None  # HiCache L2
+        if grouped and config.speculative.enabled:
+            raise ValueError(f"--speculative-algorithm {config.speculative.speculative_algorithm} is not built for "
+                             f"models with several KV cache groups yet ({self.kv_groups.describe()}); "
+                             f"start with --disable-hybrid-kv-cache-manager or without speculation")
         if grouped:
             self.pages = GroupedPageManager(self.allocator, self.layout.page_size, self.kv_groups,
                                             sc.chunked_prefill_size, self.prefix_cache)
@@ -132,11 +138,15 @@ class LLMEngine:
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
+        spec = config.speculative
+        self.drafter = Drafter(spec, self.context_length) if spec.enabled else None
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests,
-                                   on_leave=lambda req: self.runner.release(req.request_id))  # frees its table row
+                                   on_leave=lambda req: self.runner.release(req.request_id),  # frees its table row
+                                   drafter=self.drafter)
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
-        self.stats = EngineStats(sc.decode_log_interval)
+        self.stats = EngineStats(sc.decode_log_interval,
+                                 SpecDecodeStats(spec.num_draft_tokens) if spec.enabled else None)
         self.scheduler.long_rope_from = longrope_threshold(arch.layer_attention)
         self.limits = RequestLimits(arch.vocab_size, self.context_length, self.layout.page_size,
                                     self.pool.num_pages, sc.max_queued_requests, self.eos_token_ids, self.role,
@@ -159,12 +169,12 @@ class LLMEngine:
         logger.info(
             "max_total_num_tokens=%d, page_size=%d, kv_cache_dtype=%s, context_len=%d, chunked_prefill_size=%d, "
             "max_running_requests=%d, available_mem=%s, kv_cache_memory=%s (%s), attention_backend=%s, role=%s, "
-            "prefix_cache=%s, overlap_schedule=%s",
+            "prefix_cache=%s, overlap_schedule=%s, speculative=%s",
             self.pool.max_total_num_tokens, self.layout.page_size, self.layout.kv_cache_dtype, self.context_length,
             self.config.scheduler.chunked_prefill_size, self.max_running_requests,
             format_size(self.pool_plan.available_bytes), format_size(self.pool.nbytes), self.pool_plan.source,
             backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on",
-            self.overlap.describe())
+            self.overlap.describe(), self.config.speculative.describe())
         self.generation.log(self.eos_token_ids)
 
     # ---- requests --------------------------------------------------------------
@@ -405,7 +415,31 @@ class LLMEngine:
                     failed.add(req.request_id)
             if failed:  # no first token to hand over: the prefill hooks see only the error delta
                 out.prefill_progress = [p for p in out.prefill_progress if p.request_id not in failed]
+        num_sampled += self._apply_verified(result.verified)
         self.stats.on_step(sched, self.scheduler, num_sampled)
+
+    def _apply_verified(self, verified) -> int:
+        """Speculative decoding: each verify's accepted drafts and correction or bonus token, in order, with the
+        stop checks of every token (the ones after a stop are dropped); the rejected drafts' KV is rolled back
+        first (`Scheduler.on_verified`). Returns the tokens applied."""
+        applied = 0
+        for item, v in verified:
+            req = item.req
+            if req.status != RequestStatus.RUNNING:
+                continue  # ended while the step ran
+            if v.error is not None:
+                self.fail_request(req.request_id, v.error)
+                continue
+            self.scheduler.on_verified(item, v.num_accepted)
+            self.stats.spec.on_verified(v)
+            for tok, lp in zip(v.token_ids, v.logprobs):
+                self._on_token(req, tok, lp)
+                applied += 1
+                if req.status != RequestStatus.RUNNING:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                self.pages.cache_computed(req)  # the accepted drafts' full pages
+        return applied
 
     def _on_token(self, req: Request, token: int, logprob) -> None:
         if req.grammar is not None and not req.grammar.accept(token):

@@ -8,7 +8,7 @@ forward is a command every rank runs (`pd_cluster.engine.executor.tp`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.pending import PendingSample, SamplerOutput
 from pd_cluster.engine.sampling.sampler import Sampler, prompt_logprobs
 from pd_cluster.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pd_cluster.engine.spec.verify import Verified, verify_drafts
 
 
 @dataclass
@@ -31,6 +32,7 @@ class StepResult:
 
     sampled_reqs: list[Request]
     sampler_output: SamplerOutput | None
+    verified: list[tuple[ScheduledRequest, Verified]] = field(default_factory=list)
 
 
 @dataclass
@@ -42,12 +44,15 @@ class LaunchedStep:
         sampled_reqs: the requests that sample a token, in the order of ``pending``'s rows.
         pending: the sampling, on the device until `result`; None when nothing samples.
         started: when the step was scheduled (``time.monotonic``).
+        verified: speculative decoding: each verify item and its verification (computed at launch; overlap
+            scheduling is off with speculation).
     """
 
     sched: SchedulerOutput
     sampled_reqs: list[Request]
     pending: PendingSample | None
     started: float
+    verified: list[tuple[ScheduledRequest, Verified]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, sched: SchedulerOutput, started: float) -> "LaunchedStep":
@@ -60,7 +65,7 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         """Wait for the device; the step's sampled tokens."""
-        return StepResult(self.sampled_reqs, None if self.pending is None else self.pending.result())
+        return StepResult(self.sampled_reqs, None if self.pending is None else self.pending.result(), self.verified)
 
 
 class ModelRunner:
@@ -102,13 +107,27 @@ class ModelRunner:
         items = out.scheduled
         inputs, sample_rows, prompt_rows, prev_tokens = self._build_batch(items, len(out.decodes), prev)
         logits = self._forward(inputs, prev_tokens)
-        sampled = [it.req for it in items if it.samples]
+        sampled = [it.req for it in items if it.samples and not it.draft]
         self._record_prompt_logprobs(logits, prompt_rows)
+        verified = self._verify(logits, sample_rows, out.verifies)
         if not sampled:
-            return LaunchedStep.empty(out, started)
-        sample_logits = logits[to_device(sample_rows, logits.device)] if prompt_rows else logits
-        return LaunchedStep(out, sampled, self.sampler.launch(sample_logits, SamplingBatch.from_requests(sampled)),
-                            started)
+            return LaunchedStep(out, [], None, started, verified)
+        if prompt_rows or out.verifies:  # the logits hold prompt logprob or verify rows too
+            logits = logits[to_device(sample_rows[:len(sampled)], logits.device)]
+        return LaunchedStep(out, sampled, self.sampler.launch(logits, SamplingBatch.from_requests(sampled)),
+                            started, verified)
+
+    def _verify(self, logits: torch.Tensor, sample_rows: list[int], verifies: list[ScheduledRequest]
+                ) -> list[tuple[ScheduledRequest, Verified]]:
+        """Speculative decoding: verify each verify item's drafts on its rows (after the sampled rows' indices
+        in `sample_rows`: one run of K + 1 rows per item, first row given)."""
+        if not verifies:
+            return []
+        firsts = sample_rows[len(sample_rows) - len(verifies):]
+        rows = [r for it, first in zip(verifies, firsts) for r in range(first, first + len(it.draft) + 1)]
+        found = verify_drafts(self.sampler, logits[to_device(rows, logits.device)], [it.req for it in verifies],
+                              [it.draft for it in verifies])
+        return list(zip(verifies, found))
 
     def _forward(self, step: np.ndarray, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run the packed step (`pd_cluster.engine.packed_step`) on every rank; rank 0's logits.
@@ -136,9 +155,19 @@ class ModelRunner:
         src: list[int] = []
         prev_rows = prev.row_of() if prev is not None and prev.pending is not None else {}
         n_tok = 0
+        verify_firsts: list[int] = []  # speculative verifies: their first logits row
         for it in items:
             req = it.req
             n = it.num_new_tokens
+            if it.draft:  # the last known token, then the drafts; logits at every one of them
+                token_ids.append(req.token_ids[it.start])
+                token_ids.extend(it.draft)
+                starts.append(it.start)
+                qlens.append(n)
+                verify_firsts.append(len(logits))
+                logits.extend(range(n_tok, n_tok + n))
+                n_tok += n
+                continue
             known = len(req.token_ids) - it.start
             if known < n:  # the last one is being sampled by `prev`
                 row = prev_rows.get(req.request_id)
@@ -168,6 +197,7 @@ class ModelRunner:
         for g in range(1, self.num_groups):  # one more row per request for each other KV group
             ids += [_group_key(it.req.request_id, g) for it in items]
             tables += [it.req.group_tables[g - 1] for it in items]
+        sample_rows += verify_firsts  # after the sampled requests' rows (`_verify`)
         rows, edits = self.rows.step(ids, tables)
         b = len(items)
         group_rows = [rows[g * b:(g + 1) * b] for g in range(1, self.num_groups)]

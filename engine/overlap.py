@@ -47,6 +47,8 @@ def overlap_mode(config: EngineConfig, device_type: str) -> tuple[bool, str]:
         return False, "off (--disable-overlap-schedule)"
     if config.role == "prefill":
         return False, "off (prefill role)"
+    if config.speculative.enabled:
+        return False, "off (speculative decoding verifies on the host)"
     if device_type == "cuda":
         return True, "on"
     if dc.enable_overlap_schedule:

@@ -2,6 +2,7 @@
 
 ``Prefill batch. #new-seq: …, #new-token: …, #cached-token: …, token usage: …, #running-req: …, #queue-req: …``
 ``Decode batch. #running-req: …, #token: …, token usage: …, gen throughput (token/s): …, #queue-req: …``
+(with speculative decoding ``accept len: …`` after ``token usage``: tokens emitted per decoding request and step)
 ``Prealloc batch. #new-seq: …, #new-token: …, #cached-token: …, token usage: …, #running-req: …, #queue-req: …``
 (decode role: remote requests whose pages were reserved this step; ``#new-token`` are the prompt tokens to
 receive, ``#cached-token`` those this worker's prefix cache held, which are not transferred)
@@ -14,6 +15,7 @@ import time
 from collections import Counter
 
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger("engine")
 
@@ -39,8 +41,9 @@ class EngineStats:
         cached_tokens_total: tokens served from the cache, retracted requests' re-admissions included.
     """
 
-    def __init__(self, decode_log_interval: int) -> None:
+    def __init__(self, decode_log_interval: int, spec: SpecDecodeStats | None = None) -> None:
         self.decode_log_interval = decode_log_interval
+        self.spec = spec  # speculative decoding's counters, None when it is off
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.prefix_cache_queries = 0
@@ -82,7 +85,9 @@ class EngineStats:
                         "#running-req: %d, #queue-req: %d", len(out.reserved),
                         sum(r.num_prompt_tokens for r in out.reserved) - held, held, scheduler.pages.token_usage,
                         len(scheduler.running), len(scheduler.waiting))
-        if out.decodes:
+        if self.spec is not None:
+            self.spec.on_plain_decodes(len(out.decodes))
+        if out.decodes or out.verifies:
             self._decode_steps += 1
             if self._decode_steps % self.decode_log_interval == 0:
                 self._log_decode(scheduler)
@@ -92,6 +97,7 @@ class EngineStats:
         self.gen_throughput = self._interval_tokens / max(now - self._interval_start, 1e-9)
         self._interval_tokens, self._interval_start = 0, now
         num_tokens = sum(r.num_computed_tokens for r in scheduler.running)
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d", len(scheduler.running), num_tokens, scheduler.pages.token_usage,
+        spec = "" if self.spec is None else f"accept len: {self.spec.take_accept_length():.2f}, "
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %sgen throughput (token/s): %.2f, "
+                    "#queue-req: %d", len(scheduler.running), num_tokens, scheduler.pages.token_usage, spec,
                     self.gen_throughput, len(scheduler.waiting))

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestDelta
 from pd_cluster.serving.kv_store_metrics import KVStoreMetrics
+from pd_cluster.serving.spec_metrics import SPEC_VLLM_NAMES, SpecDecodeMetrics
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
@@ -72,6 +73,7 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     # the KV store's traffic (`pd_cluster.serving.kv_store_metrics`), vLLM's offload counters
     "pd:kv_offload_total_bytes": ("vllm:kv_offload_total_bytes",),
     "pd:kv_offload_total_time": ("vllm:kv_offload_total_time",),
+    **SPEC_VLLM_NAMES,  # speculative decoding's spec_decode_* counters
 }
 
 # The vLLM twins a role does not export, so that each figure is counted once per cluster (module docstring).
@@ -159,6 +161,7 @@ class WorkerMetrics:
         self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0, "ext_queries": 0,
                       "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
         self.kv_store = KVStoreMetrics(own)  # cached tokens by source; the cluster-wide KV store
+        self.spec_decode = SpecDecodeMetrics(own)  # speculative decoding (zero while it is off)
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
         self.dropped_tokens = 0  # sampled for requests that return none (echo with max_tokens 0): not generated
         self._cache_config_set = False
@@ -188,6 +191,7 @@ class WorkerMetrics:
             self._inc(self.prefix_cache_hits, "pc_hits", int(hits))
         self._on_host_tier(engine)
         self.kv_store.on_step(engine)
+        self.spec_decode.on_step(engine)
 
     def _on_host_tier(self, engine: LLMEngine) -> None:
         st, cache, host = engine.stats, getattr(engine, "prefix_cache", None), getattr(engine, "host_tier", None)

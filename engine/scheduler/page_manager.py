@@ -94,6 +94,20 @@ class PageManager:
         req.block_table.extend(new)
         return new
 
+    def shrink(self, req: Request, num_tokens: int) -> int:
+        """Give back the pages of `req` past its first `num_tokens` tokens (speculative decoding's rejected
+        drafts); returns how many. Those pages were never cached (only computed, accepted tokens are)."""
+        keep = self.pages_for(num_tokens)
+        tail = req.block_table[keep:]
+        if not tail:
+            return 0
+        del req.block_table[keep:]
+        if self.cache is not None:
+            self.cache.release(tail)
+        else:
+            self.allocator.free(tail)
+        return len(tail)
+
     # ---- prefix cache -----------------------------------------------------------------
     def match(self, req: Request) -> int:
         """Start `req` (holding no pages) on its longest cached prefix of full pages.

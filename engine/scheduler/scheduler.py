@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pd_cluster.engine.config import SchedulerConfig
 from pd_cluster.engine.request import Request, RequestStatus
@@ -47,32 +47,46 @@ from pd_cluster.engine.scheduler.admission import AdmissionPolicy
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.waiting import WaitingQueue
 
+if TYPE_CHECKING:
+    from pd_cluster.engine.spec.drafter import Drafter
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: tokens ``[start, start + num_new_tokens)``."""
+    """One request's share of a step: tokens ``[start, start + num_new_tokens)``.
+
+    A speculative verify (`draft` not empty) computes the last known token and then the draft tokens, which are
+    not the request's tokens until verification accepts them (`Scheduler.on_verified`).
+    """
 
     req: Request
     start: int
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
 
     @property
+    def known_end(self) -> int:
+        """The end of the tokens known before the step (drafts excluded)."""
+        return self.end - len(self.draft)
+
+    @property
     def samples(self) -> bool:
         """True when this step computes the last known token, so the next one is sampled."""
-        return self.end == self.req.num_tokens
+        return self.known_end == self.req.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
-    """What one step runs. Decodes come before prefill chunks."""
+    """What one step runs. Decodes come first, then speculative verifies, then prefill chunks."""
 
     decodes: list[ScheduledRequest] = field(default_factory=list)
+    verifies: list[ScheduledRequest] = field(default_factory=list)  # speculative: last token + drafts, one extend
     prefills: list[ScheduledRequest] = field(default_factory=list)
     retracted: list[Request] = field(default_factory=list)
     recomputed: list[Request] = field(default_factory=list)  # longrope: KV of the short factors, now too long
@@ -89,15 +103,15 @@ class SchedulerOutput:
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
-        return self.decodes + self.prefills
+        return self.decodes + self.verifies + self.prefills
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.verifies and not self.prefills
 
 
 class Scheduler:
@@ -110,10 +124,12 @@ class Scheduler:
         max_running_requests: resolved limit of the running batch.
         on_leave: called with every request that leaves the running set (finished, aborted, retracted, held
             for a transfer) and with every removed request; the engine frees its block-table row there.
+        drafter: speculative decoding's drafter (`pd_cluster.engine.spec.drafter`): a decoding request it gives
+            draft tokens is scheduled as a verify (its last token and the drafts, one extend); None: off.
     """
 
     def __init__(self, config: SchedulerConfig, pages: PageManager, role: str, max_running_requests: int,
-                 on_leave: Callable[[Request], None] | None = None) -> None:
+                 on_leave: Callable[[Request], None] | None = None, drafter: "Drafter | None" = None) -> None:
         self.config = config
         self.pages = pages
         self.role = role
@@ -125,6 +141,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}        # finished but pages held: written only by this class
         self.num_retracted_total = 0
         self.on_leave = on_leave
+        self.drafter = drafter if role != "prefill" else None
         self._cost = pages.pool_tokens if pages.grouped else None  # admission in pool tokens (hybrid KV)
         # longrope's original_max_position_embeddings (`rope.longrope_threshold`), None without longrope: a
         # request whose KV was rotated by the short factors is recomputed when it grows past it
@@ -207,14 +224,26 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n <= 0:
                 continue
+            draft = self._draft(req, n, budget)
             if not self._make_room(req, req.num_computed_tokens + n, scheduled, out):
                 continue
+            if draft and self.pages.can_grow(req, req.num_computed_tokens + n + len(draft)):
+                n += len(draft)  # drafts never retract anyone: without room the request decodes one token
+            else:
+                draft = []
             self.pages.grow(req, req.num_computed_tokens + n)
-            item = ScheduledRequest(req, req.num_computed_tokens, n)
-            (out.decodes if n == 1 and req.num_computed_tokens >= req.num_prompt_tokens else out.prefills).append(item)
+            item = ScheduledRequest(req, req.num_computed_tokens, n, draft)
+            decoding = n == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+            (out.verifies if draft else out.decodes if decoding else out.prefills).append(item)
             scheduled.add(req.request_id)
             budget -= n
         return budget
+
+    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
+        """Speculative decoding: draft tokens for a decoding request (one token to compute), else []."""
+        if self.drafter is None or n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
+            return []
+        return self.drafter.propose(req, budget - 1)
 
     def _make_room(self, req: Request, num_tokens: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Retract the newest running requests until `req` can hold `num_tokens`.
@@ -339,13 +368,13 @@ class Scheduler:
         progress (vLLM v1 also advances it at scheduling time); the KV is final only at `on_step_done`.
         """
         for item in out.scheduled:
-            item.req.num_computed_tokens = item.end
+            item.req.num_computed_tokens = item.known_end  # a verify's drafts count once accepted (`on_verified`)
         self._update_admission(out)
         out.launched = True
 
     def _update_admission(self, out: SchedulerOutput) -> None:
         """The admission rule's state after a step (before the next one is scheduled)."""
-        if out.decodes:
+        if out.decodes or out.verifies:
             self.admission.on_decode_step()
         if out.retracted:
             self.admission.on_retract(self.running)
@@ -359,10 +388,21 @@ class Scheduler:
         for item in out.scheduled:
             req = item.req
             if req.status == RequestStatus.RUNNING:
-                req.num_computed_tokens = max(req.num_computed_tokens, item.end)  # no-op after on_step_launched
-                self.pages.cache_computed(req, item.end)
+                req.num_computed_tokens = max(req.num_computed_tokens, item.known_end)  # no-op after on_step_launched
+                self.pages.cache_computed(req, item.known_end)
         if not out.launched:
             self._update_admission(out)
+
+    def on_verified(self, item: ScheduledRequest, num_accepted: int) -> None:
+        """A verify completed with `num_accepted` drafts accepted (their tokens are about to be appended): their
+        KV is kept, the rejected drafts' slots are rolled back, and pages held only for rejected drafts go back to
+        the pool (the request holds what it would hold without speculation). Nothing rejected is ever cached.
+        """
+        req = item.req
+        if req.status != RequestStatus.RUNNING:
+            return
+        req.num_computed_tokens = item.known_end + num_accepted
+        self.pages.shrink(req, req.num_computed_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """`req` stopped: free its pages (or, in the prefill role, hold them for the push).

@@ -1,0 +1,1 @@
+"""Speculative decoding: draft tokens checked by one target extend per step, lossless (`docs/speculative-decoding.md`)."""

@@ -1,0 +1,115 @@
+"""`SpeculativeConfig`: which drafter proposes tokens and how many, with SGLang's flag names and vLLM's JSON.
+
+SGLang: ``--speculative-algorithm NGRAM --speculative-num-draft-tokens K``
+(``--speculative-ngram-min-match-window-size``, ``--speculative-ngram-max-match-window-size``).
+vLLM: ``--speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+"prompt_lookup_max": 4}'``. Both build the same frozen config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ALGORITHMS = ("NGRAM",)
+LATER_ALGORITHMS = ("STANDALONE", "NEXTN", "EAGLE", "EAGLE3")
+"""Algorithms SGLang names that this engine does not run yet: refused at start-up by name."""
+
+DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_MIN_MATCH = 1
+DEFAULT_MAX_MATCH = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings of one engine.
+
+    Attributes:
+        speculative_algorithm: None (off) or ``NGRAM`` (prompt lookup: the draft continues the latest earlier
+            occurrence of the sequence's last n tokens; no draft model).
+        speculative_num_draft_tokens: K, the draft tokens proposed and verified per request and step (vLLM's
+            ``num_speculative_tokens``); a step emits 1 to K + 1 tokens. Default 4.
+        speculative_ngram_min_match_window_size: the shortest suffix looked up (vLLM's ``prompt_lookup_min``).
+        speculative_ngram_max_match_window_size: the longest suffix looked up, tried first (``prompt_lookup_max``).
+
+    Raises:
+        ValueError: an unknown algorithm, one not built yet (STANDALONE, NEXTN), K < 1, or bad match windows;
+            each message names the flag and the value.
+    """
+
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_ngram_min_match_window_size: int = DEFAULT_MIN_MATCH
+    speculative_ngram_max_match_window_size: int = DEFAULT_MAX_MATCH
+
+    def __post_init__(self) -> None:
+        given = algo = self.speculative_algorithm
+        if algo is not None:
+            algo = str(algo).upper()
+            object.__setattr__(self, "speculative_algorithm", algo)
+            if algo in LATER_ALGORITHMS:
+                raise ValueError(f"--speculative-algorithm {algo} is not supported yet; supported: "
+                                 f"{', '.join(ALGORITHMS)}")
+            if algo not in ALGORITHMS:
+                raise ValueError(f"--speculative-algorithm {given!r} is unknown; "
+                                 f"choose from {', '.join(ALGORITHMS)}")
+        elif self.speculative_num_draft_tokens is not None:
+            raise ValueError("--speculative-num-draft-tokens needs --speculative-algorithm")
+        k = self.speculative_num_draft_tokens
+        if k is not None and (not isinstance(k, int) or k < 1):
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {k!r}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if lo < 1:
+            raise ValueError(f"--speculative-ngram-min-match-window-size must be >= 1, got {lo}")
+        if hi < lo:
+            raise ValueError(f"--speculative-ngram-max-match-window-size ({hi}) must be >= "
+                             f"--speculative-ngram-min-match-window-size ({lo})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """K (the default when the flag is not given)."""
+        return self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        if not self.enabled:
+            return "off"
+        return (f"{self.speculative_algorithm} k={self.num_draft_tokens} match window "
+                f"{self.speculative_ngram_min_match_window_size}..{self.speculative_ngram_max_match_window_size}")
+
+
+_VLLM_KEYS = {"method": "speculative_algorithm", "num_speculative_tokens": "speculative_num_draft_tokens",
+              "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+              "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+
+
+def parse_speculative_config(text: str | dict) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` JSON as `SpeculativeConfig` fields.
+
+    Raises:
+        ValueError: not a JSON object, or a key this engine does not honour (named).
+    """
+    if isinstance(text, dict):
+        data = text
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_VLLM_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config keys not supported: {', '.join(unknown)} "
+                         f"(supported: {', '.join(_VLLM_KEYS)})")
+    out = {_VLLM_KEYS[k]: v for k, v in data.items()}
+    if "speculative_algorithm" in out and isinstance(out["speculative_algorithm"], str):
+        method = out["speculative_algorithm"].lower()
+        out["speculative_algorithm"] = {"ngram": "NGRAM", "draft_model": "STANDALONE", "mtp": "NEXTN",
+                                        "deepseek_mtp": "NEXTN"}.get(method, method)
+    return out
