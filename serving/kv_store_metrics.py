@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pd_cluster.serving.counter_totals import CounterTotals
+
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SOURCES = ("device", "host", "storage")
@@ -47,14 +49,8 @@ class KVStoreMetrics:
                                LATENCY_BUCKETS)
         self.prefetch_pgs = h("prefetch_pgs", "Pages read from the KV store per request.", PAGE_BUCKETS)
         self.backup_pgs = h("backup_pgs", "Pages written to the KV store per batch.", PAGE_BUCKETS)
-        self._seen: dict[str, float] = {}
+        self._inc = CounterTotals().add
         self._tier = None
-
-    def _inc(self, counter, key: str, total: float) -> None:
-        seen = self._seen.get(key, 0)
-        if total > seen:
-            counter.inc(total - seen)
-            self._seen[key] = total
 
     def on_step(self, engine) -> None:
         st = engine.stats

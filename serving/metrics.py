@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestDelta
+from pd_cluster.serving.counter_totals import CounterTotals
 from pd_cluster.serving.kv_store_metrics import KVStoreMetrics
 from pd_cluster.serving.spec_metrics import SPEC_VLLM_NAMES, SpecDecodeMetrics
 
@@ -158,8 +159,7 @@ class WorkerMetrics:
                                                    "its max_tokens (the most it could generate).", TOKEN_BUCKETS)
         self.cache_config_info = Gauge("pd:cache_config_info", "The KV cache's configuration, in labels (value 1).",
                                        CACHE_CONFIG_LABELS, registry=own)
-        self._seen = {"prompt": 0, "gen": 0, "retracted": 0, "pc_queries": 0, "pc_hits": 0, "ext_queries": 0,
-                      "ext_hits": 0, "load_back": 0, "backup": 0, "evicted": 0}
+        self._inc = CounterTotals().add
         self.kv_store = KVStoreMetrics(own)  # cached tokens by source; the cluster-wide KV store
         self.spec_decode = SpecDecodeMetrics(own)  # speculative decoding (zero while it is off)
         self.prefix_cache_counted: bool | None = None  # None until the first step tells
@@ -215,11 +215,6 @@ class WorkerMetrics:
         self.request_generation_tokens.observe(num_output_tokens)
         if max_tokens is not None:
             self.request_max_num_generation_tokens.observe(max_tokens)
-
-    def _inc(self, counter: Counter, key: str, total: int) -> None:
-        if total > self._seen[key]:
-            counter.inc(total - self._seen[key])
-            self._seen[key] = total
 
 
 def cache_config_labels(engine: LLMEngine) -> dict[str, str]:

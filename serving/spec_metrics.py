@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
+from pd_cluster.serving.counter_totals import CounterTotals
+
 SPEC_VLLM_NAMES = {f"pd:spec_decode_{n}": (f"vllm:spec_decode_{n}",)
                    for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")}
 
@@ -19,13 +21,7 @@ class SpecDecodeMetrics:
         self.num_accepted_tokens = c("num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted).")
         self.per_pos = c("num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position (0-based).",
                          ("position",))
-        self._seen: dict[str, int] = {}
-
-    def _inc(self, counter, key: str, total: int) -> None:
-        seen = self._seen.get(key, 0)
-        if total > seen:
-            counter.inc(total - seen)
-            self._seen[key] = total
+        self._inc = CounterTotals().add
 
     def on_step(self, engine) -> None:
         spec = getattr(engine.stats, "spec", None)
