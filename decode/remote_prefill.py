@@ -32,6 +32,7 @@ import logging
 
 import httpx
 
+from pd_cluster.common.aio import mark_retrieved
 from pd_cluster.common.deadline import DEADLINE_HEADER, Deadline, retry_until
 from pd_cluster.decode.handover import DecodeHooks, RequestAborted
 from pd_cluster.decode.request import RemoteRequest
@@ -65,10 +66,6 @@ class _PrefillFailed(Exception):
         self.refused = refused
         self.peer_gone = peer_gone
 
-
-def _mark_retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class RemotePrefill(PromptSource):
@@ -183,7 +180,7 @@ class RemotePrefill(PromptSource):
                                   first_token_params(params, len(resumed)), tuple(resumed)).to_json()
             self.loop.call_soon(lambda e: self.hooks.send(e, request_id))  # before the post: WRITEs may follow
             rec.post = asyncio.ensure_future(self._post(url, request_id, body, deadline))
-            rec.post.add_done_callback(_mark_retrieved)
+            rec.post.add_done_callback(mark_retrieved)
             done, _ = await asyncio.wait({rec.kv_future, rec.post}, return_when=asyncio.FIRST_COMPLETED)
             if rec.kv_future not in done:
                 self._check_prefill_answer(request_id, rec.post)

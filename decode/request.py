@@ -43,6 +43,7 @@ import enum
 import logging
 from dataclasses import dataclass, field
 
+from pd_cluster.common.aio import mark_retrieved
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import settle_future
 from pd_cluster.transfer.interfaces import Receiver
@@ -87,10 +88,6 @@ class Refused(Exception):
     """The prefill worker refused the ticket before pushing anything (it answered 400 or 409)."""
 
 
-def _mark_retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
 
 @dataclass(eq=False)
 class RemoteRequest:
@@ -130,7 +127,7 @@ class RemoteRequest:
         self.ticket_future: asyncio.Future = self.aloop.create_future()
         self.kv_future: asyncio.Future = self.aloop.create_future()
         for fut in (self.ticket_future, self.kv_future):
-            fut.add_done_callback(_mark_retrieved)
+            fut.add_done_callback(mark_retrieved)
 
     @property
     def transfer_id(self) -> str | None:

@@ -33,7 +33,9 @@ def build_decode_app(engine: LLMEngine, config: WorkerConfig, host_info: dict[st
 
     def on_step(e, out, dt):
         metrics.on_step(e)
-        metrics.num_decode_prealloc_queue_reqs.set(hooks.num_prealloc)
+
+    # counted when scraped, not at every step: a walk over every remote request, which can be thousands
+    metrics.num_decode_prealloc_queue_reqs.set_function(lambda: hooks.num_prealloc)
 
     loop = worker_engine_loop(engine, hooks, on_step, exit_on_fatal)
     source = RemotePrefill(loop, hooks, agent, PeerDirectory(tconfig.metadata_timeout, config.internal_headers),

@@ -49,6 +49,10 @@ class EngineLoop:
         engine: the engine (used only from the loop's thread once started).
         hooks: role plug-ins.
         idle_poll_s: sleep between polls while only `hooks` have pending work (seconds).
+        max_idle_poll_s: the longest sleep between steps that do nothing (seconds): waiting requests that cannot
+            be admitted yet (no free pages, ``--max-running-requests``) make the engine step without computing;
+            from `idle_poll_s` the sleep doubles after each such step up to this, and a command, a step that
+            does something or a transfer event ends it.
         on_step: optional callback after each step (metrics), in the engine thread.
         on_fatal: called on the event loop once the loop has died and every request in flight has been
             failed (the worker app exits the process from it).
@@ -59,11 +63,13 @@ class EngineLoop:
     """
 
     def __init__(self, engine: LLMEngine, hooks: StepHooks | None = None, idle_poll_s: float = 0.0005,
+                 max_idle_poll_s: float = 0.005,
                  on_step: Callable[[LLMEngine, StepOutput, float], None] | None = None,
                  on_fatal: Callable[[BaseException], Any] | None = None) -> None:
         self.engine = engine
         self.hooks = hooks or StepHooks()
         self.idle_poll_s = idle_poll_s
+        self.max_idle_poll_s = max(max_idle_poll_s, idle_poll_s)
         self.on_step = on_step
         self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,11 +140,23 @@ class EngineLoop:
     # ---- the thread ----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            backoff = self.idle_poll_s
             while not self._stop.is_set():
-                self._drain_commands()
+                events = self.hooks.transfer_events
+                commands = self._drain_commands()
                 self.hooks.poll(self.engine)
+                if commands or self.hooks.transfer_events != events:
+                    backoff = self.idle_poll_s
                 if self.engine.has_work():
-                    self._step()
+                    if self._step():
+                        backoff = self.idle_poll_s
+                        continue
+                    # Nothing could run (e.g. waiting requests and no free pages): stepping again at once would
+                    # spin on the scheduler's and hooks' per-request bookkeeping and starve this process's event
+                    # loop of the GIL (its /prefill calls and health checks) until pages come back.
+                    self._wake.wait(backoff)
+                    self._wake.clear()
+                    backoff = min(backoff * 2, self.max_idle_poll_s)
                 elif self.hooks.has_pending():
                     self._wake.wait(self.idle_poll_s)
                     self._wake.clear()
@@ -181,12 +199,15 @@ class EngineLoop:
         if self.on_fatal is not None:
             self.on_fatal(self.fatal)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> int:
+        """Run every queued command; returns how many ran."""
+        n = 0
         while True:
             try:
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return n
+            n += 1
             try:
                 result, error = fn(self.engine), None
             except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -196,7 +217,9 @@ class EngineLoop:
             elif error is not None:
                 logger.error("engine command failed: %s", error)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its hooks; returns whether it did anything (computed, reserved pages, produced
+        output, or left a step in flight)."""
         t = time.monotonic()
         out = self.engine.step()
         self.num_steps += 1
@@ -205,6 +228,8 @@ class EngineLoop:
             self.on_step(self.engine, out, time.monotonic() - t)
         if out.deltas:
             self._aloop.call_soon_threadsafe(self._dispatch, out.deltas)
+        return bool(out.num_tokens or out.deltas or out.reserved or out.local_prefills or out.prefill_progress
+                    or self.engine.overlap.in_flight is not None)
 
     def _dispatch(self, deltas: list[RequestDelta]) -> None:
         for d in deltas:

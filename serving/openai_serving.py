@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pd_cluster.common.aio import mark_retrieved
 from pd_cluster.engine.kv.text_map import TextMapLog
 from pd_cluster.engine.model.generation_config import GenerationDefaults
 from pd_cluster.engine.outputs import RequestDelta
@@ -285,6 +286,7 @@ class OpenAIServing:
             stream = await until_disconnect(request, started)
             first = raise_error(await until_disconnect(request, asyncio.ensure_future(stream.get())))
         except BaseException:
+            started.add_done_callback(mark_retrieved)  # cancelled here: it may still fail, with nobody waiting
             self.source.abort(request_id)
             raise
         if first.finished and first.finish_reason == "abort" and not first.new_token_ids:

@@ -55,6 +55,7 @@ from pd_cluster.transfer.ticket import KVTicket
 logger = logging.getLogger(__name__)
 
 _CLOSED = 4096
+SCAN_INTERVAL_S = 0.02  # the most often `poll` walks every transfer for deadlines and quarantines (seconds)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,7 @@ class KVReceiver:
         self._failures: list[RecvFailed] = []
         self._seq = 0
         self._next_ping = 0.0
+        self._next_scan = 0.0
         self._peer_heard: dict[str, float] = {}  # when each sender last sent anything (`_silent_since`)
 
     @property
@@ -238,19 +240,35 @@ class KVReceiver:
         now = self._clock()
         ev = ReceiverEvents()
         self._drain_failures(ev)
+        pushed: set[str] = set()
         for peer, msg in self.agent.take(protocol.Push, protocol.Stopped, protocol.Alive):
             self._peer_heard[peer] = now
             if isinstance(msg, protocol.Alive):
                 self._on_alive(peer, msg, now)
             else:
                 self._on_message(peer, msg, now, ev)
+                if isinstance(msg, protocol.Push):
+                    pushed.add(msg.transfer_id)
         if now >= self._next_ping:
             self._next_ping = now + self.config.heartbeat_interval
             self._heartbeat(now, ev)
-        for job in list(self._jobs.values()):
-            if job.error is None and self._complete(job):
+        for tid in pushed:  # only a push completes a transfer
+            job = self._jobs.get(tid)
+            if job is not None and job.error is None and self._complete(job):
                 self._finish(job, now, ev)
-            elif job.error is None and now - self._silent_since(job, now) > self.config.kv_transfer_timeout:
+        if now >= self._next_scan:
+            self._scan(now, ev)
+        elif ev.completed:
+            self.metrics.decode_transfer_queue.set(self.num_waiting)
+        self._drain_failures(ev)
+        return ev
+
+    def _scan(self, now: float, ev: ReceiverEvents) -> None:
+        """Enforce deadlines and end quarantines: a walk over every transfer, so at most every `SCAN_INTERVAL_S`
+        (deadlines are seconds long); `poll` runs it, often while the engine waits on nothing else."""
+        self._next_scan = now + min(SCAN_INTERVAL_S, self.config.kv_transfer_timeout / 10)
+        for job in list(self._jobs.values()):
+            if job.error is None and now - self._silent_since(job, now) > self.config.kv_transfer_timeout:
                 self._fail(job, TransferTimeoutError(self._timeout_message(job, now),
                                                      transfer_id=job.ticket.transfer_id, peer=job.peer), now,
                            cancel=True)
@@ -258,9 +276,7 @@ class KVReceiver:
                 logger.warning("KV transfer %s: releasing %d pages after the %.1f s quarantine without the sender's "
                                "confirmation", job.ticket.transfer_id, job.ticket.num_pages, self.config.quarantine)
                 self._release(job, "quarantine expired", ev)
-        self._drain_failures(ev)
         self.metrics.decode_transfer_queue.set(self.num_waiting)
-        return ev
 
     # ---- internals -----------------------------------------------------------
     def _silent_since(self, job: _Expect, now: float) -> float:
