@@ -14,10 +14,15 @@ Three scenarios, each run `--runs` times on a fresh cluster, each printing one t
   greedy streams, each compared with the offline greedy text.
 - ``connections``: a 1P1D cluster; `--streams` (48) streaming connections opened at once, each sending one
   request after another for `--duration` seconds.
+- ``many-prompts``: a 1P2D cluster under `--hogs` (0) hogs; one non-streamed ``echo`` completions request of
+  `--num-prompts` (1000) prompts and one token each, sent `--repeat` (3) times one after another. Columns: the
+  request's status and seconds, choices that echo their prompt, and the CPU seconds each worker process used
+  during it (``/proc``; a worker that spins while its sequences wait for pages shows here).
 
     python -m pd_cluster.bench.scripts.overload --runs 5
     python -m pd_cluster.bench.scripts.overload --scenario cold-burst --hogs 16 --streams 60 --runs 3
     python -m pd_cluster.bench.scripts.overload --scenario connections --hogs 0 --streams 48 --duration 60
+    python -m pd_cluster.bench.scripts.overload --scenario many-prompts --num-prompts 1000 --runs 1 --repeat 3
 """
 
 from __future__ import annotations
@@ -50,10 +55,11 @@ PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wante
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="overload", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--scenario", choices=("trace", "cold-burst", "connections"), default="trace")
+    p.add_argument("--scenario", choices=("trace", "cold-burst", "connections", "many-prompts"), default="trace")
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--hogs", type=int, default=None, help="busy-loop processes (default: 10, 16 for cold-burst, 0)")
-    p.add_argument("--num-prompts", type=int, default=600)
+    p.add_argument("--num-prompts", type=int, default=None, help="trace: 600; many-prompts: 1000")
+    p.add_argument("--repeat", type=int, default=3, help="many-prompts: requests per cluster, one after another")
     p.add_argument("--speedup", type=float, default=10.0, help="trace time divided by this")
     p.add_argument("--input-len-scale", type=float, default=0.04)
     p.add_argument("--max-input-len", type=int, default=300)
@@ -277,6 +283,44 @@ def run_connections(args: argparse.Namespace, run: int, workdir: Path) -> dict:
             "failures": sorted({str(r["detail"]) for r in recs if r["outcome"] == "failed"})[:5]}
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_many_prompts(args: argparse.Namespace, run: int, workdir: Path) -> list[dict]:
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(args.num_prompts)]
+    body = {"model": "stories260K", "prompt": prompts, "echo": True, "max_tokens": 1, "temperature": 0}
+    rows = []
+    with cpu_hogs(args.hogs):
+        serve = Serve(1, 2, [f"--router-arg=--max-concurrent-requests={max(1024, args.num_prompts + 10)}",
+                             "--router-arg=--decode-policy=round_robin", *args.serve_arg], workdir)
+        try:
+            serve.wait_ready()
+            workers = json.loads(serve.manifest.read_text())["workers"]
+            for k in range(1, args.repeat + 1):
+                before = {w["name"]: _cpu_seconds(w["pid"]) for w in workers}
+                load = load_average()
+                t = time.monotonic()
+                r = httpx.post(serve.url + "/v1/completions", json=body, timeout=900)
+                took = time.monotonic() - t
+                cpu = {w["name"]: round(_cpu_seconds(w["pid"]) - before[w["name"]], 1) for w in workers}
+                choices = sorted(r.json().get("choices", []), key=lambda c: c["index"]) if r.status_code == 200 else []
+                rows.append({"run": f"{run}.{k}", "load": f"{load:.0f}", "prompts": len(prompts),
+                             "status": r.status_code, "seconds": round(took, 1),
+                             "echoed": sum(c["text"].startswith(p) for c, p in zip(choices, prompts)),
+                             "cpu_s": " / ".join(f"{n} {v}" for n, v in cpu.items()),
+                             "failures": [] if r.status_code == 200 else [r.text[:200]]})
+            counts = serve.counts()
+        finally:
+            serve.stop()
+    for row in rows:
+        row["retry_reasons"] = counts["retry_reasons"]
+        row["retries"] = counts["retries"]
+    return rows
+
+
 COLUMNS = {
     "trace": ["run", "load", "prompts", "served", "failed_after_admission", "refused_up_front",
               "inflight_failed_by_health", "breakers_opened", "workers_dead", "migrations", "retries"],
@@ -284,14 +328,17 @@ COLUMNS = {
                    "breakers_opened", "workers_dead"],
     "connections": ["run", "load", "connections", "requests", "served", "failed", "refused_up_front",
                     "inflight_failed_by_health", "breakers_opened", "workers_dead"],
+    "many-prompts": ["run", "load", "prompts", "status", "seconds", "echoed", "cpu_s", "retries"],
 }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.hogs = args.hogs if args.hogs is not None else {"trace": 10, "cold-burst": 16, "connections": 0}[args.scenario]
+    args.hogs = args.hogs if args.hogs is not None else {"trace": 10, "cold-burst": 16}.get(args.scenario, 0)
+    args.num_prompts = args.num_prompts or (1000 if args.scenario == "many-prompts" else 600)
     args.streams = args.streams or {"cold-burst": 60, "connections": 48}.get(args.scenario, 0)
-    runner = {"trace": run_trace, "cold-burst": run_cold_burst, "connections": run_connections}[args.scenario]
+    runner = {"trace": run_trace, "cold-burst": run_cold_burst, "connections": run_connections,
+              "many-prompts": run_many_prompts}[args.scenario]
     cols = COLUMNS[args.scenario]
     print(f"scenario {args.scenario}, {args.hogs} CPU hogs, {os.cpu_count()} cores; load before: {load_average():.1f}")
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
@@ -304,11 +351,12 @@ def main(argv=None) -> int:
                 if args.keep_logs:
                     Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
                     shutil.copy(Path(tmp) / "pd-serve.log", Path(args.keep_logs) / f"{args.scenario}-run{run}.log")
-        rows.append(row)
-        print("| " + " | ".join(str(row[c]) for c in cols) + " |", flush=True)
-        if row.get("failures") or row.get("retry_reasons"):
-            print(f"  run {run} failures: {row['failures']}; retries: {row['retry_reasons']}", file=sys.stderr,
-                  flush=True)
+        for row in row if isinstance(row, list) else [row]:
+            rows.append(row)
+            print("| " + " | ".join(str(row[c]) for c in cols) + " |", flush=True)
+            if row.get("failures") or row.get("retry_reasons"):
+                print(f"  run {row['run']} failures: {row['failures']}; retries: {row['retry_reasons']}",
+                      file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
