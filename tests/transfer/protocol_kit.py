@@ -69,6 +69,17 @@ def drain(side: Side, n: int = 50, *others: Side):
     return ev
 
 
+def until_completed(p: Side, d: Side, n: int = 200, allow_failures: bool = False):
+    """Poll both sides (bounded) until decode's receiver completes a transfer; returns that `RecvDone`, or None."""
+    for _ in range(n):
+        p.sender.poll()
+        ev = d.receiver.poll()
+        assert allow_failures or not ev.failed, ev.failed
+        if ev.completed:
+            return ev.completed[0]
+    return None
+
+
 def push_msg(tid, index, start, n, total=0):
     """A `protocol.Push` of `n` pages of `LAYOUT`; the last one (`total` set) carries a first token."""
     return protocol.Push(tid, index, start, n, n * LAYOUT.page_nbytes, total, {"first_token_id": 7} if total else None)

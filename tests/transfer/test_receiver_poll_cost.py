@@ -7,7 +7,7 @@ Two real NIXL agents in one process, a controllable clock."""
 from __future__ import annotations
 
 import torch
-from protocol_kit import T, drain, sides  # noqa: F401  (sides: the module's fixture)
+from protocol_kit import T, drain, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
 from pd_cluster.transfer.receiver import SCAN_INTERVAL_S, KVReceiver
 
@@ -31,13 +31,7 @@ def test_polls_walk_every_transfer_only_once_per_scan_interval_and_still_complet
     p.sender.announce(first)
     p.sender.add_request(first)
     assert p.sender.push(first.transfer_id, [30], 10, meta={"first_token_id": 3}) == 1
-    done = None
-    for _ in range(200):
-        p.sender.poll()
-        ev = d.receiver.poll()
-        if ev.completed:
-            done = ev.completed[0]
-            break
+    done = until_completed(p, d)
     assert done is not None and done.transfer_id == first.transfer_id
     assert len(walked) == 48  # the clock has not moved
     assert torch.equal(d.pool.read_pages([1]), p.pool.read_pages([30]))

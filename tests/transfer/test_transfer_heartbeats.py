@@ -5,7 +5,7 @@ withdrawn."""
 from __future__ import annotations
 
 import torch
-from protocol_kit import T, Side, drain, sides  # noqa: F401  (sides: the module's fixture)
+from protocol_kit import T, Side, drain, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
 from pd_cluster.transfer import protocol
 from pd_cluster.transfer.config import TransferConfig
@@ -180,14 +180,7 @@ def test_a_ticket_the_sender_has_not_read_yet_lives_while_the_sender_lives(sides
     p.sender.announce(t)
     p.sender.add_request(t)
     assert p.sender.push(t.transfer_id, [14], 10, meta={"first_token_id": 3}) == 1
-    done = None
-    for _ in range(200):
-        p.sender.poll()
-        ev = d.receiver.poll()
-        assert not ev.failed, ev.failed
-        if ev.completed:
-            done = ev.completed[0]
-            break
+    done = until_completed(p, d)
     assert done is not None and done.transfer_id == t.transfer_id
     assert torch.equal(d.pool.read_pages([27]), p.pool.read_pages([14]))
 

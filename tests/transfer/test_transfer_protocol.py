@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from protocol_kit import LAYOUT, T, Side, drain, push_msg, sides  # noqa: F401  (sides: the module's fixture)
+from protocol_kit import LAYOUT, T, Side, drain, push_msg, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
 from pd_cluster.transfer import protocol
 from pd_cluster.transfer.config import TransferConfig
@@ -114,13 +114,7 @@ def test_real_push_moves_bytes_and_counts_them(sides):
     assert p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 70, meta={"first_token_id": 11}) == 3
     with pytest.raises(ValueError, match="after the last"):
         p.sender.push(t.transfer_id, [1, 2, 3, 4, 5], 70)
-    done = None
-    for _ in range(100):
-        p.sender.poll()
-        ev = d.receiver.poll()
-        if ev.completed:
-            done = ev.completed[0]
-            break
+    done = until_completed(p, d, 100, allow_failures=True)
     assert done is not None and done.meta == {"first_token_id": 11}
     assert torch.equal(d.pool.read_pages([20, 21, 22, 24, 25]), p.pool.read_pages([1, 2, 3, 4, 5]))
     assert torch.count_nonzero(d.pool.read_pages([23])) == 0  # the gap between the runs is untouched
