@@ -1,0 +1,103 @@
+"""Qwen3-Next (`engine/model/families/qwen3_next.py`): Gated DeltaNet layers whose recurrent states live in the KV
+pool's state group, gated full attention, experts with a gated shared expert.
+
+A tiny random checkpoint written by transformers (`family_models.STATE_FAMILIES`) generates transformers' own
+greedy tokens: 5 prompts of 40 to 80 tokens x 32 tokens, fp32 KV, 16-token pages, with chunked prefill of 7 tokens
+(each request's state carries across 6 to 12 chunks) and of 128 (one chunk, whose delta rule crosses its 64-token
+blocks); its logits equal transformers'. Each request holds the state group's fixed pages from its first step to
+its release; the prefix cache is off for the model, and a repeated prompt is still exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from random_models import build, engine_logits, hf_greedy_batch, hf_logits, long_prompt_ids
+
+from pd_cluster.engine import LLM, SamplingParams
+from pd_cluster.engine.kv.allocator import NULL_PAGE
+from pd_cluster.engine.model.gated_deltanet import GatedDeltaNet
+from pd_cluster.engine.model.linear_config import LinearAttentionConfig
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+FAMILY = "qwen3-next"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(folder, transformers model, prompts, transformers' greedy tokens)."""
+    folder = tmp_path_factory.mktemp("qwen3-next")
+    hf = build(FAMILY, folder)
+    prompts = long_prompt_ids(5)
+    return folder, hf, prompts, hf_greedy_batch(hf, prompts, 32)
+
+
+@pytest.mark.parametrize("chunk", [7, 128])
+def test_greedy_equals_transformers(checkpoint, chunk):
+    folder, _, prompts, want = checkpoint
+    llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=chunk)
+    engine = llm.engine
+    arch = engine.loaded.arch
+    assert [a.kind for a in arch.layer_attention] == ["linear", "linear", "linear", "full"]
+    assert [arch.is_moe_layer(i) for i in range(4)] == [True, True, False, True]
+    assert sum(isinstance(m, GatedDeltaNet) for m in engine.loaded.model.modules()) == 3
+    # one request's state: 3 layers x (conv 64 channels x 3 + 4 heads x 8 x 8) float32 = 5,376 B: 2 pages of 4 KiB
+    assert arch.linear == LinearAttentionConfig(2, 4, 8, 8, 4)
+    assert engine.kv_groups.signature() == ("full:3", "state(2):0,1,2")
+    assert engine.prefix_cache is None
+    outs = llm.generate(prompts, GREEDY_32)
+    assert [list(o.token_ids) for o in outs] == want
+    assert engine.num_free_pages() == engine.allocator.num_pages
+
+
+def test_logits_equal_transformers(checkpoint):
+    folder, hf, prompts, _ = checkpoint
+    ids = prompts[4]  # 80 tokens: two blocks of the chunked delta rule
+    with torch.no_grad():
+        want = hf_logits(hf, ids).float()
+    got = engine_logits(folder, ids)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (got - want).abs().max().item()
+
+
+def test_state_pages_held_per_request_and_freed(checkpoint):
+    """Each running request holds exactly the state group's 2 pages, whatever its length, and its full group's
+    pages of tokens; all come back when it ends. A prompt repeated, alone and beside itself, gives the same
+    tokens (no state is shared or reused)."""
+    folder, _, prompts, want = checkpoint
+    llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=7)
+    engine = llm.engine
+    state = engine.kv_groups.state_group
+    seen = []
+    for i, ids in enumerate(prompts[:3]):
+        engine.add_request(f"r{i}", ids, GREEDY_32)
+    while engine.has_work():
+        engine.step()
+        for req in engine.scheduler.running:
+            tables = engine.pages.tables(req)
+            seen.append((len(tables[state]), len(tables[0]), req.num_computed_tokens))
+            assert NULL_PAGE not in tables[state]
+    assert seen and all(n == 2 for n, _, _ in seen)
+    assert all(full == -(-computed // 16) for _, full, computed in seen if computed)
+    assert engine.num_free_pages() == engine.allocator.num_pages
+    again = llm.generate([prompts[1], prompts[1], prompts[0]], GREEDY_32)
+    assert [list(o.token_ids) for o in again] == [want[1], want[1], want[0]]
+    assert engine.num_free_pages() == engine.allocator.num_pages
+
+
+def test_small_pool_retracts_and_recomputes_from_a_fresh_state(checkpoint):
+    """A pool of 14 pages cannot hold the 5 requests at once (each needs 2 state pages and up to 7 of tokens):
+    requests are retracted, their state pages freed and reused by others, and recomputed from position 0 with a
+    zeroed state: every output stays transformers'."""
+    folder, _, prompts, want = checkpoint
+    llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=16, num_pages=14,
+              schedule_conservativeness=0.05)
+    outs = llm.generate(prompts, GREEDY_32)
+    assert [list(o.token_ids) for o in outs] == want
+    assert llm.engine.scheduler.num_retracted_total > 0
+    assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("flag", ["disable_hybrid_kv_cache_manager", "enable_hierarchical_cache"])
+def test_settings_without_a_state_group_are_refused(checkpoint, flag):
+    with pytest.raises(ValueError, match="state group"):
+        LLM(str(checkpoint[0]), kv_cache_dtype="fp32", **{flag: True})
