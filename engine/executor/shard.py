@@ -142,7 +142,7 @@ def state_pages(groups: KVGroups, layout: KVLayout, arch: ArchConfig, tp: TPGrou
     if groups.state_group is None:
         return groups, layout
     nbytes = arch.linear.state_bytes(len(arch.linear_attention_layers), tp.size)
-    groups = groups.with_state_pages(-(-nbytes // layout.page_nbytes))
+    groups = groups.with_state(nbytes, layout.page_nbytes)
     return groups, dataclasses.replace(layout, kv_groups=groups.signature())
 
 

@@ -41,10 +41,12 @@ class KVGroup:
         rule: ``("full", 0)``, ``("sliding", W)`` or ``("chunked", C)``: which keys a query at position ``p`` reads
             (`LayerAttention.mask_key`); ``("state", n)``: a state group, whose requests hold ``n`` pages each.
         layers: the model's layer indices in this group, in order; layer ``layers[i]`` is slot ``i`` of a page.
+        state_bytes: a state group's bytes of one request's state on this rank (0 until known).
     """
 
     rule: tuple[str, int]
     layers: tuple[int, ...]
+    state_bytes: int = 0  # a state group: the bytes of one request's state on this rank
 
     @property
     def kind(self) -> str:
@@ -111,10 +113,12 @@ class KVGroups:
         """The index of the state group, None without one."""
         return next((i for i, g in enumerate(self.groups) if g.is_state), None)
 
-    def with_state_pages(self, num_pages: int) -> "KVGroups":
-        """These groups with each request holding `num_pages` pages of the state group."""
-        return KVGroups(tuple(KVGroup(("state", num_pages), g.layers) if g.is_state else g for g in self.groups),
-                        self.num_layers)
+    def with_state(self, nbytes: int, page_nbytes: int) -> "KVGroups":
+        """These groups with a request's state of `nbytes` bytes over pages of `page_nbytes`: each request holds
+        ``ceil(nbytes / page_nbytes)`` pages of the state group."""
+        pages = -(-nbytes // page_nbytes)
+        return KVGroups(tuple(KVGroup(("state", pages), g.layers, nbytes) if g.is_state else g
+                              for g in self.groups), self.num_layers)
 
     @cached_property
     def group_of_layer(self) -> tuple[int, ...]:
@@ -155,20 +159,42 @@ class KVGroups:
 
     def decode_first_pages(self, num_tokens: int, page_size: int) -> tuple[int, ...]:
         """Per group, the first page of a request of `num_tokens` known tokens that its decode reads from its
-        first query (at position `num_tokens`) on: 0 for a full group, `KVGroup.first_needed_page` for a windowed
-        one. A group may read none of them (its value is then the page count), but the result always keeps the
-        last page in some group, so a PD transfer has a page to carry the first token (only a model whose every
-        layer is chunked, at a chunk boundary, needs this)."""
+        first query (at position `num_tokens`) on: 0 for a full group (and a state group, whose pages are all
+        read), `KVGroup.first_needed_page` for a windowed one. A group may read none of them (its value is then
+        the page count), but the result always keeps the last page in some group of tokens, so a PD transfer has
+        a page to carry the first token (only a model whose every layer is chunked, at a chunk boundary, needs
+        this)."""
         total = -(-num_tokens // page_size)
-        firsts = [total if g.is_state else g.first_needed_page(num_tokens, page_size) for g in self.groups]
-        if min(firsts) >= total:
+        firsts = [g.first_needed_page(num_tokens, page_size) for g in self.groups]
+        if min(f for f, g in zip(firsts, self.groups) if not g.is_state) >= total:
             firsts[0] = total - 1
         return tuple(firsts)
 
+    # ---- PD transfer: the state group as one transfer group per page -----------------------------------------
+    # A transfer moves prompt pages in order, one slot per group and page (`transfer.ticket.group_slots`); a
+    # state group's pages belong to no prompt page and are final only once the whole prompt is computed. So the
+    # transfer sees the state group as `rule[1]` groups of one page each, at the prompt's last page: they are
+    # pushed with it, after the prompt's last chunk.
+
+    @property
+    def num_transfer_groups(self) -> int:
+        """Groups as a PD transfer sees them (the state group once per page of it)."""
+        return sum(g.rule[1] if g.is_state else 1 for g in self.groups)
+
+    def transfer_tables(self, tables: list[list[int]], num_tokens: int, page_size: int) -> list[list[int]]:
+        """A request's block tables (one per group, group 0 first) as the transfer's groups: the state group's
+        table becomes one table per page, of the prompt's length (`num_tokens`), that page at its last entry."""
+        total = -(-num_tokens // page_size)
+        out: list[list[int]] = []
+        for g, table in zip(self.groups, tables):
+            out.extend([[0] * (total - 1) + [p] for p in table] if g.is_state else [table])
+        return out
+
     def transfer_first_pages(self, num_tokens: int, page_size: int, num_cached_pages: int = 0) -> tuple[int, ...]:
-        """Per group, the first prompt page a PD decode receives for a request of `num_tokens` known tokens whose
-        first `num_cached_pages` pages its own prefix cache holds: every page from there on for a full group;
-        for a windowed group only those its decode reads (`decode_first_pages`).
+        """Per transfer group, the first prompt page a PD decode receives for a request of `num_tokens` known
+        tokens whose first `num_cached_pages` pages its own prefix cache holds: every page from there on for a
+        full group; for a windowed group only those its decode reads (`decode_first_pages`); the last for each
+        page of the state group (`transfer_tables`).
 
         Raises:
             ValueError: `num_cached_pages` is not below the prompt's pages.
@@ -176,13 +202,17 @@ class KVGroups:
         total = -(-num_tokens // page_size)
         if not 0 <= num_cached_pages < total:
             raise ValueError(f"{num_cached_pages} cached pages of a {total}-page prompt")
-        return tuple(max(num_cached_pages, f) for f in self.decode_first_pages(num_tokens, page_size))
+        out: list[int] = []
+        for g, f in zip(self.groups, self.decode_first_pages(num_tokens, page_size)):
+            out.extend([total - 1] * g.rule[1] if g.is_state else [max(num_cached_pages, f)])
+        return tuple(out)
 
     def signature(self) -> tuple[str, ...]:
-        """One string per group, e.g. ``("full:3,7", "chunked(16):0,1,2", ...)``: its rule and its layers, in pool
+        """One string per group, e.g. ``("full:3,7", "chunked(16):0,1,2", "state(2):0,1:5376B")``: its rule and its
+        layers (a state group: and its bytes per request on this rank, which differ with the TP size), in pool
         order (`KVLayout.kv_groups`, compared at the KV transfer handshake)."""
         return tuple(f"{g.kind if g.kind == 'full' else f'{g.kind}({g.rule[1]})'}:{','.join(map(str, g.layers))}"
-                     for g in self.groups)
+                     + (f":{g.state_bytes}B" if g.is_state else "") for g in self.groups)
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``full x12, chunked(8192) x12 x3 (12 layers a page)``."""
@@ -208,8 +238,8 @@ def plan_kv_groups(layers: tuple[LayerAttention, ...], state_pages: int = 1) -> 
     Layers of one rule are split into groups of at most ``min(layers per rule)`` layers (vLLM's rule: the
     smallest type sets the page's layer count, so no page carries another type's empty slots; a type whose count
     is not a multiple leaves its last group's pages partly unused). Every layer full: `single_group`. The
-    ``linear`` layers form one state group, last, of `state_pages` pages a request (`KVGroups.with_state_pages`
-    sets it once the page's size is known).
+    ``linear`` layers form one state group, last, of `state_pages` pages a request (`KVGroups.with_state` sets it
+    once the state's and the page's sizes are known).
     """
     by_rule: dict[tuple[str, int], list[int]] = {}
     linear = tuple(i for i, spec in enumerate(layers) if spec.kind == "linear")

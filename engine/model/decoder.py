@@ -181,6 +181,8 @@ class CausalLM(nn.Module):
         """The loader's hook: `tensor` (this rank's shard of checkpoint tensor `name`, ``model.`` removed) as the
         module holds it (the attention block's row order: `Attention.checkpoint_tensor`,
         `MLAAttention.checkpoint_tensor`)."""
+        if ".linear_attn." in name:
+            return GatedDeltaNet.checkpoint_tensor(self.cfg, self.tp, name, tensor)
         return attention_class(self.cfg).checkpoint_tensor(self.cfg, name, tensor)
 
     @torch.inference_mode()

@@ -119,6 +119,22 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = make_linear(self.value_dim, cfg.hidden_size, bias=False)
 
+    @staticmethod
+    def checkpoint_tensor(cfg: ArchConfig, tp: TPGroup, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor `name` (whole: the loader does not split these): its key heads'
+        rows of ``in_proj_qkvz`` and ``in_proj_ba`` (each key head's rows are together), its channels of each of
+        q, k and v in ``conv1d``, its value heads of ``dt_bias`` and ``A_log`` and columns of ``out_proj``; the
+        norm whole."""
+        if tp.size == 1 or name.endswith("norm.weight"):
+            return tensor
+        if name.endswith("conv1d.weight"):
+            lc = cfg.linear
+            key, value = lc.num_k_heads * lc.k_head_dim, lc.num_v_heads * lc.v_head_dim
+            return torch.cat([part.chunk(tp.size)[tp.rank] for part in tensor.split([key, key, value])])
+        if name.endswith("out_proj.weight"):
+            return tensor.chunk(tp.size, dim=1)[tp.rank]
+        return tensor.chunk(tp.size)[tp.rank]
+
     def _states(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's views of the step's states [B, total floats]: conv [B, C, K - 1], delta [B, Hv, Dk, Dv]."""
         mine = states[:, self.index * self.state_floats:(self.index + 1) * self.state_floats]

@@ -120,8 +120,8 @@ class GroupedPageManager(PageManager):
         return list(self.groups.decode_first_pages(req.num_tokens, self.page_size))
 
     def _remote_new_pages(self, req: Request, firsts: list[int]) -> int:
-        need = self.pages_for(req.num_tokens)
-        return sum(max(need - max(len(t), first), 0) for t, first in zip(self.tables(req), firsts))
+        needs = self._needs(req.num_tokens)
+        return sum(max(need - max(len(t), first), 0) for need, t, first in zip(needs, self.tables(req), firsts))
 
     def can_reserve_remote(self, req: Request) -> bool:
         return self._remote_new_pages(req, self._remote_firsts(req)) <= self.num_available
@@ -129,8 +129,9 @@ class GroupedPageManager(PageManager):
     def reserve_remote(self, req: Request) -> None:
         """Decode role: hold, in every group, the pages of `req`'s known tokens that its decode will read: every
         page for a full group, only those from the window of its first query (at ``req.num_tokens``) on for a
-        windowed one, whose earlier entries are the null page (a matched page there is given back). The prompt's
-        KV arrives in them (`KVGroups.transfer_first_pages` says which pages the transfer fills).
+        windowed one, whose earlier entries are the null page (a matched page there is given back), and the state
+        group's pages. The prompt's KV (and the state at its end) arrives in them (`KVGroups.transfer_first_pages`
+        says which pages the transfer fills).
 
         Raises:
             OutOfPagesError: not enough free and evictable pages (no table changes).
@@ -141,8 +142,9 @@ class GroupedPageManager(PageManager):
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         new = self.allocator.allocate(n)
-        need, i = self.pages_for(req.num_tokens), 0
-        for g, (group, table, first) in enumerate(zip(self.groups.groups, self.tables(req), firsts)):
+        i = 0
+        for g, (group, table, first, need) in enumerate(zip(self.groups.groups, self.tables(req), firsts,
+                                                             self._needs(req.num_tokens))):
             if group.is_windowed:  # matched pages behind the window are never read here: back to the cache
                 stop = min(first, len(table))
                 dead = [p for p in table[:stop] if p != NULL_PAGE]

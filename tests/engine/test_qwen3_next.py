@@ -43,7 +43,7 @@ def test_greedy_equals_transformers(checkpoint, chunk):
     assert sum(isinstance(m, GatedDeltaNet) for m in engine.loaded.model.modules()) == 3
     # one request's state: 3 layers x (conv 64 channels x 3 + 4 heads x 8 x 8) float32 = 5,376 B: 2 pages of 4 KiB
     assert arch.linear == LinearAttentionConfig(2, 4, 8, 8, 4)
-    assert engine.kv_groups.signature() == ("full:3", "state(2):0,1,2")
+    assert engine.kv_groups.signature() == ("full:3", "state(2):0,1,2:5376B")
     assert engine.prefix_cache is None
     outs = llm.generate(prompts, GREEDY_32)
     assert [list(o.token_ids) for o in outs] == want
@@ -101,3 +101,22 @@ def test_small_pool_retracts_and_recomputes_from_a_fresh_state(checkpoint):
 def test_settings_without_a_state_group_are_refused(checkpoint, flag):
     with pytest.raises(ValueError, match="state group"):
         LLM(str(checkpoint[0]), kv_cache_dtype="fp32", **{flag: True})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_greedy_equals_transformers(checkpoint):
+    """2 ranks over gloo: each holds one of the 2 key heads and 2 of the 4 value heads of every Gated DeltaNet
+    layer (its channels of the convolution, its half of the state: 2,688 B, 2 pages of 2 KiB), one of the 2 KV heads and
+    half of each expert's width."""
+    folder, _, prompts, want = checkpoint
+    llm = LLM(str(folder), tp_size=2, kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=7)
+    try:
+        linear = llm.engine.loaded.model.layers[0].linear_attn
+        assert (linear.hk, linear.hv, linear.conv_dim) == (1, 2, 32)
+        assert llm.engine.kv_groups.signature() == ("full:3", "state(2):0,1,2:2688B")
+        outs = llm.generate(prompts, GREEDY_32)
+        assert [list(o.token_ids) for o in outs] == want
+        assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+    finally:
+        llm.engine.close()
