@@ -18,6 +18,8 @@ from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.kv.allocator import NULL_PAGE
 from pd_cluster.engine.model.gated_deltanet import GatedDeltaNet
 from pd_cluster.engine.model.linear_config import LinearAttentionConfig
+from pd_cluster.engine.planner.plan import PlanInput, make_plan
+from pd_cluster.engine.planner.spec import load_spec
 
 GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 FAMILY = "qwen3-next"
@@ -95,6 +97,31 @@ def test_small_pool_retracts_and_recomputes_from_a_fresh_state(checkpoint):
     assert [list(o.token_ids) for o in outs] == want
     assert llm.engine.scheduler.num_retracted_total > 0
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_planner_bytes_per_request_are_the_engines(checkpoint, tp):
+    """`pd-plan`'s bytes of one request: the full-attention layer's KV per token plus the state group's whole
+    pages, as the engine holds them (`KVGroups.max_pages` pages of the engine's `page_nbytes`)."""
+    from pd_cluster.engine.executor.shard import state_pages
+    from pd_cluster.engine.kv.groups import plan_kv_groups
+    from pd_cluster.engine.kv.pool import KVLayout
+    from pd_cluster.engine.model.arch import ArchConfig
+
+    folder = checkpoint[0]
+    spec = load_spec(str(folder))
+    assert (spec.global_layers, spec.local_layers, spec.state_layers) == (1, 0, 3)
+    assert spec.state_bytes_per_request == 3 * (64 * 3 + 4 * 8 * 8) * 4 == 5_376
+    plan = make_plan(spec, PlanInput(tp_size=tp, kv_cache_dtype="fp32", page_size=16))
+    assert plan.kv_bytes_per_token_per_gpu == 1 * (2 // tp) * 16 * 2 * 4
+    arch = ArchConfig.from_pretrained(folder)
+    groups = plan_kv_groups(arch.layer_attention)
+    rank = type("Rank", (), {"size": tp, "rank": 0})()
+    layout = KVLayout(4, 2 // tp, 16, 16, "fp32", (1.0,) * 4, (1.0,) * 4, tp, 0, layers_per_page=1,
+                      kv_groups=groups.signature())
+    groups, layout = state_pages(groups, layout, arch, rank)
+    for tokens in (16, 80, 4096, 100_000):
+        assert plan.kv_bytes_for(tokens) == groups.max_pages(tokens, 8, 16) * layout.page_nbytes, tokens
 
 
 @pytest.mark.parametrize("flag", ["disable_hybrid_kv_cache_manager", "enable_hierarchical_cache"])
