@@ -147,3 +147,16 @@ def test_tp2_greedy_equals_transformers(checkpoint):
         assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("key, value", [("hidden_act", "gelu_pytorch_tanh"), ("attention_bias", True),
+                                        ("layer_types", ["linear_attention", "sliding_attention"] * 2)])
+def test_keys_it_would_not_honour_are_refused(checkpoint, key, value):
+    import json
+
+    from pd_cluster.engine.model.arch import ArchConfig
+
+    cfg = json.loads((checkpoint[0] / "config.json").read_text())
+    assert ArchConfig.from_dict(cfg).linear is not None
+    with pytest.raises(ValueError, match=key):
+        ArchConfig.from_dict({**cfg, key: value})

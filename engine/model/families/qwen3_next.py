@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from pd_cluster.engine.layer_attention import kinds_from_layer_types, refuse
-from pd_cluster.engine.model.families.qwen3_moe import sparse_step_layers
+from pd_cluster.engine.model.families.qwen2_moe import gated_shared_expert_moe
 from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.linear_config import LinearAttentionConfig
-from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig
+from pd_cluster.engine.model.moe_config import MoEConfig
 
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -44,15 +44,7 @@ class Qwen3Next(Family):
         return kinds, None, None
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
-        experts = int(cfg.get("num_experts") or 0)
-        if not experts:
-            return None
-        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 10), "softmax",
-                                renormalize=bool(cfg.get("norm_topk_prob", True)), weights_in_activation_dtype=True)
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, sparse_step_layers(cfg),
-                         shared_intermediate_size=shared, shared_expert_gate=shared > 0,
-                         activation=str(cfg.get("hidden_act", "silu")))
+        return gated_shared_expert_moe(cfg, default_top_k=10, default_renormalize=True)
 
     def fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
         linear = LinearAttentionConfig(int(cfg.get("linear_num_key_heads", 16)),
@@ -60,13 +52,19 @@ class Qwen3Next(Family):
                                        int(cfg.get("linear_key_head_dim", 128)),
                                        int(cfg.get("linear_value_head_dim", 128)),
                                        int(cfg.get("linear_conv_kernel_dim", 4)))
-        return {**super().fields(cfg), "attention_bias": False, "qk_norm": "gemma", "norm_style": "gemma",
-                "attn_output_gate": True, "linear": linear}
+        return {**super().fields(cfg), "qk_norm": "gemma", "norm_style": "gemma", "attn_output_gate": True,
+                "linear": linear}
 
     def check_family(self, cfg: dict[str, Any]) -> None:
-        if cfg.get("quantization_config"):
-            raise refuse("quantization_config", cfg["quantization_config"].get("quant_method"),
-                         f"{self.architecture}: unquantised checkpoints")
+        """The linear layers' convolution and gate apply ``hidden_act`` too: only SiLU is built there; quantised
+        checkpoints are not built."""
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise refuse("hidden_act", act, f"{self.architecture}: silu (the linear-attention layers apply it)")
+        quant = cfg.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise refuse("quantization_config", method, f"{self.architecture}: unquantised checkpoints")
 
 
 FAMILIES = (Qwen3Next(),)
