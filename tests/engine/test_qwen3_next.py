@@ -3,8 +3,8 @@ pool's state group, gated full attention, experts with a gated shared expert.
 
 A tiny random checkpoint written by transformers (`family_models.STATE_FAMILIES`) generates transformers' own
 greedy tokens: 5 prompts of 40 to 80 tokens x 32 tokens, fp32 KV, 16-token pages, with chunked prefill of 7 tokens
-(each request's state carries across 6 to 12 chunks) and of 128 (one chunk, whose delta rule crosses its 64-token
-blocks); its logits equal transformers'. Each request holds the state group's fixed pages from its first step to
+(each request's state carries across 6 to 12 chunks; also with overlap scheduling) and of 128 (one chunk, whose
+delta rule crosses its 64-token blocks); its logits equal transformers'. Each request holds the state group's fixed pages from its first step to
 its release; the prefix cache is off for the model, and a repeated prompt is still exact.
 """
 
@@ -34,11 +34,13 @@ def checkpoint(tmp_path_factory):
     return folder, hf, prompts, hf_greedy_batch(hf, prompts, 32)
 
 
-@pytest.mark.parametrize("chunk", [7, 128])
-def test_greedy_equals_transformers(checkpoint, chunk):
+@pytest.mark.parametrize("chunk, overlap", [(7, False), (128, False), (7, True)])
+def test_greedy_equals_transformers(checkpoint, chunk, overlap):
     folder, _, prompts, want = checkpoint
-    llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=chunk)
+    llm = LLM(str(folder), kv_cache_dtype="fp32", page_size=16, chunked_prefill_size=chunk,
+              enable_overlap_schedule=overlap)
     engine = llm.engine
+    assert engine.overlap.enabled == overlap
     arch = engine.loaded.arch
     assert [a.kind for a in arch.layer_attention] == ["linear", "linear", "linear", "full"]
     assert [arch.is_moe_layer(i) for i in range(4)] == [True, True, False, True]
