@@ -124,7 +124,7 @@ def kv_groups(config: EngineConfig, arch: ArchConfig) -> KVGroups:
 
 def _check_state_model(config: EngineConfig, arch: ArchConfig) -> None:
     """A model with linear-attention layers keeps their states in the pool's state group: refuse the settings
-    that give the pool one group.
+    that give the pool one group; its prefix cache is off (`LLMEngine`), said once here.
 
     Raises:
         ValueError: naming the flag.
@@ -134,6 +134,9 @@ def _check_state_model(config: EngineConfig, arch: ArchConfig) -> None:
         if on:
             raise ValueError(f"{flag} is not built for {arch.architecture}: its linear-attention layers keep a "
                              "recurrent state per request in the KV pool's state group")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching off: the linear-attention layers' states are kept per request, not per prefix "
+                    "(a cached prefix would lack them)")
 
 
 def state_pages(groups: KVGroups, layout: KVLayout, arch: ArchConfig, tp: TPGroup) -> tuple[KVGroups, KVLayout]:
