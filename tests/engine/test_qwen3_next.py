@@ -101,6 +101,26 @@ def test_small_pool_retracts_and_recomputes_from_a_fresh_state(checkpoint):
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
 
 
+def test_state_pages_travel_with_the_prompts_last_page():
+    """A PD ticket of an 80-token prompt (5 pages): the full group's 5 pages, then the state group's 2 pages as two
+    transfer groups first at page 4; a push that completes pages 0..3 covers none of the state pages, the last
+    push covers them (`KVTicket.slot`)."""
+    from pd_cluster.engine.kv.groups import plan_kv_groups
+    from pd_cluster.engine.layer_attention import LayerAttention
+    from pd_cluster.transfer.ticket import KVTicket, group_slots
+
+    groups = plan_kv_groups((LayerAttention("linear"),) * 3 + (LayerAttention("full"),)).with_state(5_376, 4_096)
+    assert [g.rule for g in groups.groups] == [("full", 0), ("state", 2)] and groups.num_transfer_groups == 3
+    assert groups.max_pages(80, 8, 16) == 5 + 2 and groups.layers_per_page == 1
+    firsts = groups.transfer_first_pages(80, 16)
+    assert firsts == (0, 4, 4) and groups.decode_first_pages(80, 16) == (0, 0)
+    tables = groups.transfer_tables([[11, 12, 13, 14, 15], [21, 22]], 80, 16)
+    slots = group_slots(tables, firsts, 0, 5)
+    assert slots == [11, 12, 13, 14, 15, 21, 22]
+    ticket = KVTicket("t", "r", "d", "p", tuple(slots), 80, 16, 0, firsts)
+    assert ticket.slot(4) == 4 and ticket.slot(5) == 7
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_planner_bytes_per_request_are_the_engines(checkpoint, tp):
     """`pd-plan`'s bytes of one request: the full-attention layer's KV per token plus the state group's whole
