@@ -101,6 +101,29 @@ def test_small_pool_retracts_and_recomputes_from_a_fresh_state(checkpoint):
     assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
 
 
+def test_state_pages_hold_raw_float32_in_an_fp8_pool():
+    """`KVPool.write_states` / `read_states` keep a state's float32 bits exactly in an FP8 (uint8) pool, spread
+    over a request's pages in table order, and touch no other page."""
+    from pd_cluster.engine.kv.groups import plan_kv_groups
+    from pd_cluster.engine.kv.pool import KVLayout, KVPool
+    from pd_cluster.engine.layer_attention import LayerAttention
+
+    groups = plan_kv_groups((LayerAttention("linear"),) * 3 + (LayerAttention("full"),)).with_state(5_376, 1_024)
+    layout = KVLayout(4, 2, 16, 16, "fp8_e4m3", (1.0,) * 4, (1.0,) * 4, layers_per_page=1,
+                      kv_groups=groups.signature())
+    assert layout.page_nbytes == 1_024 and groups.groups[1].rule == ("state", 6)
+    pool = KVPool(layout, 16, "cpu", torch.float32, groups)
+    pool.kv.random_(0, 256)
+    before = pool.kv.clone()
+    tables = torch.tensor([[3, 9, 4, 12, 1, 7], [2, 5, 6, 8, 10, 11]], dtype=torch.int32)
+    states = torch.randn(2, 5_376 // 4)
+    pool.write_states(tables, states)
+    assert torch.equal(pool.read_states(tables, 5_376 // 4), states)
+    assert torch.equal(pool.read_states(tables[1:, [1, 0, 2, 3, 4, 5]], 256)[0], states[1, 256:512])
+    untouched = [p for p in range(17) if p not in tables.flatten().tolist()]
+    assert torch.equal(pool.kv[untouched], before[untouched])
+
+
 def test_state_pages_travel_with_the_prompts_last_page():
     """A PD ticket of an 80-token prompt (5 pages): the full group's 5 pages, then the state group's 2 pages as two
     transfer groups first at page 4; a push that completes pages 0..3 covers none of the state pages, the last
