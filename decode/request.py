@@ -157,7 +157,8 @@ class RemoteRequest:
             num_cached_pages: how many leading ones this worker's prefix cache held: the ticket covers
                 only the rest (a delta transfer), and the prefill worker pushes only those.
             group_tables: a hybrid pool's block tables of KV groups 1..: the ticket covers, per group, the
-                pages its decode reads (`KVGroups.transfer_first_pages`: a windowed group's window only).
+                pages its decode reads (`KVGroups.transfer_first_pages`: a windowed group's window only; a state
+                group's pages with the prompt's last page).
 
         If the receiver refuses (e.g. the prefill agent was dropped meanwhile), the request fails and its pages
         are released at once: no ticket exists, so nothing can be written.
@@ -173,7 +174,8 @@ class RemoteRequest:
             else:
                 ps = engine.layout.page_size
                 firsts = engine.kv_groups.transfer_first_pages(req.num_tokens, ps, num_cached_pages)
-                slots = group_slots([pages, *group_tables], firsts, min(firsts), -(-req.num_tokens // ps))
+                tables = engine.kv_groups.transfer_tables([pages, *group_tables], req.num_tokens, ps)
+                slots = group_slots(tables, firsts, min(firsts), -(-req.num_tokens // ps))
                 ticket = receiver.expect(self.request_id, slots, req.num_tokens, self.prefill_agent, min(firsts),
                                          firsts)
         except Exception as e:  # noqa: BLE001 - PeerNotConnectedError, ValueError: the request's own failure

@@ -37,6 +37,9 @@ class ForwardBatch:
         rope_variant: [T] int64, 1 where the token's request rotates by longrope's long factors
             (`Request.rope_variant`); None when every token rotates by the short ones (or the model has no
             longrope).
+        states: [B, floats] float32, the recurrent states of the step's requests (linear-attention layers),
+            read by the model from the pool's state pages at the start of its forward pass and written back at
+            its end (`pd_cluster.engine.kv.pool.KVPool.read_states`); None for a model without them.
     """
 
     input_ids: torch.Tensor
@@ -52,6 +55,7 @@ class ForwardBatch:
     query_start_loc_cpu: list[int]
     group_batches: "tuple[ForwardBatch, ...] | None" = None
     rope_variant: torch.Tensor | None = None
+    states: torch.Tensor | None = None
 
     def for_group(self, group: int) -> "ForwardBatch":
         """This step as KV group `group`'s layers see it (its slot mapping and block tables)."""

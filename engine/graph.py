@@ -366,6 +366,9 @@ def maybe_capture_decode_graphs(model: torch.nn.Module, pool: KVPool, backend: A
     if not getattr(backend, "supports_cuda_graph", False):
         logger.warning("CUDA graphs disabled: attention backend %r cannot be captured", backend.name)
         return None
+    if getattr(model, "has_recurrent_state", False):
+        logger.warning("CUDA graphs disabled: the model's linear-attention layers are not captured")
+        return None
     runner = CudaGraphRunner(model, pool, backend, config)
     if pool.device.type == "cuda":
         runner.capture()

@@ -13,6 +13,9 @@ Units: positions and sizes are tokens, positions counted from 0 in the request's
   Gemma 2/3's local layers, gpt-oss's even layers).
 * ``chunked`` (chunk ``C``): keys ``p - p % C..p``, only its own chunk of C tokens (transformers'
   ``chunked_overlay``; Llama 4's local layers, ``attention_chunk_size``).
+* ``linear``: no softmax attention and no KV per token: a linear-attention layer (Gated DeltaNet,
+  `pd_cluster.engine.model.gated_deltanet`) that keeps a fixed-size recurrent state per request instead
+  (a KV manager's state group, `pd_cluster.engine.kv.groups`). It sees every earlier token, through that state.
 
 Each family reads its layer layout from its own keys (`pd_cluster.engine.model.families`, `Family.layer_kinds`)
 as its transformers class does, and builds the tuple with `build_layers`.
@@ -23,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-AttentionKind = Literal["full", "sliding", "chunked"]
-KINDS = ("full", "sliding", "chunked")
-HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+AttentionKind = Literal["full", "sliding", "chunked", "linear"]
+KINDS = ("full", "sliding", "chunked", "linear")
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked",
+                  "linear_attention": "linear"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class LayerAttention:
     """One layer's attention type.
 
     Attributes:
-        kind: ``full``, ``sliding`` or ``chunked`` (module docstring).
+        kind: ``full``, ``sliding``, ``chunked`` or ``linear`` (module docstring).
         window: ``sliding`` only: the tokens a query sees, itself included (a query at ``p`` sees
             ``[p - window + 1, p]``).
         chunk_size: ``chunked`` only: a query at ``p`` sees ``[p - p % chunk_size, p]``.

@@ -109,9 +109,10 @@ class LLMEngine:
         self.kv_groups = self.pool.groups
         grouped = not self.kv_groups.is_single  # hybrid KV: one table per group, window pages freed
         sc = config.scheduler
-        if grouped:  # one radix tree per group (no host tier: kv_groups keeps one group with it)
+        if grouped:  # one radix tree per group (no host tier: kv_groups keeps one group with it; none with states)
             self.prefix_cache = (GroupedPrefixCache(self.allocator, self.layout.page_size, self.kv_groups,
-                                                    self.kv_events) if config.cache.enable_prefix_caching else None)
+                                                    self.kv_events)
+                                 if config.cache.enable_prefix_caching and self.kv_groups.state_group is None else None)
         else:
             self.prefix_cache = build_prefix_cache(config.cache, self.role, self.allocator, self.pool,
                                                    self.kv_events)

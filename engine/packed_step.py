@@ -125,17 +125,21 @@ def unpack_step(header: np.ndarray, payload: np.ndarray) -> StepArrays:
                       fpos, fsrc, n_prev, group_rows, variants)
 
 
-def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None
-               ) -> ForwardBatch:
+def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, staging: HostStaging | None,
+               state_pages: dict[int, int] | None = None) -> ForwardBatch:
     """Apply the step's block-table edits to `table` and assemble its `ForwardBatch` on the table's device.
 
     One upload carries the step's index arrays and the edits; the edits are then applied on the device and the
     step's ``block_tables`` [B, W] int32 is a device gather of its rows (W: the most pages any of them holds).
     Slots come from the host mirror.
 
+    `state_pages` maps a state group (`pd_cluster.engine.kv.groups`: index among the groups) to the pages each of
+    its rows holds, whatever the tokens; its slots are -1 (no token is stored there).
+
     Raises:
         ValueError: a row does not hold the pages its request's tokens need, or an out-of-order append.
     """
+    state_pages = state_pages or {}
     all_rows = step.rows if step.group_rows is None else np.concatenate([step.rows, step.group_rows.reshape(-1)])
     flat_idx, values = table.apply_host(step.edits, all_rows)
     qlens = step.query_lens
@@ -143,15 +147,16 @@ def build_step(step: StepArrays, table: DeviceBlockTable, page_size: int, stagin
     need = -(-seq_lens // page_size)
     groups = [step.rows] + ([] if step.group_rows is None else list(step.group_rows))
     helds = [table.lengths[rows] for rows in groups]
-    for held in helds:
-        short = np.nonzero(held < need)[0]
+    for g, held in enumerate(helds):
+        short = np.nonzero(held < (state_pages[g] if g in state_pages else need))[0]
         if short.size:
             table.apply_device(*(torch.from_numpy(a).to(table.device) for a in (step.edits.clear, flat_idx, values)))
             i = int(short[0])  # the edits are applied on the device too, so that mirror and table stay equal
-            raise ValueError(f"request {i}: block table has {held[i]} pages, needs {need[i]} for {seq_lens[i]} "
-                             "tokens")
-    slot_list = [table.host[rows[req_of_token], positions // page_size].astype(np.int64) * page_size
-                 + positions % page_size for rows in groups]
+            raise ValueError(f"request {i}: block table of KV group {g} has {held[i]} pages, needs "
+                             f"{state_pages.get(g, need[i])} for {seq_lens[i]} tokens")
+    slot_list = [np.full(positions.shape, -1, dtype=np.int64) if g in state_pages else
+                 table.host[rows[req_of_token], positions // page_size].astype(np.int64) * page_size
+                 + positions % page_size for g, rows in enumerate(groups)]
     widths = [int(held.max(initial=1)) or 1 for held in helds]
     arrays = [(step.input_ids, torch.long), (positions, torch.long), (slot_list[0], torch.long), (qsl, torch.int32),
               (seq_lens, torch.int32), (step.logits, torch.long), (step.rows, torch.long),

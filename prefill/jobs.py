@@ -194,8 +194,12 @@ class PrefillHooks(StepHooks):
                         "num_cached_tokens": job.result.num_cached_tokens}
                 if d.prompt_logprobs is not None:  # computed here, for every prompt position
                     meta["prompt_logprobs"] = [_jsonable_prompt(lp) for lp in d.prompt_logprobs]
+            group_tables = prog.group_tables
+            if engine.kv_groups.state_group is not None:  # its pages go with the prompt's last one
+                group_tables = engine.kv_groups.transfer_tables([prog.block_table, *group_tables],
+                                                                job.ticket.num_tokens, engine.layout.page_size)[1:]
             self.sender.push(job.ticket.transfer_id, prog.block_table, prog.end, meta=meta, ready_event=ready,
-                             group_tables=prog.group_tables)
+                             group_tables=group_tables)
 
     def poll(self, engine: LLMEngine) -> None:
         if not self.jobs and not self.sender.has_work:  # poll also moves the last acknowledgement out

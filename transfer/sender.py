@@ -128,8 +128,9 @@ class KVSender:
         if ticket.page_size != self.agent.pool.page_size:
             raise ValueError(f"ticket page size {ticket.page_size} != pool page size {self.agent.pool.page_size}")
         groups = getattr(self.agent.pool, "groups", None)
-        if groups is not None and ticket.num_groups != groups.num_groups:
-            raise ValueError(f"ticket for {ticket.num_groups} KV group(s), but this pool has {groups.num_groups}")
+        if groups is not None and ticket.num_groups != groups.num_transfer_groups:
+            raise ValueError(f"ticket for {ticket.num_groups} KV group(s), but this pool has "
+                             f"{groups.num_transfer_groups}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:

@@ -8,6 +8,8 @@ allocator (rank 0's) serves them all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -52,6 +54,12 @@ class Shard:
     staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
     block_table: DeviceBlockTable | None = None  # persistent per-request rows of page ids (set by build_shard)
 
+    @property
+    def _state_pages(self) -> dict[int, int]:
+        """The pool's state group and its pages per request (`build_step`), empty without one."""
+        g = self.pool.groups.state_group
+        return {} if g is None else {g: self.pool.groups.groups[g].rule[1]}
+
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Capture this rank's decode CUDA graphs once the pool exists (none off CUDA or with
         ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner
@@ -73,7 +81,7 @@ class Shard:
             ValueError: the step has future tokens but `prev_tokens` is missing or not of its size P.
         """
         step = unpack_step(header, payload)
-        batch = build_step(step, self.block_table, self.pool.page_size, self.staging)
+        batch = build_step(step, self.block_table, self.pool.page_size, self.staging, self._state_pages)
         if step.future_pos.size:
             if prev_tokens is None or prev_tokens.numel() != step.num_prev:
                 raise ValueError(f"the step takes {step.future_pos.size} input ids from the previous step's "
@@ -105,10 +113,40 @@ def kv_groups(config: EngineConfig, arch: ArchConfig) -> KVGroups:
     or hierarchical-cache pool is all-full or keeps every page). A prefill and a decode worker compare their
     groups at the KV transfer handshake (`KVLayout.kv_groups`)."""
     layers = arch.layer_attention
+    if arch.linear_attention_layers:
+        _check_state_model(config, arch)
+        return plan_kv_groups(layers)
     if (config.cache.disable_hybrid_kv_cache_manager or arch.mla is not None
             or config.cache.enable_hierarchical_cache or all(spec.kind == "full" for spec in layers)):
         return single_group(arch.num_hidden_layers)
     return plan_kv_groups(layers)
+
+
+def _check_state_model(config: EngineConfig, arch: ArchConfig) -> None:
+    """A model with linear-attention layers keeps their states in the pool's state group: refuse the settings
+    that give the pool one group; its prefix cache is off (`LLMEngine`), said once here.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    for flag, on in (("--disable-hybrid-kv-cache-manager", config.cache.disable_hybrid_kv_cache_manager),
+                     ("--enable-hierarchical-cache", config.cache.enable_hierarchical_cache)):
+        if on:
+            raise ValueError(f"{flag} is not built for {arch.architecture}: its linear-attention layers keep a "
+                             "recurrent state per request in the KV pool's state group")
+    if config.cache.enable_prefix_caching:
+        logger.info("prefix caching off: the linear-attention layers' states are kept per request, not per prefix "
+                    "(a cached prefix would lack them)")
+
+
+def state_pages(groups: KVGroups, layout: KVLayout, arch: ArchConfig, tp: TPGroup) -> tuple[KVGroups, KVLayout]:
+    """`groups` and `layout` with the state group's pages per request: one request's recurrent state on this
+    rank (`LinearAttentionConfig.state_bytes`) over pages of ``layout.page_nbytes``; unchanged without one."""
+    if groups.state_group is None:
+        return groups, layout
+    nbytes = arch.linear.state_bytes(len(arch.linear_attention_layers), tp.size)
+    groups = groups.with_state(nbytes, layout.page_nbytes)
+    return groups, dataclasses.replace(layout, kv_groups=groups.signature())
 
 
 def kv_layout(config: EngineConfig, loaded: LoadedModel, tp: TPGroup, groups: KVGroups | None = None) -> KVLayout:
@@ -173,7 +211,7 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
                         expert_parallel=config.parallel.enable_expert_parallel)
     groups = kv_groups(config, loaded.arch)
-    layout = kv_layout(config, loaded, tp, groups)
+    groups, layout = state_pages(groups, kv_layout(config, loaded, tp, groups), loaded.arch, tp)
     plan = plan_pool(layout, config.cache, device)
     if tp.size > 1:
         num_pages = tp.all_min(plan.num_pages)

@@ -304,6 +304,22 @@ class KVPool:
         """The KV group of `layer` (0 without groups): its block tables and slots are that group's."""
         return self._group[layer]
 
+    def read_states(self, block_tables: torch.Tensor, num_floats: int) -> torch.Tensor:
+        """A copy of each request's recurrent state, [B, num_floats] float32: the bytes of its state group's
+        pages (`block_tables` [B, n] int32 of the state group, `KVGroups.state_group`), in table order.
+        Those pages hold raw float32 whatever the KV dtype (never quantised)."""
+        b = block_tables.shape[0]
+        raw = self.kv.view(-1).view(torch.uint8).view(self.kv.shape[0], -1)[block_tables.long()]  # [B, n, bytes]
+        return raw.reshape(b, -1)[:, :num_floats * 4].clone().view(torch.float32)
+
+    def write_states(self, block_tables: torch.Tensor, states: torch.Tensor) -> None:
+        """Store `states` [B, floats] float32 into each request's state pages (`read_states`' inverse)."""
+        b, n = block_tables.shape
+        pages = self.kv.view(-1).view(torch.uint8).view(self.kv.shape[0], -1)
+        raw = torch.zeros(b, n * pages.shape[1], dtype=torch.uint8, device=self.device)
+        raw[:, :states.shape[1] * 4] = states.contiguous().view(torch.uint8)
+        pages[block_tables.long()] = raw.view(b, n, -1)
+
     def layer_slot(self, layer: int) -> int:
         """Index of `layer` on the pool's second axis (its slot within its KV group's pages; `layer` itself
         without groups)."""

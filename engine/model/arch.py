@@ -17,6 +17,7 @@ from typing import Any
 
 from pd_cluster.engine.layer_attention import LayerAttention, uniform
 from pd_cluster.engine.model import families
+from pd_cluster.engine.model.linear_config import LinearAttentionConfig
 from pd_cluster.engine.model.mla_config import MLAConfig
 from pd_cluster.engine.model.linear_layers import linear_layers
 from pd_cluster.engine.model.moe_config import MoEConfig, check_moe_parallel
@@ -77,6 +78,10 @@ class ArchConfig:
         rope_interleaved: the checkpoint rotates (x0, x1), (x2, x3), ... pairs of each head's rotary part
             (Llama 4, GLM-4, Cohere); the loader permutes those q and k rows into the rotate-half order, which leaves
             every q.k unchanged.
+        linear: the linear-attention layers' shape (`LinearAttentionConfig`: the ``linear`` layers of
+            `layer_attention`, Gated DeltaNet), None for a model without them.
+        attn_output_gate: the attention's q projection also gives a gate per head and dimension; the attention
+            output is multiplied by its sigmoid before ``o_proj`` (Qwen3-Next's gated attention).
     """
 
     architecture: str
@@ -117,6 +122,8 @@ class ArchConfig:
     attention_scale: float | None = None
     attn_temperature: tuple[float, float] | None = None
     rope_interleaved: bool = False
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -153,6 +160,16 @@ class ArchConfig:
         return self.num_attention_heads * self.head_dim
 
     @property
+    def q_proj_size(self) -> int:
+        """Rows of the q projection: q, and with `attn_output_gate` each head's gate after its q."""
+        return self.q_size * (2 if self.attn_output_gate else 1)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers (`LayerAttention` kind ``linear``), in order."""
+        return tuple(i for i, a in enumerate(self.layer_attention) if a.kind == "linear")
+
+    @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
@@ -185,10 +202,14 @@ class ArchConfig:
             check_moe_parallel(self.moe, tp_size, expert_parallel)
         if self.quant is not None:
             check_splits(linear_layers(self), self.quant, tp_size)
+        if self.linear is not None:
+            self.linear.check_tp(tp_size)
 
     def _attention_params(self, layer: int = 0) -> int:
         h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.linear is not None and self.layer_attention[layer].kind == "linear":
+            return self.linear.num_params(h)
+        attn = h * (self.q_proj_size + 2 * self.kv_size) + self.q_size * h
         if self.mla is not None:
             attn = self.mla.num_params(h, self.num_attention_heads)
         if self.attention_bias:

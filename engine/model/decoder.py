@@ -4,8 +4,10 @@ Embeddings, a stack of pre-norm decoder layers, the final norm and the LM head. 
 is read from `ArchConfig`, never from an architecture name:
 
 * the attention block: `layers.Attention` with K and V per head (q/k/v and o biases, q/k norms, partial or
-  per-layer RoPE, NoPE layers, sinks, temperature tuning), or `mla_attention.MLAAttention` over one latent per
-  token (``cfg.mla``);
+  per-layer RoPE, NoPE layers, sinks, temperature tuning, an output gate), or `mla_attention.MLAAttention` over
+  one latent per token (``cfg.mla``); on ``linear`` layers a `gated_deltanet.GatedDeltaNet` instead
+  (``linear_attn``), whose recurrent states the model reads from the pool's state pages once per step and writes
+  back after the last layer (`KVPool.read_states`);
 * the MLP: dense SwiGLU / GeGLU, or the shared MoE block `moe.SparseMoE` on ``cfg.moe``'s layers;
 * the norms: their style (`ArchConfig.norm_style`) and where they sit (`ArchConfig.norm_layout`: before each
   block, Gemma's sandwich, after each block only, or one norm for attention and MLP in parallel);
@@ -29,6 +31,7 @@ from pd_cluster.engine.batch import ForwardBatch
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.layer_attention import rope_key
 from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.gated_deltanet import GatedDeltaNet
 from pd_cluster.engine.model.layer_ops import TorchLayerOps
 from pd_cluster.engine.model.layers import MLP, Attention, Norm
 from pd_cluster.engine.model.mla_attention import MLAAttention
@@ -75,7 +78,10 @@ class DecoderLayer(nn.Module):
         self.layout = cfg.norm_layout
         if self.layout != "post":
             self.input_layernorm = norm()
-        self.self_attn = attention_class(cfg)(cfg, layer, tp)
+        if cfg.layer_attention[layer].kind == "linear":
+            self.linear_attn = GatedDeltaNet(cfg, layer, cfg.linear_attention_layers.index(layer), tp)
+        else:
+            self.self_attn = attention_class(cfg)(cfg, layer, tp)
         if self.layout != "parallel":
             self.post_attention_layernorm = norm()
         if self.layout == "sandwich":
@@ -85,6 +91,13 @@ class DecoderLayer(nn.Module):
         self.mlp = build_mlp(cfg, layer, tp, expert_parallel)
         self.scale = cfg.residual_multiplier
 
+    def _mix(self, x: torch.Tensor, cos_sin: CosSin | None, batch: ForwardBatch, pool: KVPool,
+             backend) -> torch.Tensor:
+        """The token mixer: attention, or the linear attention over the step's states (`ForwardBatch.states`)."""
+        if hasattr(self, "linear_attn"):
+            return self.linear_attn(x, batch, batch.states)
+        return self.self_attn(x, cos_sin, batch, pool, backend)
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: CosSin | None,
                 batch: ForwardBatch, pool: KVPool, backend) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layout == "post":
@@ -93,7 +106,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        a = self._scaled(self.self_attn(x, cos_sin, batch, pool, backend))
+        a = self._scaled(self._mix(x, cos_sin, batch, pool, backend))
         if self.layout == "parallel":
             return self._scaled(self.mlp(x)), residual + a
         if self.layout == "pre":
@@ -104,7 +117,7 @@ class DecoderLayer(nn.Module):
 
     def _post(self, h: torch.Tensor, cos_sin: CosSin | None, batch: ForwardBatch, pool: KVPool,
               backend) -> tuple[torch.Tensor, torch.Tensor]:
-        h = h + self.post_attention_layernorm(self.self_attn(h, cos_sin, batch, pool, backend))
+        h = h + self.post_attention_layernorm(self._mix(h, cos_sin, batch, pool, backend))
         return self.post_feedforward_layernorm(self.mlp(h)), h
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
@@ -168,6 +181,8 @@ class CausalLM(nn.Module):
         """The loader's hook: `tensor` (this rank's shard of checkpoint tensor `name`, ``model.`` removed) as the
         module holds it (the attention block's row order: `Attention.checkpoint_tensor`,
         `MLAAttention.checkpoint_tensor`)."""
+        if ".linear_attn." in name:
+            return GatedDeltaNet.checkpoint_tensor(self.cfg, self.tp, name, tensor)
         return attention_class(self.cfg).checkpoint_tensor(self.cfg, name, tensor)
 
     @torch.inference_mode()
@@ -178,12 +193,36 @@ class CausalLM(nn.Module):
         dtype = self.layer_ops.cos_sin_dtype(x.dtype)
         tables = [self._cos_sin(variants, batch, dtype) for variants in self.ropes]
         backend.prepare(batch, pool)
+        state_tables = self._read_states(batch, pool)
         residual = None
         for layer, rope in zip(self.layers, self.layer_rope):
             x, residual = layer(x, residual, tables[rope] if rope >= 0 else None, batch, pool, backend)
+        if state_tables is not None:
+            pool.write_states(state_tables, batch.states)
         rows = batch.logits_indices
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return self._final_logits(self.lm_head(x)).float()
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layer keeps a recurrent state per request (linear attention)."""
+        return self.cfg.linear is not None and bool(self.cfg.linear_attention_layers)
+
+    def _read_states(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor | None:
+        """Put the step's recurrent states [B, floats] float32 in ``batch.states``, read from each request's
+        pages of the pool's state group; returns those pages' block tables [B, n] to write them back to, or
+        None (no linear layers; or a step without the state group's tables, the kernels' warm-up: zeros, not
+        written back)."""
+        if not self.has_recurrent_state:
+            return None
+        floats = self.cfg.linear.state_floats(self.tp.size) * len(self.cfg.linear_attention_layers)
+        group = pool.groups.state_group
+        if group is None or not group or batch.group_batches is None or len(batch.group_batches) < group:
+            batch.states = torch.zeros(batch.num_reqs, floats, dtype=torch.float32, device=batch.input_ids.device)
+            return None
+        tables = batch.for_group(group).block_tables
+        batch.states = pool.read_states(tables, floats)
+        return tables
 
     @staticmethod
     def _cos_sin(variants: nn.ModuleList, batch: ForwardBatch, dtype: torch.dtype) -> CosSin:

@@ -289,13 +289,17 @@ class Family:
 
 
 def _local_layers(cfg: dict[str, Any], layers: int, arch: Any) -> dict[str, Any]:
-    """The spec's layer fields: from the engine's per-layer description when it reads the config, else from
-    the chunk keys (``attention_chunk_size`` with ``no_rope_layer_interval``)."""
+    """The spec's layer fields: from the engine's per-layer description when it reads the config (linear-attention
+    layers as state layers), else from the chunk keys (``attention_chunk_size`` with ``no_rope_layer_interval``)."""
     if arch is not None:
-        local = [a for a in arch.layer_attention if a.kind != "full"]
-        return dict(global_layers=layers - len(local), local_layers=len(local),
-                    local_span=max((a.max_visible for a in local), default=None),
-                    local_kind=local[0].kind if local else "")
+        local = [a for a in arch.layer_attention if a.kind in ("sliding", "chunked")]
+        state = arch.linear_attention_layers
+        out = dict(global_layers=layers - len(local) - len(state), local_layers=len(local),
+                   local_span=max((a.max_visible for a in local), default=None),
+                   local_kind=local[0].kind if local else "")
+        if state:  # linear-attention layers: a fixed-size state per request instead of KV per token
+            out.update(state_layers=len(state), state_bytes_per_request=arch.linear.state_bytes(len(state)))
+        return out
     chunk, interval = cfg.get("attention_chunk_size"), cfg.get("no_rope_layer_interval")
     if not (chunk and interval):
         return dict(global_layers=layers)

@@ -8,7 +8,8 @@ Each block reads what differs between families from `ArchConfig` (and the layer'
 * attention: q/k/v (and o) biases, q/k norms before RoPE (per head: Qwen3 RMSNorm, Gemma 3's ``(1 + w)`` norm;
   across all heads: OLMo 2) or an L2 norm after it (Llama 4, RoPE layers only), RoPE over the whole head or its
   first ``rotary_dim`` dimensions, the layer's own RoPE or none (NoPE), Llama 4's attention temperature on NoPE
-  layers, gpt-oss's sinks (passed to the backend, which owns the softmax);
+  layers, gpt-oss's sinks (passed to the backend, which owns the softmax), Qwen3-Next's output gate
+  (``sigmoid(gate) * out`` before ``o_proj``, the gate projected with q: `ArchConfig.attn_output_gate`);
 * MLP: SwiGLU (``silu``) or GeGLU (``gelu_pytorch_tanh``), or not gated (``down(gelu(up(x)))``, StarCoder2),
   with or without biases.
 
@@ -113,7 +114,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = make_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.gated = cfg.attn_output_gate  # q_proj gives each head's q, then its gate (Qwen3-Next)
+        self.q_proj_size = self.q_size * (2 if self.gated else 1)
+        self.qkv_proj = make_linear(cfg.hidden_size, self.q_proj_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = make_linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         norm = cfg.qk_norm
         self.q_norm = self.k_norm = self.l2_norm = None
@@ -135,7 +138,11 @@ class Attention(nn.Module):
                 pool: KVPool, backend: AttentionBackend) -> torch.Tensor:
         """x [T, hidden]; `cos_sin` the step's table of this layer's RoPE (None: a NoPE layer)."""
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_proj_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(-1, self.q_size), gate.reshape(-1, self.q_size)
         if self.across:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -150,6 +157,8 @@ class Attention(nn.Module):
         if self.temperature is not None:
             q = self._temperature(q, batch.positions)
         out = backend.forward(self.layer, q, k, v, pool, batch.for_group(pool.group_of(self.layer)), sinks=self.sinks)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
         if self.tp.size == 1:
             return self.o_proj(out)
         return add_bias_once(self.tp, linear_no_bias(self.o_proj, out), self.o_proj.bias)

@@ -233,7 +233,7 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, arch: ArchConfig, tp: T
             target = ".".join(parts[:i] + [fused] + parts[i + 1:])
             param = params[target]
             if fused == "qkv_proj":
-                sizes = [arch.q_size // tp.size, arch.kv_size // tp.size, arch.kv_size // tp.size]
+                sizes = [arch.q_proj_size // tp.size, arch.kv_size // tp.size, arch.kv_size // tp.size]
             else:
                 sizes = [arch.intermediate_size // tp.size] * 2
             start = sum(sizes[:index])

@@ -70,7 +70,7 @@ def copy_special(params: dict[str, torch.Tensor], name: str, tensor_slice, arch:
         _copy_dense(params, target, _PART[m.group(2)], tensor_slice, tp, loaded)
         return True
     if name.endswith("self_attn.qkv_proj.weight") or name.endswith("self_attn.qkv_proj.bias"):
-        sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        sizes = [arch.q_proj_size, arch.kv_size, arch.kv_size]
         _copy_fused_rows(params, name, tensor_slice, sizes, tp, loaded)
         return True
     if name.endswith("mlp.gate_up_proj.weight") and "shared_experts" not in name:

@@ -91,6 +91,9 @@ def _kv_layers(plan: Plan) -> str:
                else f"a {plan.inp.role} worker keeps one KV group" if plan.inp.role != "mixed" else "one KV group")
         return (f"all {s.num_layers} layers: {why}, every token's KV in its {s.local_layers} "
                 f"{s.local_kind} layers too")
+    if s.state_layers:
+        return (f"{s.num_layers - s.state_layers} attention layers; the {s.state_layers} linear-attention layers "
+                f"hold a recurrent state of {plan.state_bytes_per_gpu:,} B per request per GPU (whole pages)")
     return f"{s.num_layers} layers"
 
 

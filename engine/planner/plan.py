@@ -17,6 +17,10 @@ workers (PD) move and hold only a local group's window
 (`KVGroups.transfer_first_pages`). Pools with the hierarchical cache keep one
 group, every layer's KV for every token: `make_plan` counts every layer there.
 
+Linear-attention layers (Qwen3-Next's Gated DeltaNet) hold no KV per token: each request holds its float32
+recurrent state in whole pages of the pool (the engine's state group), whatever its length. A request's bytes
+are its KV layers' per token plus those pages (`Plan.kv_bytes_for`).
+
 The KV dtype defaults to the engine's ``--kv-cache-dtype auto``: the model's
 dtype (bf16 for an FP8 or int4 checkpoint, whose activations are bf16).
 
@@ -102,6 +106,7 @@ class Plan:
     local_tokens: int = 0            # window_kv: tokens a local group holds at most per request (whole pages)
     local_bytes_per_token_per_gpu: int = 0  # window_kv: the local groups' layer slots, per token held
     page_layers: int = 0             # window_kv: layers of one page (the engine's group size)
+    state_bytes_per_gpu: int = 0     # linear-attention layers: one request's state, in whole pages of the pool
 
     @property
     def tokens_per_node(self) -> int:
@@ -148,7 +153,7 @@ class Plan:
     def kv_bytes_for(self, num_tokens: int) -> int:
         """KV bytes on one GPU for one request of `num_tokens` tokens."""
         if not self.window_kv:
-            return num_tokens * self.kv_bytes_per_token_per_gpu
+            return num_tokens * self.kv_bytes_per_token_per_gpu + self.state_bytes_per_gpu
         padded = -(-num_tokens // self.inp.page_size) * self.inp.page_size
         return (num_tokens * self.kv_bytes_per_token_per_gpu
                 + min(padded, self.local_tokens) * self.local_bytes_per_token_per_gpu)
@@ -171,17 +176,20 @@ def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool | None = None) ->
     kv_heads = spec.num_kv_heads
     if spec.is_mla:  # one latent per token per layer, the same on every TP rank (it cannot be split by heads)
         heads_per_gpu, kv_heads, per_layer_token = 1, 1, spec.mla_latent_dim * kvb
-    kv_total = spec.num_layers * kv_heads * per_layer_token
+    kv_layers = spec.num_layers - spec.state_layers  # linear-attention layers keep a state, no KV per token
+    kv_total = kv_layers * kv_heads * per_layer_token
     if window_kv is None:
         window_kv = engine_frees_window_pages(spec, inp)
     window_kv = window_kv and spec.local_layers > 0
     weights = spec.weight_bytes(WEIGHT_BYTES[inp.weight_dtype], inp.tp_size)
     pool = int(inp.gpu_memory * inp.mem_fraction_static) - weights
     if not window_kv:
-        kv_gpu = spec.num_layers * heads_per_gpu * per_layer_token
-        tokens = max(pool, 0) // max(kv_gpu, 1) // inp.page_size * inp.page_size
+        kv_gpu = kv_layers * heads_per_gpu * per_layer_token
+        page = inp.page_size * kv_gpu  # the engine's page: every KV layer of page_size tokens
+        state = -(-spec.state_bytes_per_request // inp.tp_size // max(page, 1)) * page  # whole pages
+        tokens = max(pool - state, 0) // max(kv_gpu, 1) // inp.page_size * inp.page_size
         return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, 0, weights, pool, int(tokens),
-                    inp.gpus_per_node // inp.tp_size)
+                    inp.gpus_per_node // inp.tp_size, state_bytes_per_gpu=state)
     # the engine's groups (plan_kv_groups): min(global, local) layers a page; each type fills whole groups
     group = min(spec.global_layers, spec.local_layers) if spec.global_layers else spec.local_layers
     full_slots = -(-spec.global_layers // group) * group

@@ -37,6 +37,9 @@ class ModelSpec:
         local_layers: sliding-window or chunked layers, whose queries see at most `local_span` tokens.
         local_span: the most tokens a local layer's query sees (the largest window or chunk), None without one.
         local_kind: ``sliding`` or ``chunked`` (``""`` without local layers).
+        state_layers: linear-attention layers, which hold no KV per token but a fixed-size recurrent state per
+            request (the engine's state group, `pd_cluster.engine.kv.groups`).
+        state_bytes_per_request: that state's bytes for one request over all TP ranks (float32; 0 without).
         params_total, params_active: the engine's own parameter counts (`ArchConfig.num_params`,
             `ArchConfig.num_active_params`), 0 when its loader refuses the config (then computed here).
         num_experts, expert_intermediate_size, shared_experts, moe_layers: MoE shape (0 when dense).
@@ -65,6 +68,8 @@ class ModelSpec:
     local_layers: int = 0
     local_span: int | None = None
     local_kind: str = ""
+    state_layers: int = 0
+    state_bytes_per_request: int = 0
     params_total: int = 0
     params_active: int = 0
     num_experts: int = 0

@@ -2,7 +2,8 @@
 
 `GroupedPageManager` is the `PageManager` of a hybrid pool (`pd_cluster.engine.kv.groups`): a request holds one
 block table per group (``req.block_table`` is group 0's, ``req.group_tables`` the others'), all drawn from one
-`PageAllocator`. Before each step, `trim` frees the pages a windowed group will never read again (those wholly
+`PageAllocator`; a state group's table (`KVGroup.is_state`) holds its fixed number of pages from the request's
+first step on. Before each step, `trim` frees the pages a windowed group will never read again (those wholly
 before the first key the next query sees) and puts the null page in their place, as vLLM's
 ``SlidingWindowManager.remove_skipped_blocks`` does; the freed pages count as available for that very step. The
 device block table is append-only: an entry replaced by the null page keeps its old id there, which no kernel
@@ -84,9 +85,12 @@ class GroupedPageManager(PageManager):
         self.num_trimmed_total += freed
         return freed
 
+    def _needs(self, num_tokens: int) -> list[int]:
+        """Per group, the table entries a request of `num_tokens` tokens holds (a state group: its fixed count)."""
+        return [g.table_pages(num_tokens, self.page_size) for g in self.groups.groups]
+
     def extra_pages(self, req: Request, num_tokens: int) -> int:
-        need = self.pages_for(num_tokens)
-        return sum(max(need - len(t), 0) for t in self.tables(req))
+        return sum(max(need - len(t), 0) for need, t in zip(self._needs(num_tokens), self.tables(req)))
 
     def grow(self, req: Request, num_tokens: int) -> list[int]:
         """Append pages to every group's table so that each covers `num_tokens` tokens (a windowed group's
@@ -98,15 +102,14 @@ class GroupedPageManager(PageManager):
         Raises:
             OutOfPagesError: not enough free pages (no table changes).
         """
-        need = self.pages_for(num_tokens)
-        tables = self.tables(req)
-        n = sum(max(need - len(t), 0) for t in tables)
+        needs, tables = self._needs(num_tokens), self.tables(req)
+        n = sum(max(need - len(t), 0) for need, t in zip(needs, tables))
         short = n - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         new = self.allocator.allocate(n)
         i = 0
-        for t in tables:
+        for need, t in zip(needs, tables):
             n = max(need - len(t), 0)
             t.extend(new[i:i + n])
             i += n
@@ -117,8 +120,8 @@ class GroupedPageManager(PageManager):
         return list(self.groups.decode_first_pages(req.num_tokens, self.page_size))
 
     def _remote_new_pages(self, req: Request, firsts: list[int]) -> int:
-        need = self.pages_for(req.num_tokens)
-        return sum(max(need - max(len(t), first), 0) for t, first in zip(self.tables(req), firsts))
+        needs = self._needs(req.num_tokens)
+        return sum(max(need - max(len(t), first), 0) for need, t, first in zip(needs, self.tables(req), firsts))
 
     def can_reserve_remote(self, req: Request) -> bool:
         return self._remote_new_pages(req, self._remote_firsts(req)) <= self.num_available
@@ -126,8 +129,9 @@ class GroupedPageManager(PageManager):
     def reserve_remote(self, req: Request) -> None:
         """Decode role: hold, in every group, the pages of `req`'s known tokens that its decode will read: every
         page for a full group, only those from the window of its first query (at ``req.num_tokens``) on for a
-        windowed one, whose earlier entries are the null page (a matched page there is given back). The prompt's
-        KV arrives in them (`KVGroups.transfer_first_pages` says which pages the transfer fills).
+        windowed one, whose earlier entries are the null page (a matched page there is given back), and the state
+        group's pages. The prompt's KV (and the state at its end) arrives in them (`KVGroups.transfer_first_pages`
+        says which pages the transfer fills).
 
         Raises:
             OutOfPagesError: not enough free and evictable pages (no table changes).
@@ -138,8 +142,9 @@ class GroupedPageManager(PageManager):
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         new = self.allocator.allocate(n)
-        need, i = self.pages_for(req.num_tokens), 0
-        for g, (group, table, first) in enumerate(zip(self.groups.groups, self.tables(req), firsts)):
+        i = 0
+        for g, (group, table, first, need) in enumerate(zip(self.groups.groups, self.tables(req), firsts,
+                                                             self._needs(req.num_tokens))):
             if group.is_windowed:  # matched pages behind the window are never read here: back to the cache
                 stop = min(first, len(table))
                 dead = [p for p in table[:stop] if p != NULL_PAGE]

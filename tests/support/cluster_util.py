@@ -84,6 +84,20 @@ def running_pd_serve(manifest: Path, argv=(), timeout: float = 240, with_process
 IDLE_STOP_BOUND_S = 10.0
 
 
+def greedy_token_ids(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy completion through the router at `url`, by the real `openai` client, as token ids
+    (``ignore_eos``; one request at a time, no retries)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = []
+    for ids in prompts:
+        r = client.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        out.append(r.choices[0].model_dump()["token_ids"])
+    return out
+
+
 def worker_loads(cluster: LocalCluster) -> dict[str, dict]:
     with httpx.Client(timeout=5) as c:
         return {p.name: c.get(p.url + "/get_load").json() for p in cluster.procs if p.alive()}

@@ -8,7 +8,8 @@ from transformers import (CohereConfig, CohereForCausalLM, Exaone4Config, Exaone
                           Glm4MoeForCausalLM, GraniteConfig, GraniteForCausalLM, MinistralConfig,
                           MinistralForCausalLM, Mistral3Config, Mistral3ForConditionalGeneration, Olmo2Config,
                           Olmo2ForCausalLM, PhimoeConfig, PhimoeForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
-                          SmolLM3Config, SmolLM3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
+                          Qwen3NextConfig, Qwen3NextForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Starcoder2Config,
+                          Starcoder2ForCausalLM)
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8,
             max_position_embeddings=1024)
@@ -77,3 +78,14 @@ NEW_FAMILIES = {
                          "original_max_position_embeddings": 512})),
 }
 MULTIMODAL = ("gemma3-multimodal", "mistral3-multimodal")
+
+# Families whose linear-attention layers keep a recurrent state per request (the pool's state group)
+STATE_FAMILIES = {
+    # 3 Gated DeltaNet layers (2 key heads, 4 value heads of 8) and 1 gated full-attention layer (4 heads of 16,
+    # 2 KV heads, a quarter of each head rotated); 4 experts (2 a token) with a gated shared expert of 48, layer 2
+    # dense
+    "qwen3-next": (Qwen3NextForCausalLM, Qwen3NextConfig, dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[2])),
+}

@@ -15,7 +15,7 @@ from transformers import (AutoTokenizer, DynamicCache, Gemma2Config, Gemma2ForCa
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-from family_models import MULTIMODAL, NEW_FAMILIES
+from family_models import MULTIMODAL, NEW_FAMILIES, STATE_FAMILIES
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
 from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
@@ -109,6 +109,7 @@ HYBRID_FAMILIES = {
 }
 FAMILIES.update(HYBRID_FAMILIES)
 FAMILIES.update(NEW_FAMILIES)
+FAMILIES.update(STATE_FAMILIES)
 DROP_KEYS = {"qwen2-window-layers": ("layer_types",)}  # config.json keys removed after save_pretrained
 
 

@@ -20,6 +20,23 @@ from pd_cluster.engine.model.family import Family
 from pd_cluster.engine.model.moe_config import MoEConfig, RoutingConfig
 
 
+def gated_shared_expert_moe(cfg: dict[str, Any], default_top_k: int, default_renormalize: bool) -> MoEConfig | None:
+    """The MoE of the Qwen MoE classes with a gated shared expert (Qwen2-MoE, Qwen3-Next), None without
+    ``num_experts``: softmax top ``num_experts_per_tok`` (`default_top_k`), renormalised when ``norm_topk_prob``
+    (`default_renormalize`), weights rounded to the activation dtype; a shared expert of
+    ``shared_expert_intermediate_size`` scaled by its sigmoid gate; on `sparse_step_layers`."""
+    experts = int(cfg.get("num_experts") or 0)
+    if not experts:
+        return None
+    routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or default_top_k), "softmax",
+                            renormalize=bool(cfg.get("norm_topk_prob", default_renormalize)),
+                            weights_in_activation_dtype=True)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, sparse_step_layers(cfg),
+                     shared_intermediate_size=shared, shared_expert_gate=shared > 0,
+                     activation=str(cfg.get("hidden_act", "silu")))
+
+
 class Qwen2Moe(Family):
     architecture = "Qwen2MoeForCausalLM"
     name = "qwen2_moe"
@@ -31,15 +48,7 @@ class Qwen2Moe(Family):
         return qwen_window_layers(cfg)
 
     def moe(self, cfg: dict[str, Any]) -> MoEConfig | None:
-        experts = int(cfg.get("num_experts") or 0)
-        if not experts:
-            return None
-        routing = RoutingConfig(experts, int(cfg.get("num_experts_per_tok") or 4), "softmax",
-                                renormalize=bool(cfg.get("norm_topk_prob", False)), weights_in_activation_dtype=True)
-        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
-        return MoEConfig(experts, int(cfg["moe_intermediate_size"]), routing, sparse_step_layers(cfg),
-                         shared_intermediate_size=shared, shared_expert_gate=shared > 0,
-                         activation=str(cfg.get("hidden_act", "silu")))
+        return gated_shared_expert_moe(cfg, default_top_k=4, default_renormalize=False)
 
     def fields(self, cfg: dict[str, Any]) -> dict[str, Any]:
         return {**super().fields(cfg), "attention_bias": bool(cfg.get("qkv_bias", True))}
