@@ -3,8 +3,8 @@
 A request is drafted only where verification reproduces non-speculative decoding's distribution exactly with
 one target extend: its sampling does not depend on the tokens being verified. Requests with repetition,
 frequency or presence penalties, logits processors, a per-request seed (its draws must stay those of the seed),
-a structured-output grammar, or ``min_tokens`` not yet reached decode one token per step as without
-speculation; their output is unchanged.
+or ``min_tokens`` not yet reached decode one token per step as without speculation; their output is unchanged.
+A structured-output request is drafted: its grammar masks each verified row (`verify.grammar_masks`).
 
 The drafts come from the request's own tokens (NGRAM, `NgramProposer`) or from a draft model (STANDALONE,
 `StandaloneProposer`): the scheduler calls `prepare` once per step with the decoding requests, then `propose`
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def can_draft(req: Request) -> bool:
     """Whether `req`'s next tokens may be drafted and verified (see the module docstring)."""
     p = req.params
-    return (req.grammar is None and not p.has_penalties and not p.logits_processors and req.generator is None
+    return (not p.has_penalties and not p.logits_processors and req.generator is None
             and req.num_output_tokens >= p.min_tokens and not req.num_inflight)
 
 
