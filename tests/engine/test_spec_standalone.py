@@ -154,3 +154,18 @@ def test_draft_with_another_tokenizer_fails_at_start_up(tmp_path, drafts):
     with pytest.raises(ValueError) as e:
         _spec(str(folder))
     assert f"{FLAG} " in str(e.value) and "tokenizer is not the target's" in str(e.value)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-algorithm", "STANDALONE"], f"STANDALONE needs {FLAG}"),
+    (["--speculative-algorithm", "STANDALONE", FLAG, "/nonexistent/draft"], "is not a checkpoint folder"),
+    (["--speculative-algorithm", "STANDALONE", FLAG, DEFAULT_MODEL, "--speculative-num-draft-tokens", "0"],
+     "--speculative-num-draft-tokens must be >= 1, got 0"),
+    (["--speculative-algorithm", "MEDUSA"], "--speculative-algorithm 'MEDUSA' is unknown"),
+])
+def test_pd_worker_refuses_bad_speculative_flags_naming_them(argv, message, capsys):
+    from pd_cluster.launch.worker import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--role", "decode", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
