@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -18,17 +17,13 @@ from cluster_util import running_pd_serve
 from draft_models import shallow_stories_draft
 from test_moe_pd_serve import _all_free, _wait_all_free
 from test_openai_structured import FORMAT, SCHEMA
-
-from pd_cluster.bench import prom
-from pd_cluster.engine import LLM, SamplingParams
-from pd_cluster.engine.sampling.structured import StructuredOutput
+from test_spec_pd_serve import check_greedy_and_json, spec_totals
 
 pytestmark = pytest.mark.slow  # starts processes
 
 PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
            "Once upon a time, there was a little dog named Max who"]
 JSON_PROMPT = "Lily went to the park with her mom."
-MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +40,13 @@ def cluster(tmp_path_factory):
 @pytest.mark.timeout(400)
 def test_1p1d_greedy_and_json_with_a_draft_model_equal_no_speculation(cluster):
     client, workers = cluster
-    plain = LLM()
-    offline = plain.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    for prompt, want in zip(PROMPTS, offline):
-        r = client.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert r.choices[0].model_dump()["token_ids"] == want.token_ids, prompt
-        stream = client.completions.create(model="stories260K", prompt=prompt, max_tokens=MAX_TOKENS,
-                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
-        assert "".join(c.choices[0].text for c in stream if c.choices) == want.text, prompt
-    spec = StructuredOutput(json_schema=SCHEMA, param="response_format")
-    want = plain.generate(JSON_PROMPT, SamplingParams(max_tokens=200, temperature=0.0, structured_output=spec))[0]
-    r = client.completions.create(model="stories260K", prompt=JSON_PROMPT, max_tokens=200, temperature=0,
-                                  extra_body={"response_format": FORMAT, "return_token_ids": True})
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == want.text
-    assert r.choices[0].model_dump()["token_ids"] == want.token_ids
-    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    check_greedy_and_json(client, PROMPTS, JSON_PROMPT)
     for _ in range(6):  # sampled (no seed: a seeded request is not drafted)
         r = client.completions.create(model="stories260K", prompt=JSON_PROMPT, max_tokens=300, temperature=1.0,
                                       extra_body={"response_format": FORMAT})
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
-    scrape = {role: prom.parse(httpx.get(u + "/metrics", timeout=10).text) for role, u in workers.items()}
-    total = lambda role, name: prom.delta_sum({}, scrape[role], f"vllm:spec_decode_{name}_total")  # noqa: E731
+    total = spec_totals(workers)
     assert 0 < total("decode", "num_accepted_tokens") < total("decode", "num_draft_tokens")
     assert total("prefill", "num_drafts") == 0
 
