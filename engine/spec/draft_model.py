@@ -97,8 +97,9 @@ class DraftModel:
         self.pool = KVPool(self.layout, num_pages, device, self.loaded.dtype)
         self.allocator = PageAllocator(num_pages)
         name = resolve_backend_name(attention_backend, device)
-        self.backend = get_backend(name, device, num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads,
-                                   head_dim=arch.head_dim, scale=arch.softmax_scale, layers=arch.layer_attention)
+        self.backend = get_backend(name, device, num_heads=arch.num_attention_heads,
+                                   num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+                                   scale=arch.softmax_scale, layers=arch.layer_attention)
         self.device = device
         self.page_size = page_size
         logger.info("draft model %s: %d layers, %.2f MiB of weights; draft KV pool %d pages of %d tokens (%s), "

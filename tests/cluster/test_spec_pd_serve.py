@@ -1,8 +1,9 @@
 """Acceptance: `pd-serve` 1P1D with NGRAM speculative decoding (``--speculative-algorithm NGRAM
 --speculative-num-draft-tokens 4``, passed to both workers): the decode worker drafts from each request's own
 tokens and verifies them; the real `openai` client gets the same greedy tokens as the engine without speculation,
-streamed or not, and with ``response_format`` json_schema the same valid JSON; the decode worker's ``vllm:spec_decode_*`` counters show drafts accepted and rejected (the
-prefill worker drafts nothing); every page comes back on both sides."""
+streamed or not, and with ``response_format`` json_schema the same valid JSON; the decode worker's
+``vllm:spec_decode_*`` counters show drafts accepted and rejected (the prefill worker drafts nothing); every page
+comes back on both sides."""
 
 from __future__ import annotations
 
