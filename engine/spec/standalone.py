@@ -16,6 +16,7 @@ finished, aborted, failed, retracted or migrated.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pd_cluster.engine.request import Request
@@ -46,6 +47,8 @@ class StandaloneProposer:
         self.cap = max(max_tokens_per_forward, 1)
         self.seqs: dict[str, _DraftSequence] = {}
         self.num_pool_full = 0  # drafts skipped because the draft pool had no page
+        self.seconds = 0.0  # wall-clock spent drafting (the draft model's passes and their host work)
+        self.num_caught_up = 0  # tokens the draft computed that it did not propose (prompts, accepted tokens)
 
     def release(self, request_id: str) -> None:
         """`request_id` left the running set: its draft pages go back to the pool."""
@@ -56,6 +59,13 @@ class StandaloneProposer:
     def propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Draft tokens for each (request, k) in `work` (k >= 1): a request id to its k greedy draft tokens; a
         request the draft pool has no room for gets none."""
+        started = time.perf_counter()
+        try:
+            return self._propose(work)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
         rows: list[tuple[Request, _DraftSequence, int]] = []
         for req, k in work:
             seq = self.seqs.setdefault(req.request_id, _DraftSequence())
@@ -108,6 +118,7 @@ class StandaloneProposer:
         pending = []
         for i, (req, seq, _) in enumerate(rows):
             pending.append((i, len(seq.tokens), list(req.token_ids[len(seq.tokens):])))
+            self.num_caught_up += len(pending[-1][2])
             seq.tokens = list(req.token_ids)
             seq.synced = len(seq.tokens)
         while pending:

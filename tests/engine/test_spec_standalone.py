@@ -169,3 +169,20 @@ def test_pd_worker_refuses_bad_speculative_flags_naming_them(argv, message, caps
     with pytest.raises(SystemExit) as e:
         main(["--role", "decode", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tp2_target_with_a_draft_model_equals_transformers(drafts):
+    """Two gloo ranks run the target's verify extends; the draft model runs whole on rank 0."""
+    llm = _spec(drafts["shallow"], tp_size=2, page_size=4)
+    try:
+        prompts = REPETITIVE[:1] + PROMPTS[:1]
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert tuple(out.token_ids) == hf_greedy(prompt, 40), prompt
+        spec = llm.engine.stats.spec
+        assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+        assert llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+        assert llm.engine.load()["draft_num_free_pages"] == llm.engine.load()["draft_num_total_pages"]
+    finally:
+        llm.engine.close()
