@@ -117,9 +117,10 @@ class StandaloneProposer:
         first: list[int] = [-1] * len(rows)
         pending = []
         for i, (req, seq, _) in enumerate(rows):
-            pending.append((i, len(seq.tokens), list(req.token_ids[len(seq.tokens):])))
-            self.num_caught_up += len(pending[-1][2])
-            seq.tokens = list(req.token_ids)
+            new = req.token_ids[len(seq.tokens):]
+            pending.append((i, len(seq.tokens), new))
+            self.num_caught_up += len(new)
+            seq.tokens.extend(new)
             seq.synced = len(seq.tokens)
         while pending:
             batch, final, rest, room = [], [], [], self.cap

@@ -86,6 +86,19 @@ def test_draft_kv_is_rolled_back_and_freed_with_the_request(drafts, page_size):
     assert eng.stats.spec.num_accepted_tokens < eng.stats.spec.num_draft_tokens
 
 
+def test_retraction_drops_the_draft_kv_and_the_output_is_unchanged(plain, drafts):
+    """A pool of 20 pages of 8 tokens overcommitted by 8 requests: retracted requests give their draft pages back
+    and draft again from their prompt when they return."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = _spec(drafts["shallow"], page_size=8, num_pages=20, schedule_conservativeness=0.1)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    eng = llm.engine
+    assert eng.scheduler.num_retracted_total > 0 and eng.stats.spec.num_accepted_tokens > 0
+    alloc = eng.drafter.model.model.allocator
+    assert eng.num_free_pages() == 20 and alloc.num_free == alloc.num_pages and not eng.drafter.model.seqs
+
+
 def test_stops_and_logprobs_within_the_accepted_tokens(plain, drafts):
     llm = _spec(drafts["target"])
     cases = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 2, 3, 6)]
