@@ -125,7 +125,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          action="store_true"),
     Flag("--cpu-threads", "device.cpu_threads", int, "Intra-op threads on CPU (default 1)."),
     Flag("--speculative-algorithm", "speculative.speculative_algorithm", str,
-         "Speculative decoding: NGRAM (prompt lookup drafts, verified losslessly; docs/speculative-decoding.md)."),
+         "Speculative decoding: NGRAM (prompt lookup drafts) or STANDALONE (a draft model), verified losslessly "
+         "(docs/speculative-decoding.md)."),
+    Flag("--speculative-draft-model-path", "speculative.speculative_draft_model_path", str,
+         "STANDALONE: the draft model's checkpoint folder (the target's vocabulary; run on decode and mixed "
+         "workers)."),
     Flag("--speculative-num-draft-tokens", "speculative.speculative_num_draft_tokens", int,
          "Draft tokens proposed and verified per request and step (default 4)."),
     Flag("--speculative-ngram-min-match-window-size", "speculative.speculative_ngram_min_match_window_size", int,

@@ -44,7 +44,7 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.group_pages import GroupedPageManager
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
-from pd_cluster.engine.spec.drafter import Drafter
+from pd_cluster.engine.spec.drafter import build_drafter
 from pd_cluster.engine.spec.stats import SpecDecodeStats
 from pd_cluster.engine.stats import EngineStats
 
@@ -140,9 +140,9 @@ class LLMEngine:
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
         spec = config.speculative
-        self.drafter = Drafter(spec, self.context_length) if spec.enabled else None
-        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests,
-                                   on_leave=lambda req: self.runner.release(req.request_id),  # frees its table row
+        self.drafter = build_drafter(config, self.context_length, arch.vocab_size, self.tokenizer, self.device,
+                                     self.pool.num_pages, self.max_running_requests)
+        self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests, on_leave=self._left,
                                    drafter=self.drafter)
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         backend_name = shard.backend_name
@@ -177,6 +177,12 @@ class LLMEngine:
             backend_name, self.role, "off" if self.prefix_cache is None else "hierarchical" if self.host_tier else "on",
             self.overlap.describe(), self.config.speculative.describe())
         self.generation.log(self.eos_token_ids)
+
+    def _left(self, req: Request) -> None:
+        """`req` left the running set: its block-table row, and its draft KV (STANDALONE), are freed."""
+        self.runner.release(req.request_id)
+        if self.drafter is not None:
+            self.drafter.release(req.request_id)
 
     # ---- requests --------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -495,5 +501,6 @@ class LLMEngine:
             "num_evictable_pages": self.pages.num_evictable,
             "num_total_pages": self.allocator.num_pages,
             "max_running_requests": self.max_running_requests,
+            **(self.drafter.load() if self.drafter is not None else {}),  # STANDALONE: the draft pool's pages
         }
 

@@ -209,6 +209,10 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         scheduled: set[str] = set()
+        if self.drafter is not None:  # STANDALONE: the draft model runs once for every decoding request
+            self.drafter.prepare([r for r in self.running if r.status == RequestStatus.RUNNING
+                                  and r.num_tokens - r.num_computed_tokens == 1
+                                  and r.num_computed_tokens >= r.num_prompt_tokens])
         for req in list(self.running):
             if budget <= 0:
                 break

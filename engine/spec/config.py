@@ -1,19 +1,22 @@
 """`SpeculativeConfig`: which drafter proposes tokens and how many, with SGLang's flag names and vLLM's JSON.
 
 SGLang: ``--speculative-algorithm NGRAM --speculative-num-draft-tokens K``
-(``--speculative-ngram-min-match-window-size``, ``--speculative-ngram-max-match-window-size``).
+(``--speculative-ngram-min-match-window-size``, ``--speculative-ngram-max-match-window-size``), or
+``--speculative-algorithm STANDALONE --speculative-draft-model-path PATH``.
 vLLM: ``--speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
-"prompt_lookup_max": 4}'``. Both build the same frozen config.
+"prompt_lookup_max": 4}'`` (``{"method": "draft_model", "model": PATH}`` for a draft model). Both build the same
+frozen config.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("NGRAM",)
-LATER_ALGORITHMS = ("STANDALONE", "NEXTN", "EAGLE", "EAGLE3")
+ALGORITHMS = ("NGRAM", "STANDALONE")
+LATER_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")
 """Algorithms SGLang names that this engine does not run yet: refused at start-up by name."""
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -26,22 +29,26 @@ class SpeculativeConfig:
     """Speculative decoding settings of one engine.
 
     Attributes:
-        speculative_algorithm: None (off) or ``NGRAM`` (prompt lookup: the draft continues the latest earlier
-            occurrence of the sequence's last n tokens; no draft model).
+        speculative_algorithm: None (off), ``NGRAM`` (prompt lookup: the draft continues the latest earlier
+            occurrence of the sequence's last n tokens; no draft model) or ``STANDALONE`` (a separate small draft
+            model with the target's vocabulary proposes K tokens greedily, with its own paged KV).
         speculative_num_draft_tokens: K, the draft tokens proposed and verified per request and step (vLLM's
             ``num_speculative_tokens``); a step emits 1 to K + 1 tokens. Default 4.
         speculative_ngram_min_match_window_size: the shortest suffix looked up (vLLM's ``prompt_lookup_min``).
         speculative_ngram_max_match_window_size: the longest suffix looked up, tried first (``prompt_lookup_max``).
+        speculative_draft_model_path: STANDALONE: the draft model's checkpoint folder (vLLM's ``model``).
 
     Raises:
-        ValueError: an unknown algorithm, one not built yet (STANDALONE, NEXTN), K < 1, or bad match windows;
-            each message names the flag and the value.
+        ValueError: an unknown algorithm, one not built yet (NEXTN, EAGLE), K < 1, bad match windows, STANDALONE
+            without a draft model folder (or with one that has no config.json), or a draft model with another
+            algorithm; each message names the flag and the value.
     """
 
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int | None = None
     speculative_ngram_min_match_window_size: int = DEFAULT_MIN_MATCH
     speculative_ngram_max_match_window_size: int = DEFAULT_MAX_MATCH
+    speculative_draft_model_path: str | None = None
 
     def __post_init__(self) -> None:
         given = algo = self.speculative_algorithm
@@ -65,6 +72,18 @@ class SpeculativeConfig:
         if hi < lo:
             raise ValueError(f"--speculative-ngram-max-match-window-size ({hi}) must be >= "
                              f"--speculative-ngram-min-match-window-size ({lo})")
+        self._check_draft_model(algo)
+
+    def _check_draft_model(self, algo: str | None) -> None:
+        path = self.speculative_draft_model_path
+        if algo == "STANDALONE" and not path:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (the draft "
+                             "model's checkpoint folder)")
+        if path and algo != "STANDALONE":
+            raise ValueError(f"--speculative-draft-model-path is only used with --speculative-algorithm STANDALONE, "
+                             f"got {algo}")
+        if path and not (Path(path) / "config.json").is_file():
+            raise ValueError(f"--speculative-draft-model-path {path!r} is not a checkpoint folder (no config.json)")
 
     @property
     def enabled(self) -> bool:
@@ -79,13 +98,16 @@ class SpeculativeConfig:
         """One line for the start-up log."""
         if not self.enabled:
             return "off"
+        if self.speculative_algorithm == "STANDALONE":
+            return f"STANDALONE k={self.num_draft_tokens} draft model {self.speculative_draft_model_path}"
         return (f"{self.speculative_algorithm} k={self.num_draft_tokens} match window "
                 f"{self.speculative_ngram_min_match_window_size}..{self.speculative_ngram_max_match_window_size}")
 
 
 _VLLM_KEYS = {"method": "speculative_algorithm", "num_speculative_tokens": "speculative_num_draft_tokens",
               "prompt_lookup_min": "speculative_ngram_min_match_window_size",
-              "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+              "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+              "model": "speculative_draft_model_path"}
 
 
 def parse_speculative_config(text: str | dict) -> dict[str, Any]:

@@ -2,46 +2,109 @@
 
 A request is drafted only where verification reproduces non-speculative decoding's distribution exactly with
 one target extend: its sampling does not depend on the tokens being verified. Requests with repetition,
-frequency or presence penalties, logits processors, a structured-output grammar, a per-request seed (its
-draws must stay those of the seed), or ``min_tokens`` not yet reached decode one token per step as without
-speculation; their output is unchanged.
+frequency or presence penalties, logits processors, a per-request seed (its draws must stay those of the seed),
+or ``min_tokens`` not yet reached decode one token per step as without speculation; their output is unchanged.
+A structured-output request is drafted: its grammar masks each verified row (`verify.grammar_masks`).
+
+The drafts come from the request's own tokens (NGRAM, `NgramProposer`) or from a draft model (STANDALONE,
+`StandaloneProposer`): the scheduler calls `prepare` once per step with the decoding requests, then `propose`
+per request it schedules.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.spec.config import SpeculativeConfig
 from pd_cluster.engine.spec.ngram import NgramProposer
 
+if TYPE_CHECKING:
+    from pd_cluster.engine.config import EngineConfig
+    from pd_cluster.engine.spec.standalone import StandaloneProposer
+
 
 def can_draft(req: Request) -> bool:
     """Whether `req`'s next tokens may be drafted and verified (see the module docstring)."""
     p = req.params
-    return (req.grammar is None and not p.has_penalties and not p.logits_processors and req.generator is None
+    return (not p.has_penalties and not p.logits_processors and req.generator is None
             and req.num_output_tokens >= p.min_tokens and not req.num_inflight)
 
 
 class Drafter:
-    """Proposes a running request's draft tokens (NGRAM).
+    """Proposes a running request's draft tokens.
 
     Args:
         config: the speculative settings (enabled).
         context_length: the engine's longest sequence (drafts never run past it).
+        model: STANDALONE's draft model proposer; None: NGRAM.
     """
 
-    def __init__(self, config: SpeculativeConfig, context_length: int) -> None:
+    def __init__(self, config: SpeculativeConfig, context_length: int,
+                 model: "StandaloneProposer | None" = None) -> None:
         self.k = config.num_draft_tokens
         self.context_length = context_length
         self.proposer = NgramProposer(config.speculative_ngram_min_match_window_size,
                                       config.speculative_ngram_max_match_window_size)
+        self.model = model
+        self._drafts: dict[str, list[int]] = {}
+
+    def _k(self, req: Request, budget: int) -> int:
+        """Never more than the request may still emit after the bonus token (``max_tokens``) or than the context
+        holds; 0 when the request is not eligible (`can_draft`)."""
+        k = min(self.k, budget, req.remaining_output_tokens - 1, self.context_length - req.num_tokens)
+        return k if k > 0 and can_draft(req) else 0
+
+    def prepare(self, decoding: list[Request]) -> None:
+        """The step's decoding requests (one known token without KV each): STANDALONE runs the draft model for
+        all of them at once here; NGRAM drafts lazily in `propose`."""
+        self._drafts = {}
+        if self.model is not None:
+            work = [(r, k) for r in decoding if (k := self._k(r, self.k))]
+            self._drafts = self.model.propose(work) if work else {}
 
     def propose(self, req: Request, budget: int) -> list[int]:
-        """Draft tokens for `req`'s next step (it is decoding: one known token without KV), at most `budget`.
-
-        Never more than the request may still emit after the bonus token (``max_tokens``) or than the context
-        holds; [] when the request is not eligible (`can_draft`) or no suffix recurs.
-        """
-        k = min(self.k, budget, req.remaining_output_tokens - 1, self.context_length - req.num_tokens)
-        if k <= 0 or not can_draft(req):
+        """Draft tokens for `req`'s next step (it is decoding: one known token without KV), at most `budget`;
+        [] when the request is not eligible or nothing is proposed (no suffix recurs, the draft pool is full)."""
+        k = self._k(req, budget)
+        if k <= 0:
             return []
+        if self.model is not None:
+            return self._drafts.get(req.request_id, [])[:k]
         return self.proposer.propose(req.token_ids, k)
+
+    def release(self, request_id: str) -> None:
+        """`request_id` left the running set (STANDALONE: its draft KV pages go back to the draft pool)."""
+        if self.model is not None:
+            self.model.release(request_id)
+
+    def load(self) -> dict[str, int]:
+        """The draft pool's numbers for ``/get_load`` (STANDALONE), else nothing."""
+        if self.model is None:
+            return {}
+        alloc = self.model.model.allocator
+        return {"draft_num_free_pages": alloc.num_free, "draft_num_total_pages": alloc.num_pages}
+
+
+def build_drafter(config: "EngineConfig", context_length: int, vocab_size: int, tokenizer, device,
+                  target_pages: int, max_running_requests: int) -> Drafter | None:
+    """The engine's drafter, or None without speculation or in the prefill role (the decode drafts; in PD
+    the prefill worker computes the prompt's KV and first token as always). STANDALONE loads the draft model here.
+
+    Raises:
+        ValueError: from `DraftModel` (another vocabulary, a pool over the memory available), naming the flag.
+    """
+    spec = config.speculative
+    if not spec.enabled or config.role == "prefill":
+        return None
+    model = None
+    if spec.speculative_algorithm == "STANDALONE":
+        from pd_cluster.engine.spec.draft_model import DraftModel, plan_draft_pages
+        from pd_cluster.engine.spec.standalone import StandaloneProposer
+
+        page = config.cache.page_size
+        pages = plan_draft_pages(target_pages, max_running_requests, spec.num_draft_tokens, page)
+        draft = DraftModel(spec.speculative_draft_model_path, vocab_size, tokenizer, config.model.dtype, device,
+                           config.device.attention_backend, pages, page, config.model.seed)
+        model = StandaloneProposer(draft, config.scheduler.chunked_prefill_size)
+    return Drafter(spec, context_length, model)

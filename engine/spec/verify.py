@@ -1,8 +1,9 @@
 """Verification of draft tokens from one target extend: greedy prefix match, or rejection sampling.
 
 The target's logits at a request's last known token and at each of its K draft tokens (K + 1 rows) are
-processed as non-speculative sampling processes one row (`Sampler`: logit bias, temperature, top-k, top-p,
-min-p; the drafted requests have no token-dependent processing, `drafter.can_draft`). Then:
+processed as non-speculative sampling processes one row (`Sampler`: logit bias, the structured-output grammar's
+mask, temperature, top-k, top-p, min-p; the drafted requests have no other token-dependent processing,
+`drafter.can_draft`). A grammar's mask at row j is the one after the drafts before it (`grammar_masks`). Then:
 
 - greedy rows: draft j is accepted while it equals the target's argmax at row j; the first mismatch emits the
   target's argmax instead, and when all K are accepted row K's argmax is the bonus token. The tokens equal
@@ -77,6 +78,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], d
     batch = SamplingBatch(params, [None] * n_rows, [[] for _ in range(n_rows)], [0] * n_rows,
                           [() for _ in range(n_rows)])
     x = Sampler._prepare(logits.float().clone(), batch)  # logit bias (no bans or penalties when drafted)
+    grammar_masks(x, reqs, drafts)
     draft_col = [t for d in drafts for t in (*d, -1)]  # -1: the bonus row of each request
     d_t = to_device(draft_col, dev)
     chosen = x.argmax(dim=-1)  # greedy rows: the target's token
@@ -117,6 +119,42 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request], d
         row += len(d) + 1
     _fill_logprobs(logits, params, results, drafts, emitted_rows, emitted_ids)
     return results
+
+
+def grammar_masks(x: torch.Tensor, reqs: list[Request], drafts: list[list[int]]) -> None:
+    """Mask, in place, each structured-output request's rows by its grammar as it would stand there: row j after
+    the drafts 0..j-1 are accepted (xgrammar's matcher advanced over them, then rolled back).
+
+    A draft the grammar refuses is masked out of its own row, so verification rejects it and picks the
+    correction from the allowed tokens; the rows after it (never used) and those after a draft that completes
+    the grammar (the request stops there) are left unmasked. The matcher is where it was on return: the emitted
+    tokens advance it as without speculation (`LLMEngine._on_token`).
+
+    Args:
+        x: [R, V] float32 processed logits, the rows of `reqs` in order (len(d) + 1 each).
+    """
+    if not any(r.grammar is not None for r in reqs):
+        return
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(x), x.shape[-1])
+    rows: list[int] = []
+    row = 0
+    for req, d in zip(reqs, drafts):
+        matcher = None if req.grammar is None else req.grammar.matcher
+        advanced = 0
+        for j in range(len(d) + 1 if matcher is not None else 0):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, row + j)
+            rows.append(row + j)
+            if j == len(d) or not matcher.accept_token(int(d[j])):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+        row += len(d) + 1
+    xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device), vocab_size=x.shape[-1], indices=rows)
 
 
 def _fill_logprobs(logits: torch.Tensor, params, results: list[Verified], drafts: list[list[int]],

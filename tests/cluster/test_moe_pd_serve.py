@@ -38,12 +38,19 @@ def test_qwen3_moe_1p1d_over_nixl_equals_transformers(tmp_path):
         assert pushed == received > 0  # the KV came over NIXL, not recomputed on decode
 
 
+def _all_free(load: dict) -> bool:
+    """Every page free: the KV pool's and, with a draft model (STANDALONE), the draft pool's."""
+    return (load["num_free_pages"] == load["num_total_pages"]
+            and load.get("draft_num_free_pages") == load.get("draft_num_total_pages"))
+
+
 def _wait_all_free(workers: dict[str, str], timeout: float) -> dict[str, dict]:
-    """Poll each worker's /get_load until every page is free (bounded by `timeout`); return the last loads."""
+    """Poll each worker's /get_load until every page is free, the draft pool's included (bounded by `timeout`);
+    return the last loads."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=10) as c:
         while True:
             loads = {role: c.get(u + "/get_load").json() for role, u in workers.items()}
-            if all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()) or time.monotonic() > deadline:
+            if all(_all_free(v) for v in loads.values()) or time.monotonic() > deadline:
                 return loads
             time.sleep(0.05)

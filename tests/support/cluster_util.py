@@ -117,6 +117,7 @@ def wait_all_free(cluster: LocalCluster, timeout: float) -> dict[str, dict]:
 
 def _idle(load: dict) -> bool:
     return (load["num_free_pages"] == load["num_total_pages"] and load["num_running_reqs"] == 0
+            and load.get("draft_num_free_pages") == load.get("draft_num_total_pages")  # STANDALONE's draft pool
             and load["num_queue_reqs"] == 0 and not load.get("num_prefill_inflight_queue_reqs")
             and not load.get("num_decode_transfer_queue_reqs") and not load.get("num_decode_prealloc_queue_reqs"))
 
