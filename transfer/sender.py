@@ -59,6 +59,7 @@ from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.send_jobs import SendDone, SenderEvents, SendFailed, SendJob, SendPush
 from pd_cluster.transfer.ticket import KVTicket, group_slots
+from pd_cluster.transfer.tp_plan import HeadSlice, PageGeometry, slice_descs
 
 __all__ = ["KVSender", "SendDone", "SendFailed", "SenderEvents"]
 
@@ -179,17 +180,23 @@ class KVSender:
             raise ValueError(f"transfer {transfer_id}: {e} (push to page {end})") from e
         validate_pages(src, self.agent.pool.num_pages, "prefill")
         dst = np.asarray(t.dst_pages[lo:hi], dtype=np.int64)
-        runs = page_runs(src, dst)
-        nbytes = runs.num_pages * self.agent.page_nbytes
+        info = self.agent.peer(job.peer)
+        if t.heads:  # the TP sizes differ: this part's KV heads of each page (`pd_cluster.transfer.tp_plan`)
+            slices = tuple(HeadSlice(*h) for h in t.heads)
+            mine, theirs = PageGeometry.of(self.agent.info.layout), PageGeometry.of(info.layout)
+            nbytes = src.size * mine.slice_nbytes(slices)
+            local = slice_descs(self.agent.info.kv_base, mine, src, slices, True, self.agent.device_id)
+            remote = slice_descs(info.kv_base, theirs, dst, slices, False, info.device_id)
+        else:
+            runs = page_runs(src, dst)
+            nbytes = runs.num_pages * self.agent.page_nbytes
+            local = run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
+                              self.agent.device_id)
+            remote = run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id)
         index = len(job.pushes)
         msg = protocol.Push(transfer_id, index, lo, hi - lo, nbytes,
                             total=index + 1 if last else 0, meta=(meta or {}) if last else None)
-        info = self.agent.peer(job.peer)
-        p = SendPush(msg,
-                  run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
-                            self.agent.device_id),
-                  run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id),
-                  ready_event)
+        p = SendPush(msg, local, remote, ready_event)
         job.pushes.append(p)
         job.sent_pages, job.last_issued = end, last
         if ready_event is None:
