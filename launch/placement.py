@@ -82,8 +82,8 @@ def plan_gpus(workers: list[tuple[str, str]], tp_size: int | dict[str, int], num
         if max(ids) >= num_gpus:
             raise ValueError(f"--{role}-gpus names GPU {max(ids)}, but this host has {num_gpus}")
         if len(ids) < tp_of.get(role, default_tp):
-            raise ValueError(f"--{role}-gpus has {len(ids)} GPUs, fewer than the {role} workers' --tp-size "
-                             f"{tp_of.get(role, default_tp)}")
+            raise ValueError(f"--{role}-gpus has {len(ids)} GPUs, fewer than --tp-size {tp_of.get(role, default_tp)} "
+                             f"of the {role} workers")
     devices: dict[str, tuple[int, ...]] = {}
     shared_pool = tuple(range(num_gpus))
     cursor: Counter[str] = Counter()  # next block index, per list (a role's own, or the shared one)
