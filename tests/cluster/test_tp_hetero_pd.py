@@ -100,3 +100,32 @@ def test_deepseek_v3_mla_p2_d1(tmp_path):
     c = hf.config
     latent_page = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim) * 16 * 4
     _serve_and_compare(tmp_path, model, prompts, expected, _tp(2, 1), latent_page, 1)
+
+
+def test_gemma3_hybrid_kv_groups_p2_d1(tmp_path):
+    """Hybrid KV groups (one global layer, five sliding-window layers, a page per group): each prefill rank pushes its
+    KV head of the slots decode reads (every global page, the last window of the local ones) into decode's one rank."""
+    from random_models import build, hf_greedy_batch, long_prompt_ids
+
+    from pd_cluster.engine.kv.groups import plan_kv_groups
+    from pd_cluster.engine.model.arch import ArchConfig
+
+    model = tmp_path / "gemma3"
+    hf = build("gemma3", model)
+    prompts = long_prompt_ids(2)
+    groups = plan_kv_groups(ArchConfig.from_pretrained(model).layer_attention)
+    firsts = [groups.transfer_first_pages(len(ids), 16) for ids in prompts]
+    assert all(min(f[1:]) > 0 for f in firsts)  # pages behind the windows are not moved
+    moved = sum(groups.num_groups * -(-len(ids) // 16) - sum(f) for ids, f in zip(prompts, firsts))
+    page_nbytes = groups.layers_per_page * 2 * hf.config.num_key_value_heads * 16 * hf.config.head_dim * 4
+    with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE, *_tp(2, 1)]) as (url, manifest):
+        workers = {w["role"]: w["url"] for w in manifest["workers"]}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for ids, want in zip(prompts, hf_greedy_batch(hf, prompts, MAX_TOKENS)):
+            r = client.completions.create(model=model.name, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_dump()["token_ids"] == want, len(ids)
+        loads = _wait_all_free(workers, timeout=10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+        pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]
+        assert pushed == counters(workers["decode"])["pd:kv_transfer_received_bytes_total"] == moved * page_nbytes
