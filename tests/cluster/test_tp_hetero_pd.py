@@ -6,13 +6,11 @@ its ranks hold of every prompt page (no head twice, none missing)."""
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import openai
 import pytest
 from cluster_util import running_pd_serve
 from reuse_util import counters
+from test_moe_pd_serve import _wait_all_free
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -42,16 +40,6 @@ def _serve_and_compare(tmp_path, model, prompts, expected, tp_argv, page_bytes_p
     pages = sum(-(-len(ids) // 16) for ids in prompts)
     assert pushed == received and received + saved == pages * page_bytes_per_rank * decode_tp, (pushed, saved, pages)
     return saved
-
-
-def _wait_all_free(workers: dict[str, str], timeout: float) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=10) as c:
-        while True:
-            loads = {role: c.get(u + "/get_load").json() for role, u in workers.items()}
-            if all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()) or time.monotonic() > deadline:
-                return loads
-            time.sleep(0.05)
 
 
 def _gqa_page_bytes(hf, decode_tp: int) -> int:
