@@ -110,8 +110,8 @@ class KVSender:
             StalePeerError: the ticket names another incarnation of this prefill agent.
             PeerNotConnectedError: decode's agent is not connected (fetch its info, `agent.connect`).
             TransferAbortedError: decode cancelled this transfer before it arrived here.
-            ValueError: duplicate transfer id, pages outside decode's pool, or a page-size or KV-group-count
-                mismatch.
+            ValueError: duplicate transfer id, pages outside decode's pool, a page-size or KV-group-count
+                mismatch, or KV head slices outside either side's heads.
         """
         if ticket.prefill_agent != self.agent.name:
             raise StalePeerError(f"ticket {ticket.transfer_id} names prefill agent {ticket.prefill_agent}, but this "
@@ -129,6 +129,12 @@ class KVSender:
         if groups is not None and ticket.num_groups != groups.num_groups:
             raise ValueError(f"ticket for {ticket.num_groups} KV group(s), but this pool has {groups.num_groups}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
+        if ticket.heads:  # a head slice must lie within each side's heads of a page
+            mine, theirs = int(self.agent.info.layout["num_kv_heads"]), int(info.layout["num_kv_heads"])
+            for src, dst, n in ticket.heads:
+                if src + n > mine or dst + n > theirs:
+                    raise ValueError(f"ticket {ticket.transfer_id}: KV heads {src}..{src + n - 1} -> "
+                                     f"{dst}..{dst + n - 1} outside {mine} local and {theirs} remote heads per page")
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
             self._waiting.pop(ticket.transfer_id, None)

@@ -114,3 +114,16 @@ def test_heads_per_rank_convert_between_any_sizes_holding_the_same_heads():
     assert [(m.field, m.convertible) for m in ms] == [("num_kv_heads", True), ("tp_size", True)]
     with pytest.raises(ValueError, match="do not split"):
         rank_heads(6, 4, 0)
+
+
+def test_a_ticket_carries_its_head_slices_and_refuses_malformed_ones():
+    from pd_cluster.transfer.ticket import KVTicket, TPTicket, parse_ticket
+
+    part = KVTicket("t@a.1", "t", "decode-r0", "prefill-r1", (3, 4), 20, 16, heads=((0, 2, 2),))
+    assert part.to_dict()["heads"] == [[0, 2, 2]]
+    assert "heads" not in KVTicket("t@a.1", "t", "decode-r0", "prefill-r0", (3, 4), 20, 16).to_dict()  # old format
+    both = parse_ticket(TPTicket((part, KVTicket("t@a.2", "t", "decode-r0", "prefill-r0", (3, 4), 20, 16,
+                                                 heads=((0, 0, 2),)))).to_dict())
+    assert [t.heads for t in both.tickets] == [((0, 2, 2),), ((0, 0, 2),)]
+    with pytest.raises(ValueError, match="head slice"):
+        parse_ticket(dict(part.to_dict(), heads=[[0, 2, 0]]))
