@@ -104,6 +104,7 @@ class ClusterSpec:
     role_gpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
     num_gpus: int = 0
     tp_size: int = 1
+    role_tp: dict[str, int] = field(default_factory=dict)  # a role's own --tp-size (pd-serve --prefill-arg=...)
     mem_fraction_given: bool = False
     shutdown_grace_period_secs: float = 180.0
     kv_store_size: str = "1GiB"
@@ -126,7 +127,10 @@ class LocalCluster:
         else:
             workers = [(f"prefill-{i}", "prefill") for i in range(spec.num_prefill)]
             workers += [(f"decode-{i}", "decode") for i in range(spec.num_decode)]
-        self.placement = plan_gpus(workers, spec.tp_size, spec.num_gpus, spec.role_gpus, spec.mem_fraction_given)
+        tp = spec.tp_size
+        if spec.role_tp:
+            tp = {r: spec.role_tp.get(r, spec.tp_size) for r in ("prefill", "decode", "mixed")}
+        self.placement = plan_gpus(workers, tp, spec.num_gpus, spec.role_gpus, spec.mem_fraction_given)
         ports = worker_ports(workers, spec.role_ports, spec.router_port)
         for (name, role), port in zip(workers, ports):
             self._add_worker(name, role, port if port is not None else free_port(host))

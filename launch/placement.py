@@ -58,11 +58,13 @@ class GpuPlacement:
         return [] if f is None else ["--mem-fraction-static", f"{f:.3f}"]
 
 
-def plan_gpus(workers: list[tuple[str, str]], tp_size: int, num_gpus: int,
+def plan_gpus(workers: list[tuple[str, str]], tp_size: int | dict[str, int], num_gpus: int,
               role_gpus: dict[str, tuple[int, ...]], mem_fraction_given: bool) -> GpuPlacement:
     """Place `workers` (``(name, role)`` in start order) on the host's `num_gpus` devices.
 
     Args:
+        tp_size: every worker's ``--tp-size``, or each role's (``pd-serve --prefill-arg=--tp-size=2``): a worker
+            takes that many devices.
         role_gpus: the devices of a role (``--prefill-gpus`` ...); a role without an entry uses all devices.
         mem_fraction_given: the operator set ``--mem-fraction-static`` (then it is never changed).
 
@@ -74,20 +76,30 @@ def plan_gpus(workers: list[tuple[str, str]], tp_size: int, num_gpus: int,
         if role_gpus:
             raise ValueError("GPU lists were given, but this host has no CUDA device")
         return GpuPlacement()
+    tp_of = tp_size if isinstance(tp_size, dict) else {}
+    default_tp = 1 if isinstance(tp_size, dict) else tp_size
     for role, ids in role_gpus.items():
         if max(ids) >= num_gpus:
             raise ValueError(f"--{role}-gpus names GPU {max(ids)}, but this host has {num_gpus}")
-        if len(ids) < tp_size:
-            raise ValueError(f"--{role}-gpus has {len(ids)} GPUs, fewer than --tp-size {tp_size}")
+        if len(ids) < tp_of.get(role, default_tp):
+            raise ValueError(f"--{role}-gpus has {len(ids)} GPUs, fewer than --tp-size {tp_of.get(role, default_tp)} "
+                             f"of the {role} workers")
     devices: dict[str, tuple[int, ...]] = {}
     shared_pool = tuple(range(num_gpus))
     cursor: Counter[str] = Counter()  # next block index, per list (a role's own, or the shared one)
+    offset: Counter[str] = Counter()  # the shared list's next device, when roles take blocks of other sizes
     for name, role in workers:
+        tp = tp_of.get(role, default_tp)
         pool, key = (role_gpus[role], role) if role in role_gpus else (shared_pool, "")
-        blocks = max(1, len(pool) // tp_size)
-        start = (cursor[key] % blocks) * tp_size
+        if key == "" and tp_of:
+            start = offset[key] % len(pool)
+            offset[key] += tp
+            devices[name] = tuple(pool[(start + i) % len(pool)] for i in range(tp))
+            continue
+        blocks = max(1, len(pool) // tp)
+        start = (cursor[key] % blocks) * tp
         cursor[key] += 1
-        devices[name] = pool[start:start + tp_size]
+        devices[name] = pool[start:start + tp]
     users = Counter(gpu for ids in devices.values() for gpu in ids)
     mem_fraction = {}
     if not mem_fraction_given:

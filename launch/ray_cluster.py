@@ -90,7 +90,7 @@ def plan_placement(tp_size: int | None, node_gpus: list[float]) -> RayPlacement:
 def worker_argv(role: str, host: str, port: int, spec: ClusterSpec) -> list[str]:
     """``pd-worker`` arguments of one instance, as `launch.cluster.LocalCluster` builds them."""
     return ["--role", role, "--host", host, "--port", str(port), "--advertise-url", f"http://{host}:{port}",
-            "--log-level", spec.log_level, *spec.engine_argv, *worker_auth_argv(spec)]
+            "--log-level", spec.log_level, *spec.engine_argv, *spec.role_argv.get(role, []), *worker_auth_argv(spec)]
 
 
 def router_argv(spec: ClusterSpec, gcs_address: str, namespace: str) -> list[str]:
@@ -213,12 +213,14 @@ class RayCluster:
 
         deadline = time.monotonic() + timeout
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        placement = plan_placement(self.tp_size, [n["Resources"].get("GPU", 0) for n in nodes])
+        node_gpus = [n["Resources"].get("GPU", 0) for n in nodes]
+        placement = plan_placement(self.tp_size, node_gpus)
         max_restarts = self.spec.restart.max_restarts  # -1: Ray's "restart forever" too
         actor_cls = ray.remote(max_restarts=max_restarts)(ProcessActor)
         counts: dict[str, int] = {}
         for role in self.roles():
             i = counts[role] = counts.get(role, -1) + 1
+            placement = plan_placement(self.spec.role_tp.get(role, self.tp_size), node_gpus)
             name = f"{ACTOR_PREFIX}-{role}-{i}"
             pg = placement_group([placement.bundle()], strategy=placement.strategy, name=f"{self.namespace}-{name}")
             self.groups.append(pg)

@@ -12,7 +12,8 @@ SGLang take them. Every cluster gets a fresh internal key (``secrets.token_urlsa
 environment: worker-internal endpoints refuse calls without it. Engine flags
 (``--page-size``, ``--kv-cache-dtype``, ...) and ``--kv-transfer-*`` flags
 pass through to every worker; ``--router-arg=--prefill-policy=cache_aware``
-passes flags to the router. Workers listen on free ports unless ``--prefill-ports``,
+passes flags to the router; ``--prefill-arg=--tp-size=2 --decode-arg=--tp-size=1`` gives one role's workers
+their own engine flags (`pd_cluster.launch.role_args`). Workers listen on free ports unless ``--prefill-ports``,
 ``--decode-ports`` or ``--mixed-ports`` name them.
 """
 
@@ -31,6 +32,7 @@ from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_
                                       LocalCluster)
 from pd_cluster.launch.kv_store import plan_kv_store
 from pd_cluster.launch.restarts import RestartBackoff
+from pd_cluster.launch.role_args import role_argv_of, role_tp_sizes
 from pd_cluster.launch.supervise import serve_until_stopped
 from pd_cluster.serving.tools.chat import add_tool_args, tool_argv, tool_settings_from_args
 from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mixed workers with --colocated (default: num-prefill + num-decode)")
     p.add_argument("--router-arg", action="append", default=[], help="a flag for the router, e.g. "
                    "--router-arg=--prefill-policy=cache_aware (repeatable)")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-arg", action="append", default=[], metavar="FLAG",
+                       help=f"an engine or --kv-transfer-* flag for the {role} workers only, overriding the same flag "
+                            f"given to every worker, e.g. --{role}-arg=--tp-size=2 (repeatable)")
     p.add_argument("--shutdown-grace-period-secs", type=float, default=None,
                    help="on Ctrl-C/SIGTERM the router stops taking requests and lets those in flight finish for "
                         "up to this many seconds before the workers are stopped (the router's flag; default "
@@ -186,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                      if (text := getattr(args, f"{role}_gpus")) is not None}
         role_ports = {role: parse_port_list(text, f"--{role}-ports") for role in ("prefill", "decode", "mixed")
                       if (text := getattr(args, f"{role}_ports")) is not None}
+        role_argv = role_argv_of({"prefill": args.prefill_arg, "decode": args.decode_arg}, args.colocated)
+        role_tp = role_tp_sizes(role_argv, args.tp_size)
     except ValueError as e:
         parser.error(str(e))
     spec = ClusterSpec(num_prefill=args.num_prefill, num_decode=args.num_decode, colocated=args.colocated,
@@ -194,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                        router_argv=router_argv, shutdown_grace_period_secs=grace,
                        log_level=args.log_level, api_key=api_key, admin_api_key=admin_api_key,
                        internal_api_key=internal_api_key, restart=restart, role_gpus=role_gpus,
-                       role_ports=role_ports,
+                       role_ports=role_ports, role_argv=role_argv, role_tp=role_tp if role_argv else {},
                        num_gpus=0 if args.ray_address else cuda_device_count(), tp_size=args.tp_size or 1,
                        mem_fraction_given=args.mem_fraction_static is not None, kv_store_size=args.kv_store_size)
     if args.ray_address:

@@ -44,9 +44,9 @@ class Mismatch:
     Attributes:
         field: the layout field (``page_size``, ``kv_cache_dtype``, ...).
         local, remote: this worker's value and the peer's.
-        convertible: True when a later version could convert between the two
-            (re-paging, TP head slicing); False when the pages cannot mean the
-            same thing on both sides.
+        convertible: True when the transfer converts between the two (TP size and
+            rank: KV heads split or merged, `pd_cluster.transfer.tp_plan`); False
+            when the pages cannot mean the same thing on both sides.
     """
 
     field: str
@@ -55,7 +55,7 @@ class Mismatch:
     convertible: bool
 
     def __str__(self) -> str:
-        kind = "convertible by a later version" if self.convertible else "fatal"
+        kind = "converted" if self.convertible else "fatal"
         return f"{self.field}: local={self.local!r} remote={self.remote!r} ({kind})"
 
 

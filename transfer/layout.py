@@ -10,15 +10,19 @@ of its registered regions. A peer loads it once per agent incarnation.
 
 * fatal: protocol version, model identity, number of layers, head_dim, KV
   dtype, FP8 scales, in-page order, KV format (``mha``: K and V per head;
-  ``mla``: one latent per token), and KV heads when the TP size is the same.
-  Pages from such a peer would decode to different numbers; no conversion
-  keeps them exact. A peer that names no KV format (an older version) is ``mha``.
-  KV cache groups (a hybrid model's pool, ``engine/kv/groups.py``): which
-  layers a page holds, per group; a peer that names none keeps one group
-  (every layer in every page), whose pages hold other bytes.
-* convertible by a later version: page size (re-paging into token runs) and
-  TP size / rank (slicing heads; the heads per rank then differ as well).
-  This version refuses them too, rather than move bytes that mean something else.
+  ``mla``: one latent per token), page size, and KV heads when the TP size is
+  the same. Pages from such a peer would decode to different numbers; no
+  conversion keeps them exact. A peer that names no KV format (an older
+  version) is ``mha``. KV cache groups (a hybrid model's pool,
+  ``engine/kv/groups.py``): which layers a page holds, per group; a peer that
+  names none keeps one group (every layer in every page), whose pages hold
+  other bytes.
+* converted: TP size and rank, and with them the KV heads per rank, when both
+  sides hold the same model's heads (``num_kv_heads * tp_size`` equal) and each
+  TP size shards them (`pd_cluster.transfer.tp_plan`): heads are split or
+  merged on the way; an ``mla`` latent is replicated on every rank and sent
+  once per decode rank. `check_compatible` returns these, and the handshake
+  logs what it converts.
 
 Idea: vLLM's NIXL handshake compatibility hash (vllm PR #29503), made
 field-by-field so the error says what differs.
@@ -32,11 +36,12 @@ import json
 from dataclasses import dataclass, field
 
 from pd_cluster.transfer.errors import LayoutMismatchError, Mismatch
+from pd_cluster.transfer.tp_plan import rank_heads
 
 PROTOCOL_VERSION = 1
 
-_FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "kv_cache_dtype", "k_scales", "v_scales", "order",
-          "kv_format", "kv_groups")
+_FATAL = ("protocol", "model_identity", "num_layers", "head_dim", "page_size", "kv_cache_dtype", "k_scales",
+          "v_scales", "order", "kv_format", "kv_groups")
 _TP = ("tp_size", "tp_rank")
 
 
@@ -148,28 +153,39 @@ def compare(local: AgentInfo, remote: AgentInfo) -> list[Mismatch]:
         if lv[name] != rv[name]:
             out.append(Mismatch(name, lv[name], rv[name], convertible=False))
     if lv["num_kv_heads"] != rv["num_kv_heads"]:
-        total_same = lv["num_kv_heads"] * lv["tp_size"] == rv["num_kv_heads"] * rv["tp_size"]
-        out.append(Mismatch("num_kv_heads", lv["num_kv_heads"], rv["num_kv_heads"],
-                            convertible=(not same_tp) and total_same))
-    if lv["page_size"] != rv["page_size"]:
-        out.append(Mismatch("page_size", lv["page_size"], rv["page_size"], convertible=True))
+        total = lv["num_kv_heads"] * lv["tp_size"]
+        ok = (not same_tp) and total == rv["num_kv_heads"] * rv["tp_size"] and _shards(total, lv, rv)
+        out.append(Mismatch("num_kv_heads", lv["num_kv_heads"], rv["num_kv_heads"], convertible=ok))
     for name in _TP:
-        if lv[name] != rv[name]:
-            out.append(Mismatch(name, lv[name], rv[name], convertible=True))
+        if lv[name] != rv[name]:  # the same TP size pairs rank r with rank r only
+            out.append(Mismatch(name, lv[name], rv[name], convertible=not same_tp))
     if not out and lv["page_nbytes"] != rv["page_nbytes"]:  # equal fields must give equal bytes
         out.append(Mismatch("page_nbytes", lv["page_nbytes"], rv["page_nbytes"], convertible=False))
     return out
 
 
-def check_compatible(local: AgentInfo, remote: AgentInfo) -> None:
-    """The handshake check: pages of `local` and `remote` mean the same bytes.
+def _shards(total: int, *views: dict) -> bool:
+    try:
+        for v in views:
+            rank_heads(total, v["tp_size"], 0)
+    except ValueError:
+        return False
+    return True
+
+
+def check_compatible(local: AgentInfo, remote: AgentInfo) -> list[Mismatch]:
+    """The handshake check: pages of `local` and `remote` mean the same bytes, or a TP conversion makes them so.
+
+    Returns:
+        The mismatches the transfer converts (TP size and rank, heads per rank); empty when the layouts are equal.
 
     Raises:
-        LayoutMismatchError: with every differing field and both values.
+        LayoutMismatchError: with every differing field and both values, when one cannot be converted.
     """
     mismatches = compare(local, remote)
-    if mismatches:
+    if any(not m.convertible for m in mismatches):
         raise LayoutMismatchError(local.agent_name, remote.agent_name, mismatches)
+    return mismatches
 
 
 def _view(info: AgentInfo) -> dict:

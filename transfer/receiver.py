@@ -51,6 +51,7 @@ from pd_cluster.transfer.descriptors import validate_pages
 from pd_cluster.transfer.errors import PeerDiedError, ProtocolError, TransferAbortedError, TransferError, TransferTimeoutError
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.ticket import KVTicket
+from pd_cluster.transfer.tp_plan import HeadSlice, PageGeometry
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class _Expect:
     error: TransferError | None = None
     release_at: float = 0.0
     heartbeats: int = 0
+    page_nbytes: int = 0  # bytes each page receives: the whole page, or the ticket's KV heads of it
 
     @property
     def peer(self) -> str:
@@ -160,6 +162,12 @@ class KVReceiver:
 
     def expect(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0,
                group_first_pages: tuple[int, ...] = ()) -> KVTicket:
+        """`expect_heads` of whole pages (the `Receiver` protocol's call)."""
+        return self.expect_heads(request_id, pages, num_tokens, prefill_agent, first_page, group_first_pages)
+
+    def expect_heads(self, request_id: str, pages, num_tokens: int, prefill_agent: str, first_page: int = 0,
+                     group_first_pages: tuple[int, ...] = (), heads: tuple[tuple[int, int, int], ...] = ()
+                     ) -> KVTicket:
         """Register reserved `pages` for a request's prompt KV and make the ticket for the prefill worker.
 
         The deadline starts now.
@@ -170,6 +178,8 @@ class KVReceiver:
             first_page: leading prompt pages this worker already holds (a delta transfer; `KVTicket`).
             group_first_pages: a hybrid pool's first received page per KV group; `pages` are then the slots of
                 `KVTicket` (`group_slots`).
+            heads: the KV head slices this peer sends (`KVTicket.heads`), when the TP sizes differ; empty: whole
+                pages.
 
         Raises:
             PeerNotConnectedError: the prefill agent's metadata is not loaded.
@@ -181,9 +191,12 @@ class KVReceiver:
         self._seq += 1
         tid = f"{request_id}@{self.agent.incarnation}.{self._seq}"
         ticket = KVTicket(tid, request_id, self.agent.name, prefill_agent, tuple(int(p) for p in arr), num_tokens,
-                          self.agent.pool.page_size, first_page, tuple(group_first_pages))
+                          self.agent.pool.page_size, first_page, tuple(group_first_pages), tuple(heads))
         now = self._clock()
-        self._jobs[tid] = _Expect(ticket, now, now)
+        page_nbytes = self.agent.page_nbytes
+        if heads:
+            page_nbytes = PageGeometry.of(self.agent.info.layout).slice_nbytes(tuple(HeadSlice(*h) for h in heads))
+        self._jobs[tid] = _Expect(ticket, now, now, page_nbytes=page_nbytes)
         self.metrics.decode_transfer_queue.set(self.num_waiting)
         return ticket
 
@@ -340,7 +353,7 @@ class KVReceiver:
             bad = f"push {push.index} arrived twice"
         elif push.page_start < 0 or push.num_pages < 1 or push.page_start + push.num_pages > t.num_pages:
             bad = f"push {push.index} covers pages [{push.page_start}, +{push.num_pages}) of {t.num_pages}"
-        elif push.nbytes != push.num_pages * self.agent.page_nbytes:
+        elif push.nbytes != push.num_pages * job.page_nbytes:
             bad = f"push {push.index} claims {push.nbytes} bytes for {push.num_pages} pages"
         elif push.total and (job.total or push.total <= push.index):
             bad = f"push {push.index} says there are {push.total} pushes"

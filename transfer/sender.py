@@ -62,6 +62,7 @@ from pd_cluster.transfer.heartbeat import HeartbeatThread
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.send_jobs import SendDone, SenderEvents, SendFailed, SendJob, SendPush
 from pd_cluster.transfer.ticket import KVTicket, group_slots
+from pd_cluster.transfer.tp_plan import HeadSlice, PageGeometry, slice_descs
 
 __all__ = ["KVSender", "SendDone", "SendFailed", "SenderEvents"]
 
@@ -112,8 +113,8 @@ class KVSender:
             StalePeerError: the ticket names another incarnation of this prefill agent.
             PeerNotConnectedError: decode's agent is not connected (fetch its info, `agent.connect`).
             TransferAbortedError: decode cancelled this transfer before it arrived here.
-            ValueError: duplicate transfer id, pages outside decode's pool, or a page-size or KV-group-count
-                mismatch.
+            ValueError: duplicate transfer id, pages outside decode's pool, a page-size or KV-group-count
+                mismatch, or KV head slices outside either side's heads.
         """
         if ticket.prefill_agent != self.agent.name:
             raise StalePeerError(f"ticket {ticket.transfer_id} names prefill agent {ticket.prefill_agent}, but this "
@@ -132,6 +133,12 @@ class KVSender:
             raise ValueError(f"ticket for {ticket.num_groups} KV group(s), but this pool has "
                              f"{groups.num_transfer_groups}")
         validate_pages(np.asarray(ticket.dst_pages, dtype=np.int64), info.num_pages, f"decode ({ticket.decode_agent})")
+        if ticket.heads:  # a head slice must lie within each side's heads of a page
+            mine, theirs = int(self.agent.info.layout["num_kv_heads"]), int(info.layout["num_kv_heads"])
+            for src, dst, n in ticket.heads:
+                if src + n > mine or dst + n > theirs:
+                    raise ValueError(f"ticket {ticket.transfer_id}: KV heads {src}..{src + n - 1} -> "
+                                     f"{dst}..{dst + n - 1} outside {mine} local and {theirs} remote heads per page")
         now = self._last_poll = self._clock()  # the step loop's call: it is alive (an idle one polls nothing)
         with self._jobs_lock:
             self._waiting.pop(ticket.transfer_id, None)
@@ -183,17 +190,23 @@ class KVSender:
             raise ValueError(f"transfer {transfer_id}: {e} (push to page {end})") from e
         validate_pages(src, self.agent.pool.num_pages, "prefill")
         dst = np.asarray(t.dst_pages[lo:hi], dtype=np.int64)
-        runs = page_runs(src, dst)
-        nbytes = runs.num_pages * self.agent.page_nbytes
+        info = self.agent.peer(job.peer)
+        if t.heads:  # the TP sizes differ: this part's KV heads of each page (`pd_cluster.transfer.tp_plan`)
+            slices = tuple(HeadSlice(*h) for h in t.heads)
+            mine, theirs = PageGeometry.of(self.agent.info.layout), PageGeometry.of(info.layout)
+            nbytes = src.size * mine.slice_nbytes(slices)
+            local = slice_descs(self.agent.info.kv_base, mine, src, slices, True, self.agent.device_id)
+            remote = slice_descs(info.kv_base, theirs, dst, slices, False, info.device_id)
+        else:
+            runs = page_runs(src, dst)
+            nbytes = runs.num_pages * self.agent.page_nbytes
+            local = run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
+                              self.agent.device_id)
+            remote = run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id)
         index = len(job.pushes)
         msg = protocol.Push(transfer_id, index, lo, hi - lo, nbytes,
                             total=index + 1 if last else 0, meta=(meta or {}) if last else None)
-        info = self.agent.peer(job.peer)
-        p = SendPush(msg,
-                  run_descs(self.agent.info.kv_base, self.agent.page_nbytes, runs.src_start, runs.length,
-                            self.agent.device_id),
-                  run_descs(info.kv_base, info.page_nbytes, runs.dst_start, runs.length, info.device_id),
-                  ready_event)
+        p = SendPush(msg, local, remote, ready_event)
         job.pushes.append(p)
         job.sent_pages, job.last_issued = end, last
         if ready_event is None:

@@ -56,6 +56,8 @@ class KVTicket:
             With `group_first_pages`: their smallest.
         group_first_pages: a grouped pool's first prompt page received per KV group (module doc);
             empty for one group.
+        heads: the KV head slices moved, ``(src_head, dst_head, num_heads)`` rank-local on each side, when the
+            two workers' TP sizes differ (`pd_cluster.transfer.tp_plan`); empty: whole pages.
     """
 
     transfer_id: str
@@ -67,6 +69,7 @@ class KVTicket:
     page_size: int
     first_page: int = 0
     group_first_pages: tuple[int, ...] = ()
+    heads: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         total = -(-self.num_tokens // self.page_size) if self.page_size > 0 else -1
@@ -112,6 +115,8 @@ class KVTicket:
             d["first_page"] = self.first_page
         if self.group_first_pages:
             d["group_first_pages"] = list(self.group_first_pages)
+        if self.heads:
+            d["heads"] = [list(h) for h in self.heads]
         return d
 
     @classmethod
@@ -125,16 +130,26 @@ class KVTicket:
             return cls(str(d["transfer_id"]), str(d["request_id"]), str(d["decode_agent"]),
                        str(d["prefill_agent"]), tuple(int(p) for p in d["dst_pages"]),
                        int(d["num_tokens"]), int(d["page_size"]), int(d.get("first_page", 0)),
-                       tuple(int(f) for f in d.get("group_first_pages", ())))
+                       tuple(int(f) for f in d.get("group_first_pages", ())),
+                       tuple(_head_slice(h) for h in d.get("heads", ())))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed KV ticket: {e!r}") from e
 
 
+def _head_slice(h) -> tuple[int, int, int]:
+    src, dst, n = (int(x) for x in h)
+    if src < 0 or dst < 0 or n < 1:
+        raise ValueError(f"malformed KV ticket: head slice {h!r}")
+    return src, dst, n
+
+
 @dataclass(frozen=True)
 class TPTicket:
-    """The tickets of one request on a tensor-parallel pair, one per rank (rank r's names rank r's agents).
+    """The tickets of one request on a tensor-parallel pair: one per `pd_cluster.transfer.tp_plan.Part` (a
+    (prefill rank, decode rank) pair; each ticket names those two ranks' agents), decode rank by decode rank. With
+    equal TP sizes, ticket r is rank r's to rank r's.
 
-    Rank 0's ticket names the transfer: its ids are the ones the workers see.
+    Decode rank 0's first ticket names the transfer: its ids are the ones the workers see.
     """
 
     tickets: tuple[KVTicket, ...]

@@ -1,5 +1,6 @@
 """Tensor parallelism in a PD cluster: every TP rank pushes its share of the KV heads to the same rank of
-the decode worker, and the output equals a single process's; mismatched TP sizes fail at the handshake."""
+the decode worker, and the output equals a single process's; a layout the transfer cannot convert (a page size)
+fails at the handshake."""
 
 from __future__ import annotations
 
@@ -42,12 +43,16 @@ def test_tp2_pd_equals_single_process():
 
 
 @pytest.mark.timeout(900)
-def test_tp_size_mismatch_fails_at_the_handshake_with_both_values():
-    with running_cluster(1, 1, role_argv={"prefill": ["--tp-size", "2"]}) as cluster:
+def test_a_layout_that_cannot_be_converted_fails_at_the_handshake_with_both_values():
+    """TP sizes are converted (tests/cluster/test_tp_hetero_pd.py); a page size is not: the handshake refuses it
+    before any byte moves, naming both sides and both values, and no page is leaked."""
+    with running_cluster(1, 1, role_argv={"prefill": ["--tp-size", "2", "--page-size", "32"]}) as cluster:
         r = httpx.post(cluster.router_url + "/v1/completions", timeout=60, json={
             "model": "stories260K", "prompt": "Once upon a time", "max_tokens": 5})
         assert r.status_code == 502, r.text
         message = r.json()["error"]["message"]
-        assert "tp_size" in message and "local=1" in message and "remote=2" in message, message
+        assert "page_size" in message and "remote=32" in message and "(fatal)" in message, message
+        assert "tp_size: local=" in message and "(converted)" in message, message  # says what it would convert
+        assert "prefill-" in message and "decode-" in message, message
         loads = wait_all_free(cluster, 10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads

@@ -162,6 +162,15 @@ def test_tp_size_is_set_in_one_place():
         assert flag_value(c["args"], "--tp-size") == "4" and c["resources"]["limits"]["nvidia.com/gpu"] == 4
 
 
+def test_per_role_tp_size_renders_each_roles_flag_and_gpus():
+    """P TP 2 -> D TP 1 (the KV transfer splits and merges heads): each role's pods get their own --tp-size and as
+    many GPUs."""
+    objs = render({"prefill": {"args": {"tp-size": 2}}, "decode": {"args": {"tp-size": 1}}})
+    for suffix, tp in (("-prefill", 2), ("-decode", 1)):
+        c = one(objs, "StatefulSet", suffix)["spec"]["template"]["spec"]["containers"][0]
+        assert flag_value(c["args"], "--tp-size") == str(tp) and c["resources"]["limits"]["nvidia.com/gpu"] == tp
+
+
 def test_role_args_override_shared_args_including_false():
     objs = render({"engine": {"args": {"disable-cuda-graph": True}}, "decode": {"args": {"disable-cuda-graph": False}},
                    "prefill": {"args": {"page-size": 32}}})

@@ -59,8 +59,8 @@ class ScriptedDriver:
             return [(ev, True, 0) for ev in evs]
         if method == "receiver_expect":
             rid, pages, n, prefill0, first_page, group_first_pages = args
-            return [KVTicket(f"{rid}@r{r}", rid, f"decode-r{r}", f"prefill-r{r}", tuple(pages), n, 16, first_page,
-                             group_first_pages)
+            return [[KVTicket(f"{rid}@r{r}", rid, f"decode-r{r}", f"prefill-r{r}", tuple(pages), n, 16, first_page,
+                              group_first_pages)]
                     for r in range(self.size)]
         if method == "receiver_withdraw":
             return [PAGES] * self.size
@@ -115,7 +115,7 @@ def test_sender_one_rank_fails_the_rest_are_aborted_once_and_failure_waits_for_a
     ev = _poll(s)
     assert ev.failed == [] and ev.completed == []  # rank 0 may still hold a handle: not over yet
     aborts = d.methods("sender_abort")
-    assert len(aborts) == 1 and aborts[0][1] == (("r@r0", "r@r1"), "rank 1 failed")
+    assert len(aborts) == 1 and aborts[0][1] == (("r@r0", "r@r1"), "part 1 failed")
     assert _poll(s).failed == [] and len(d.methods("sender_abort")) == 1  # never twice
     d.next_events[0] = SenderEvents(failed=[SendFailed("r@r0", "r", TransferAbortedError("aborted", side="prefill"))])
     ev = _poll(s)
@@ -156,7 +156,7 @@ def test_announce_reaches_every_rank_off_the_step_loop_until_added_or_withdrawn(
     d = ScriptedDriver()
     s = TPSender(d)
     waiting, added = _tp_ticket("w"), _tp_ticket("a")
-    parts = (("w@r0", "decode-r0"), ("w@r1", "decode-r1"))
+    parts = (("w@r0", "decode-r0", "prefill-r0"), ("w@r1", "decode-r1", "prefill-r1"))
     s.announce(waiting)
     s.announce(added)
     assert d.rank0_calls[0] == ("sender_announce", parts) and d.posts[0] == ("sender_announce", (parts,))

@@ -37,6 +37,10 @@ def test_class_has_every_member_with_the_protocols_parameters(proto, cls):
         assert gp == wp, f"{cls.__name__}.{name}{gp} != protocol {wp}"
 
 
-def test_only_the_single_pool_agent_connects_off_the_engine_thread():
+def test_only_a_single_pool_agent_connects_off_the_engine_thread():
+    from types import SimpleNamespace
+
     assert TransferAgent.connects_off_thread.fget(None) is True
-    assert TPAgent.connects_off_thread.fget(None) is False
+    for size, off in ((1, True), (2, False)):  # one rank in-process (LocalDriver); TP ranks take collectives
+        agent = SimpleNamespace(driver=SimpleNamespace(tp=SimpleNamespace(size=size)))
+        assert TPAgent.connects_off_thread.fget(agent) is off
