@@ -47,7 +47,7 @@ from pd_cluster.common.aio import mark_retrieved
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.serving.engine_loop import settle_future
 from pd_cluster.transfer.interfaces import Receiver
-from pd_cluster.transfer.receiver import PagesReleased, RecvDone
+from pd_cluster.transfer.receiver_events import PagesReleased, RecvDone
 from pd_cluster.transfer.ticket import Ticket, group_slots
 
 logger = logging.getLogger("pd.decode")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from pd_cluster.transfer.layout import AgentInfo
-from pd_cluster.transfer.receiver import ReceiverEvents
+from pd_cluster.transfer.receiver_events import ReceiverEvents
 from pd_cluster.transfer.sender import SenderEvents
 from pd_cluster.transfer.ticket import Ticket
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pd_cluster.transfer.layout import AgentInfo
-from pd_cluster.transfer.receiver import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
+from pd_cluster.transfer.receiver_events import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.sender import SendDone, SenderEvents, SendFailed
 from pd_cluster.transfer.ticket import KVTicket, TPTicket
 from pd_cluster.transfer.tp_rank import EXTENSION, RankTransfer, install, on_ranks

@@ -17,7 +17,8 @@ from pd_cluster.transfer.agent import TransferAgent
 from pd_cluster.transfer.errors import PeerNotConnectedError
 from pd_cluster.transfer.layout import AgentInfo, check_compatible
 from pd_cluster.transfer.metrics import TransferMetrics
-from pd_cluster.transfer.receiver import KVReceiver, ReceiverEvents
+from pd_cluster.transfer.receiver import KVReceiver
+from pd_cluster.transfer.receiver_events import ReceiverEvents
 from pd_cluster.transfer.sender import KVSender, SenderEvents
 from pd_cluster.transfer.ticket import KVTicket
 from pd_cluster.transfer.tp_plan import Part, describe, plan_parts

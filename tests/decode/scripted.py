@@ -21,7 +21,7 @@ from pd_cluster.engine.args import config_from_kwargs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.transfer.errors import PeerNotConnectedError, TransferError
-from pd_cluster.transfer.receiver import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
+from pd_cluster.transfer.receiver_events import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.ticket import KVTicket
 
 PREFILL_AGENT = "prefill-test-1-tp0-aaaa"

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pd_cluster.transfer.errors import PeerDiedError, TransferAbortedError, TransferTimeoutError
 from pd_cluster.transfer.interfaces import Receiver, Sender
 from pd_cluster.transfer.metrics import TransferMetrics
-from pd_cluster.transfer.receiver import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
+from pd_cluster.transfer.receiver_events import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.sender import SendDone, SenderEvents, SendFailed
 from pd_cluster.transfer.ticket import KVTicket, TPTicket
 from pd_cluster.transfer.tp import EXTENSION, RankTransfer, TPReceiver, TPSender, on_ranks
