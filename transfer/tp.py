@@ -102,6 +102,7 @@ class _TPProxy:
         self.driver = driver
         self.size = driver.tp.size
         self.parts: dict[str, _Parts] = {}
+        self._part_of: dict[str, tuple[str, int]] = {}  # a rank's transfer id -> (the TP transfer id, its part)
         self._has_work = False
         self._last_poll = 0.0
 
@@ -118,8 +119,29 @@ class _TPProxy:
         self._has_work = any(r[1] for r in results)
         return [r[0] for r in results]
 
-    def _index(self) -> dict[str, tuple[str, int]]:
-        return {tid: (tid0, i) for tid0, p in self.parts.items() for i, tid in enumerate(p.tids)}
+    def _add(self, tid0: str, p: _Parts) -> None:
+        self.parts[tid0] = p
+        for i, tid in enumerate(p.tids):
+            self._part_of[tid] = (tid0, i)
+
+    def _drop(self, tid0: str) -> None:
+        for tid in self.parts.pop(tid0).tids:
+            self._part_of.pop(tid, None)
+
+    def _file(self, events: list, kinds: dict) -> list[tuple[str, _Parts]]:
+        """Put each rank's event into its part (``kinds``: event type -> the `_Parts` field it fills); returns
+        the parts that got one, once each, in order. A poll costs what its events do, not what is in flight:
+        the engine thread polls often, and a walk over a thousand transfers each time starved its process."""
+        touched: dict[str, _Parts] = {}
+        for ev in events:
+            for item in (x for name in ("completed", "failed", "released") for x in getattr(ev, name, ())):
+                tid0, i = self._part_of.get(item.transfer_id, (None, None))
+                if tid0 is None:
+                    continue
+                p = self.parts[tid0]
+                getattr(p, kinds[type(item)])[i] = item
+                touched[tid0] = p
+        return list(touched.items())
 
     def _rank0(self) -> RankTransfer:
         """Rank 0's own `RankTransfer` (its metrics are the ones the worker serves)."""
@@ -174,8 +196,7 @@ class TPSender(_TPProxy):
             self._announced.pop(ticket.transfer_id, None)
         rank0 = self.agents[0] if self.agents else None
         remote = tuple((t.prefill_agent != rank0) if rank0 else i > 0 for i, t in enumerate(ticket.tickets))
-        self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id,
-                                                remote)
+        self._add(ticket.transfer_id, _Parts(tuple(t.transfer_id for t in ticket.tickets), ticket.request_id, remote))
 
     def announce(self, ticket: TPTicket) -> None:
         """`KVSender.announce` on every rank, from the caller's thread (the HTTP handler's) while the engine
@@ -219,18 +240,12 @@ class TPSender(_TPProxy):
         events = self._gather(RankTransfer.sender_poll) if (self.parts or self._has_work) else None
         if events is None:
             return out
-        index = self._index()
-        for ev in events:
-            for item in ev.completed + ev.failed:
-                tid0, i = index.get(item.transfer_id, (None, None))
-                if tid0 is not None:
-                    (self.parts[tid0].done if isinstance(item, SendDone) else self.parts[tid0].failed)[i] = item
-        for tid0, p in list(self.parts.items()):
+        for tid0, p in self._file(events, {SendDone: "done", SendFailed: "failed"}):
             if p.failed and not p.aborted:
                 self._abort_rest(p, RankTransfer.sender_abort, f"part {min(p.failed)} failed")
             if len(p.done) + len(p.failed) < len(p.tids):
                 continue
-            del self.parts[tid0]
+            self._drop(tid0)
             if p.failed:
                 out.failed.append(SendFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
             else:
@@ -258,7 +273,7 @@ class TPReceiver(_TPProxy):
         tickets = tuple(t for rank in per_rank for t in rank)
         remote = tuple(r > 0 for r, rank in enumerate(per_rank) for _ in rank)
         ticket = TPTicket(tickets)
-        self.parts[ticket.transfer_id] = _Parts(tuple(t.transfer_id for t in tickets), request_id, remote)
+        self._add(ticket.transfer_id, _Parts(tuple(t.transfer_id for t in tickets), request_id, remote))
         return tickets[0] if len(tickets) == 1 and self.size == 1 else ticket
 
     def abort(self, transfer_id: str, message: str = "aborted by decode") -> bool:
@@ -273,7 +288,7 @@ class TPReceiver(_TPProxy):
         if p is None:
             return ()
         pages = next((r for r in on_ranks(self.driver, RankTransfer.receiver_withdraw, p.tids) if r), ())
-        del self.parts[transfer_id]
+        self._drop(transfer_id)
         return pages
 
     def peer_failed(self, prefill_agent: str, message: str) -> None:
@@ -284,22 +299,14 @@ class TPReceiver(_TPProxy):
         events = self._gather(RankTransfer.receiver_poll) if (self.parts or self._has_work) else None
         if events is None:
             return out
-        index = self._index()
-        for ev in events:
-            for item in ev.completed + ev.failed + ev.released:
-                tid0, i = index.get(item.transfer_id, (None, None))
-                if tid0 is None:
-                    continue
-                p = self.parts[tid0]
-                {RecvDone: p.done, RecvFailed: p.failed, PagesReleased: p.released}[type(item)][i] = item
-        for tid0, p in list(self.parts.items()):
+        for tid0, p in self._file(events, {RecvDone: "done", RecvFailed: "failed", PagesReleased: "released"}):
             self._merge(tid0, p, out)
         return out
 
     def _merge(self, tid0: str, p: _Parts, out: ReceiverEvents) -> None:
         n = len(p.tids)
         if not p.failed and len(p.done) == n:
-            del self.parts[tid0]
+            self._drop(tid0)
             d = [p.done[i] for i in range(n)]
             self._rank0().receiver.metrics.received_bytes.inc(p.other_ranks_bytes())  # as the sender's
             out.completed.append(RecvDone(tid0, p.request_id, d[0].pages, d[0].meta, d[0].pushes,
@@ -311,6 +318,6 @@ class TPReceiver(_TPProxy):
             out.failed.append(RecvFailed(tid0, p.request_id, next(iter(p.failed.values())).error))
             self._abort_rest(p, RankTransfer.receiver_abort, f"part {min(p.failed)} failed")
         if p.failed and len(p.done) + len(p.released) == n:
-            del self.parts[tid0]
+            self._drop(tid0)
             pages = next(iter(p.released.values())).pages if p.released else p.done[min(p.done)].pages
             out.released.append(PagesReleased(tid0, p.request_id, pages, "every rank's part ended"))
