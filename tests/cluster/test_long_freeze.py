@@ -1,10 +1,11 @@
-"""Long freezes on a real 2P2D cluster (real processes, real NIXL): SIGSTOP decode-0 for 75 s with streams in
-flight; 35 s into that, SIGSTOP prefill-0 for 40 s with requests mid-prefill; then SIGCONT both.
+"""Long freezes on a real 2P2D cluster (real processes, real NIXL): SIGSTOP decode-0 for 42 s with streams in
+flight; 13 s into that, SIGSTOP prefill-0 for at least 24 s with requests mid-prefill; then SIGCONT both.
 
-The freezes outlast every deadline: the router's idle and first-byte timeouts, the KV transfer deadline (30 s)
-and decode-1's quarantine of pages a frozen prefill may still write (20 s here). Shown: every request ends within
-its timeout plus a stated margin, by migration, a retry or a clear error; every text that completes equals the
-healthy cluster's; nothing hangs; once both run again they corrupt nothing (requests through every pair are
+The freezes outlast every deadline, each set short here so the freezes can be short too: the router's idle (5 s)
+and first-byte (10 s) timeouts, the KV transfer deadline (``--kv-transfer-timeout 15`` on both sides, 30 s by
+default) and decode-1's quarantine of pages a frozen prefill may still write (10 s). Shown: every request ends
+within its timeout plus a stated margin, by migration, a retry or a clear error; every text that completes equals
+the healthy cluster's; nothing hangs; once both run again they corrupt nothing (requests through every pair are
 exact, also while decode-1 reuses the pages prefill-0 was filling when it froze) and every page is free.
 """
 
@@ -24,7 +25,12 @@ from test_migration import needs_token_ids
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 IDLE, FIRST_BYTE = 5.0, 10.0  # router: --upstream-idle-timeout-secs, --upstream-first-byte-timeout-secs
-D_FREEZE, P_FREEZE = 75.0, 40.0  # decode-0 frozen for D_FREEZE; prefill-0 for the last P_FREEZE of it
+KV_TIMEOUT, QUARANTINE = 15.0, 10.0  # workers: --kv-transfer-timeout (both roles), --kv-transfer-abort-quarantine
+# decode-0 frozen for D_FREEZE; prefill-0 for the last P_FREEZE of it. P_FREEZE outlasts the KV transfer deadline,
+# and a first-byte timeout plus the quarantine (decode-1 reuses prefill-0's pages while it is still frozen);
+# D_FREEZE - P_FREEZE outlasts the idle timeout, with time to migrate decode-0's streams before prefill-0 stops.
+D_FREEZE, P_FREEZE = 42.0, 24.0
+assert P_FREEZE > max(KV_TIMEOUT, FIRST_BYTE + QUARANTINE) and D_FREEZE - P_FREEZE - 5 > 2 * IDLE
 MARGIN = 30.0  # past its timeout, what a request may take to finish elsewhere on this loaded 2-core host
 HANG = 120.0  # a request not over after this is hung
 LONG = " ".join(PROMPTS) * 3  # about 300 tokens: with 16-token chunks, prefill takes many steps
@@ -103,12 +109,15 @@ def _check(rec: dict, reference: dict[tuple, str], t_d: float) -> None:
 
 
 @needs_token_ids
-def test_decode_frozen_75s_and_prefill_frozen_40s_end_every_request_and_leak_nothing():
+def test_decode_frozen_42s_and_prefill_frozen_24s_end_every_request_and_leak_nothing():
     router_argv = ["--decode-policy", "round_robin", "--prefill-policy", "round_robin",
                    "--upstream-idle-timeout-secs", str(IDLE), "--upstream-first-byte-timeout-secs", str(FIRST_BYTE),
                    "--health-failure-threshold", "2", "--request-timeout-secs", str(HANG - 10)]
-    with running_cluster(2, 2, router_argv=router_argv, echo=bool(os.environ.get("PD_TEST_ECHO")), role_argv={
-            "prefill": SLOW_PREFILL, "decode": ["--kv-transfer-abort-quarantine", "20"]}) as cluster:
+    deadline = ["--kv-transfer-timeout", str(KV_TIMEOUT)]
+    role_argv = {"prefill": SLOW_PREFILL + deadline,
+                 "decode": deadline + ["--kv-transfer-abort-quarantine", str(QUARANTINE)]}
+    with running_cluster(2, 2, router_argv=router_argv, echo=bool(os.environ.get("PD_TEST_ECHO")),
+                         role_argv=role_argv) as cluster:
         url = cluster.router_url
         d0, p0 = cluster.by_name("decode-0"), cluster.by_name("prefill-0")
 

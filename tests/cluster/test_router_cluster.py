@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 from cluster_util import running_cluster, wait_all_free
+
+from pd_cluster.launch.cluster import free_port, router_ready
 
 pytestmark = pytest.mark.slow  # starts processes (tests/conftest.py: the fast tier starts none)
 
@@ -49,10 +52,10 @@ def _continuations(blocks: list[list[int]]) -> list[tuple[int, int]]:
     return pairs
 
 
-def _prefill_of(cluster) -> dict[int, str]:
-    """Request index -> prefill URL, from the router's request log (pd-bench ids end with the index)."""
+def _prefill_of(lines) -> dict[int, str]:
+    """Request index -> prefill URL, from a router's request log (pd-bench ids end with the index)."""
     out = {}
-    for line in cluster.logs.get("router", []):
+    for line in lines:
         if '"request finished"' not in line:
             continue
         rec = json.loads(line)
@@ -62,14 +65,40 @@ def _prefill_of(cluster) -> dict[int, str]:
     return out
 
 
-def _replay(cluster, tmp: Path, name: str) -> dict:
-    cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", cluster.router_url, "--dataset-name", "mooncake-trace",
+def _replay(url: str, tmp: Path, name: str) -> dict:
+    cmd = [sys.executable, "-m", "pd_cluster.bench.cli", "--base-url", url, "--dataset-name", "mooncake-trace",
            "--num-prompts", str(ROWS), "--input-len-scale", str(SCALE), "--max-input-len", str(CAP),
            "--max-output-len", "4", "--output-len-scale", "0.01", "--trace-speedup", "10", "--disable-tqdm",
            "--save-result", "--result-dir", str(tmp), "--result-filename", f"{name}.json", "--seed", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads((tmp / f"{name}.json").read_text())
+
+
+@contextlib.contextmanager
+def _another_router(cluster, policy: str, log: Path):
+    """A second router over `cluster`'s workers, the cluster's router flags but ``--prefill-policy policy``;
+    yields its URL; its log goes to `log`. Stopped (by its pid) on exit."""
+    argv, port = list(cluster.router.argv), free_port()
+    argv[argv.index("--port") + 1] = str(port)
+    argv[argv.index("--prefill-policy") + 1] = policy
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(timeout=5) as c:
+            deadline = time.monotonic() + 60
+            while not (router_ready(c, url) and all(w["healthy"] for w in c.get(url + "/workers").json()["workers"])):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.timeout(1800)
@@ -80,17 +109,28 @@ def test_cache_aware_keeps_shared_prefixes_on_one_prefill_worker(tmp_path, capsy
     pairs = _continuations(_kept_blocks())
     assert len(pairs) >= 30
     share = {}
-    for policy in ("cache_aware", "round_robin"):
-        with running_cluster(2, 2, router_argv=["--prefill-policy", policy, "--enable-log-requests",
-                                                "--log-level", "info", "--no-kv-events"]) as cluster:
-            result = _replay(cluster, tmp_path, policy)
+    chosen = {}
+    # one set of workers for both policies: each policy is its own router (round_robin's started after
+    # cache_aware's replay); which prefill worker a router picks does not depend on the workers' caches
+    with running_cluster(2, 2, router_argv=["--prefill-policy", "cache_aware", "--enable-log-requests",
+                                            "--log-level", "info", "--no-kv-events"]) as cluster:
+        result = _replay(cluster.router_url, tmp_path, "cache_aware")
+        assert result["summary"]["completed"] == ROWS
+        time.sleep(0.5)
+        chosen["cache_aware"] = _prefill_of(cluster.logs.get("router", []))
+        log = tmp_path / "router-round_robin.log"
+        with _another_router(cluster, "round_robin", log) as url:
+            result = _replay(url, tmp_path, "round_robin")
             assert result["summary"]["completed"] == ROWS
             time.sleep(0.5)
-            chosen = _prefill_of(cluster)
-        assert len(chosen) == ROWS
-        same = sum(chosen[i] == chosen[j] for i, j in pairs)
+        chosen["round_robin"] = _prefill_of(log.read_text().splitlines())
+        loads = wait_all_free(cluster, timeout=30)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+    for policy in ("cache_aware", "round_robin"):
+        assert len(chosen[policy]) == ROWS
+        same = sum(chosen[policy][i] == chosen[policy][j] for i, j in pairs)
         share[policy] = same / len(pairs)
-        counts = {u: list(chosen.values()).count(u) for u in set(chosen.values())}
+        counts = {u: list(chosen[policy].values()).count(u) for u in set(chosen[policy].values())}
         with capsys.disabled():
             print(f"\n[{policy}] {same}/{len(pairs)} continuations on their earlier turn's prefill worker "
                   f"({100 * share[policy]:.0f}%); requests per prefill worker: {sorted(counts.values())}")
