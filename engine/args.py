@@ -125,7 +125,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          action="store_true"),
     Flag("--cpu-threads", "device.cpu_threads", int, "Intra-op threads on CPU (default 1)."),
     Flag("--speculative-algorithm", "speculative.speculative_algorithm", str,
-         "Speculative decoding: NGRAM (prompt lookup drafts) or STANDALONE (a draft model), verified losslessly "
+         "Speculative decoding: NGRAM (prompt lookup drafts), STANDALONE (a draft model) or NEXTN (DeepSeek-V3's "
+         "multi-token-prediction layer in the checkpoint), verified losslessly "
          "(docs/speculative-decoding.md)."),
     Flag("--speculative-draft-model-path", "speculative.speculative_draft_model_path", str,
          "STANDALONE: the draft model's checkpoint folder (the target's vocabulary; run on decode and mixed "

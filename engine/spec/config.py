@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
-LATER_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
+LATER_ALGORITHMS = ("EAGLE", "EAGLE3")
 """Algorithms SGLang names that this engine does not run yet: refused at start-up by name."""
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -31,7 +31,9 @@ class SpeculativeConfig:
     Attributes:
         speculative_algorithm: None (off), ``NGRAM`` (prompt lookup: the draft continues the latest earlier
             occurrence of the sequence's last n tokens; no draft model) or ``STANDALONE`` (a separate small draft
-            model with the target's vocabulary proposes K tokens greedily, with its own paged KV).
+            model with the target's vocabulary proposes K tokens greedily, with its own paged KV) or ``NEXTN``
+            (DeepSeek-V3's multi-token-prediction layer in the target checkpoint, fed the target's hidden state,
+            chained K times; `pd_cluster.engine.spec.nextn`).
         speculative_num_draft_tokens: K, the draft tokens proposed and verified per request and step (vLLM's
             ``num_speculative_tokens``); a step emits 1 to K + 1 tokens. Default 4.
         speculative_ngram_min_match_window_size: the shortest suffix looked up (vLLM's ``prompt_lookup_min``).
@@ -39,7 +41,7 @@ class SpeculativeConfig:
         speculative_draft_model_path: STANDALONE: the draft model's checkpoint folder (vLLM's ``model``).
 
     Raises:
-        ValueError: an unknown algorithm, one not built yet (NEXTN, EAGLE), K < 1, bad match windows, STANDALONE
+        ValueError: an unknown algorithm, one not built yet (EAGLE, EAGLE3), K < 1, bad match windows, STANDALONE
             without a draft model folder (or with one that has no config.json), or a draft model with another
             algorithm; each message names the flag and the value.
     """
@@ -100,6 +102,8 @@ class SpeculativeConfig:
             return "off"
         if self.speculative_algorithm == "STANDALONE":
             return f"STANDALONE k={self.num_draft_tokens} draft model {self.speculative_draft_model_path}"
+        if self.speculative_algorithm == "NEXTN":
+            return f"NEXTN k={self.num_draft_tokens} (the checkpoint's multi-token-prediction layer)"
         return (f"{self.speculative_algorithm} k={self.num_draft_tokens} match window "
                 f"{self.speculative_ngram_min_match_window_size}..{self.speculative_ngram_max_match_window_size}")
 

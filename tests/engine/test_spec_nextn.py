@@ -1,0 +1,122 @@
+"""NEXTN speculative decoding (DeepSeek-V3's multi-token-prediction layer) on tiny DeepSeek-V3 checkpoints built
+by transformers, with the MTP layer added in the release's tensor names (`mtp_models`): greedy tokens equal the
+engine without speculation and transformers' greedy loop at K = 1 and 2, with a random MTP layer (drafts
+rejected) and one that predicts the target's next token (drafts accepted); the MTP KV is rolled back and freed
+with the request; a checkpoint without an MTP layer is refused naming the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from deepseek_models import PROMPTS, build, hf_greedy_recompute, prompt_ids
+from mtp_models import echo_mtp, random_mtp
+
+from pd_cluster.engine import LLM, SamplingParams
+
+MAX_NEW = 24
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+FLAG = "--speculative-algorithm NEXTN"
+
+
+@pytest.fixture(scope="module", params=["random", "echo"])
+def checkpoint(request, tmp_path_factory):
+    """(kind, folder, transformers' greedy tokens of PROMPTS[:3], the engine's without speculation)."""
+    path = tmp_path_factory.mktemp(f"mtp-{request.param}")
+    hf = (random_mtp if request.param == "random" else echo_mtp)(path)
+    refs = [hf_greedy_recompute(hf, prompt_ids(p), MAX_NEW) for p in PROMPTS[:3]]
+    plain = [o.token_ids for o in LLM(str(path), kv_cache_dtype="fp32").generate(PROMPTS[:3], GREEDY)]
+    return request.param, path, refs, plain
+
+
+def _nextn(path, k: int, **kw) -> LLM:
+    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=k, **kw)
+
+
+def _pool_whole(llm: LLM) -> bool:
+    proposer = llm.engine.drafter.model
+    alloc = proposer.model.allocator
+    return not proposer.seqs and alloc.num_free == alloc.num_pages
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_greedy_equals_no_speculation_and_transformers(checkpoint, k):
+    kind, path, refs, plain = checkpoint
+    assert plain == refs
+    llm = _nextn(path, k)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs
+    spec = llm.engine.stats.spec
+    assert spec.num_drafts > 0 and sum(spec.accepted_per_pos) == spec.num_accepted_tokens
+    if kind == "random":  # random MTP weights: its drafts are (almost) never the target's tokens
+        assert spec.num_accepted_tokens < spec.num_draft_tokens // 4
+    else:  # the MTP layer computes the target's next token from its input token
+        assert spec.num_accepted_tokens > spec.num_draft_tokens // 2
+    assert llm.engine.drafter.model.num_no_hidden == 0  # every request drafted from its whole prompt
+    assert _pool_whole(llm) and llm.engine.num_free_pages() == llm.engine.allocator.num_pages
+
+
+def test_prefix_cache_hit_drafts_from_the_tokens_computed_here(checkpoint):
+    """A prompt whose pages come from the prefix cache has no target hidden states for them: the MTP sequence
+    starts at the first token computed, and the tokens are unchanged."""
+    _, path, refs, _ = checkpoint
+    llm = _nextn(path, 2, page_size=4)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == refs[0]
+    seen = []
+    proposer = llm.engine.drafter.model
+    orig = proposer.on_hidden
+
+    def spy(items, hidden):
+        orig(items, hidden)
+        seen.extend(s.base for s in proposer.seqs.values())
+
+    llm.engine.runner.on_hidden = spy
+    again = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert again.num_cached_tokens >= 4 and again.token_ids == refs[0]
+    assert min(seen) == again.num_cached_tokens
+    assert _pool_whole(llm)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mtp_kv_is_rolled_back_and_freed_with_the_request(checkpoint, page_size):
+    """After every step each running request's MTP pages hold exactly its entries for known tokens plus the
+    last chain's K - 1; an aborted request's pages go back at once and the pool is whole at the end."""
+    _, path, _, _ = checkpoint
+    k = 3
+    llm = _nextn(path, k, page_size=page_size)
+    eng = llm.engine
+    proposer = eng.drafter.model
+    alloc = proposer.model.allocator
+    for i, prompt in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10 + 4 * i, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while eng.has_work() and steps < 200:
+        steps += 1
+        eng.step()
+        if steps == 4:
+            eng.abort_request("r1")
+        held = 0
+        for rid, seq in proposer.seqs.items():
+            req = eng.requests[rid]
+            assert seq.next_position <= req.num_tokens - 1
+            assert len(seq.pages) <= -(-(req.num_tokens - 2 + k - seq.base) // page_size)
+            held += len(seq.pages)
+        assert set(proposer.seqs) <= {r.request_id for r in eng.scheduler.running}
+        assert alloc.num_free == alloc.num_pages - held
+    assert not eng.has_work() and _pool_whole(llm)
+    assert eng.num_free_pages() == eng.allocator.num_pages
+
+
+def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
+    """transformers writes ``num_nextn_predict_layers: 1`` but saves no MTP tensors; without the key at all the
+    message names it."""
+    build("deepseek-v3", tmp_path)
+    with pytest.raises(ValueError) as e:
+        _nextn(tmp_path, 2)
+    assert FLAG in str(e.value) and "no model.layers.2.eh_proj.weight" in str(e.value)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.pop("num_nextn_predict_layers", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
+        _nextn(tmp_path, 2)
+    assert f"{FLAG}: {tmp_path} has no multi-token-prediction layer" in str(e.value)
+    assert "num_nextn_predict_layers" in str(e.value)
