@@ -133,6 +133,11 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "workers)."),
     Flag("--speculative-num-draft-tokens", "speculative.speculative_num_draft_tokens", int,
          "Draft tokens proposed and verified per request and step (default 4)."),
+    Flag("--speculative-num-steps", "speculative.speculative_num_steps", int,
+         "STANDALONE, NEXTN: SGLang's chain length N (K = N drafts; --speculative-num-draft-tokens, if given, "
+         "must then be N + 1 as in SGLang)."),
+    Flag("--speculative-eagle-topk", "speculative.speculative_eagle_topk", int,
+         "SGLang's drafts per step: only 1 (a chain)."),
     Flag("--speculative-ngram-min-match-window-size", "speculative.speculative_ngram_min_match_window_size", int,
          "NGRAM: the shortest suffix looked up (default 1)."),
     Flag("--speculative-ngram-max-match-window-size", "speculative.speculative_ngram_max_match_window_size", int,

@@ -120,3 +120,54 @@ def test_checkpoint_without_mtp_layer_is_refused(tmp_path):
         _nextn(tmp_path, 2)
     assert f"{FLAG}: {tmp_path} has no multi-token-prediction layer" in str(e.value)
     assert "num_nextn_predict_layers" in str(e.value)
+
+
+def test_the_mtp_layer_reads_the_targets_final_norm_hidden_states(checkpoint):
+    """After a prompt's prefill the MTP layer's pending hidden states are transformers' last hidden states (the
+    final norm's output) at every prompt position."""
+    import torch
+
+    from mtp_models import reference_hidden
+
+    _, path, _, _ = checkpoint
+    llm = _nextn(path, 2, chunked_prefill_size=5)
+    eng = llm.engine
+    eng.add_request("h", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    ids = prompt_ids(PROMPTS[1])
+    while eng.requests["h"].num_tokens == len(ids):  # chunks of 5 until the first token is sampled
+        eng.step()
+    got = eng.drafter.model.seqs["h"].pending
+    want = reference_hidden(path, ids)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_vllm_speculative_config_deepseek_mtp_is_nextn():
+    from pd_cluster.engine.args import config_from_kwargs
+
+    spec = config_from_kwargs(speculative_config='{"method": "deepseek_mtp", "num_speculative_tokens": 2}').speculative
+    assert (spec.speculative_algorithm, spec.num_draft_tokens) == ("NEXTN", 2)
+
+
+def test_sglang_chain_flags_set_k(checkpoint):
+    """SGLang's MTP command line: ``--speculative-num-steps 2 --speculative-eagle-topk 1
+    --speculative-num-draft-tokens 3`` drafts 2 tokens per step."""
+    _, path, refs, _ = checkpoint
+    llm = LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_steps=2,
+              speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    assert llm.engine.drafter.k == 2 and len(llm.engine.stats.spec.accepted_per_pos) == 2
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "--speculative-eagle-topk 4 is not supported"),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_num_draft_tokens=2),
+     "--speculative-num-draft-tokens 2 with --speculative-num-steps 2"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_steps=2), "--speculative-num-steps is used with"),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=0), "--speculative-num-steps must be >= 1"),
+])
+def test_bad_chain_flags_are_refused(kwargs, message):
+    from pd_cluster.engine.args import config_from_kwargs
+
+    with pytest.raises(ValueError) as e:
+        config_from_kwargs(**kwargs)
+    assert message in str(e.value)

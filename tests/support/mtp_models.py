@@ -101,3 +101,12 @@ def echo_mtp(folder: Path, seed: int = 0, scale: float = 1e-3):
                 "shared_head.head.weight": hf.lm_head.weight.detach().clone()})
     _write(folder, hf, mtp)
     return hf
+
+
+def reference_hidden(folder: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' last hidden states (after the final norm) of `ids` [len(ids), hidden], float32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
