@@ -11,6 +11,7 @@ vocabulary (SGLang's and vLLM's rule): token ids are compared, not text.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -150,3 +151,54 @@ class DraftModel:
         return build_forward_batch([np.asarray(t, dtype=np.int64) for t, _, _ in rows], [s for _, s, _ in rows],
                                    [bt for _, _, bt in rows], [np.asarray([len(t) - 1]) for t, _, _ in rows],
                                    len(rows) if decode else 0, self.page_size, self.device)
+
+
+class PagedDraftProposer:
+    """What STANDALONE's and NEXTN's proposers share: a `DraftModel`, each request's pages of its pool (a
+    sequence object with a ``pages`` list, `seqs`), freed when the request leaves, and the time spent drafting.
+
+    Args:
+        model: the draft model (or MTP layer) with its pool.
+        max_tokens_per_forward: the most tokens one catch-up pass computes (``--chunked-prefill-size``).
+    """
+
+    def __init__(self, model: DraftModel, max_tokens_per_forward: int) -> None:
+        self.model = model
+        self.page_size = model.page_size
+        self.cap = max(max_tokens_per_forward, 1)
+        self.seqs: dict = {}
+        self.num_pool_full = 0  # drafts skipped because the pool had no page
+        self.seconds = 0.0  # wall-clock spent drafting (the passes and their host work)
+        self.num_caught_up = 0  # entries computed for known tokens (prompts, accepted tokens)
+
+    def release(self, request_id: str) -> None:
+        """`request_id` left the running set: its pages go back to the pool."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq.pages:
+            self.model.allocator.free(seq.pages)
+
+    def propose(self, work: list) -> dict[str, list[int]]:
+        """Draft tokens for each (request, k) in `work` (k >= 1): a request id to its k greedy draft tokens; a
+        request the pool has no room for (or, NEXTN, without the hidden states it needs) gets none."""
+        started = time.perf_counter()
+        try:
+            return self._propose(work)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _propose(self, work: list) -> dict[str, list[int]]:
+        raise NotImplementedError
+
+    def _hold(self, pages: list[int], slots: int) -> bool:
+        """Make `pages` exactly the pages of `slots` tokens: free those past them, allocate what is missing;
+        False (nothing allocated) when the pool has no room."""
+        keep = -(-slots // self.page_size)
+        if len(pages) > keep:
+            self.model.allocator.free(pages[keep:])
+            del pages[keep:]
+        need = keep - len(pages)
+        if need > 0:
+            if not self.model.allocator.can_allocate(need):
+                return False
+            pages.extend(self.model.allocator.allocate(need))
+        return True

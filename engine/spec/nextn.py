@@ -23,13 +23,12 @@ window). Drafts only ever change how many tokens a step accepts, never which tok
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from pd_cluster.engine.request import Request
-from pd_cluster.engine.spec.draft_model import DraftModel
+from pd_cluster.engine.spec.draft_model import DraftModel, PagedDraftProposer
 
 
 @dataclass
@@ -47,29 +46,14 @@ class _MTPSequence:
         return self.base + self.computed
 
 
-class NextNProposer:
-    """Runs the MTP layer for a step's drafted requests and keeps their MTP KV and pending hidden states.
-
-    Args:
-        model: the MTP layer with its pool (`DraftModel` with ``nextn``).
-        max_tokens_per_forward: the most tokens one catch-up pass computes (``--chunked-prefill-size``).
-    """
+class NextNProposer(PagedDraftProposer):
+    """Runs the MTP layer for a step's drafted requests and keeps their MTP KV and pending hidden states
+    (`PagedDraftProposer`: the pool, `release`, `propose`)."""
 
     def __init__(self, model: DraftModel, max_tokens_per_forward: int) -> None:
-        self.model = model
-        self.page_size = model.page_size
-        self.cap = max(max_tokens_per_forward, 1)
+        super().__init__(model, max_tokens_per_forward)
         self.seqs: dict[str, _MTPSequence] = {}
-        self.num_pool_full = 0  # drafts skipped because the MTP pool had no page
         self.num_no_hidden = 0  # drafts skipped because the target's hidden states were not all known here
-        self.seconds = 0.0  # wall-clock spent drafting
-        self.num_caught_up = 0  # MTP entries computed for known tokens (prompts, accepted tokens)
-
-    def release(self, request_id: str) -> None:
-        """`request_id` left the running set: its MTP pages go back to the pool, its hidden states are dropped."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.pages:
-            self.model.allocator.free(seq.pages)
 
     def on_hidden(self, items, hidden: torch.Tensor) -> None:
         """After a target forward: keep each item's rows of `hidden` [T, hidden_size] (in the step's token order:
@@ -94,15 +78,6 @@ class NextNProposer:
             kept = seq.pending[:start - nxt] if have else h[:0]
             seq.pending = torch.cat([kept, h.detach().clone()])
 
-    def propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Draft tokens for each (request, k) in `work` (k >= 1): a request id to its k greedy draft tokens; a
-        request without the hidden states it needs, or that the pool has no room for, gets none."""
-        started = time.perf_counter()
-        try:
-            return self._propose(work)
-        finally:
-            self.seconds += time.perf_counter() - started
-
     def _propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
         rows: list[tuple[Request, _MTPSequence, int, int]] = []  # (req, seq, k, entries to compute)
         for req, k in work:
@@ -116,7 +91,7 @@ class NextNProposer:
                 self.num_no_hidden += 1
                 continue
             last_local = req.num_tokens - 2 + k - 1 - seq.base  # the chain's last entry, local slot
-            if not self._fit(seq, last_local + 1):
+            if not self._hold(seq.pages, last_local + 1):
                 self.num_pool_full += 1
                 continue
             rows.append((req, seq, k, count))
@@ -133,20 +108,6 @@ class NextNProposer:
             for i, tok in zip(live, toks):
                 drafts[i].append(tok)
         return {req.request_id: d for (req, _, _, _), d in zip(rows, drafts)}
-
-    def _fit(self, seq: _MTPSequence, slots: int) -> bool:
-        """Hold exactly the pages of `slots` local entries: free the pages past them (the last step's rejected
-        chain), allocate what is missing; False when the pool has no room."""
-        keep = -(-slots // self.page_size)
-        if len(seq.pages) > keep:
-            self.model.allocator.free(seq.pages[keep:])
-            del seq.pages[keep:]
-        need = keep - len(seq.pages)
-        if need > 0:
-            if not self.model.allocator.can_allocate(need):
-                return False
-            seq.pages.extend(self.model.allocator.allocate(need))
-        return True
 
     def _catch_up(self, rows) -> tuple[list[list[int]], torch.Tensor]:
         """Compute each row's entries for its known tokens, in passes of at most `cap` tokens; each row's first
