@@ -25,11 +25,15 @@ if TYPE_CHECKING:
     from pd_cluster.engine.spec.standalone import StandaloneProposer
 
 
+def never_drafted(req: Request) -> bool:
+    """`req` is decoded without drafts for its whole life: penalties, logits processors or its own seed."""
+    p = req.params
+    return bool(p.has_penalties or p.logits_processors or req.generator is not None)
+
+
 def can_draft(req: Request) -> bool:
     """Whether `req`'s next tokens may be drafted and verified (see the module docstring)."""
-    p = req.params
-    return (not p.has_penalties and not p.logits_processors and req.generator is None
-            and req.num_output_tokens >= p.min_tokens and not req.num_inflight)
+    return not never_drafted(req) and req.num_output_tokens >= req.params.min_tokens and not req.num_inflight
 
 
 class Drafter:

@@ -29,6 +29,7 @@ import torch
 
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.spec.draft_model import DraftModel, PagedDraftProposer
+from pd_cluster.engine.spec.drafter import never_drafted
 
 
 @dataclass
@@ -57,11 +58,15 @@ class NextNProposer(PagedDraftProposer):
 
     def on_hidden(self, items, hidden: torch.Tensor) -> None:
         """After a target forward: keep each item's rows of `hidden` [T, hidden_size] (in the step's token order:
-        each item's ``num_new_tokens`` rows for positions from its ``start``) as its request's pending h."""
+        each item's ``num_new_tokens`` rows for positions from its ``start``) as its request's pending h; none for
+        a request that is never drafted (`never_drafted`)."""
         row = 0
         for it in items:
             n = it.num_new_tokens
             rid, start = it.req.request_id, it.start
+            if never_drafted(it.req):  # keeps no hidden state it would never use
+                row += n
+                continue
             seq = self.seqs.get(rid)
             if seq is None:
                 seq = self.seqs[rid] = _MTPSequence(base=start)

@@ -171,3 +171,22 @@ def test_bad_chain_flags_are_refused(kwargs, message):
     with pytest.raises(ValueError) as e:
         config_from_kwargs(**kwargs)
     assert message in str(e.value)
+
+
+def test_a_request_never_drafted_keeps_no_hidden_states(checkpoint):
+    """A penalised request decodes without drafts (as with every algorithm): the MTP drafter keeps nothing for
+    it, and its tokens are the engine's without speculation."""
+    _, path, _, _ = checkpoint
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)
+    want = LLM(str(path), kv_cache_dtype="fp32").generate(PROMPTS[0], params)[0].token_ids
+    llm = _nextn(path, 2)
+    proposer = llm.engine.drafter.model
+    orig, kept = proposer.on_hidden, []
+
+    def spy(items, hidden):
+        orig(items, hidden)
+        kept.append(len(proposer.seqs))
+
+    llm.engine.runner.on_hidden = spy
+    assert llm.generate(PROMPTS[0], params)[0].token_ids == want
+    assert len(kept) >= 12 and not any(kept) and llm.engine.stats.spec.num_drafts == 0
