@@ -190,3 +190,27 @@ def test_a_request_never_drafted_keeps_no_hidden_states(checkpoint):
     llm.engine.runner.on_hidden = spy
     assert llm.generate(PROMPTS[0], params)[0].token_ids == want
     assert len(kept) >= 12 and not any(kept) and llm.engine.stats.spec.num_drafts == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
+    """Every draft the engine proposes (its paged latent KV of the MTP layer, caught up in chunks of 5 tokens,
+    then chained) equals a full recompute with transformers' DeepseekV3DecoderLayer as the MTP block
+    (`mtp_models.reference_drafts`)."""
+    from mtp_models import reference_drafts
+
+    hf = random_mtp(tmp_path)
+    llm = _nextn(tmp_path, k, chunked_prefill_size=5, page_size=4)
+    proposer = llm.engine.drafter.model
+    orig, seen = proposer._propose, []
+
+    def spy(work):
+        out = orig(work)
+        seen.extend((list(req.token_ids), out[req.request_id]) for req, _ in work if req.request_id in out)
+        return out
+
+    proposer._propose = spy
+    llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(seen) >= 4
+    for seq, drafts in seen:
+        assert drafts == reference_drafts(hf, seq, len(drafts)), len(seq)

@@ -7,7 +7,8 @@ names of the target's last layer), ``shared_head.norm`` and ``shared_head.head``
 listed in the index, with ``num_nextn_predict_layers: 1`` in config.json. transformers ignores these tensors, so
 its greedy loop is the reference either way.
 
-- `random_mtp`: random MTP weights: drafts are almost always rejected.
+- `random_mtp`: random MTP weights: drafts are almost always rejected; `reference_drafts` gives the drafts it
+  should propose, by full recompute with transformers' decoder layer as the MTP block.
 - `echo_mtp`: a target whose blocks' outputs are scaled down 1000x (its next token depends almost only on the
   current one: ``lm_head(norm(embed(x_t)))``) and an MTP layer built to compute that same function of its input
   token (``eh_proj`` passes the embedding half, the block's outputs scaled down alike, the target's head): most
@@ -27,9 +28,10 @@ from safetensors.torch import save_file
 MTP_FILE = "model-mtp.safetensors"
 
 
-def _block_like(folder: Path, layer: int) -> dict[str, torch.Tensor]:
-    """Random tensors with the stored names and shapes of the saved decoder layer `layer` (relative names; the
-    release's per-expert names, as transformers' ``save_pretrained`` writes them)."""
+def _block_like(folder: Path, layer: int, copy: bool = False) -> dict[str, torch.Tensor]:
+    """Random tensors (with `copy`, the stored values) with the stored names and shapes of the saved decoder
+    layer `layer` (relative names; the release's per-expert names, as transformers' ``save_pretrained`` writes
+    them)."""
     prefix = f"model.layers.{layer}."
     where = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     out = {}
@@ -39,6 +41,9 @@ def _block_like(folder: Path, layer: int) -> dict[str, torch.Tensor]:
         rest = name[len(prefix):]
         with safe_open(str(folder / file), framework="pt") as f:
             shape = f.get_slice(name).get_shape()
+            if copy:
+                out[rest] = f.get_tensor(name)
+                continue
         if "norm" in rest:
             out[rest] = 1 + 0.1 * torch.randn(shape)
         elif rest.endswith("e_score_correction_bias"):
@@ -62,18 +67,59 @@ def _write(folder: Path, hf, mtp: dict[str, torch.Tensor]) -> None:
 
 
 def random_mtp(folder: Path, seed: int = 0):
-    """The `deepseek_models` V3 target with a random MTP layer; returns transformers' model (the reference)."""
+    """The `deepseek_models` V3 target with a random MTP layer; returns transformers' model (the reference).
+
+    The MTP block is layer N of a random transformers model with one more layer (saved beside, for the
+    release's tensor names); `reference_drafts` runs that module."""
     hf = build("deepseek-v3", folder, seed=seed)
-    torch.manual_seed(seed + 100)
     n, h = hf.config.num_hidden_layers, hf.config.hidden_size
-    mtp = _block_like(folder, n - 1)
+    ext = build("deepseek-v3", folder / "mtp-src", seed=seed + 100, num_hidden_layers=n + 1)
+    torch.manual_seed(seed + 100)
+    mtp = _block_like(folder / "mtp-src", n, copy=True)
     mtp.update({"embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
                 "enorm.weight": 1 + 0.1 * torch.randn(h), "hnorm.weight": 1 + 0.1 * torch.randn(h),
                 "eh_proj.weight": torch.randn(h, 2 * h) * (2 * h) ** -0.5,
                 "shared_head.norm.weight": 1 + 0.1 * torch.randn(h),
                 "shared_head.head.weight": torch.randn(hf.config.vocab_size, h) * h ** -0.5})
     _write(folder, hf, mtp)
+    hf.mtp_reference = (ext, mtp)
     return hf
+
+
+def reference_drafts(hf, seq: list[int], k: int) -> list[int]:
+    """The K greedy drafts after the known tokens `seq`, by full recompute in transformers: the target's final
+    hidden states of `seq`, then the MTP block (transformers' DeepseekV3DecoderLayer, causal over the entries
+    t = 0 .. len(seq) - 2 and the chain's) with ``eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])`` before it and
+    ``shared_head`` after it. Entry t's next h in the chain is ``shared_head.norm``'s output."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    ext, w = hf.mtp_reference
+    eps, size = hf.config.rms_norm_eps, hf.config.hidden_size
+
+    def norm(name):
+        m = DeepseekV3RMSNorm(size, eps)
+        m.weight.data.copy_(w[name])
+        return m
+
+    enorm, hnorm, shared = norm("enorm.weight"), norm("hnorm.weight"), norm("shared_head.norm.weight")
+    layer = ext.model.layers[hf.config.num_hidden_layers]
+    with torch.no_grad():
+        hidden = list(hf(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0][:-1])
+        tokens = list(seq[1:])
+        drafts: list[int] = []
+        for _ in range(k):
+            e = hf.model.embed_tokens(torch.tensor(tokens))
+            x = torch.cat([enorm(e), hnorm(torch.stack(hidden))], dim=-1) @ w["eh_proj.weight"].T
+            t = len(tokens)
+            pos = torch.arange(t)[None]
+            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+            out = layer(x[None], attention_mask=mask, position_ids=pos,
+                        position_embeddings=ext.model.rotary_emb(x[None], pos))
+            last = shared(out[0, -1])
+            drafts.append(int((last @ w["shared_head.head.weight"].T).argmax()))
+            tokens.append(drafts[-1])
+            hidden.append(last)
+    return drafts
 
 
 _OUTPUTS = ("o_proj.weight", "down_proj.weight")  # each block's output projections (attention, MLPs, experts)
