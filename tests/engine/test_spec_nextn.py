@@ -214,3 +214,7 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     assert len(seen) >= 4
     for seq, drafts in seen:
         assert drafts == reference_drafts(hf, seq, len(drafts)), len(seq)
+    ext, w = hf.mtp_reference  # the same reference with eh_proj's embedding and hidden halves swapped
+    h = w["eh_proj.weight"].shape[0]
+    hf.mtp_reference = (ext, {**w, "eh_proj.weight": w["eh_proj.weight"].roll(h, dims=1)})
+    assert sum(d == reference_drafts(hf, seq, len(d)) for seq, d in seen) <= len(seen) // 2
