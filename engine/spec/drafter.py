@@ -132,7 +132,7 @@ def _nextn(config: "EngineConfig", vocab_size: int, device, target_pages: int, m
     pages = plan_draft_pages(target_pages, max_running_requests, spec.num_draft_tokens, page)
     mtp = DraftModel(config.model.path, vocab_size, None, config.model.dtype, device,
                      config.device.attention_backend, pages, page, config.model.seed, nextn=True)
-    proposer = NextNProposer(mtp, config.scheduler.chunked_prefill_size)
+    proposer = NextNProposer(mtp, config.scheduler.chunked_prefill_size, never_drafted)
     runner.shard.loaded.model.keep_hidden = True
     runner.shard.graph_runner = None
     runner.on_hidden = proposer.on_hidden

@@ -24,12 +24,12 @@ window). Drafts only ever change how many tokens a step accepts, never which tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.spec.draft_model import DraftModel, PagedDraftProposer
-from pd_cluster.engine.spec.drafter import never_drafted
 
 
 @dataclass
@@ -51,8 +51,10 @@ class NextNProposer(PagedDraftProposer):
     """Runs the MTP layer for a step's drafted requests and keeps their MTP KV and pending hidden states
     (`PagedDraftProposer`: the pool, `release`, `propose`)."""
 
-    def __init__(self, model: DraftModel, max_tokens_per_forward: int) -> None:
+    def __init__(self, model: DraftModel, max_tokens_per_forward: int,
+                 never_drafted: Callable[[Request], bool] = lambda req: False) -> None:
         super().__init__(model, max_tokens_per_forward)
+        self.never_drafted = never_drafted  # `drafter.never_drafted`: requests whose hidden states are not kept
         self.seqs: dict[str, _MTPSequence] = {}
         self.num_no_hidden = 0  # drafts skipped because the target's hidden states were not all known here
 
@@ -64,7 +66,7 @@ class NextNProposer(PagedDraftProposer):
         for it in items:
             n = it.num_new_tokens
             rid, start = it.req.request_id, it.start
-            if never_drafted(it.req):  # keeps no hidden state it would never use
+            if self.never_drafted(it.req):  # keeps no hidden state it would never use
                 row += n
                 continue
             seq = self.seqs.get(rid)
