@@ -218,3 +218,14 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     h = w["eh_proj.weight"].shape[0]
     hf.mtp_reference = (ext, {**w, "eh_proj.weight": w["eh_proj.weight"].roll(h, dims=1)})
     assert sum(d == reference_drafts(hf, seq, len(d)) for seq, d in seen) <= len(seen) // 2
+
+
+def test_nextn_under_tensor_parallelism_is_refused():
+    from pd_cluster.engine.args import config_from_kwargs
+    from pd_cluster.engine.assets import DEFAULT_MODEL
+    from pd_cluster.engine.spec.drafter import build_drafter
+
+    config = config_from_kwargs(model=DEFAULT_MODEL, tp_size=2, speculative_algorithm="NEXTN")
+    with pytest.raises(ValueError) as e:
+        build_drafter(config, 4096, 512, None, "cpu", 64, 8, runner=None)
+    assert "--speculative-algorithm NEXTN is not built for --tp-size 2" in str(e.value)
