@@ -125,13 +125,19 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          action="store_true"),
     Flag("--cpu-threads", "device.cpu_threads", int, "Intra-op threads on CPU (default 1)."),
     Flag("--speculative-algorithm", "speculative.speculative_algorithm", str,
-         "Speculative decoding: NGRAM (prompt lookup drafts) or STANDALONE (a draft model), verified losslessly "
+         "Speculative decoding: NGRAM (prompt lookup drafts), STANDALONE (a draft model) or NEXTN (DeepSeek-V3's "
+         "multi-token-prediction layer in the checkpoint), verified losslessly "
          "(docs/speculative-decoding.md)."),
     Flag("--speculative-draft-model-path", "speculative.speculative_draft_model_path", str,
          "STANDALONE: the draft model's checkpoint folder (the target's vocabulary; run on decode and mixed "
          "workers)."),
     Flag("--speculative-num-draft-tokens", "speculative.speculative_num_draft_tokens", int,
          "Draft tokens proposed and verified per request and step (default 4)."),
+    Flag("--speculative-num-steps", "speculative.speculative_num_steps", int,
+         "STANDALONE, NEXTN: SGLang's chain length N (K = N drafts; --speculative-num-draft-tokens, if given, "
+         "must then be N + 1 as in SGLang)."),
+    Flag("--speculative-eagle-topk", "speculative.speculative_eagle_topk", int,
+         "SGLang's drafts per step: only 1 (a chain)."),
     Flag("--speculative-ngram-min-match-window-size", "speculative.speculative_ngram_min_match_window_size", int,
          "NGRAM: the shortest suffix looked up (default 1)."),
     Flag("--speculative-ngram-max-match-window-size", "speculative.speculative_ngram_max_match_window_size", int,

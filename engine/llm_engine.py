@@ -141,7 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
         spec = config.speculative
         self.drafter = build_drafter(config, self.context_length, arch.vocab_size, self.tokenizer, self.device,
-                                     self.pool.num_pages, self.max_running_requests)
+                                     self.pool.num_pages, self.max_running_requests, self.runner)
         self.scheduler = Scheduler(sc, self.pages, self.role, self.max_running_requests, on_leave=self._left,
                                    drafter=self.drafter)
         self.grammars = GrammarManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)

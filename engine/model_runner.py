@@ -86,6 +86,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, shard.loaded.arch.vocab_size)
         self.rows = BlockTableRows()  # which row of every rank's device block table each running request owns
         self.num_groups = shard.pool.groups.num_groups  # KV groups: one table row per request and group
+        self.on_hidden = None  # NEXTN's hook: (the step's items, [T, hidden] final-norm output) after each forward
 
     def release(self, request_id: str) -> None:
         """Hook: the request left the running set (finished, aborted, retracted, handed off); its block-table row
@@ -107,6 +108,8 @@ class ModelRunner:
         items = out.scheduled
         inputs, sample_rows, prompt_rows, prev_tokens = self._build_batch(items, len(out.decodes), prev)
         logits = self._forward(inputs, prev_tokens)
+        if self.on_hidden is not None:  # NEXTN: the target's hidden states of this step, per item
+            self.on_hidden(items, self.shard.loaded.model.last_hidden)
         sampled = [it.req for it in items if it.samples and not it.draft]
         self._record_prompt_logprobs(logits, prompt_rows)
         verified = self._verify(logits, sample_rows, out.verifies)

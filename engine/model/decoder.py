@@ -140,6 +140,9 @@ class CausalLM(nn.Module):
         ValueError: the TP size does not divide the heads, widths or experts (`ArchConfig.check_tp`).
     """
 
+    keep_hidden = False  # NEXTN sets it: `last_hidden` [T, hidden_size] holds the last forward's final-norm output
+    last_hidden: torch.Tensor | None = None
+
     def __init__(self, cfg: ArchConfig, tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
         super().__init__()
         cfg.check_tp(tp.size, expert_parallel)
@@ -200,6 +203,9 @@ class CausalLM(nn.Module):
         if state_tables is not None:
             pool.write_states(state_tables, batch.states)
         rows = batch.logits_indices
+        if self.keep_hidden:  # NEXTN: every token's final-norm output, read by the MTP drafter
+            self.last_hidden = self.norm(x) if residual is None else self.norm(x, residual)[0]
+            return self._final_logits(self.lm_head(self.last_hidden[rows])).float()
         x = self.norm(x[rows]) if residual is None else self.norm(x[rows], residual[rows])[0]
         return self._final_logits(self.lm_head(x)).float()
 

@@ -155,8 +155,8 @@ def _skipped(stored_name: str, hf_name: str, other_parts: tuple[str, ...], arch:
 
 
 def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: Family,
-                  tp: TPGroup, tensors: CheckpointTensors, expert_parallel: bool = False
-                  ) -> tuple[list[float], list[float]]:
+                  tp: TPGroup, tensors: CheckpointTensors, expert_parallel: bool = False,
+                  rename=None) -> tuple[list[float], list[float]]:
     params = dict(model.named_parameters())
     adapt = getattr(model, "checkpoint_tensor", None)
     k_scales = [1.0] * arch.num_hidden_layers
@@ -170,6 +170,8 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
         with safe_open(str(file), framework="pt") as f:
             for stored_name in f.keys():
                 hf_name = stored_name.removeprefix(prefix)
+                if rename is not None and (hf_name := rename(hf_name)) is None:
+                    continue  # NEXTN: the MTP layer's tensors only (`pd_cluster.engine.model.nextn`)
                 m = _SCALE_RE.match(hf_name)
                 if m:
                     which = m.group(2) or m.group(3)
@@ -286,10 +288,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", seed: int = 0,
-               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False
-               ) -> LoadedModel:
+               device: torch.device | str = "cpu", tp: TPGroup = SINGLE, expert_parallel: bool = False,
+               nextn: bool = False) -> LoadedModel:
     """Build the model of the folder `path` on `device` (this rank's shard under tensor parallelism; with
-    `expert_parallel`, whole MoE experts per rank instead of a slice of each).
+    `expert_parallel`, whole MoE experts per rank instead of a slice of each). With `nextn`, the checkpoint's
+    multi-token-prediction layer instead, as a one-layer `NextNModel` (`pd_cluster.engine.model.nextn`).
 
     Raises:
         FileNotFoundError: no config.json or no weights.
@@ -298,13 +301,19 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
     folder = Path(path)
     arch = ArchConfig.from_pretrained(folder)
     family = families.get(arch.architecture)
+    model_cls, rename = family.model(), None
+    tensors = CheckpointTensors(folder, _weight_files(folder)) if load_format != "dummy" else None
+    if nextn:
+        from pd_cluster.engine.model.nextn import NextNModel, nextn_arch
+
+        arch, rename = nextn_arch(folder, set(tensors.where) if tensors is not None else set())
+        model_cls = NextNModel
     dtype = resolve_dtype(dtype_name, arch)
     device = torch.device(device)
-    tensors = CheckpointTensors(folder, _weight_files(folder)) if load_format != "dummy" else None
     plan = plan_quantized(arch, tensors, _fused(arch), family.language_model_prefix, family.skipped_prefixes,
                           family.weight_renames) if tensors is not None and arch.quant is not None else {}
     with torch.device(device), _default_dtype(dtype), deferred_linears():
-        model = family.model()(arch, tp, expert_parallel)
+        model = model_cls(arch, tp, expert_parallel)
     materialize(model, plan, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -319,7 +328,7 @@ def load_model(path: str, dtype_name: str = "auto", load_format: str = "auto", s
         k_scales, v_scales = [1.0] * arch.num_hidden_layers, [1.0] * arch.num_hidden_layers
     else:
         try:
-            k_scales, v_scales = _load_tensors(model, folder, arch, family, tp, tensors, expert_parallel)
+            k_scales, v_scales = _load_tensors(model, folder, arch, family, tp, tensors, expert_parallel, rename)
         finally:
             tensors.close()
     model.eval()

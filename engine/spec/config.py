@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
-LATER_ALGORITHMS = ("NEXTN", "EAGLE", "EAGLE3")
+ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
+LATER_ALGORITHMS = ("EAGLE", "EAGLE3")
 """Algorithms SGLang names that this engine does not run yet: refused at start-up by name."""
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
@@ -31,15 +31,20 @@ class SpeculativeConfig:
     Attributes:
         speculative_algorithm: None (off), ``NGRAM`` (prompt lookup: the draft continues the latest earlier
             occurrence of the sequence's last n tokens; no draft model) or ``STANDALONE`` (a separate small draft
-            model with the target's vocabulary proposes K tokens greedily, with its own paged KV).
+            model with the target's vocabulary proposes K tokens greedily, with its own paged KV) or ``NEXTN``
+            (DeepSeek-V3's multi-token-prediction layer in the target checkpoint, fed the target's hidden state,
+            chained K times; `pd_cluster.engine.spec.nextn`).
         speculative_num_draft_tokens: K, the draft tokens proposed and verified per request and step (vLLM's
             ``num_speculative_tokens``); a step emits 1 to K + 1 tokens. Default 4.
         speculative_ngram_min_match_window_size: the shortest suffix looked up (vLLM's ``prompt_lookup_min``).
         speculative_ngram_max_match_window_size: the longest suffix looked up, tried first (``prompt_lookup_max``).
         speculative_draft_model_path: STANDALONE: the draft model's checkpoint folder (vLLM's ``model``).
+        speculative_num_steps: STANDALONE, NEXTN: SGLang's chain length N; sets K = N (then
+            ``--speculative-num-draft-tokens``, if given, must be N + 1: SGLang counts the verified token there).
+        speculative_eagle_topk: SGLang's drafts per step; only 1 (a chain) is built.
 
     Raises:
-        ValueError: an unknown algorithm, one not built yet (NEXTN, EAGLE), K < 1, bad match windows, STANDALONE
+        ValueError: an unknown algorithm, one not built yet (EAGLE, EAGLE3), K < 1, bad match windows, STANDALONE
             without a draft model folder (or with one that has no config.json), or a draft model with another
             algorithm; each message names the flag and the value.
     """
@@ -49,6 +54,8 @@ class SpeculativeConfig:
     speculative_ngram_min_match_window_size: int = DEFAULT_MIN_MATCH
     speculative_ngram_max_match_window_size: int = DEFAULT_MAX_MATCH
     speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
 
     def __post_init__(self) -> None:
         given = algo = self.speculative_algorithm
@@ -73,6 +80,26 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-ngram-max-match-window-size ({hi}) must be >= "
                              f"--speculative-ngram-min-match-window-size ({lo})")
         self._check_draft_model(algo)
+        self._check_steps(algo)
+
+    def _check_steps(self, algo: str | None) -> None:
+        """SGLang's chain flags: ``--speculative-num-steps N`` drafts N tokens (K = N); with them SGLang's
+        ``--speculative-num-draft-tokens`` counts the verified token too (N + 1, top-k 1)."""
+        steps, topk = self.speculative_num_steps, self.speculative_eagle_topk
+        if topk is not None and topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {topk} is not supported: drafts are one chain (top-k 1)")
+        if steps is None:
+            return
+        if algo not in ("STANDALONE", "NEXTN"):
+            raise ValueError(f"--speculative-num-steps is used with --speculative-algorithm STANDALONE or NEXTN, "
+                             f"got {algo}")
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"--speculative-num-steps must be >= 1, got {steps!r}")
+        given = self.speculative_num_draft_tokens
+        if given is not None and given != steps + 1:
+            raise ValueError(f"--speculative-num-draft-tokens {given} with --speculative-num-steps {steps}: with "
+                             f"steps given it counts the verified token too (SGLang's rule at top-k 1), so it must "
+                             f"be {steps + 1}")
 
     def _check_draft_model(self, algo: str | None) -> None:
         path = self.speculative_draft_model_path
@@ -91,8 +118,8 @@ class SpeculativeConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """K (the default when the flag is not given)."""
-        return self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+        """K: ``--speculative-num-steps`` when given, else ``--speculative-num-draft-tokens`` (default 4)."""
+        return self.speculative_num_steps or self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -100,6 +127,8 @@ class SpeculativeConfig:
             return "off"
         if self.speculative_algorithm == "STANDALONE":
             return f"STANDALONE k={self.num_draft_tokens} draft model {self.speculative_draft_model_path}"
+        if self.speculative_algorithm == "NEXTN":
+            return f"NEXTN k={self.num_draft_tokens} (the checkpoint's multi-token-prediction layer)"
         return (f"{self.speculative_algorithm} k={self.num_draft_tokens} match window "
                 f"{self.speculative_ngram_min_match_window_size}..{self.speculative_ngram_max_match_window_size}")
 

@@ -6,8 +6,8 @@ frequency or presence penalties, logits processors, a per-request seed (its draw
 or ``min_tokens`` not yet reached decode one token per step as without speculation; their output is unchanged.
 A structured-output request is drafted: its grammar masks each verified row (`verify.grammar_masks`).
 
-The drafts come from the request's own tokens (NGRAM, `NgramProposer`) or from a draft model (STANDALONE,
-`StandaloneProposer`): the scheduler calls `prepare` once per step with the decoding requests, then `propose`
+The drafts come from the request's own tokens (NGRAM, `NgramProposer`), from a draft model (STANDALONE,
+`StandaloneProposer`) or from the target's multi-token-prediction layer (NEXTN, `NextNProposer`): the scheduler calls `prepare` once per step with the decoding requests, then `propose`
 per request it schedules.
 """
 
@@ -21,14 +21,19 @@ from pd_cluster.engine.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from pd_cluster.engine.config import EngineConfig
+    from pd_cluster.engine.spec.nextn import NextNProposer
     from pd_cluster.engine.spec.standalone import StandaloneProposer
+
+
+def never_drafted(req: Request) -> bool:
+    """`req` is decoded without drafts for its whole life: penalties, logits processors or its own seed."""
+    p = req.params
+    return bool(p.has_penalties or p.logits_processors or req.generator is not None)
 
 
 def can_draft(req: Request) -> bool:
     """Whether `req`'s next tokens may be drafted and verified (see the module docstring)."""
-    p = req.params
-    return (not p.has_penalties and not p.logits_processors and req.generator is None
-            and req.num_output_tokens >= p.min_tokens and not req.num_inflight)
+    return not never_drafted(req) and req.num_output_tokens >= req.params.min_tokens and not req.num_inflight
 
 
 class Drafter:
@@ -37,11 +42,11 @@ class Drafter:
     Args:
         config: the speculative settings (enabled).
         context_length: the engine's longest sequence (drafts never run past it).
-        model: STANDALONE's draft model proposer; None: NGRAM.
+        model: STANDALONE's draft model proposer or NEXTN's MTP proposer; None: NGRAM.
     """
 
     def __init__(self, config: SpeculativeConfig, context_length: int,
-                 model: "StandaloneProposer | None" = None) -> None:
+                 model: "StandaloneProposer | NextNProposer | None" = None) -> None:
         self.k = config.num_draft_tokens
         self.context_length = context_length
         self.proposer = NgramProposer(config.speculative_ngram_min_match_window_size,
@@ -87,12 +92,15 @@ class Drafter:
 
 
 def build_drafter(config: "EngineConfig", context_length: int, vocab_size: int, tokenizer, device,
-                  target_pages: int, max_running_requests: int) -> Drafter | None:
+                  target_pages: int, max_running_requests: int, runner=None) -> Drafter | None:
     """The engine's drafter, or None without speculation or in the prefill role (the decode drafts; in PD
-    the prefill worker computes the prompt's KV and first token as always). STANDALONE loads the draft model here.
+    the prefill worker computes the prompt's KV and first token as always). STANDALONE loads the draft model here;
+    NEXTN the target checkpoint's MTP layer, and makes `runner` (the target's `ModelRunner`) keep and hand over
+    the target's hidden states (its decode CUDA graphs are dropped: a replay would not write them).
 
     Raises:
-        ValueError: from `DraftModel` (another vocabulary, a pool over the memory available), naming the flag.
+        ValueError: from `DraftModel` (another vocabulary, a pool over the memory available; NEXTN: a checkpoint
+            without an MTP layer), or NEXTN under tensor parallelism; each names the flag.
     """
     spec = config.speculative
     if not spec.enabled or config.role == "prefill":
@@ -107,4 +115,25 @@ def build_drafter(config: "EngineConfig", context_length: int, vocab_size: int, 
         draft = DraftModel(spec.speculative_draft_model_path, vocab_size, tokenizer, config.model.dtype, device,
                            config.device.attention_backend, pages, page, config.model.seed)
         model = StandaloneProposer(draft, config.scheduler.chunked_prefill_size)
+    elif spec.speculative_algorithm == "NEXTN":
+        model = _nextn(config, vocab_size, device, target_pages, max_running_requests, runner)
     return Drafter(spec, context_length, model)
+
+
+def _nextn(config: "EngineConfig", vocab_size: int, device, target_pages: int, max_running_requests: int,
+           runner) -> "NextNProposer":
+    from pd_cluster.engine.spec.draft_model import DraftModel, plan_draft_pages
+    from pd_cluster.engine.spec.nextn import NextNProposer
+
+    if config.parallel.tp_size > 1 or runner is None or runner.tp_driver is not None:
+        raise ValueError(f"--speculative-algorithm NEXTN is not built for --tp-size {config.parallel.tp_size} "
+                         f"yet; use --tp-size 1 or another algorithm")
+    page, spec = config.cache.page_size, config.speculative
+    pages = plan_draft_pages(target_pages, max_running_requests, spec.num_draft_tokens, page)
+    mtp = DraftModel(config.model.path, vocab_size, None, config.model.dtype, device,
+                     config.device.attention_backend, pages, page, config.model.seed, nextn=True)
+    proposer = NextNProposer(mtp, config.scheduler.chunked_prefill_size, never_drafted)
+    runner.shard.loaded.model.keep_hidden = True
+    runner.shard.graph_runner = None
+    runner.on_hidden = proposer.on_hidden
+    return proposer

@@ -16,11 +16,10 @@ finished, aborted, failed, retracted or migrated.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pd_cluster.engine.request import Request
-from pd_cluster.engine.spec.draft_model import DraftModel
+from pd_cluster.engine.spec.draft_model import PagedDraftProposer
 
 
 @dataclass
@@ -32,45 +31,16 @@ class _DraftSequence:
     synced: int = 0  # tokens[:synced] are known to be the request's own
 
 
-class StandaloneProposer:
-    """Runs the draft model for a step's drafted requests and keeps their draft KV.
-
-    Args:
-        model: the draft model with its pool.
-        max_tokens_per_forward: the most tokens one draft forward pass computes (``--chunked-prefill-size``):
-            a long prompt is caught up in several passes.
-    """
-
-    def __init__(self, model: DraftModel, max_tokens_per_forward: int) -> None:
-        self.model = model
-        self.page_size = model.page_size
-        self.cap = max(max_tokens_per_forward, 1)
-        self.seqs: dict[str, _DraftSequence] = {}
-        self.num_pool_full = 0  # drafts skipped because the draft pool had no page
-        self.seconds = 0.0  # wall-clock spent drafting (the draft model's passes and their host work)
-        self.num_caught_up = 0  # tokens the draft computed that it did not propose (prompts, accepted tokens)
-
-    def release(self, request_id: str) -> None:
-        """`request_id` left the running set: its draft pages go back to the pool."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.pages:
-            self.model.allocator.free(seq.pages)
-
-    def propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Draft tokens for each (request, k) in `work` (k >= 1): a request id to its k greedy draft tokens; a
-        request the draft pool has no room for gets none."""
-        started = time.perf_counter()
-        try:
-            return self._propose(work)
-        finally:
-            self.seconds += time.perf_counter() - started
+class StandaloneProposer(PagedDraftProposer):
+    """Runs the draft model for a step's drafted requests and keeps their draft KV (`PagedDraftProposer`: the
+    pool, `release`, `propose`; ``max_tokens_per_forward``: a long prompt is caught up in several passes)."""
 
     def _propose(self, work: list[tuple[Request, int]]) -> dict[str, list[int]]:
         rows: list[tuple[Request, _DraftSequence, int]] = []
         for req, k in work:
             seq = self.seqs.setdefault(req.request_id, _DraftSequence())
             self._roll_back(seq, req.token_ids)
-            if self._grow(seq, req.num_tokens + k - 1):
+            if self._hold(seq.pages, req.num_tokens + k - 1):
                 rows.append((req, seq, k))
             else:
                 self.num_pool_full += 1
@@ -101,15 +71,6 @@ class StandaloneProposer:
         if len(seq.pages) > keep:
             self.model.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
-
-    def _grow(self, seq: _DraftSequence, num_tokens: int) -> bool:
-        need = -(-num_tokens // self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        if not self.model.allocator.can_allocate(need):
-            return False
-        seq.pages.extend(self.model.allocator.allocate(need))
-        return True
 
     def _catch_up(self, rows: list[tuple[Request, _DraftSequence, int]]) -> list[list[int]]:
         """Compute each row's tokens the draft has not seen, in passes of at most `cap` tokens; each row's first

@@ -173,7 +173,7 @@ def test_decode_log_line_gains_accept_len(caplog):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative_algorithm="STANDALONE"),
      "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"),
-    (dict(speculative_algorithm="NEXTN"), "--speculative-algorithm NEXTN is not supported yet"),
+    (dict(speculative_algorithm="EAGLE3"), "--speculative-algorithm EAGLE3 is not supported yet"),
     (dict(speculative_algorithm="MEDUSA2"), "--speculative-algorithm 'MEDUSA2' is unknown"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=0), "--speculative-num-draft-tokens must be >= 1"),
     (dict(speculative_num_draft_tokens=3), "--speculative-num-draft-tokens needs --speculative-algorithm"),

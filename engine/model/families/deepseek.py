@@ -10,7 +10,8 @@ released checkpoint):
 * V3: sigmoid scores with ``e_score_correction_bias`` choosing (never weighting), ``noaux_tc`` grouped top-k
   (groups scored by their best two), ``norm_topk_prob``, ``routed_scaling_factor``.
 
-Layers past ``num_hidden_layers`` (V3's multi-token-prediction layer) are not read, as transformers does.
+Layers past ``num_hidden_layers`` (V3's multi-token-prediction layer) are not read by the model, as transformers
+does; ``--speculative-algorithm NEXTN`` loads the first as its drafter (`pd_cluster.engine.model.nextn`).
 
 Sources: transformers 5.24 ``DeepseekV2Config``/``DeepseekV2TopkRouter``, ``DeepseekV3Config``/
 ``DeepseekV3TopkRouter``; DeepSeek-V3 technical report sec. 2.1.2.
