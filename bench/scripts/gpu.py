@@ -30,7 +30,10 @@ It measures, in one run and on the device itself:
    (batch, context) points (`gpu_attention.decode_sweep`);
 10. the fused MoE kernel on quantised experts, DeepSeek-V3's FP8 blocks (W8A8) and
     gpt-oss-120b's MXFP4, against the bf16 kernel and the weight-read floor
-    (`gpu_quant_moe.quant_moe_table`).
+    (`gpu_quant_moe.quant_moe_table`);
+11. speculative decoding's verify step (an extend of K + 1 tokens per request, K = 2, 4, 8) against the decode
+    step at batch 64, context 2k, with the mean accepted length each needs to pay off
+    (`gpu_model.verify_step_table`).
 
 Prints a markdown table per part and writes them, with the device, date and
 command, to ``--output`` (and the raw numbers to the same name with ``.json``),
@@ -55,7 +58,7 @@ import torch
 from pd_cluster.bench.scripts.gpu_common import Row, Section, measure_ceilings
 
 PARTS = ("decode", "decode_step", "prefill", "nixl", "moe", "quant", "mla", "prefill_kernel", "layout", "decode_sweep",
-         "quant_moe")
+         "quant_moe", "verify")
 
 
 def device_info(device: torch.device) -> str:
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace, emit=None) -> list[Section]:
         _free(device)
     extend_cfg = gpu_attention.ExtendKernelConfig() if not args.smoke else gpu_attention.ExtendKernelConfig(16, 16)
     cfg = TritonAttentionConfig(decode=decode_cfg, extend=extend_cfg)
-    if {"decode_step", "prefill"} - skip:
+    if {"decode_step", "prefill", "verify"} - skip:
         _free(device)
         loaded = gpu_model.load_dummy(device, args.smoke)
         if "decode_step" not in skip:
@@ -132,6 +135,9 @@ def run(args: argparse.Namespace, emit=None) -> list[Section]:
             _free(device)
         if "prefill" not in skip:
             add(gpu_model.prefill_table(loaded, device, ceil, cfg, args.smoke))
+            _free(device)
+        if "verify" not in skip:
+            add(gpu_model.verify_step_table(loaded, device, cfg, args.smoke))
         del loaded
         _free(device)
     if "nixl" not in skip:

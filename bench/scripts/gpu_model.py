@@ -166,3 +166,53 @@ def prefill_table(loaded: LoadedModel, device, ceil: Ceilings, cfg: TritonAttent
     if top:
         sec.notes.append("top GPU kernels of one prefill (torch.profiler, device time): " + "; ".join(top))
     return sec
+
+
+def _verify_batch(tables: list[list[int]], ctx: int, k: int, device: torch.device):
+    """Requests at context `ctx` on `tables`, each verifying `k` drafts: one extend of k + 1 tokens (the last
+    accepted token and the drafts), every row's logits wanted, as `engine/spec/verify.py` runs it; k = 0 is the
+    plain decode step."""
+    bsz = len(tables)
+    ids = [np.array([7 + i] + [11 + i + j for j in range(k)], dtype=np.int64) for i in range(bsz)]
+    rows = [np.arange(k + 1)] * bsz
+    return build_forward_batch(ids, [ctx - 1] * bsz, tables, rows, bsz if k == 0 else 0, PAGE, device)
+
+
+def verify_step_table(loaded: LoadedModel, device, cfg: TritonAttentionConfig, smoke: bool) -> Section:
+    """Speculative decoding's verify step against a plain decode step at the same batch and context.
+
+    A step that verifies K drafts per request is one extend of K + 1 tokens with every row's logits; it pays off
+    when the mean accepted length exceeds ``time(K) / time(decode) - 1`` (each step then yields accepted + 1 tokens
+    per request instead of one). Each row's first logits row is checked against the decode step's (same token,
+    same pages) in the table, before it is timed.
+    """
+    bsz, ctx = (64, 2048) if not smoke else (2, 128)
+    kmax = 8
+    per = -(-(ctx + kmax) // PAGE)
+    pool = fp8_pool(loaded, bsz * per + 4, device)
+    perm = np.random.default_rng(0).permutation(bsz * per) + 1
+    tables = [perm[i * per:(i + 1) * per].tolist() for i in range(bsz)]
+    backend = backend_for(loaded, cfg)
+    decode = _verify_batch(tables, ctx, 0, device)
+    want = loaded.model(decode, pool, backend).float()
+    t0 = bench_ms(lambda: loaded.model(decode, pool, backend), device, rep_ms=1000)
+    rows = [Row([0, 1, t0, 1.0, 0.0, 0.0])]
+    for k in (2, 4, 8):
+        batch = _verify_batch(tables, ctx, k, device)
+        got = loaded.model(batch, pool, backend).float().view(bsz, k + 1, -1)[:, 0]
+        err = (got - want).abs().max().item()
+        t = bench_ms(lambda: loaded.model(batch, pool, backend), device, rep_ms=1000)
+        rows.append(Row([k, k + 1, t, t / t0, t / t0 - 1, err]))
+    sec = Section(f"Speculative verify step, Llama-3.1-8B (dummy bf16 weights), FP8 KV, batch {bsz}, context {ctx}",
+                  ["drafts K", "tokens per request", "time (ms)", "x decode step", "break-even accepted length",
+                   "max |logit - decode's|"], rows)
+    sec.notes += [
+        "K = 0 is the plain decode step (eager, no CUDA graph; the verify extend runs eager in the engine too).",
+        "Break-even: speculation with mean accepted length a yields (a + 1) tokens per step at time(K), against one "
+        "token at time(0); it is faster when a > time(K) / time(0) - 1. NGRAM's accepted lengths on CPU are in "
+        "docs/perf/spec-decode.md.",
+        "max |logit - decode's|: the verify extend's first row against the decode step's logits for the same token "
+        "and pages (extend and decode kernels differ in reduction order).",
+    ]
+    del pool
+    return sec

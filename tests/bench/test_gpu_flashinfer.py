@@ -25,7 +25,7 @@ from pd_cluster.bench.scripts import gpu, gpu_attention, gpu_flashinfer  # noqa:
 from pd_cluster.bench.scripts.gpu_common import Ceilings  # noqa: E402
 from pd_cluster.bench.scripts.gpu_flashinfer import paged_kv_indices  # noqa: E402
 
-SMOKE_PARTS_SKIPPED = "layout,prefill_kernel,decode_step,prefill,nixl,quant_moe"
+SMOKE_PARTS_SKIPPED = "layout,prefill_kernel,decode_step,prefill,nixl,quant_moe,verify"
 
 
 def _ints(t: torch.Tensor) -> list[int]:
