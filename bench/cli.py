@@ -75,9 +75,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     count_output_tokens(out.records, tok)
     summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
     if scraper is not None:
-        from pd_cluster.bench.server_metrics import prefix_cache_hit_rate
+        from pd_cluster.bench.server_metrics import mean_accepted_length, prefix_cache_hit_rate
 
         summary["server_prefix_cache_hit_rate"] = prefix_cache_hit_rate(breakdown)
+        summary["server_spec_decode_mean_accepted_length"] = mean_accepted_length(breakdown)
     info = _info(cfg, target, ds, plan, tok_name, out)
     print(format_summary(summary, info, cfg.report.metric_percentiles, cfg.report.percentile_metrics, breakdown))
     result = {"format_version": results.FORMAT_VERSION, "date": datetime.now().isoformat(timespec="seconds"),

@@ -17,6 +17,7 @@ ROWS = (
     ("Request goodput (req/s)", "request_goodput", "higher"),
     ("Mean concurrency", "mean_concurrency", None),
     ("Prefix cache hit rate (server)", "server_prefix_cache_hit_rate", "higher"),
+    ("Spec decode mean accepted length (server)", "server_spec_decode_mean_accepted_length", "higher"),
     ("Mean TTFT (ms)", "mean_ttft_ms", "lower"),
     ("Median TTFT (ms)", "median_ttft_ms", "lower"),
     ("P99 TTFT (ms)", "p99_ttft_ms", "lower"),

@@ -89,6 +89,9 @@ def _breakdown_lines(b: dict[str, Any] | None) -> list[str]:
     for pc in b.get("prefix_cache", []):
         lines.append(_row(f"Prefix cache hits [{pc['role']}] (tokens):",
                           f"{pc['hits']:,.0f} of {pc['queries']:,.0f}"))
+    for sd in b.get("spec_decode", []):
+        lines.append(_row(f"Spec decode mean accepted length [{sd['role']}]:", sd["mean_accepted_length"]))
+        lines.append(_row(f"Spec decode acceptance rate [{sd['role']}] (%):", 100 * sd["acceptance_rate"]))
     if not b["phases"] and not b["kv_transfer"]:
         lines.append("no pd: request histograms changed during the run")
     lines += b["notes"]

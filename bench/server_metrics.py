@@ -9,7 +9,9 @@ and the KV bytes moved and their speed. During the run a background thread
 polls each worker's ``/get_load`` (cheap JSON) for the peak token usage.
 It also reports the server-side prefix-cache hit rate, from vLLM's
 ``vllm:prefix_cache_{queries,hits}_total`` (pd-cluster exports them too, and
-``pd:``-named twins), so a vLLM target gets it as well. A target with neither
+``pd:``-named twins), so a vLLM target gets it as well, and speculative decoding's
+mean accepted length and acceptance rate, from vLLM's ``vllm:spec_decode_*``
+counters (likewise). A target with neither
 (any other OpenAI server) gets no breakdown.
 """
 
@@ -111,7 +113,8 @@ class Scraper:
                 "phases": phases, "kv_transfer": _kv(before, after, roles, duration_s),
                 "peak_token_usage": dict(self.peak_usage), "peak_queue_reqs": dict(self.peak_queue),
                 "counters": _counters(before, after, roles),
-                "prefix_cache": prefix_cache(before, after, roles), "notes": list(self.notes)}
+                "prefix_cache": prefix_cache(before, after, roles),
+                "spec_decode": spec_decode(before, after, roles), "notes": list(self.notes)}
 
 
 def _per_role(before: dict, after: dict, roles: dict[str, str], name: str) -> dict[str, prom.HistogramDelta]:
@@ -194,6 +197,38 @@ def prefix_cache_hit_rate(breakdown: dict[str, Any] | None) -> float | None:
     rows = (breakdown or {}).get("prefix_cache") or []
     q, h = sum(r["queries"] for r in rows), sum(r["hits"] for r in rows)
     return h / q if q > 0 else None
+
+
+SPEC_DECODE_NAMES = tuple(tuple(f"{ns}:spec_decode_{n}_total" for n in ("num_drafts", "num_draft_tokens",
+                                                                          "num_accepted_tokens"))
+                          for ns in ("vllm", "pd"))
+
+
+def spec_decode(before: dict, after: dict, roles: dict[str, str]) -> list[dict[str, Any]]:
+    """Per role (routers skipped) that drafted during the run: verifications (``drafts``: one per drafted request
+    and step), draft tokens, accepted draft tokens, the acceptance rate (accepted / draft tokens) and the mean
+    accepted length, vLLM's "mean acceptance length": tokens one verification yields, 1 + accepted / drafts.
+    vLLM's counter names are read first, then pd-cluster's own."""
+    rows: dict[str, list[float]] = {}
+    for url, a in after.items():
+        role = roles.get(url, "unknown")
+        if role == "router":
+            continue
+        for names in SPEC_DECODE_NAMES:
+            if any(n == names[0] for n, _ in a):
+                acc = rows.setdefault(role, [0.0, 0.0, 0.0])
+                for i, n in enumerate(names):
+                    acc[i] += prom.delta_sum(before.get(url, {}), a, n)
+                break
+    return [{"role": role, "drafts": d, "draft_tokens": t, "accepted_tokens": k, "acceptance_rate": k / t if t else
+             math.nan, "mean_accepted_length": 1 + k / d} for role, (d, t, k) in sorted(rows.items()) if d > 0]
+
+
+def mean_accepted_length(breakdown: dict[str, Any] | None) -> float | None:
+    """Speculative decoding's mean accepted length over every role that drafted; None when none did."""
+    rows = (breakdown or {}).get("spec_decode") or []
+    d, k = sum(r["drafts"] for r in rows), sum(r["accepted_tokens"] for r in rows)
+    return 1 + k / d if d > 0 else None
 
 
 def discover(base_url: str, cfg: ServerMetricsConfig) -> Scraper | None:
