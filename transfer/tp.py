@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from pd_cluster.transfer.errors import StalePeerError
 from pd_cluster.transfer.layout import AgentInfo
 from pd_cluster.transfer.receiver_events import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
 from pd_cluster.transfer.sender import SendDone, SenderEvents, SendFailed
@@ -182,9 +183,10 @@ class TPSender(_TPProxy):
         ticket = _as_tp(ticket)
         if self.agents:
             stray = [t.prefill_agent for t in ticket.tickets if t.prefill_agent not in self.agents]
-            if stray:
-                raise ValueError(f"ticket {ticket.transfer_id} names prefill agent {stray[0]}, not a rank of this "
-                                 f"TP-{self.size} worker")
+            if stray:  # decode's metadata of this worker predates its restart: it refreshes and retries
+                raise StalePeerError(f"ticket {ticket.transfer_id} names prefill agent {stray[0]}, not a rank of "
+                                     f"this TP-{self.size} worker ({', '.join(self.agents)}; restarted); refresh "
+                                     "its metadata and retry", transfer_id=ticket.transfer_id, peer=stray[0])
         elif len(ticket.tickets) != self.size:
             raise ValueError(f"a TP-{self.size} prefill worker needs one ticket per rank")
         return ticket

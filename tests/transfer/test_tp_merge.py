@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pd_cluster.transfer.errors import PeerDiedError, TransferAbortedError, TransferTimeoutError
+from pd_cluster.transfer.errors import PeerDiedError, StalePeerError, TransferAbortedError, TransferTimeoutError
 from pd_cluster.transfer.interfaces import Receiver, Sender
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.receiver_events import PagesReleased, ReceiverEvents, RecvDone, RecvFailed
@@ -240,3 +240,16 @@ def test_receiver_abort_and_withdraw(receiver):
     assert r.abort("r@r0", "again") is False and len(d.methods("receiver_abort")) == 1
     assert r.withdraw("r@r0") == PAGES and r.parts == {}
     assert r.withdraw("r@r0") == () and r.abort("unknown") is False
+
+
+def test_a_ticket_for_an_earlier_incarnation_of_a_rank_is_stale_not_malformed():
+    """A decode whose metadata of this worker predates its restart names the old agents: StalePeerError, which
+    the decode answers by refreshing the metadata and retrying (a 409 ``stale_peer``), as a lone sender's did;
+    nothing is announced or added."""
+    d = ScriptedDriver()
+    s = TPSender(d, tuple(f"prefill-r{r}-new" for r in range(SIZE)))
+    with pytest.raises(StalePeerError, match="names prefill agent prefill-r0, not a rank of this .*restarted"):
+        s.announce(_tp_ticket("old"))
+    with pytest.raises(StalePeerError):
+        s.add_request(_tp_ticket("old"))
+    assert not s.parts and not s._announced
