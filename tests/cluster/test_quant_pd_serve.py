@@ -40,7 +40,8 @@ def _serve_and_compare(model, prompts, expected, tmp_path, what) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fmt", ["fp8-block", "gptq"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-tensor", "ct-fp8-block", "ct-fp8-channel", "fbgemm", "ct-w4a16",
+                                 "awq", "gptq"])
 def test_quantised_1p1d_over_nixl_equals_transformers_on_the_twin(fmt, tmp_path):
     build("llama3-rope-scaling", tmp_path / "src", num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     model = tmp_path / f"llama3-{fmt}"

@@ -6,7 +6,7 @@ transformers' on the dequantised twin. A TP size that would cut a block is refus
 from __future__ import annotations
 
 import pytest
-from quant_checkpoints import write_quantized
+from quant_checkpoints import FORMATS, write_quantized
 from random_models import build, hf_greedy_full, prompt_ids
 from transformers import AutoModelForCausalLM
 
@@ -16,9 +16,10 @@ from pd_cluster.engine.quant.linear import QuantLinear
 
 LLAMA = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-# one format per way of cutting: FP8 blocks, FP8 rows (per channel), int4 with act order (GPTQ), int4 groups with
-# zero points in AWQ's packing
-TP_FORMATS = ["fp8-block", "fbgemm", "gptq", "awq"]
+# every format as released: FP8 blocks (fp8, compressed-tensors), FP8 per tensor with a static activation scale, FP8
+# rows (compressed-tensors per channel, fbgemm), int4 with act order (GPTQ, compressed-tensors W4A16) and int4 groups
+# with zero points in AWQ's packing
+TP_FORMATS = list(FORMATS)
 
 
 @pytest.fixture(scope="module")
