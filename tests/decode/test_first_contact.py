@@ -69,6 +69,13 @@ def _first_contact(prefill_url: str, off_thread: bool) -> tuple[list[int], int, 
     """8 streams decode; a request to a new prefill worker arrives. Returns the connect threads, the engine
     thread and the largest gap between two tokens of any stream while the connect ran (seconds)."""
     engine = decode_engine(num_pages=200)
+    step = engine.step
+
+    def paced_step():  # 5 ms a step, as a real model's: the 400-token streams outlast the handshake on a busy host
+        time.sleep(0.005)
+        return step()
+
+    engine.step = paced_step
     hooks = DecodeHooks(ScriptedReceiver(engine.layout.page_size, peers=(NEW_PEER,)))
     loop = EngineLoop(engine, hooks)
     agent = SlowNewPeerAgent(off_thread)
@@ -104,6 +111,7 @@ def _first_contact(prefill_url: str, off_thread: bool) -> tuple[list[int], int, 
         await loop.call(lambda e: [e.abort_request(f"s{i}") for i in range(8)])
         await source.close()
         loop.stop()
+        assert gaps, "every stream ended before the handshake began"
         return max(gaps)
 
     gap = asyncio.run(main())
