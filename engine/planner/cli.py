@@ -6,6 +6,8 @@ Example::
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000 --role decode
     pd-plan --model llama-3.1-8b --enable-hierarchical-cache --hicache-ratio 2
+    pd-plan --model deepseek-v3 --role decode --tp-size 16 --dp-size 16 --enable-dp-attention \
+        --enable-expert-parallel --nnodes 2
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pd_cluster.engine.planner.plan import (DEFAULT_CHUNKED_PREFILL_SIZE, KV_BYT
                                             WEIGHT_BYTES, Plan, PlanInput, make_plan, quant_note, stored_weights,
                                             suggestions)
 from pd_cluster.engine.planner.spec import BUNDLED, load_spec
+from pd_cluster.engine.planner.wide_ep import WideEPInput, plan_wide_ep, render_wide_ep
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tflops", type=float, default=DEFAULT_PREFILL_TFLOPS,
                    help="sustained prefill rate per GPU (TFLOP/s) for the prefill-time estimate "
                         f"(default {DEFAULT_PREFILL_TFLOPS:g}: about 40%% of an H200's dense BF16 peak)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="DP attention groups of one instance (with --enable-dp-attention; SGLang's meaning)")
+    p.add_argument("--enable-dp-attention", action="store_true",
+                   help="plan one instance of --tp-size ranks whose attention is data-parallel over --dp-size "
+                        "groups and whose experts are spread over every rank")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --enable-dp-attention: whole experts a rank (else a slice of each)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes one instance spans (with --enable-dp-attention)")
+    p.add_argument("--decode-batch-per-rank", type=int, default=128,
+                   help="decode tokens per DP group per step, for the communication estimate (default 128)")
     return p
 
 
@@ -200,7 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         spec = load_spec(args.model)
-        inp = PlanInput(tp_size=args.tp_size, gpus_per_node=args.gpus_per_node, gpu_memory=parse_size(args.gpu_memory),
+        wide = args.enable_dp_attention
+        if not wide and args.dp_size != 1:
+            raise ValueError(f"--dp-size {args.dp_size} without --enable-dp-attention is {args.dp_size} replicas: "
+                             "plan one (the table gives the instances per node)")
+        if not wide and args.nnodes != 1:
+            raise ValueError("--nnodes: pd-plan plans an instance over several nodes with --enable-dp-attention")
+        if not wide and args.tp_size > args.gpus_per_node:
+            raise ValueError(f"--tp-size {args.tp_size} is more than a node's {args.gpus_per_node} GPUs "
+                             "(--gpus-per-node); an instance over several nodes needs --nnodes")
+        inp = PlanInput(tp_size=1 if wide else args.tp_size, gpus_per_node=args.gpus_per_node,
+                        gpu_memory=parse_size(args.gpu_memory),
                         mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
                         weight_dtype=args.dtype, page_size=args.page_size, context_length=args.context_length,
                         host_memory_per_node=parse_size(args.host_memory),
@@ -208,10 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                         hicache_size=args.hicache_size, role=args.role, chunked_prefill_size=args.chunked_prefill_size)
         if args.prefill_tflops <= 0:
             raise ValueError(f"--prefill-tflops must be > 0, got {args.prefill_tflops}")
+        if wide:
+            plan = plan_wide_ep(spec, WideEPInput(inp, args.tp_size, args.dp_size, args.enable_expert_parallel,
+                                                  args.nnodes, args.decode_batch_per_rank))
     except (ValueError, FileNotFoundError) as e:
         print(f"pd-plan: {e}", file=sys.stderr)
         return 2
-    print(render(make_plan(spec, inp), args.prefill_tflops))
+    print(render_wide_ep(spec, plan) if wide else render(make_plan(spec, inp), args.prefill_tflops))
     return 0
 
 

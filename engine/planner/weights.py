@@ -45,16 +45,20 @@ class WeightBytes:
 
 
 def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int, tp_size: int = 1,
-                 expert_kinds_kept: frozenset[str] | None = None) -> WeightBytes:
+                 expert_kinds_kept: frozenset[str] | None = None, attention_tp_size: int | None = None) -> WeightBytes:
     """Bytes of one GPU's weights at TP `tp_size` (module docstring).
 
     Args:
         arch: the model.
         scheme: the checkpoint's weight quantisation, None for unquantised weights.
         dtype_bytes: bytes of one unquantised value (the model dtype).
-        tp_size: the tensor-parallel size.
+        tp_size: the tensor-parallel size: the ranks the MLPs and experts are split over.
         expert_kinds_kept: quantised expert kinds the engine keeps (default `support.EXPERT_KINDS_KEPT`).
+        attention_tp_size: the ranks the attention projections are split over, when fewer than `tp_size`: DP
+            attention's ``tp_size / dp_size`` (SGLang's ``--enable-dp-attention``: each DP rank holds the
+            attention of its own requests, and the ranks of one DP group split it). Default `tp_size`.
     """
+    attention_tp = tp_size if attention_tp_size is None else attention_tp_size
     kept_experts = support.EXPERT_KINDS_KEPT if expert_kinds_kept is None else expert_kinds_kept
     quantized = plain = replicated = 0.0
     quantized_params = linear_params = 0
@@ -65,7 +69,7 @@ def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int,
         kept = ws is not None and (ws.kind in kept_experts if layer.expert else ws.kind in support.DENSE_KINDS_KEPT)
         if kept and layer.name.rsplit(".", 1)[-1] in support.DEQUANTIZED_MODULES:
             kept = False
-        share = params / (tp_size if split else 1)
+        share = params / ((attention_tp if _is_attention(layer.name) else tp_size) if split else 1)
         if kept:
             quantized += share * ws.bits_per_weight() / 8
             quantized_params += params
@@ -76,3 +80,8 @@ def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int,
     rest = arch.num_params() - linear_params  # embeddings, LM head, norms, router, biases, sinks
     replicated += rest * dtype_bytes
     return WeightBytes(int(quantized), int(plain), int(replicated), quantized_params, arch.num_params())
+
+
+def _is_attention(name: str) -> bool:
+    """Whether checkpoint module `name` is an attention projection (softmax or linear attention)."""
+    return ".self_attn." in name or ".linear_attn." in name
