@@ -1,10 +1,15 @@
-"""OpenAI response bodies of the fake server, pre-rendered per request (completions and chat)."""
+"""OpenAI response bodies and errors of the fake server, pre-rendered per request (completions and chat)."""
 
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass
+
+from pd_cluster.bench.httpserver import Responder
+from pd_cluster.common.openai_errors import openai_error_type
+
+JSON = ("content-type", "application/json")
 
 
 @dataclass(slots=True)
@@ -73,3 +78,24 @@ class ChunkFormat:
         out = {"id": j.rid, "object": "chat.completion" if j.chat else "text_completion",
                "created": self._created, "model": self._model, "choices": [choice], "usage": self._usage()}
         return json.dumps(out).encode()
+
+
+class ClientError(Exception):
+    """A request the fake refuses: its HTTP status, message, the field it names and the error code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+async def send_json(resp: Responder, body: bytes) -> None:
+    """A 200 with a JSON body."""
+    resp.send(200, body, [JSON])
+
+
+def send_error(resp: Responder, status: int, message: str, code: str, headers: list, param: str | None = None) -> None:
+    """An OpenAI error body, typed as the workers type theirs (`openai_error_type`)."""
+    body = {"error": {"message": message, "type": openai_error_type(status), "param": param, "code": code}}
+    resp.send(status, json.dumps(body).encode(), headers + [JSON])

@@ -55,14 +55,12 @@ from typing import Any, Callable
 from pd_cluster.bench.fake_cache import FakePrefixCache
 from pd_cluster.bench.fake_capacity import FakeCapacity
 from pd_cluster.bench.fake_config import FakeServerConfig, parse_args
-from pd_cluster.bench.fake_format import ChunkFormat, Job
+from pd_cluster.bench.fake_format import JSON, ChunkFormat, ClientError, Job, send_error, send_json
 from pd_cluster.bench.fake_kv import FakeKv
 from pd_cluster.bench.fake_metrics import FakeMetrics
 from pd_cluster.bench.httpserver import HttpServer, Request, Responder
 from pd_cluster.bench.precise_loop import new_event_loop
-from pd_cluster.common.openai_errors import openai_error_type
 
-JSON = ("content-type", "application/json")
 SSE = ("content-type", "text/event-stream")
 WORDS = (" Once", " upon", " a", " time", " there", " was", " little", " girl")
 
@@ -111,8 +109,8 @@ class FakeServer:
         }
         if self.kv is not None:
             kv = self.kv
-            self._routes[("GET", "/kv_events")] = lambda req, resp: _send_json(resp, kv.kv_events(req.query))
-            self._routes[("GET", "/kv_text_map")] = lambda req, resp: _send_json(resp, kv.kv_text_map(req.query))
+            self._routes[("GET", "/kv_events")] = lambda req, resp: send_json(resp, kv.kv_events(req.query))
+            self._routes[("GET", "/kv_text_map")] = lambda req, resp: send_json(resp, kv.kv_text_map(req.query))
 
     def token_usage(self) -> float:
         return self._used_pages / self._total_pages if self._total_pages else 0.0
@@ -120,7 +118,7 @@ class FakeServer:
     async def handle(self, req: Request, resp: Responder) -> None:
         route = self._routes.get((req.method, req.path))
         if route is None:
-            _error(resp, 404, f"Invalid URL ({req.method} {req.path})", "unknown_url", [])
+            send_error(resp, 404, f"Invalid URL ({req.method} {req.path})", "unknown_url", [])
             return
         await route(req, resp)
 
@@ -195,24 +193,24 @@ class FakeServer:
         self.recent.append(entry)
         if c.role == "prefill":
             entry["status"] = 404
-            _error(resp, 404, "a prefill worker serves no OpenAI API", "unknown_url", hdrs)
+            send_error(resp, 404, "a prefill worker serves no OpenAI API", "unknown_url", hdrs)
             return
         self._num_openai += 1
         number = self._num_openai
         if c.fail_every and number % c.fail_every == 0:
             entry["status"] = c.fail_status
-            _error(resp, c.fail_status, f"injected failure (request {number})", "injected_failure", hdrs)
+            send_error(resp, c.fail_status, f"injected failure (request {number})", "injected_failure", hdrs)
             return
         try:
             job = self._parse(req, rid)
-        except _ClientError as exc:
+        except ClientError as exc:
             entry["status"] = exc.status
-            _error(resp, exc.status, str(exc), exc.code, hdrs, exc.param)
+            send_error(resp, exc.status, str(exc), exc.code, hdrs, exc.param)
             return
         if self.capacity is not None:
             if not await self.capacity.admit():
                 entry["status"] = 503
-                _error(resp, 503, "the admission queue is full", "overloaded", hdrs + [("retry-after", "1")])
+                send_error(resp, 503, "the admission queue is full", "overloaded", hdrs + [("retry-after", "1")])
                 return
             req.arrival = time.monotonic()  # its TTFT counts from admission
         entry["status"] = 200
@@ -231,25 +229,25 @@ class FakeServer:
         try:
             body = json.loads(req.body)
         except ValueError:
-            raise _ClientError(400, "malformed JSON body", None, "invalid_json") from None
+            raise ClientError(400, "malformed JSON body", None, "invalid_json") from None
         if not isinstance(body, dict):
-            raise _ClientError(400, "the body must be a JSON object", None, "invalid_json")
+            raise ClientError(400, "the body must be a JSON object", None, "invalid_json")
         model = body.get("model")
         if model is not None and model != self.config.model:
-            raise _ClientError(404, f"the model `{model}` does not exist", "model", "model_not_found")
+            raise ClientError(404, f"the model `{model}` does not exist", "model", "model_not_found")
         chat = req.path == "/v1/chat/completions"
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
-                raise _ClientError(400, "messages must be a non-empty list", "messages")
+                raise ClientError(400, "messages must be a non-empty list", "messages")
             prompt: Any = " ".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         else:
             prompt = body.get("prompt")
             if prompt is None:
-                raise _ClientError(400, "prompt is required", "prompt", "missing_required_parameter")
+                raise ClientError(400, "prompt is required", "prompt", "missing_required_parameter")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-            raise _ClientError(400, "max_tokens must be a positive integer", "max_tokens")
+            raise ClientError(400, "max_tokens must be a positive integer", "max_tokens")
         n, reason = self._num_output(max_tokens, bool(body.get("ignore_eos")))
         opts = body.get("stream_options") or {}
         units = self._prompt_units(prompt)
@@ -360,26 +358,6 @@ class FakeServer:
                 resp.end_stream()
         else:
             resp.send(200, fmt.full_body(text), headers)
-
-
-class _ClientError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
-        self.code = code
-
-
-async def _send_json(resp: Responder, body: bytes) -> None:
-    resp.send(200, body, [JSON])
-
-
-def _error(resp: Responder, status: int, message: str, code: str, headers: list, param: str | None = None) -> None:
-    """An OpenAI error body, typed as the workers type theirs (`openai_error_type`)."""
-    body = {"error": {"message": message, "type": openai_error_type(status), "param": param, "code": code}}
-    resp.send(status, json.dumps(body).encode(), headers + [JSON])
-
-
 
 
 def _load_tokenizer(path: str | None) -> Any:
