@@ -4,6 +4,8 @@ withdrawn."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 from protocol_kit import T, Side, drain, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
@@ -12,10 +14,22 @@ from pd_cluster.transfer.config import TransferConfig
 
 
 # ---- heartbeats: a long chunk is not a silence; a frozen or hung step loop still is --------------------------
-def _deliver(d: Side, p: Side, t) -> None:
-    """Decode's step loop polls while prefill's is busy computing (only its heartbeat thread sends)."""
-    for _ in range(20):
-        p.agent.take()  # UCX progress of the prefill side's endpoint, as its heartbeat thread's sends do
+def _heard(d: Side, t) -> int:
+    """Heartbeats decode's receiver has counted for ticket `t` (-1 once the transfer is gone)."""
+    job = d.receiver._jobs.get(t.transfer_id)
+    return -1 if job is None else job.heartbeats
+
+
+def _deliver(d: Side, p: Side, t, *others: Side) -> None:
+    """Decode's step loop polls while prefill's is busy computing (only its heartbeat thread sends), until the
+    heartbeat just sent is counted: over real UCX a loaded host may take more than a few polls to carry it (bounded
+    by 10 s of real time); nothing fails meanwhile."""
+    want = _heard(d, t) + 1
+    deadline = time.monotonic() + 10
+    while _heard(d, t) < want:
+        assert time.monotonic() < deadline, "the heartbeat never arrived"
+        for side in (p, *others):
+            side.agent.take()  # UCX progress of the prefill side's endpoint, as its heartbeat thread's sends do
         assert not d.receiver.poll().failed
 
 
@@ -90,12 +104,9 @@ def test_a_hung_step_loop_is_vouched_for_only_up_to_the_step_timeout(sides):
             clock.t += T / 4
             vouched.append(q.sender.heartbeat())
             p.agent.send(d.agent.name, protocol.Alive((t.transfer_id,)))  # another agent's: ignored
-            for _ in range(20):
-                q.agent.take()
-                p.agent.take()
-                ev = d.receiver.poll()
-                if ev.failed:
-                    break
+            if vouched[-1]:
+                _deliver(d, q, t, p)
+            ev = drain(d, 20, q, p)
             if ev.failed:
                 break
         assert vouched[:4] == [1, 1, 1, 1] and vouched[4:] == [0] * len(vouched[4:]), vouched
