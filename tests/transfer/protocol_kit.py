@@ -3,6 +3,8 @@ small pools in one process, and a clock the test moves."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -58,25 +60,34 @@ def sides():
 
 
 def drain(side: Side, n: int = 50, *others: Side):
-    """Poll until something happens (bounded). Like workers' loops, the other sides progress too
-    (a first message to a peer needs both sides' progress to set up the connection)."""
-    for _ in range(n):
+    """Poll until something happens (bounded: `n` polls, 1 ms apart, so UCX's own threads get the CPU on a loaded
+    host). Like workers' loops, the other sides progress too (a first message to a peer needs both sides'
+    progress to set up the connection)."""
+    for i in range(n):
         for other in others:
             other.agent.take()  # progress only; its messages stay for its own poll
         ev = side.receiver.poll() if side.receiver else side.sender.poll()
         if ev.completed or ev.failed or getattr(ev, "released", None):
             return ev
+        if i < n - 1:
+            time.sleep(0.001)
     return ev
 
 
-def until_completed(p: Side, d: Side, n: int = 200, allow_failures: bool = False):
-    """Poll both sides (bounded) until decode's receiver completes a transfer; returns that `RecvDone`, or None."""
-    for _ in range(n):
+def until_completed(p: Side, d: Side, n: int = 200, allow_failures: bool = False, timeout: float = 10.0):
+    """Poll both sides until decode's receiver completes a transfer; returns that `RecvDone`, or None after `n`
+    polls and `timeout` seconds of real time (a loaded host may take longer than `n` tight polls to move it)."""
+    deadline = time.monotonic() + timeout
+    i = 0
+    while i < n or time.monotonic() < deadline:
         p.sender.poll()
         ev = d.receiver.poll()
         assert allow_failures or not ev.failed, ev.failed
         if ev.completed:
             return ev.completed[0]
+        i += 1
+        if i >= n:
+            time.sleep(0.001)
     return None
 
 
