@@ -21,7 +21,9 @@ when its pages come back, is its `RemoteRequest`'s (``decode/request.py``):
 every failure here, whatever its kind, ends in `DecodeHooks.fail`, which
 applies the page rule. Failures before the first token raise `HTTPError`
 (400, 502, 504; 409 from a stale prefill incarnation is retried once with
-fresh metadata), so the router can retry on another pair. A client that goes
+fresh metadata, and so is a transfer whose prefill agent died when the worker's
+URL already serves a new incarnation: its supervisor restarted it), so the
+router can retry on another pair. A client that goes
 away aborts the request here and at the prefill worker.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -44,17 +47,29 @@ from pd_cluster.serving.engine_loop import EngineLoop
 from pd_cluster.serving.errors import HTTPError, to_http_error
 from pd_cluster.serving.openai_serving import PromptSource
 from pd_cluster.serving.worker_app import INTERNAL_KEY_HEADER, key_matches, presented_key
-from pd_cluster.transfer.errors import TransferError
+from pd_cluster.transfer.errors import PeerDiedError, TransferError
 from pd_cluster.transfer.http import PeerDirectory, connection_refused
 from pd_cluster.transfer.interfaces import Agent
 
 logger = logging.getLogger("pd.decode")
 
 PREFILL_HEADER = "x-pd-prefill-url"
+AGENT_GONE_RELEASE_WAIT_S = 5.0  # the most a request waits for its failed attempt's pages before trying again
 
 
 class _StalePrefill(Exception):
     """The prefill worker restarted since its metadata was cached."""
+
+
+class _PrefillAgentGone(Exception):
+    """The prefill agent this request was sent to is gone (its process died); the worker's URL may already serve
+    a new incarnation (a supervisor restarted it), which a fresh resolve finds. `http`: the error to give when
+    it does not."""
+
+    def __init__(self, http: HTTPError, agent: str) -> None:
+        super().__init__(http.message)
+        self.http = http
+        self.agent = agent
 
 
 class _PrefillFailed(Exception):
@@ -140,10 +155,36 @@ class RemotePrefill(PromptSource):
                     self.directory.invalidate(url)
                     logger.info("request %s: prefill %s restarted; refreshing its metadata (attempt %d)",
                                 request_id, url, attempt + 1)
+                except _PrefillAgentGone as gone:
+                    await self._after_agent_gone(request_id, url, gone, deadline, last=attempt == 1)
         except asyncio.CancelledError:  # the client went away before the first token: one line, no traceback
             logger.info("request %s: aborted before its first token (the client went away)", request_id)
             raise
         raise HTTPError(502, f"prefill worker {url} kept refusing our tickets as stale", None, "stale_peer")
+
+    async def _after_agent_gone(self, request_id: str, url: str, gone: _PrefillAgentGone, deadline: Deadline,
+                                last: bool) -> None:
+        """The agent the request was sent to died before its KV was complete. Returns when `url` now serves
+        another incarnation of the prefill worker (restarted by its supervisor: the request is tried there,
+        with fresh metadata); raises `gone.http` when it serves none, the same agent, or this was the last try."""
+        self.directory.invalidate(url)  # every later request resolves the worker afresh, too
+        if last:
+            raise gone.http
+        try:
+            agent = await self._connect(url, deadline)
+        except HTTPError:
+            raise gone.http from None  # the worker is gone, not restarted: what the transfer said
+        if agent == gone.agent:
+            raise gone.http
+        # the failed attempt's pages come back once the receiver's probe confirms the process is gone (at its next
+        # poll); the request id is free for the second attempt then
+        wait_until = min(deadline.at, time.monotonic() + AGENT_GONE_RELEASE_WAIT_S)
+        while await self.loop.call(lambda e: self.hooks.get(request_id) is not None):
+            if time.monotonic() > wait_until:
+                raise gone.http
+            await asyncio.sleep(0.01)
+        logger.info("request %s: prefill %s restarted (agent %s gone, now %s); sending it there again",
+                    request_id, url, gone.agent, agent)
 
     async def _connect(self, url: str, deadline: Deadline) -> str:
         """Load the prefill agent (cached per incarnation; the handshake runs off the engine thread), retrying
@@ -207,6 +248,8 @@ class RemotePrefill(PromptSource):
                                                         peer_gone=failure.peer_gone))
         if failure.http.code == "stale_peer" and failure.refused:
             return _StalePrefill()
+        if isinstance(e, PeerDiedError) and e.peer == rec.prefill_agent:
+            return _PrefillAgentGone(failure.http, rec.prefill_agent)
         return failure.http
 
     async def _post(self, url: str, request_id: str, body: bytes, deadline: Deadline) -> httpx.Response:
