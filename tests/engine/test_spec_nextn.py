@@ -220,12 +220,13 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     assert sum(d == reference_drafts(hf, seq, len(d)) for seq, d in seen) <= len(seen) // 2
 
 
-def test_nextn_under_tensor_parallelism_is_refused():
+def test_no_decode_cuda_graphs_with_nextn_on_a_decoding_role():
+    """A decode replay would not write the target's hidden states: no rank captures with NEXTN (tensor
+    parallelism: `tests/engine/test_spec_nextn_tp.py`); a prefill worker, which drafts nothing, still does."""
     from pd_cluster.engine.args import config_from_kwargs
-    from pd_cluster.engine.assets import DEFAULT_MODEL
-    from pd_cluster.engine.spec.drafter import build_drafter
+    from pd_cluster.engine.spec.drafter import captures_decode_graphs
 
-    config = config_from_kwargs(model=DEFAULT_MODEL, tp_size=2, speculative_algorithm="NEXTN")
-    with pytest.raises(ValueError) as e:
-        build_drafter(config, 4096, 512, None, "cpu", 64, 8, runner=None)
-    assert "--speculative-algorithm NEXTN is not built for --tp-size 2" in str(e.value)
+    assert not captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN"))
+    assert not captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN", role="decode"))
+    assert captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN", role="prefill"))
+    assert captures_decode_graphs(config_from_kwargs(speculative_algorithm="NGRAM"))
