@@ -121,6 +121,20 @@ class SpeculativeConfig:
         """K: ``--speculative-num-steps`` when given, else ``--speculative-num-draft-tokens`` (default 4)."""
         return self.speculative_num_steps or self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
 
+    def handshake(self) -> dict[str, Any]:
+        """What a PD worker advertises about speculation at the KV transfer handshake (``GET /kv_transfer/info``,
+        compared by `pd_cluster.transfer.layout.check_compatible`): ``speculative``, the settings (`describe`),
+        and ``draft_state``, the drafter's state that crosses the transfer beside the target's KV (sent by the
+        prefill, expected by the decode). A pair whose ``draft_state`` differs is refused at the handshake, naming
+        both sides' settings; settings that differ otherwise are logged, not refused.
+
+        ``draft_state`` is empty for every algorithm and role here: the prefill worker sends the target's KV and
+        first token only and the decode worker computes its drafter's state itself (NGRAM: none; STANDALONE: the
+        draft model's KV of the prompt; NEXTN: the MTP layer's entries from its first decode step on). So the
+        decode's speculative settings never need anything from the prefill's, unlike vLLM, whose KV cache holds
+        the draft layers and whose P and D must run the same speculative config."""
+        return {"speculative": self.describe(), "draft_state": []}
+
     def describe(self) -> str:
         """One line for the start-up log."""
         if not self.enabled:

@@ -11,7 +11,9 @@ equals the engine's without speculation, token for token, and is valid JSON."""
 from __future__ import annotations
 
 import json
+import os
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -29,16 +31,25 @@ pytestmark = pytest.mark.slow  # starts processes
 
 MAX_TOKENS = 24
 NAME = "deepseek-v3-mtp"
+KEY, KEY_ENV = "test-internal-key", "PD_INTERNAL_API_KEY"
 
 
 def _serve(root, extra=()):
     hf = echo_mtp(root / "model")
     argv = ["--model", str(root / "model"), "--served-model-name", NAME, "--kv-cache-dtype", "fp32",
             "--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "2", *extra]
-    with running_pd_serve(root / "manifest.json", argv) as (url, manifest):
-        workers = {w["role"]: w["url"] for w in manifest["workers"]}
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        yield client, workers, hf, root / "model"
+    before = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = KEY  # pd-serve's internal key, so the test may read the agents' info
+    try:
+        with running_pd_serve(root / "manifest.json", argv) as (url, manifest):
+            workers = {w["role"]: w["url"] for w in manifest["workers"]}
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            yield client, workers, hf, root / "model"
+    finally:
+        if before is None:
+            os.environ.pop(KEY_ENV, None)
+        else:
+            os.environ[KEY_ENV] = before
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +100,7 @@ def _check_greedy(client, workers, hf):
     loads = _wait_all_free(workers, 30)
     assert all(_all_free(v) for v in loads.values()), loads
     assert loads["decode"]["draft_num_total_pages"] > 0 and "draft_num_total_pages" not in loads["prefill"]
+    for role, url in workers.items():  # what each side advertises at the KV transfer handshake
+        info = httpx.get(url + "/kv_transfer/info", headers={"X-PD-Internal-Key": KEY}, timeout=10).json()
+        spec = info["speculative"]
+        assert spec["speculative"].startswith("NEXTN k=2") and spec["draft_state"] == [], (role, spec)
