@@ -1,12 +1,12 @@
-"""Acceptance: `pd-serve` 1P1D with NEXTN (``--speculative-algorithm NEXTN --speculative-num-draft-tokens 2``) over
-a tiny DeepSeek-V3 built by transformers with an MTP layer added in the release's tensor names (`mtp_models`, the
-one that predicts the target's next token). The prefill worker pushes the target's latent pages as always and
-sends nothing for the MTP layer; the decode worker runs the MTP layer over the tokens it computes itself, from the
-request's first decode step on (`pd_cluster.engine.spec.nextn`). The real `openai` client gets transformers'
-greedy tokens (full recompute), and the same text streamed; the decode's ``vllm:spec_decode_*`` counters show drafts
-accepted, the prefill's none; every page comes back, the MTP pool's included. The same at ``--tp-size 2`` on both
-workers (the MTP layer whole on the decode's rank 0), where a ``response_format`` json_schema completion also
-equals the engine's without speculation, token for token, and is valid JSON."""
+"""Acceptance: `pd-serve` 1P1D with NEXTN (``--speculative-algorithm NEXTN --speculative-num-draft-tokens 3``: 2 drafts
+per step) over a tiny DeepSeek-V3 built by transformers with an MTP layer added in the release's tensor names
+(`mtp_models`, the one that predicts the target's next token). The prefill worker pushes the target's latent pages
+as always and sends nothing for the MTP layer; the decode worker runs the MTP layer over the tokens it computes
+itself, from the request's first decode step on (`pd_cluster.engine.spec.nextn`). The real `openai` client gets
+transformers' greedy tokens (full recompute), and the same text streamed; the decode's ``vllm:spec_decode_*``
+counters show drafts accepted, the prefill's none; every page comes back, the MTP pool's included. The same at
+``--tp-size 2`` on both workers (the MTP layer whole on the decode's rank 0), where a ``response_format``
+json_schema completion also equals the engine's without speculation, token for token, and is valid JSON."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ KEY, KEY_ENV = "test-internal-key", "PD_INTERNAL_API_KEY"
 def _serve(root, extra=()):
     hf = echo_mtp(root / "model")
     argv = ["--model", str(root / "model"), "--served-model-name", NAME, "--kv-cache-dtype", "fp32",
-            "--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "2", *extra]
+            "--speculative-algorithm", "NEXTN", "--speculative-num-draft-tokens", "3", *extra]
     before = os.environ.get(KEY_ENV)
     os.environ[KEY_ENV] = KEY  # pd-serve's internal key, so the test may read the agents' info
     try:

@@ -30,7 +30,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _nextn(path, k: int, **kw) -> LLM:
-    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=k, **kw)
+    """NEXTN with K = `k` drafts per step (SGLang's ``--speculative-num-draft-tokens`` counts the verified token)."""
+    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=k + 1,
+               **kw)
 
 
 def _pool_whole(llm: LLM) -> bool:
@@ -158,7 +160,27 @@ def test_sglang_chain_flags_set_k(checkpoint):
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs
 
 
+def test_num_draft_tokens_counts_the_verified_token_as_in_sglang():
+    """NEXTN's ``--speculative-num-draft-tokens N`` is SGLang's: tokens verified per step, the last known one
+    included (N - 1 drafts), alone or with ``--speculative-num-steps N - 1``; no flag: SGLang's choice for
+    DeepSeek-V3 (3 steps, 4 tokens); vLLM's ``num_speculative_tokens`` stays K itself."""
+    from pd_cluster.engine.args import config_from_kwargs
+
+    def k(**kw):
+        return config_from_kwargs(speculative_algorithm="NEXTN", **kw).speculative.num_draft_tokens
+
+    assert k(speculative_num_draft_tokens=3) == k(speculative_num_steps=2, speculative_num_draft_tokens=3) == 2
+    assert k() == 3 and k(speculative_num_draft_tokens=2) == 1
+    both = config_from_kwargs(speculative_num_draft_tokens=3,
+                              speculative_config='{"method": "deepseek_mtp", "num_speculative_tokens": 2}')
+    assert both.speculative.num_draft_tokens == 2
+    ngram = config_from_kwargs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3).speculative
+    assert ngram.num_draft_tokens == 3  # NGRAM and STANDALONE: K itself, as before
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_algorithm="NEXTN", speculative_num_draft_tokens=1),
+     "--speculative-num-draft-tokens 1 with --speculative-algorithm NEXTN drafts nothing"),
     (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "--speculative-eagle-topk 4 is not supported"),
     (dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_num_draft_tokens=2),
      "--speculative-num-draft-tokens 2 with --speculative-num-steps 2"),

@@ -1,7 +1,8 @@
 """NEXTN under tensor parallelism: the target's layers on two gloo ranks, the MTP layer whole on rank 0 (fed rank
 0's final-norm output, the full hidden state after the last all-reduce). Greedy tokens equal transformers' greedy
 loop and the engine without speculation, with an MTP layer whose drafts are mostly accepted and with a random one
-(mostly rejected, each draft equal to a transformers recompute of the MTP layer); every page of both pools comes back."""
+(mostly rejected, each draft equal to a transformers recompute of the MTP layer); every page of both pools comes
+back."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_tp2_nextn_greedy_equals_transformers_and_no_speculation(tmp_path, kind)
     plain = [o.token_ids for o in LLM(str(tmp_path), kv_cache_dtype="fp32").generate(PROMPTS[:3], GREEDY)]
     assert plain == refs
     llm = LLM(str(tmp_path), kv_cache_dtype="fp32", tp_size=2, page_size=4, chunked_prefill_size=7,
-              speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+              speculative_algorithm="NEXTN", speculative_num_draft_tokens=3)
     try:
         eng = llm.engine
         mtp = eng.drafter.model

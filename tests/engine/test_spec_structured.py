@@ -80,7 +80,7 @@ def mtp_checkpoint(request, tmp_path_factory):
 
 
 def _nextn(path) -> LLM:
-    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=2)
+    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=3)
 
 
 def test_nextn_json_schema_greedy_equals_no_speculation_and_sampled_is_valid(mtp_checkpoint):

@@ -14,7 +14,7 @@ from pd_cluster.engine.spec.config import SpeculativeConfig
 from pd_cluster.transfer.errors import LayoutMismatchError
 from pd_cluster.transfer.layout import AgentInfo, check_compatible, speculative_difference
 
-NEXTN = SpeculativeConfig(speculative_algorithm="NEXTN", speculative_num_draft_tokens=2).handshake()
+NEXTN = SpeculativeConfig(speculative_algorithm="NEXTN", speculative_num_steps=2).handshake()
 OFF = SpeculativeConfig().handshake()
 
 
