@@ -219,19 +219,11 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     """Every draft the engine proposes (its paged latent KV of the MTP layer, caught up in chunks of 5 tokens,
     then chained) equals a full recompute with transformers' DeepseekV3DecoderLayer as the MTP block
     (`mtp_models.reference_drafts`)."""
-    from mtp_models import reference_drafts
+    from mtp_models import record_drafts, reference_drafts
 
     hf = random_mtp(tmp_path)
     llm = _nextn(tmp_path, k, chunked_prefill_size=5, page_size=4)
-    proposer = llm.engine.drafter.model
-    orig, seen = proposer._propose, []
-
-    def spy(work):
-        out = orig(work)
-        seen.extend((list(req.token_ids), out[req.request_id]) for req, _ in work if req.request_id in out)
-        return out
-
-    proposer._propose = spy
+    seen = record_drafts(llm.engine.drafter.model)
     llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(seen) >= 4
     for seq, drafts in seen:

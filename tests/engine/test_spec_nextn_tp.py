@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from deepseek_models import PROMPTS, hf_greedy_recompute, prompt_ids
-from mtp_models import echo_mtp, random_mtp, reference_drafts
+from mtp_models import echo_mtp, random_mtp, record_drafts, reference_drafts
 
 from pd_cluster.engine import LLM, SamplingParams
 
@@ -31,14 +31,7 @@ def test_tp2_nextn_greedy_equals_transformers_and_no_speculation(tmp_path, kind)
         mtp = eng.drafter.model
         assert eng.loaded.model.layers[0].self_attn.num_heads == 2  # the target: half of the 4 heads here
         assert mtp.model.loaded.model.layers[0].self_attn.num_heads == 4  # the MTP layer: whole on rank 0
-        orig, seen = mtp._propose, []
-
-        def spy(work):
-            out = orig(work)
-            seen.extend((list(req.token_ids), out[req.request_id]) for req, _ in work if req.request_id in out)
-            return out
-
-        mtp._propose = spy
+        seen = record_drafts(mtp)
         assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs
         if kind == "random":  # every draft is a full recompute's in transformers (`reference_drafts`)
             assert len(seen) >= 8
