@@ -132,7 +132,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "STANDALONE: the draft model's checkpoint folder (the target's vocabulary; run on decode and mixed "
          "workers)."),
     Flag("--speculative-num-draft-tokens", "speculative.speculative_num_draft_tokens", int,
-         "Draft tokens proposed and verified per request and step (default 4)."),
+         "Draft tokens proposed and verified per request and step (default 4); NEXTN: SGLang's count, the "
+         "verified token included (N - 1 drafts; default 4: 3 drafts)."),
     Flag("--speculative-num-steps", "speculative.speculative_num_steps", int,
          "STANDALONE, NEXTN: SGLang's chain length N (K = N drafts; --speculative-num-draft-tokens, if given, "
          "must then be N + 1 as in SGLang)."),

@@ -44,7 +44,7 @@ from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.group_pages import GroupedPageManager
 from pd_cluster.engine.scheduler.page_manager import PageManager
 from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
-from pd_cluster.engine.spec.drafter import build_drafter
+from pd_cluster.engine.spec.drafter import build_drafter, captures_decode_graphs
 from pd_cluster.engine.spec.stats import SpecDecodeStats
 from pd_cluster.engine.stats import EngineStats
 
@@ -131,7 +131,7 @@ class LLMEngine:
         self.max_running_requests = sc.max_running_requests or min(256, self.pool_plan.num_pages)
         # the graphs' block-table width comes from the pool (graph_table_pages), never --context-length
         graphs = CudaGraphConfig(max_bs=min(config.device.cuda_graph_max_bs, self.max_running_requests),
-                                 disable=config.device.disable_cuda_graph)
+                                 disable=config.device.disable_cuda_graph or not captures_decode_graphs(config))
         if self.tp_driver is not None:
             self.tp_driver.attach(RankServer(shard, tp, self.device))
             buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets

@@ -44,7 +44,7 @@ import numpy as np
 from pd_cluster.transfer import hugepages, protocol, ucx_env
 from pd_cluster.transfer.config import TransferConfig
 from pd_cluster.transfer.errors import NixlTransferError, PeerDiedError, PeerNotConnectedError
-from pd_cluster.transfer.layout import AgentInfo, check_compatible
+from pd_cluster.transfer.layout import AgentInfo, check_compatible, speculative_difference
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +84,15 @@ class TransferAgent:
         model_identity: `LoadedModel.identity`, compared at the handshake.
         role: ``prefill``, ``decode`` or ``mixed`` (part of the agent name).
         config: transfer settings (UCX variables are exported before NIXL starts).
+        speculative: the worker's speculative decoding as its peers see it (`AgentInfo.speculative`); None: off.
 
     Raises:
         ImportError: NIXL is not installed.
         RuntimeError: NIXL could not start its backend (e.g. a bad ``UCX_TLS``).
     """
 
-    def __init__(self, pool, model_identity: str, role: str, config: TransferConfig) -> None:
+    def __init__(self, pool, model_identity: str, role: str, config: TransferConfig,
+                 speculative: dict | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.config = config
@@ -117,7 +119,8 @@ class TransferAgent:
             layout=layout.to_dict(), num_pages=pool.num_pages, mem_type=self.mem_type, device_id=self.device_id,
             kv_base=kv.data_ptr(), kv_nbytes=kv.numel() * kv.element_size(),
             scales_base=scales.data_ptr(), scales_nbytes=scales.numel() * scales.element_size(),
-            nixl_metadata=self._nixl.get_agent_metadata(), control_metadata=self._ctl.get_agent_metadata())
+            nixl_metadata=self._nixl.get_agent_metadata(), control_metadata=self._ctl.get_agent_metadata(),
+            speculative=dict(speculative or {}))
         self._peers: dict[str, AgentInfo] = {}
         self._inbox: list[tuple[str, protocol.Message]] = []
         self._inbox_lock = threading.Lock()
@@ -187,6 +190,8 @@ class TransferAgent:
         with self._connect_lock:
             if info.agent_name in self._peers:
                 return
+            if (differs := speculative_difference(self.info, info)) is not None:
+                logger.info("%s", differs)
             self.connect_threads.append(threading.get_ident())
             t0 = time.perf_counter()
             _load(self._nixl, info.nixl_metadata, info.agent_name)

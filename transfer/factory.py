@@ -44,12 +44,13 @@ def make_worker_transfer(engine, role: str, config: TransferConfig, registry) ->
 
     A `RankTransfer` on every rank (one: in this process, `LocalDriver`) and rank 0's proxies `TPAgent` /
     `TPSender` / `TPReceiver` (`pd_cluster.transfer.tp`), so a worker meets a peer of another TP size the same
-    way whatever its own. Metrics go on `registry` (rank 0's agent). Every sender (each rank's) runs its
+    way whatever its own. Every rank's agent advertises the engine's speculative decoding at the handshake
+    (`SpeculativeConfig.handshake`). Metrics go on `registry` (rank 0's agent). Every sender (each rank's) runs its
     heartbeat thread (`KVSender.heartbeat`).
     """
     from pd_cluster.transfer.tp import TPAgent, TPReceiver, TPSender, install
 
     driver = engine.tp_driver if engine.tp_driver is not None else LocalDriver(engine.pool)
-    infos = install(driver, role, config, engine.loaded.identity, registry)
+    infos = install(driver, role, config, engine.loaded.identity, registry, engine.config.speculative.handshake())
     proxy = (TPSender(driver, tuple(i.agent_name for i in infos)) if role == "prefill" else TPReceiver(driver))
     return TPAgent(driver, infos), proxy

@@ -23,6 +23,15 @@ of its registered regions. A peer loads it once per agent incarnation.
   merged on the way; an ``mla`` latent is replicated on every rank and sent
   once per decode rank. `check_compatible` returns these, and the handshake
   logs what it converts.
+* speculative decoding (`AgentInfo.speculative`): ``draft_state``, the
+  drafter's state that crosses the transfer beside the target's KV (the
+  prefill sends it, the decode expects it), is fatal when the two sides
+  differ: one would send what the other does not take, or wait for what
+  never comes. The settings themselves (``speculative``: algorithm, K, draft
+  model) are named in that error and otherwise only logged
+  (`speculative_difference`): while no state crosses, a decode drafts the same
+  whatever the prefill runs. A peer that names none (an older version) runs
+  none and sends none.
 
 Idea: vLLM's NIXL handshake compatibility hash (vllm PR #29503), made
 field-by-field so the error says what differs.
@@ -63,6 +72,8 @@ class AgentInfo:
         nixl_metadata: the data agent's `nixl_agent.get_agent_metadata()` bytes.
         control_metadata: the control agent's (``<agent_name>.ctl``, messages only).
         protocol: the transfer protocol version.
+        speculative: the worker's speculative decoding at the handshake (`SpeculativeConfig.handshake`):
+            ``speculative`` (its settings, one line) and ``draft_state`` (a list of names); {}: none.
     """
 
     agent_name: str
@@ -81,6 +92,7 @@ class AgentInfo:
     control_metadata: bytes = field(default=b"", repr=False)
     protocol: int = PROTOCOL_VERSION
     tp_peers: tuple[AgentInfo, ...] = ()  # rank 0's info also carries ranks 1..N-1 of its worker
+    speculative: dict = field(default_factory=dict)  # ``speculative`` (settings), ``draft_state`` (module doc)
 
     @property
     def page_nbytes(self) -> int:
@@ -102,6 +114,7 @@ class AgentInfo:
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
             "control_metadata": base64.b64encode(self.control_metadata).decode("ascii"),
             **({"tp_peers": [p.to_dict() for p in self.tp_peers]} if self.tp_peers else {}),
+            **({"speculative": self.speculative} if self.speculative else {}),
         }
 
     @classmethod
@@ -122,6 +135,7 @@ class AgentInfo:
                 control_metadata=base64.b64decode(d["control_metadata"], validate=True),
                 protocol=int(d["protocol"]),
                 tp_peers=tuple(cls.from_dict(p) for p in d.get("tp_peers", ())),
+                speculative=_speculative(d["speculative"]) if "speculative" in d else {},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed KV transfer agent info: {e!r}") from e
@@ -161,7 +175,36 @@ def compare(local: AgentInfo, remote: AgentInfo) -> list[Mismatch]:
             out.append(Mismatch(name, lv[name], rv[name], convertible=not same_tp))
     if not out and lv["page_nbytes"] != rv["page_nbytes"]:  # equal fields must give equal bytes
         out.append(Mismatch("page_nbytes", lv["page_nbytes"], rv["page_nbytes"], convertible=False))
+    if _draft_state(local) != _draft_state(remote):
+        out.append(Mismatch("draft_state", _describe_spec(local), _describe_spec(remote), convertible=False))
     return out
+
+
+def _speculative(d: dict) -> dict:
+    """A peer's ``speculative`` payload, checked: a settings line and a list of state names."""
+    if not isinstance(d, dict) or not isinstance(d.get("draft_state", []), list):
+        raise ValueError(f"speculative must be an object with a draft_state list, got {d!r}")
+    return {"speculative": str(d.get("speculative", "off")), "draft_state": [str(x) for x in d.get("draft_state", [])]}
+
+
+def _draft_state(info: AgentInfo) -> list[str]:
+    return sorted(info.speculative.get("draft_state", ()))
+
+
+def _describe_spec(info: AgentInfo) -> str:
+    """``<draft state or none> (speculative <settings>)``: what a side sends or expects, and why."""
+    return f"{', '.join(_draft_state(info)) or 'none'} (speculative {info.speculative.get('speculative', 'off')})"
+
+
+def speculative_difference(local: AgentInfo, remote: AgentInfo) -> str | None:
+    """A line naming both sides' speculative settings when they differ but no transferred state does (logged at
+    the handshake; the pair is compatible); None when they agree."""
+    mine, theirs = (i.speculative.get("speculative", "off") for i in (local, remote))
+    if mine == theirs or _draft_state(local) != _draft_state(remote):
+        return None
+    return (f"speculative decoding differs between local agent {local.agent_name} ({mine}) and peer "
+            f"{remote.agent_name} ({theirs}); compatible: no drafter state crosses the transfer (each decode "
+            f"worker computes its own)")
 
 
 def _shards(total: int, *views: dict) -> bool:

@@ -39,16 +39,18 @@ class RankTransfer:
         role: ``prefill`` or ``decode``.
         config: the `TransferConfig`.
         identity: the model identity for the handshake.
+        speculative: the worker's speculative decoding for the handshake (`AgentInfo.speculative`).
         registry: rank 0's: the worker's Prometheus registry, so its metrics are served; other ranks: None (a
             private one).
     """
 
     SIDE_METHODS = frozenset({"sender_announce", "sender_withdraw_announced"})
 
-    def __init__(self, shard, tp, role: str, config, identity: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, shard, tp, role: str, config, identity: str, speculative: dict | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.rank, self.size, self.role = tp.rank, tp.size, role
         self.device = shard.pool.kv.device
-        self.agent = TransferAgent(shard.pool, identity, role, config)
+        self.agent = TransferAgent(shard.pool, identity, role, config, speculative)
         metrics = TransferMetrics(registry or CollectorRegistry())
         self.sender = KVSender(self.agent, metrics) if role == "prefill" else None
         if self.sender is not None:  # this rank's heartbeats: its own process computes its own chunks
@@ -184,8 +186,9 @@ def on_ranks(driver, method: Callable, *args: Any, gather: bool = True) -> Any:
     return driver.call("ext", EXTENSION, method.__name__, *args, gather=gather)
 
 
-def install(driver, role: str, config, identity: str, registry: CollectorRegistry) -> list[AgentInfo]:
+def install(driver, role: str, config, identity: str, registry: CollectorRegistry,
+            speculative: dict | None = None) -> list[AgentInfo]:
     """Create a `RankTransfer` on every rank (rank 0's metrics on `registry`); returns their infos in rank order."""
-    driver.call("install", EXTENSION, "pd_cluster.transfer.tp_rank:RankTransfer", role, config, identity, gather=True,
-                rank0_kwargs={"registry": registry})
+    driver.call("install", EXTENSION, "pd_cluster.transfer.tp_rank:RankTransfer", role, config, identity, speculative,
+                gather=True, rank0_kwargs={"registry": registry})
     return on_ranks(driver, RankTransfer.info)

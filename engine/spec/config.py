@@ -20,6 +20,9 @@ LATER_ALGORITHMS = ("EAGLE", "EAGLE3")
 """Algorithms SGLang names that this engine does not run yet: refused at start-up by name."""
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
+NEXTN_DEFAULT_STEPS = 3
+"""NEXTN's K without flags: SGLang's automatic choice for DeepSeek-V3 (``--speculative-num-steps 3
+--speculative-eagle-topk 1 --speculative-num-draft-tokens 4``)."""
 DEFAULT_MIN_MATCH = 1
 DEFAULT_MAX_MATCH = 4
 
@@ -34,8 +37,10 @@ class SpeculativeConfig:
             model with the target's vocabulary proposes K tokens greedily, with its own paged KV) or ``NEXTN``
             (DeepSeek-V3's multi-token-prediction layer in the target checkpoint, fed the target's hidden state,
             chained K times; `pd_cluster.engine.spec.nextn`).
-        speculative_num_draft_tokens: K, the draft tokens proposed and verified per request and step (vLLM's
-            ``num_speculative_tokens``); a step emits 1 to K + 1 tokens. Default 4.
+        speculative_num_draft_tokens: NGRAM, STANDALONE: K, the draft tokens proposed and verified per request
+            and step; a step emits 1 to K + 1 tokens. Default 4. NEXTN: SGLang's meaning, the tokens verified per
+            step counting the verified (last known) token, so K = N - 1 (N >= 2); default K = 3, SGLang's choice
+            for DeepSeek-V3.
         speculative_ngram_min_match_window_size: the shortest suffix looked up (vLLM's ``prompt_lookup_min``).
         speculative_ngram_max_match_window_size: the longest suffix looked up, tried first (``prompt_lookup_max``).
         speculative_draft_model_path: STANDALONE: the draft model's checkpoint folder (vLLM's ``model``).
@@ -73,6 +78,9 @@ class SpeculativeConfig:
         k = self.speculative_num_draft_tokens
         if k is not None and (not isinstance(k, int) or k < 1):
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {k!r}")
+        if algo == "NEXTN" and k == 1:
+            raise ValueError("--speculative-num-draft-tokens 1 with --speculative-algorithm NEXTN drafts nothing: "
+                             "with NEXTN it counts the verified token too (SGLang's meaning), so it must be >= 2")
         lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if lo < 1:
             raise ValueError(f"--speculative-ngram-min-match-window-size must be >= 1, got {lo}")
@@ -118,8 +126,29 @@ class SpeculativeConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """K: ``--speculative-num-steps`` when given, else ``--speculative-num-draft-tokens`` (default 4)."""
-        return self.speculative_num_steps or self.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+        """K, the drafts per request and step: ``--speculative-num-steps`` when given; else NEXTN:
+        ``--speculative-num-draft-tokens`` - 1 (SGLang counts the verified token), default 3; other algorithms:
+        ``--speculative-num-draft-tokens``, default 4."""
+        if self.speculative_num_steps:
+            return self.speculative_num_steps
+        given = self.speculative_num_draft_tokens
+        if self.speculative_algorithm == "NEXTN":
+            return given - 1 if given else NEXTN_DEFAULT_STEPS
+        return given or DEFAULT_NUM_DRAFT_TOKENS
+
+    def handshake(self) -> dict[str, Any]:
+        """What a PD worker advertises about speculation at the KV transfer handshake (``GET /kv_transfer/info``,
+        compared by `pd_cluster.transfer.layout.check_compatible`): ``speculative``, the settings (`describe`),
+        and ``draft_state``, the drafter's state that crosses the transfer beside the target's KV (sent by the
+        prefill, expected by the decode). A pair whose ``draft_state`` differs is refused at the handshake, naming
+        both sides' settings; settings that differ otherwise are logged, not refused.
+
+        ``draft_state`` is empty for every algorithm and role here: the prefill worker sends the target's KV and
+        first token only and the decode worker computes its drafter's state itself (NGRAM: none; STANDALONE: the
+        draft model's KV of the prompt; NEXTN: the MTP layer's entries from its first decode step on). So the
+        decode's speculative settings never need anything from the prefill's, unlike vLLM, whose KV cache holds
+        the draft layers and whose P and D must run the same speculative config."""
+        return {"speculative": self.describe(), "draft_state": []}
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -163,4 +192,7 @@ def parse_speculative_config(text: str | dict) -> dict[str, Any]:
         method = out["speculative_algorithm"].lower()
         out["speculative_algorithm"] = {"ngram": "NGRAM", "draft_model": "STANDALONE", "mtp": "NEXTN",
                                         "deepseek_mtp": "NEXTN"}.get(method, method)
+    if out.get("speculative_algorithm") == "NEXTN" and "speculative_num_draft_tokens" in out:
+        # vLLM's num_speculative_tokens is K itself; SGLang's NEXTN draft-token count includes the verified one
+        out["speculative_num_steps"] = out.pop("speculative_num_draft_tokens")
     return out

@@ -91,16 +91,26 @@ class Drafter:
         return {"draft_num_free_pages": alloc.num_free, "draft_num_total_pages": alloc.num_pages}
 
 
+def captures_decode_graphs(config: "EngineConfig") -> bool:
+    """Whether this engine's ranks may capture decode CUDA graphs: not with NEXTN on a decoding role (the target
+    must write its hidden states every step; a replay would not), on any rank, so the ranks' steps stay alike."""
+    spec = config.speculative
+    return not (spec.speculative_algorithm == "NEXTN" and config.role != "prefill")
+
+
 def build_drafter(config: "EngineConfig", context_length: int, vocab_size: int, tokenizer, device,
                   target_pages: int, max_running_requests: int, runner=None) -> Drafter | None:
     """The engine's drafter, or None without speculation or in the prefill role (the decode drafts; in PD
     the prefill worker computes the prompt's KV and first token as always). STANDALONE loads the draft model here;
     NEXTN the target checkpoint's MTP layer, and makes `runner` (the target's `ModelRunner`) keep and hand over
-    the target's hidden states (its decode CUDA graphs are dropped: a replay would not write them).
+    the target's hidden states (no decode CUDA graphs: a replay would not write them; `captures_decode_graphs`).
+    Under tensor parallelism both run whole on rank 0, beside the target's rank-0 shard: its final-norm output
+    is the full hidden state (replicated on every rank after the last all-reduce), so the MTP layer needs
+    nothing from the other ranks.
 
     Raises:
         ValueError: from `DraftModel` (another vocabulary, a pool over the memory available; NEXTN: a checkpoint
-            without an MTP layer), or NEXTN under tensor parallelism; each names the flag.
+            without an MTP layer); each names the flag.
     """
     spec = config.speculative
     if not spec.enabled or config.role == "prefill":
@@ -125,9 +135,8 @@ def _nextn(config: "EngineConfig", vocab_size: int, device, target_pages: int, m
     from pd_cluster.engine.spec.draft_model import DraftModel, plan_draft_pages
     from pd_cluster.engine.spec.nextn import NextNProposer
 
-    if config.parallel.tp_size > 1 or runner is None or runner.tp_driver is not None:
-        raise ValueError(f"--speculative-algorithm NEXTN is not built for --tp-size {config.parallel.tp_size} "
-                         f"yet; use --tp-size 1 or another algorithm")
+    if runner is None:
+        raise ValueError("--speculative-algorithm NEXTN needs the target's model runner (its hidden states)")
     page, spec = config.cache.page_size, config.speculative
     pages = plan_draft_pages(target_pages, max_running_requests, spec.num_draft_tokens, page)
     mtp = DraftModel(config.model.path, vocab_size, None, config.model.dtype, device,

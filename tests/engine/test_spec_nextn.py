@@ -30,7 +30,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _nextn(path, k: int, **kw) -> LLM:
-    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=k, **kw)
+    """NEXTN with K = `k` drafts per step (SGLang's ``--speculative-num-draft-tokens`` counts the verified token)."""
+    return LLM(str(path), kv_cache_dtype="fp32", speculative_algorithm="NEXTN", speculative_num_draft_tokens=k + 1,
+               **kw)
 
 
 def _pool_whole(llm: LLM) -> bool:
@@ -158,7 +160,27 @@ def test_sglang_chain_flags_set_k(checkpoint):
     assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs
 
 
+def test_num_draft_tokens_counts_the_verified_token_as_in_sglang():
+    """NEXTN's ``--speculative-num-draft-tokens N`` is SGLang's: tokens verified per step, the last known one
+    included (N - 1 drafts), alone or with ``--speculative-num-steps N - 1``; no flag: SGLang's choice for
+    DeepSeek-V3 (3 steps, 4 tokens); vLLM's ``num_speculative_tokens`` stays K itself."""
+    from pd_cluster.engine.args import config_from_kwargs
+
+    def k(**kw):
+        return config_from_kwargs(speculative_algorithm="NEXTN", **kw).speculative.num_draft_tokens
+
+    assert k(speculative_num_draft_tokens=3) == k(speculative_num_steps=2, speculative_num_draft_tokens=3) == 2
+    assert k() == 3 and k(speculative_num_draft_tokens=2) == 1
+    both = config_from_kwargs(speculative_num_draft_tokens=3,
+                              speculative_config='{"method": "deepseek_mtp", "num_speculative_tokens": 2}')
+    assert both.speculative.num_draft_tokens == 2
+    ngram = config_from_kwargs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3).speculative
+    assert ngram.num_draft_tokens == 3  # NGRAM and STANDALONE: K itself, as before
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative_algorithm="NEXTN", speculative_num_draft_tokens=1),
+     "--speculative-num-draft-tokens 1 with --speculative-algorithm NEXTN drafts nothing"),
     (dict(speculative_algorithm="NEXTN", speculative_eagle_topk=4), "--speculative-eagle-topk 4 is not supported"),
     (dict(speculative_algorithm="NEXTN", speculative_num_steps=2, speculative_num_draft_tokens=2),
      "--speculative-num-draft-tokens 2 with --speculative-num-steps 2"),
@@ -197,19 +219,11 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     """Every draft the engine proposes (its paged latent KV of the MTP layer, caught up in chunks of 5 tokens,
     then chained) equals a full recompute with transformers' DeepseekV3DecoderLayer as the MTP block
     (`mtp_models.reference_drafts`)."""
-    from mtp_models import reference_drafts
+    from mtp_models import record_drafts, reference_drafts
 
     hf = random_mtp(tmp_path)
     llm = _nextn(tmp_path, k, chunked_prefill_size=5, page_size=4)
-    proposer = llm.engine.drafter.model
-    orig, seen = proposer._propose, []
-
-    def spy(work):
-        out = orig(work)
-        seen.extend((list(req.token_ids), out[req.request_id]) for req, _ in work if req.request_id in out)
-        return out
-
-    proposer._propose = spy
+    seen = record_drafts(llm.engine.drafter.model)
     llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(seen) >= 4
     for seq, drafts in seen:
@@ -220,12 +234,13 @@ def test_drafts_equal_a_transformers_reference_of_the_mtp_layer(tmp_path, k):
     assert sum(d == reference_drafts(hf, seq, len(d)) for seq, d in seen) <= len(seen) // 2
 
 
-def test_nextn_under_tensor_parallelism_is_refused():
+def test_no_decode_cuda_graphs_with_nextn_on_a_decoding_role():
+    """A decode replay would not write the target's hidden states: no rank captures with NEXTN (tensor
+    parallelism: `tests/engine/test_spec_nextn_tp.py`); a prefill worker, which drafts nothing, still does."""
     from pd_cluster.engine.args import config_from_kwargs
-    from pd_cluster.engine.assets import DEFAULT_MODEL
-    from pd_cluster.engine.spec.drafter import build_drafter
+    from pd_cluster.engine.spec.drafter import captures_decode_graphs
 
-    config = config_from_kwargs(model=DEFAULT_MODEL, tp_size=2, speculative_algorithm="NEXTN")
-    with pytest.raises(ValueError) as e:
-        build_drafter(config, 4096, 512, None, "cpu", 64, 8, runner=None)
-    assert "--speculative-algorithm NEXTN is not built for --tp-size 2" in str(e.value)
+    assert not captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN"))
+    assert not captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN", role="decode"))
+    assert captures_decode_graphs(config_from_kwargs(speculative_algorithm="NEXTN", role="prefill"))
+    assert captures_decode_graphs(config_from_kwargs(speculative_algorithm="NGRAM"))

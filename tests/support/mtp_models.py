@@ -122,6 +122,19 @@ def reference_drafts(hf, seq: list[int], k: int) -> list[int]:
     return drafts
 
 
+def record_drafts(proposer) -> list[tuple[list[int], list[int]]]:
+    """Wrap `proposer`'s ``_propose``: the returned list fills with (the request's tokens, its drafts) per draft."""
+    orig, seen = proposer._propose, []
+
+    def spy(work):
+        out = orig(work)
+        seen.extend((list(req.token_ids), out[req.request_id]) for req, _ in work if req.request_id in out)
+        return out
+
+    proposer._propose = spy
+    return seen
+
+
 _OUTPUTS = ("o_proj.weight", "down_proj.weight")  # each block's output projections (attention, MLPs, experts)
 
 

@@ -42,6 +42,7 @@ class PeerSpec:
     port: int = 0
     device: str = "cpu"
     env: dict = field(default_factory=dict)
+    speculative: dict = field(default_factory=dict)  # `AgentInfo.speculative` of the agent
 
 
 class PeerCallError(RuntimeError):
@@ -77,7 +78,7 @@ class _Worker:
         cfg = TransferConfig(kv_transfer_timeout=spec.kv_transfer_timeout, heartbeat_interval=spec.heartbeat_interval,
                              abort_quarantine=spec.abort_quarantine, ucx_tls=spec.ucx_tls)
         self.registry = CollectorRegistry()
-        self.agent = TransferAgent(self.mp.pool, self.mp.lm.identity, spec.role, cfg)
+        self.agent = TransferAgent(self.mp.pool, self.mp.lm.identity, spec.role, cfg, spec.speculative)
         metrics = TransferMetrics(self.registry)
         self.sender = KVSender(self.agent, metrics) if spec.role == "prefill" else None
         self.receiver = KVReceiver(self.agent, metrics) if spec.role == "decode" else None

@@ -3,9 +3,12 @@
 A prefill worker (stories260K, FP8, page size 16) meets decode workers that
 differ in one respect each: page size, KV dtype, KV head count (a model of
 the same family with 2 KV heads), and model (same architecture, other
-weights). Each handshake, in both directions, raises `LayoutMismatchError`
-naming the field and both values; decode cannot even issue a ticket, and its
-pool stays all zeros.
+weights), and the drafter state speculative decoding expects across the
+transfer (a decode that would wait for the MTP layer's inputs from a prefill
+that sends none). Each handshake, in both directions, raises
+`LayoutMismatchError` naming the field and both values; decode cannot even
+issue a ticket, and its pool stays all zeros. Other speculative settings on
+one side only (no state crosses) connect and transfer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ def workers(module_launcher, tmp_path_factory):
         "kv_cache_dtype": PeerSpec("decode", **{**BASE, "kv_cache_dtype": "bf16"}),
         "num_kv_heads": PeerSpec("decode", **BASE, model=heads2, load_format="dummy"),
         "model_identity": PeerSpec("decode", **BASE, model=same_arch, load_format="dummy"),
+        "draft_state": PeerSpec("decode", **BASE, speculative={"speculative": "NEXTN k=2",
+                                                                "draft_state": ["nextn_hidden"]}),
+        "speculative_settings": PeerSpec("decode", **BASE, speculative={"speculative": "NGRAM k=4",
+                                                                         "draft_state": []}),
     }
     (pre,), decs = module_launcher.start_multi([PeerSpec("prefill", **BASE)], list(decode_specs.values()))
     return pre, dict(zip(decode_specs, decs))
@@ -42,6 +49,7 @@ def workers(module_launcher, tmp_path_factory):
     ("kv_cache_dtype", "'fp8_e4m3'", "'bf16'"),
     ("num_kv_heads", 4, 2),
     ("model_identity", None, None),
+    ("draft_state", "'none (speculative off)'", "'nextn_hidden (speculative NEXTN k=2)'"),
 ])
 def test_mismatch_fails_at_handshake_and_writes_nothing(workers, field, prefill_value, decode_value):
     pre, decs = workers
@@ -72,10 +80,12 @@ def test_mismatch_fails_at_handshake_and_writes_nothing(workers, field, prefill_
 
 
 @pytest.mark.timeout(120)
-def test_matching_layouts_connect(workers, tokenizer):
-    """The control: the same prefill and an identical decode shake hands and transfer."""
+@pytest.mark.parametrize("which", ["same", "speculative_settings"])
+def test_matching_layouts_connect(workers, tokenizer, which):
+    """The control: the same prefill and an identical decode (or one that runs NGRAM while the prefill runs no
+    speculation: no drafter state crosses) shake hands and transfer."""
     pre, decs = workers
-    dec = decs["same"]
+    dec = decs[which]
     connect_pair(pre, dec)
     ids = tokenizer("Once upon a time, there was a little girl who loved the sea.").input_ids
     ticket = dec.call("expect", "req-ok", len(ids), pre.agent)
