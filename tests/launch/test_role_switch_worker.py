@@ -225,7 +225,8 @@ def test_config_for_role_and_unsupported_configurations():
     base = WorkerConfig(role="decode", engine=EngineConfig(role="decode"), prefill_url="http://p:1",
                         prefill_urls=("http://p:2",))
     prefill = config_for_role(base, "prefill")
-    assert prefill.role == prefill.engine.role == "prefill" and prefill.prefill_urls == () and prefill.prefill_url is None
+    assert prefill.role == prefill.engine.role == "prefill"
+    assert prefill.prefill_urls == () and prefill.prefill_url is None
     assert config_for_role(prefill, "decode").prefill_urls == ()  # launched as prefill: none to give back
     assert config_for_role(base, "decode") == base
     assert unsupported(FakeEngine(), base) is None
