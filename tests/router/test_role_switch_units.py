@@ -180,3 +180,26 @@ def test_a_second_switch_of_a_switching_worker_is_refused():
     first, second = asyncio.run(run())
     assert first.status_code == 200
     assert second.status_code == 409 and second.json()["error"]["code"] == "switch_in_progress"
+
+
+def test_a_caller_that_goes_away_does_not_leave_the_worker_half_switched():
+    app, switcher, control = _router()
+    p0 = app.registry.get(P0)
+    p0.inflight = 1
+
+    async def run():
+        transport = httpx.ASGITransport(app=control)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            call = asyncio.ensure_future(client.post(f"/workers/{p0.id}/role", json={"role": "decode"}))
+            await asyncio.sleep(0.02)
+            call.cancel()  # the admin client gives up while the router waits for its request on the worker
+            await asyncio.sleep(0.01)
+            p0.inflight = 0
+            for _ in range(200):  # bounded: the switch ends on its own
+                if app.registry.get(P0).role is Role.DECODE:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+    assert asyncio.run(run())
+    assert app.registry.get(P0).switching is None and switcher.seen[0]["role"] == "decode"
