@@ -118,13 +118,21 @@ async def _append(out: list, message: dict) -> None:
     out.append(message)
 
 
+@contextlib.asynccontextmanager
+async def _serving(worker):
+    """`worker` started (its lifespan), a client over it, then shut down."""
+    await _lifespan(worker, "startup")
+    transport = httpx.ASGITransport(app=worker)
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+        yield c
+    await _lifespan(worker, "shutdown")
+
+
 def test_switch_drains_the_old_role_then_serves_the_new_one_over_the_same_engine():
     worker, engine, events, release = _worker()
 
     async def run():
-        await _lifespan(worker, "startup")
-        transport = httpx.ASGITransport(app=worker)
-        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+        async with _serving(worker) as c:
             assert (await c.get("/health")).json() == {"role": "prefill", "stopping": False}
             busy = asyncio.ensure_future(c.post("/v1/completions", json={}))
             await asyncio.sleep(0.02)
@@ -141,7 +149,6 @@ def test_switch_drains_the_old_role_then_serves_the_new_one_over_the_same_engine
             assert (await c.get("/health")).json() == {"role": "decode", "stopping": False}
             metrics = generate_latest(worker.app.state.worker.registry).decode()
             same = await c.post("/role", json={"role": "decode"}, headers=KEY)
-        await _lifespan(worker, "shutdown")
         return r.json(), metrics, same.json()
 
     out, metrics, same = asyncio.run(run())
@@ -158,12 +165,9 @@ def test_a_decode_worker_gets_its_prefill_urls_back():
     worker, engine, events, _ = _worker("decode", prefill_urls=("http://p:1",))
 
     async def run():
-        await _lifespan(worker, "startup")
-        transport = httpx.ASGITransport(app=worker)
-        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+        async with _serving(worker) as c:
             for role in ("prefill", "decode"):
                 assert (await c.post("/role", json={"role": role}, headers=KEY)).status_code == 200
-        await _lifespan(worker, "shutdown")
 
     asyncio.run(run())
     assert [e[:3] for e in events if e[0] == "start"] == [("start", "decode", ("http://p:1",)),
@@ -175,13 +179,10 @@ def test_a_drain_past_its_deadline_keeps_the_role():
     worker, engine, events, _ = _worker()
 
     async def run():
-        await _lifespan(worker, "startup")
-        worker.app.state.worker.running = 1  # a request that does not end
-        transport = httpx.ASGITransport(app=worker)
-        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+        async with _serving(worker) as c:
+            worker.app.state.worker.running = 1  # a request that does not end
             r = await c.post("/role", json={"role": "decode", "timeout_secs": 0.2}, headers=KEY)
             health = (await c.get("/health")).json()
-        await _lifespan(worker, "shutdown")
         return r, health
 
     r, health = asyncio.run(run())
@@ -195,14 +196,11 @@ def test_role_route_refusals():
     worker, engine, _, _ = _worker()
 
     async def run():
-        await _lifespan(worker, "startup")
-        transport = httpx.ASGITransport(app=worker)
-        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+        async with _serving(worker) as c:
             out = [await c.post("/role", json={"role": "decode"}),
                    await c.post("/role", json={"role": "mixed"}, headers=KEY),
                    await c.post("/role", content=b"{", headers=KEY),
                    await c.get("/role", headers=KEY)]
-        await _lifespan(worker, "shutdown")
         return out
 
     got = asyncio.run(run())

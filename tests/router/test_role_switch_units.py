@@ -163,26 +163,9 @@ def test_a_failed_switch_leaves_the_worker_in_its_role():
     assert 'outcome="failed"' in app.metrics.render().decode()
 
 
-def test_a_second_switch_of_a_switching_worker_is_refused():
-    app, switcher, control = _router()
-    p0 = app.registry.get(P0)
-    p0.inflight = 1
-
-    async def run():
-        transport = httpx.ASGITransport(app=control)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            first = asyncio.ensure_future(client.post(f"/workers/{p0.id}/role", json={"role": "decode"}))
-            await asyncio.sleep(0.02)
-            second = await client.post(f"/workers/{p0.id}/role", json={"role": "decode"})
-            p0.inflight = 0
-            return await first, second
-
-    first, second = asyncio.run(run())
-    assert first.status_code == 200
-    assert second.status_code == 409 and second.json()["error"]["code"] == "switch_in_progress"
-
-
-def test_a_caller_that_goes_away_does_not_leave_the_worker_half_switched():
+def _while_p0_switches(during):
+    """P0 asked to switch to decode while one of the router's requests holds it; then
+    ``during(client, call, p0, registry)``."""
     app, switcher, control = _router()
     p0 = app.registry.get(P0)
     p0.inflight = 1
@@ -192,14 +175,32 @@ def test_a_caller_that_goes_away_does_not_leave_the_worker_half_switched():
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             call = asyncio.ensure_future(client.post(f"/workers/{p0.id}/role", json={"role": "decode"}))
             await asyncio.sleep(0.02)
-            call.cancel()  # the admin client gives up while the router waits for its request on the worker
-            await asyncio.sleep(0.01)
-            p0.inflight = 0
-            for _ in range(200):  # bounded: the switch ends on its own
-                if app.registry.get(P0).role is Role.DECODE:
-                    return True
-                await asyncio.sleep(0.01)
-            return False
+            return await during(client, call, p0, app.registry)
 
-    assert asyncio.run(run())
-    assert app.registry.get(P0).switching is None and switcher.seen[0]["role"] == "decode"
+    return app, switcher, asyncio.run(run())
+
+
+def test_a_second_switch_of_a_switching_worker_is_refused():
+    async def during(client, call, p0, registry):
+        second = await client.post(f"/workers/{p0.id}/role", json={"role": "decode"})
+        p0.inflight = 0
+        return await call, second
+
+    _, _, (first, second) = _while_p0_switches(during)
+    assert first.status_code == 200
+    assert second.status_code == 409 and second.json()["error"]["code"] == "switch_in_progress"
+
+
+def test_a_caller_that_goes_away_does_not_leave_the_worker_half_switched():
+    async def during(client, call, p0, registry):
+        call.cancel()  # the admin client gives up while the router waits for its request on the worker
+        await asyncio.sleep(0.01)
+        p0.inflight = 0
+        for _ in range(200):  # bounded: the switch ends on its own
+            if registry.get(P0).role is Role.DECODE:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    app, switcher, done = _while_p0_switches(during)
+    assert done and app.registry.get(P0).switching is None and switcher.seen[0]["role"] == "decode"
