@@ -11,6 +11,8 @@ from one thread and feed requests in between steps.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import sys
 import time
@@ -484,6 +486,26 @@ class LLMEngine:
         if self.tp_driver is not None:
             self.tp_driver.shutdown()
             self.tp_driver = None
+
+    def set_role(self, role: str) -> None:
+        """Turn an idle engine to the ``prefill`` or ``decode`` role in place, weights and KV pool kept (elastic
+        PD's role switch, SGLang PR #28403; the worker re-builds its role's server and transfer parts around it).
+
+        Raises:
+            ValueError: `role` is not ``prefill`` or ``decode``.
+            RuntimeError: a request is still in the engine, a page is still held, or a step is in flight.
+        """
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        if self.requests or self.scheduler.has_work() or self.overlap.in_flight is not None \
+                or self.pages.num_available != self.allocator.num_pages:
+            raise RuntimeError("the engine switches role only when idle with every page free")
+        self.config = dataclasses.replace(self.config, role=role)
+        self.role = self.scheduler.role = self.outputs.role = role
+        self.scheduler.drafter = self.drafter if role != "prefill" else None
+        self.limits = dataclasses.replace(self.limits, role=role)
+        self.overlap = OverlapState(*overlap_mode(self.config, self.device.type))
+        logger.info("engine role is now %s (overlap_schedule=%s)", role, self.overlap.describe())
 
     # ---- introspection -------------------------------------------------------------
     def num_free_pages(self) -> int:

@@ -99,7 +99,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 
 def build_app(config: WorkerConfig):
-    """Build the engine and the role's app (with `InternalAuth` when there is an internal key).
+    """Build the engine and the role's app (with `InternalAuth` when there is an internal key); a prefill or
+    decode worker's app is a `SwitchableWorker`, which can switch between those roles (``POST /role``).
 
     The UCX network devices are pinned to `config.host`'s interface first (`ucx_env.bind_to_host`), so the
     KV transfer listeners bind the worker's own address.
@@ -107,9 +108,20 @@ def build_app(config: WorkerConfig):
     from pd_cluster.serving.worker_app import install_internal_auth
     from pd_cluster.transfer import ucx_env
 
-    if config.role != "mixed":
-        ucx_env.bind_to_host(config.host, config.transfer)
-    return install_internal_auth(_build_role_app(config), config)
+    if config.role == "mixed":
+        return install_internal_auth(_build_role_app(config), config)
+    ucx_env.bind_to_host(config.host, config.transfer)
+    from pd_cluster.engine.llm_engine import LLMEngine
+    from pd_cluster.launch.role_switch import SwitchableWorker
+
+    engine = LLMEngine(config.engine)
+
+    def build(role_config: WorkerConfig):
+        app = role_app_builder(role_config.role)(engine, role_config,
+                                                 {"url": role_config.url, "incarnation": uuid.uuid4().hex[:12]})
+        return install_internal_auth(app, role_config)
+
+    return SwitchableWorker(engine, config, build)
 
 
 def role_app_builder(role: str) -> WorkerAppBuilder:

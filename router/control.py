@@ -11,6 +11,7 @@ leaves its admin API open).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.metadata
 import time
@@ -21,7 +22,7 @@ import httpx
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pd_cluster.router.config import Role, RouterConfig
@@ -32,6 +33,7 @@ from pd_cluster.router.text_map import TextMap
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.models import ModelNames
 from pd_cluster.router.openapi import document_generate_routes, error_responses
+from pd_cluster.router.role_switch import RoleSwitcher, SwitchRefused
 from pd_cluster.router.workers import Worker, WorkerRegistry, normalize_url
 
 
@@ -46,6 +48,11 @@ class AddWorker(BaseModel):
 
 class RemoveWorker(BaseModel):
     url: str
+
+
+class SwitchRole(BaseModel):
+    role: str
+    timeout_secs: float = Field(default=600.0, gt=0, le=3600)
 
 
 def _error(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -71,8 +78,11 @@ class ControlPlane:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, monitor: HealthMonitor,
                  metrics: RouterMetrics, models: ModelNames,
                  is_draining: Callable[[], bool], can_route: Callable[[], bool],
-                 kv_index: KvIndex | None = None, text_map: TextMap | None = None) -> None:
+                 kv_index: KvIndex | None = None, text_map: TextMap | None = None,
+                 switcher: RoleSwitcher | None = None) -> None:
         self.config = config
+        self.switcher = switcher or RoleSwitcher(config, registry, monitor, metrics)
+        self._switches: set[asyncio.Task] = set()  # switches under way (kept referenced until done)
         self.kv_index = kv_index
         self.text_map = text_map
         self.registry = registry
@@ -246,6 +256,23 @@ class ControlPlane:
             if removed is None:
                 raise HTTPException(404, f"no worker {url}")
             return JSONResponse({"removed": removed.url})
+
+        @app.post("/workers/{worker_id}/role", responses=error_responses(400, 401, 403, 404, 409, 502, 504))
+        async def switch_role(request: Request, worker_id: str, body: SwitchRole) -> Response:
+            """Switch a prefill worker to decode or back without reloading its weights (``router.role_switch``);
+            answers once it serves the new role."""
+            self._check_admin(request)
+            # shielded: a caller that goes away does not leave the worker half-switched in the registry
+            task = asyncio.ensure_future(self.switcher.switch(worker_id, body.role, body.timeout_secs))
+            self._switches.add(task)
+            task.add_done_callback(self._switches.discard)
+            try:
+                out = await asyncio.shield(task)
+            except SwitchRefused as e:
+                if e.body is not None:
+                    return Response(e.body, status_code=e.status, media_type="application/json")
+                return _error(e.status, e.message, e.param, e.code)
+            return JSONResponse(out)
 
 
 def package_version() -> str:

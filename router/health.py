@@ -173,7 +173,10 @@ class HealthMonitor:
 
     # ---- probes ---------------------------------------------------------------------------------------------
     async def check(self, worker: Worker) -> bool:
-        """One health check (while one is outstanding for this worker, only count it overdue)."""
+        """One health check (while one is outstanding for this worker, only count it overdue; none while it
+        switches role: it drains and re-registers, ``router.role_switch``)."""
+        if worker.switching is not None:
+            return worker.healthy
         sent = self._checking.get(worker.url)
         if sent is not None:
             self._overdue(worker, sent)
@@ -225,6 +228,8 @@ class HealthMonitor:
     async def poll_load(self, worker: Worker) -> None:
         """One ``/get_load`` poll (while one is outstanding, only count it overdue); a non-200 answer counts as a
         failed check, a refused or reset connection as death."""
+        if worker.switching is not None:
+            return
         sent = self._polling.get(worker.url)
         if sent is not None:
             self._overdue(worker, sent)

@@ -18,7 +18,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
@@ -39,6 +39,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
 E2E_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0,
                5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+SWITCH_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class FastHistogram:
@@ -127,6 +129,14 @@ class RouterMetrics:
         self.inflight_failed = Counter("pd_router_inflight_failed_by_health",
                                        "Attempts in flight failed because their worker was found dead.",
                                        ["role"], registry=r)
+
+        self.role_switches = Counter("pd_router_role_switches",
+                                     "Worker role switches (POST /workers/{id}/role), by roles and outcome.",
+                                     ["from_role", "to_role", "outcome"], registry=r)
+        self.role_switch_seconds = Histogram("pd_router_role_switch_duration_seconds",
+                                             "A successful role switch, from the request to the worker serving "
+                                             "its new role.", ["from_role", "to_role"], buckets=SWITCH_BUCKETS,
+                                             registry=r)
 
     def count_request(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)

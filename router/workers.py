@@ -8,6 +8,7 @@ from: the router never proxies to a host named in a request.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,16 @@ def normalize_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+def worker_id(url: str) -> str:
+    """A worker's stable id in ``/workers``: ``w`` and the first 12 hex digits of BLAKE2b over its normalized URL.
+
+    A worker is its URL, so the id is the same on every router replica, after a router restart, through health
+    changes and through role switches (``POST /workers/{id}/role``); a worker re-added at the same URL gets it
+    back. Raises ``ValueError`` on a bad URL (`normalize_url`).
+    """
+    return "w" + hashlib.blake2b(normalize_url(url).encode(), digest_size=6).hexdigest()
+
+
 @dataclass(eq=False)
 class Worker:
     """One worker and what the router knows of it.
@@ -59,7 +70,9 @@ class Worker:
     seen alive (a fact, not a timeout; its in-flight requests are failed and migrated); cleared by the
     next check it passes. ``probe_seen``: ``time.monotonic()`` of its last probe answer, however late;
     ``progress``: its step and transfer counters (``/health``, ``/get_load``), and ``progress_at`` when
-    they last advanced. ``pool``: its data-path connections (``router.upstream``).
+    they last advanced. ``pool``: its data-path connections (``router.upstream``). ``id``: its stable id
+    (`worker_id`). ``switching``: the role it is switching to (``router.role_switch``): it takes no new work of
+    its current role meanwhile and is not probed.
     """
 
     url: str
@@ -85,7 +98,12 @@ class Worker:
     progress_at: float = float("-inf")
     pool: Any = field(default=None, repr=False)
     added_at: float = field(default_factory=time.monotonic)
+    switching: Role | None = None
+    id: str = ""
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.id = self.id or worker_id(self.url)
 
     def url_for(self, path: str) -> URL:
         """The parsed URL of ``path`` on this worker (cached: parsing costs per request)."""
@@ -95,8 +113,8 @@ class Worker:
         return url
 
     def usable(self, now: float) -> bool:
-        """Healthy and its circuit breaker is not open."""
-        return self.healthy and self.breaker.allows(now)
+        """Healthy, not switching role, and its circuit breaker is not open."""
+        return self.healthy and self.switching is None and self.breaker.allows(now)
 
     def note_progress(self, body: object, now: float) -> None:
         """Read the progress counters of a ``/health`` or ``/get_load`` answer (``num_steps``,
@@ -120,7 +138,8 @@ class Worker:
         """JSON view for ``GET /workers``."""
         load = self.load
         return {
-            "url": self.url, "role": self.role.value, "source": self.source,
+            "id": self.id, "url": self.url, "role": self.role.value, "source": self.source,
+            "switching_to": None if self.switching is None else self.switching.value,
             "healthy": self.healthy, "dead": self.dead, "circuit_state": self.breaker.state(now).value,
             "busy": self.busy_until > now, "slow_checks": self.slow_checks,
             "inflight": self.inflight, "served_model_name": self.served_model_name,
@@ -201,6 +220,10 @@ class WorkerRegistry:
 
     def get(self, url: str) -> Worker | None:
         return self._workers.get(url)
+
+    def by_id(self, worker_id_: str) -> Worker | None:
+        """The worker whose stable `Worker.id` is `worker_id_`, else None."""
+        return next((w for w in self._workers.values() if w.id == worker_id_), None)
 
     def all(self) -> list[Worker]:
         return list(self._workers.values())

@@ -183,6 +183,7 @@ class WorkerState:
         self.extra_load = extra_load or (lambda: {})
         self._stopping = False
         self.starting: str | None = None  # why the worker is not ready yet (``/health`` answers 503 meanwhile)
+        self.close_engine = True  # False: the app's shutdown leaves the engine open (a role switch re-uses it)
 
     @property
     def draining(self) -> bool:
@@ -191,6 +192,10 @@ class WorkerState:
 
     def stop_taking_work(self) -> None:
         self._stopping = True
+
+    def resume_taking_work(self) -> None:
+        """Undo `stop_taking_work` (a role switch that was given up before the role's parts were torn down)."""
+        self._stopping = False
 
     @property
     def load(self) -> dict[str, Any]:
@@ -247,7 +252,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
             state.loop.stop()
             if on_shutdown is not None:
                 await _maybe_await(on_shutdown())
-            state.loop.engine.close()  # stops tensor-parallel ranks, if any
+            if state.close_engine:
+                state.loop.engine.close()  # stops tensor-parallel ranks, if any
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = state

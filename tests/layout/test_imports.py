@@ -5,7 +5,7 @@
 * the engine imports no web, HTTP or metrics library, and no serving, role, router or transfer code (only `common`);
 * no tool-call code under `engine/` (it is in `serving/tools/`);
 * the prefill and decode roles never import each other; what they share beyond `serving` is in `disagg`;
-* the router and the transfer import nothing of ours but `common` (no engine, no serving, no role);
+* the router, the transfer and the planner import nothing of ours but `common` (no engine, no serving, no role);
 * the package folders form no cycle, and neither do the files (imports inside functions and under
   `TYPE_CHECKING` count too).
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ["common", "engine", "serving", "disagg", "prefill", "decode", "router", "transfer", "bench", "launch"]
+FOLDERS = ["common", "engine", "serving", "disagg", "prefill", "decode", "router", "transfer", "bench", "launch",
+           "planner"]
 WEB_AND_METRICS = {"fastapi", "starlette", "pydantic", "prometheus_client", "httpx", "aiohttp", "uvicorn"}
 
 
@@ -111,9 +112,9 @@ def test_the_roles_share_through_disagg_which_imports_neither():
     assert not bad, "disagg/ is below both roles:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("lower", ["transfer", "router"])
+@pytest.mark.parametrize("lower", ["transfer", "router", "planner"])
 def test_router_and_transfer_import_nothing_of_ours_but_common(lower):
-    """No import of the engine (nor serving, the roles, launch, bench) from router/ or transfer/."""
+    """No import of the engine (nor serving, the roles, launch, bench) from router/, transfer/ or planner/."""
     bad = [f"{p.relative_to(REPO)}: {n}" for p in _sources(lower) for n in _imports(p)
            if n.startswith("pd_cluster.") and n.split(".")[1] not in (lower, "common")]
     assert not bad, f"{lower}/ may import only pd_cluster.common:\n" + "\n".join(bad)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FOLDERS = ["common", "engine", "serving", "disagg", "prefill", "decode", "router", "transfer", "bench", "launch"]
+FOLDERS = ["common", "engine", "serving", "disagg", "prefill", "decode", "router", "transfer", "bench", "launch",
+           "planner"]
 
 
 def _pyproject() -> dict:
