@@ -14,8 +14,9 @@ Megatron-LM's split applied per expert); with expert parallelism rank r holds
 experts ``[r E / N, (r + 1) E / N)`` whole and skips the others. Either way
 the tokens are replicated on every rank (the attention all-reduce leaves
 them so), each rank computes a partial sum, and one all-reduce after the
-shared experts completes it: no all-to-all is needed at this scale (see
-``docs/moe.md`` for the all-to-all design across nodes).
+shared experts completes it. Under DP attention each rank holds other tokens: the
+block gathers every DP rank's tokens first and returns each rank its own rows of
+the sum (`pd_cluster.engine.parallel.dp_attention`, ``docs/moe.md``).
 """
 
 from __future__ import annotations
@@ -240,6 +241,18 @@ class SparseMoE(nn.Module):
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.gathers_tokens:
+            return self.tp.all_reduce(self._partial(x))
+        # DP attention: every DP rank's tokens in, this rank's rows of the summed output back
+        # (`pd_cluster.engine.parallel.dp_attention.DPMoEGroup`)
+        gathered = self.tp.dispatch(x)
+        if gathered.shape[0] == 0:
+            return x  # no rank has a token this step (an idle step everywhere)
+        return self.tp.combine(self._partial(gathered))
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output for x [T, H]: its experts (or its slice of each) and its slice
+        of the shared experts, before the sum over the group."""
         weights, ids = self.gate(x)
         if self.cfg.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
@@ -252,7 +265,7 @@ class SparseMoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return self.tp.all_reduce(out)
+        return out
 
     def warm_up_kernels(self) -> None:
         """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""
