@@ -246,7 +246,10 @@ class DPAttentionEngine:
     def abort_request(self, request_id: str, release_pages: bool = True) -> bool:
         """Stop a request on its rank; its final delta comes with the next step."""
         req = self.requests.get(request_id)
-        return req is not None and bool(self._call(req.dp_rank, "abort", request_id, release_pages))
+        if req is None or not self._call(req.dp_rank, "abort", request_id, release_pages):
+            return False
+        self._busy[req.dp_rank] = True  # its final delta comes with the rank's next step
+        return True
 
     # ---- the step ----------------------------------------------------------------
     def has_work(self) -> bool:
