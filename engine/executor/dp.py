@@ -97,6 +97,7 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
         return
     moe = group.moe
     hidden, dtype = engine.arch.hidden_size, engine.loaded.dtype
+    moe_layers = _moe_layers(engine.loaded.model)
     conn.send(("ready", _describe(engine)))
     while True:
         name, args = conn.recv()
@@ -105,7 +106,7 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
         try:
             if name == "step":
                 out = engine.step()
-                idled = moe.end_step(engine.loaded.model, hidden, dtype)
+                idled = moe.end_step(moe_layers, hidden, dtype)
                 result: Any = (out, engine.has_work(), engine.load(), idled)
             elif name == "add":
                 result = engine.add_request(*args)
@@ -122,12 +123,17 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
     moe.destroy()
 
 
-def _describe(engine) -> dict:
-    """What a DP rank holds: its pool's size, its first MoE layer's experts, its first layer's attention heads."""
+def _moe_layers(model) -> list:
+    """The model's MoE blocks, in layer order."""
     from pd_cluster.engine.model.moe import SparseMoE
 
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def _describe(engine) -> dict:
+    """What a DP rank holds: its pool's size, its first MoE layer's experts, its first layer's attention heads."""
     model = engine.loaded.model
-    experts = next(m for m in model.modules() if isinstance(m, SparseMoE)).experts
+    experts = _moe_layers(model)[0].experts
     return {"num_pages": engine.pool.num_pages, "max_total_num_tokens": engine.pool.max_total_num_tokens,
             "max_running_requests": engine.max_running_requests,
             "attention_heads": model.layers[0].self_attn.num_heads,

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pd_cluster.engine.parallel.group import TPGroup
+from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 
 
 @dataclass
@@ -88,16 +88,14 @@ class DPMoEGroup(TPGroup):
                                input_split_sizes=self._counts, group=self._tensor_group)
         return out.view(self.size, mine, partial.shape[1]).sum(dim=0)
 
-    def end_step(self, model: torch.nn.Module, hidden_size: int, dtype: torch.dtype) -> bool:
-        """Close one step: when this rank ran no forward, run every MoE layer on zero tokens (the idle pass), so
-        the other ranks' collectives find this rank's. Returns whether it ran the idle pass.
+    def end_step(self, layers: list[torch.nn.Module], hidden_size: int, dtype: torch.dtype) -> bool:
+        """Close one step: when this rank ran no forward, run every MoE layer (`layers`, the model's `SparseMoE`
+        blocks in order) on zero tokens (the idle pass), so the other ranks' collectives find this rank's.
+        Returns whether it ran the idle pass.
 
         Raises:
             RuntimeError: this rank ran a number of MoE layers that is not a whole number of forwards.
         """
-        from pd_cluster.engine.model.moe import SparseMoE  # the model imports this package
-
-        layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
         calls, self._calls = self._calls, 0
         if calls:
             if calls % len(layers):
@@ -119,7 +117,5 @@ def init_dp_group(rank: int, size: int, master: tuple[str, int], device: torch.d
     Raises:
         RuntimeError: the rendezvous failed or a rank did not arrive in time (`init_tp_group`).
     """
-    from pd_cluster.engine.parallel.group import init_tp_group
-
     moe = init_tp_group(rank, size, master, device, cls=DPMoEGroup)
     return TPGroup(0, 1, device, moe_group=moe)
