@@ -133,11 +133,13 @@ def _moe_layers(model) -> list:
 def _describe(engine) -> dict:
     """What a DP rank holds: its pool's size, its first MoE layer's experts, its first layer's attention heads."""
     model = engine.loaded.model
-    experts = _moe_layers(model)[0].experts
+    moe = _moe_layers(model)[0]
+    experts = moe.experts
     return {"num_pages": engine.pool.num_pages, "max_total_num_tokens": engine.pool.max_total_num_tokens,
             "max_running_requests": engine.max_running_requests,
             "attention_heads": model.layers[0].self_attn.num_heads,
-            "experts": (experts.first_expert, experts.num_local_experts, tuple(experts.w13_weight.shape))}
+            "experts": (experts.first_expert, experts.num_local_experts, tuple(experts.w13_weight.shape)),
+            "shared_width": None if moe.shared_experts is None else moe.shared_experts.intermediate_size}
 
 
 @dataclass

@@ -183,7 +183,7 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
                 module, suffix = split_name(hf_name)
                 name = weight_map.canonical((module + ".weight" if suffix in PRIMARY_SUFFIXES else hf_name)
                                             .removeprefix("model."), family.weight_renames)
-                g = _group_of(name, arch, tp)
+                g = _group_of(name, arch, tp, expert_parallel)
                 if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), tensors,
                                          experts_stored, g.rank, g.size, expert_parallel and g.size > 1,
                                          loaded) or suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
@@ -206,12 +206,12 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
 _MLP_RE = re.compile(r"layers\.(\d+)\.mlp\.")
 
 
-def _group_of(name: str, arch: ArchConfig, tp: TPGroup) -> TPGroup:
+def _group_of(name: str, arch: ArchConfig, tp: TPGroup, expert_parallel: bool) -> TPGroup:
     """The group that splits the tensor `name` (canonical, without ``model.``): a MoE layer's MLP tensors split
     over ``tp.moe`` (under DP attention the DP ranks, `pd_cluster.engine.parallel.dp_attention`), the rest over
     `tp`."""
-    if tp.moe is tp:
-        return tp
+    if tp.moe is tp or (expert_parallel and ".shared_expert" in name):
+        return tp  # DP attention with expert parallelism keeps the shared experts whole (`SparseMoE.routed`)
     m = _MLP_RE.match(name)
     return tp.moe if m and arch.moe is not None and arch.is_moe_layer(int(m.group(1))) else tp
 

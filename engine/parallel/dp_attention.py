@@ -3,24 +3,25 @@
 SGLang's ``--enable-dp-attention`` (``--tp-size N --dp-size N``): each of the N
 ranks runs attention for its own requests, on its own KV pool, with the
 attention weights (and the dense layers, embeddings and LM head) whole; only
-the MoE layers are shared. Their experts are split over the N ranks, by width
-(tensor parallel) or whole (``--enable-expert-parallel``), and each MoE layer
-of a step:
+the MoE layers are shared. Their experts are split over the N ranks, and each
+MoE layer of a step runs one of two exchanges.
 
-1. exchanges the ranks' token counts ``[T_0 .. T_{N-1}]`` (an all-gather of one int64 each);
-2. **dispatch**: gathers every rank's hidden states, in rank order, ``[sum T, H]`` on every rank
-   (an all-gather of uneven sizes, made as one ``all_to_all_single``);
-3. computes this rank's partial output for all those tokens (its experts, or its slice of each, and its
-   slice of the shared experts);
-4. **combine**: sums the partial outputs and hands each rank its own ``T_r`` rows (a reduce-scatter of
-   uneven sizes, again one ``all_to_all_single``: rank r receives every rank's rows of its tokens and
-   adds them in rank order, so every rank sums in the same order).
+**Experts split by width (tensor parallel, the default): all-gather + reduce-scatter.**
 
-This is the all-gather + reduce-scatter form of dispatch and combine (SGLang's
-DP-attention MoE without DeepEP): every hidden state goes to every rank, which
-under expert parallelism is ``N / min(N, ranks a token's experts lie on)``
-times the bytes of a routed all-to-all, but needs no per-expert routing of the
-tokens before the collective.
+1. exchange the ranks' token counts ``[T_0 .. T_{N-1}]`` (an all-gather of one int64 each);
+2. **dispatch**: every rank's hidden states, in rank order, ``[sum T, H]`` on every rank (an all-gather of
+   uneven sizes, made as one ``all_to_all_single``);
+3. this rank's partial output for all those tokens (its slice of every expert and of the shared experts);
+4. **combine**: each rank receives every rank's partial rows of its own tokens and adds them in rank order
+   (a reduce-scatter of uneven sizes, one ``all_to_all_single``).
+
+**Whole experts (``--enable-expert-parallel``): routed all-to-all.** Each rank routes its own tokens, then
+(`DPMoEGroup.dispatch_routed`) sends each token once to every rank holding one of its chosen experts, with
+its expert ids and weights (an all-to-all of the counts, then of the hidden states and of the choices); each
+rank runs its experts on what it received (the other ranks' choices are -1 there) and sends each row back
+(`combine_routed`), where a token's parts are added in rank order. The shared experts are whole on every
+rank and run on the rank's own tokens, with no exchange. A token crosses to at most ``min(N, k)`` ranks,
+against N for the all-gather (SGLang's DeepEP normal mode, without its kernels).
 
 The ranks step in lockstep: every rank runs one forward per step, and a rank
 with no work runs an idle pass (`DPMoEGroup.end_step`: each MoE layer with zero
@@ -42,13 +43,16 @@ from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 class DPMoEGroup(TPGroup):
     """The MoE layers' group under DP attention: `rank` of `size` DP ranks.
 
-    `SparseMoE` calls `dispatch` then `combine` once per layer; `end_step` closes each step (an idle pass
+    `SparseMoE` calls `dispatch` then `combine` (or `dispatch_routed` then `combine_routed`) once per layer; `end_step` closes each step (an idle pass
     when this rank ran no forward).
     """
 
     gathers_tokens = True
     _counts: list[int] = field(default_factory=list)
     _calls: int = 0
+    _send: list[int] = field(default_factory=list)  # routed dispatch: tokens sent to / received from each rank
+    _recv: list[int] = field(default_factory=list)
+    _token: torch.Tensor | None = None  # routed dispatch: which of this rank's tokens each sent row is
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Every DP rank's tokens, in rank order.
@@ -87,6 +91,50 @@ class DPMoEGroup(TPGroup):
         dist.all_to_all_single(out, partial.contiguous(), output_split_sizes=[mine] * self.size,
                                input_split_sizes=self._counts, group=self._tensor_group)
         return out.view(self.size, mine, partial.shape[1]).sum(dim=0)
+
+    def dispatch_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts_per_rank: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert parallelism: send each token, once, to every rank that holds one of its experts (rank d holds
+        experts ``[d E_r, (d + 1) E_r)``), with its choices.
+
+        Args:
+            x: [T_r, H] this rank's hidden states; weights: [T_r, k] (float32 or x's dtype); ids: [T_r, k] int64
+                global expert ids.
+            experts_per_rank: E_r.
+
+        Returns:
+            (received [R, H] in x's dtype, their weights [R, k] in weights' dtype, their ids [R, k] int64): the
+            tokens other ranks (and this one) sent here, in source rank order.
+        """
+        self._calls += 1
+        owner = ids // experts_per_rank
+        ranks = torch.arange(self.size, device=x.device).view(-1, 1, 1)
+        dest, token = (owner.unsqueeze(0) == ranks).any(dim=-1).nonzero(as_tuple=True)  # by dest, then token
+        send = torch.bincount(dest, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self._tensor_group)
+        self._send, self._recv, self._token = send.tolist(), recv.tolist(), token
+        k = ids.shape[1]
+        meta = torch.cat([ids[token].to(torch.float32), weights[token].to(torch.float32)], dim=1)  # ids < 2^24
+        received = x.new_empty(sum(self._recv), x.shape[1])
+        r_meta = meta.new_empty(received.shape[0], 2 * k)
+        dist.all_to_all_single(received, x[token], self._recv, self._send, group=self._tensor_group)
+        dist.all_to_all_single(r_meta, meta, self._recv, self._send, group=self._tensor_group)
+        return received, r_meta[:, k:].to(weights.dtype), r_meta[:, :k].long()
+
+    def combine_routed(self, partial: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Send each received token's partial output back to its rank and add up each token's parts.
+
+        Args:
+            partial: [R, H] this rank's experts' weighted sum for the tokens `dispatch_routed` returned.
+            num_tokens: T_r, this rank's tokens.
+
+        Returns:
+            [T_r, H] in partial's dtype: each token's sum over the ranks of its experts, in rank order.
+        """
+        back = partial.new_empty(sum(self._send), partial.shape[1])
+        dist.all_to_all_single(back, partial.contiguous(), self._send, self._recv, group=self._tensor_group)
+        return partial.new_zeros(num_tokens, partial.shape[1]).index_add_(0, self._token, back)
 
     def end_step(self, layers: list[torch.nn.Module], hidden_size: int, dtype: torch.dtype) -> bool:
         """Close one step: when this rank ran no forward, run every MoE layer (`layers`, the model's `SparseMoE`

@@ -1,6 +1,7 @@
 """DP attention on CPU (SGLang's ``--tp-size 2 --dp-size 2 --enable-dp-attention``): two DP rank processes over
 gloo, each with its own requests, scheduler and KV pool and the attention weights whole; the MoE layers gather
-both ranks' tokens and split the experts by width, or whole with ``enable_expert_parallel``. Greedy tokens of a
+both ranks' tokens and split the experts by width, or hold them whole with ``enable_expert_parallel`` and send
+each token to the ranks of its experts (routed all-to-all). Greedy tokens of a
 batch spread unevenly over the ranks (so a rank idles some steps) equal transformers' greedy loop and the TP-1
 engine's, with fp32 KV. Start-up refusals name the flag."""
 
@@ -45,6 +46,7 @@ def _check(path, hf_refs, expert_parallel, tp1_tokens, want_experts):
         assert all(r["num_free_pages"] == r["num_total_pages"] for r in load["dp_ranks"])  # no page leaked
     finally:
         engine.close()
+    return info
 
 
 def _tp1_tokens(path, prompts):
@@ -75,7 +77,9 @@ def test_deepseek_v3_dp2_greedy_equals_transformers_and_tp1(expert_parallel, tmp
     prompts = prompt_ids(5)
     refs = [hf_greedy_recompute(hf, ids, 20) for ids in prompts]
     want = [(0, 2, (2, 64, 64)), (2, 2, (2, 64, 64))] if expert_parallel else [(0, 4, (4, 32, 64))] * 2
-    _check(tmp_path, refs, expert_parallel, _tp1_tokens(tmp_path, prompts), want)
+    # the shared expert (32 wide): whole on each rank with the routed all-to-all (EP), else half on each
+    info = _check(tmp_path, refs, expert_parallel, _tp1_tokens(tmp_path, prompts), want)
+    assert [i["shared_width"] for i in info] == [32 if expert_parallel else 16] * 2
 
 
 def _config(path, **parallel):
