@@ -105,8 +105,10 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
             break
         try:
             if name == "step":
-                out = engine.step()
-                idled = moe.end_step(moe_layers, hidden, dtype)
+                try:
+                    out = engine.step()
+                finally:  # a step that failed before its forward still pairs the other ranks' collectives
+                    idled = moe.end_step(moe_layers, hidden, dtype)
                 result: Any = (out, engine.has_work(), engine.load(), idled)
             elif name == "add":
                 result = engine.add_request(*args)
