@@ -111,6 +111,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-expert-parallel", "parallel.enable_expert_parallel", None,
          "MoE layers: each TP rank holds whole experts (E / tp-size) instead of a slice of every expert (vLLM's flag).",
          action="store_true"),
+    Flag("--dp-size", "parallel.dp_size", int,
+         "Data-parallel attention ranks (with --enable-dp-attention; --tp-size / --dp-size ranks each).",
+         aliases=("--data-parallel-size",)),
+    Flag("--enable-dp-attention", "parallel.enable_dp_attention", None,
+         "Data-parallel attention (SGLang's flag): each DP rank its own requests and KV pool, attention weights "
+         "whole; MoE layers gather every rank's tokens.", action="store_true"),
     Flag("--device", "device.device", str, "auto, cpu or cuda[:N]."),
     Flag("--attention-backend", "device.attention_backend", str, "auto, torch, cpu or triton.",
          choices=("auto", "torch", "cpu", "triton")),

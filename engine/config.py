@@ -268,15 +268,42 @@ class ParallelConfig:
 
     `enable_expert_parallel`: MoE layers split their experts across the TP ranks (whole experts each)
     instead of each expert's width (`pd_cluster.engine.model.moe`).
+    `dp_size`, `enable_dp_attention`: SGLang's data-parallel attention: the `tp_size` ranks form `dp_size`
+    attention groups, each with its own requests and KV pool (`pd_cluster.engine.parallel.dp_attention`).
     """
 
     tp_size: int = 1
     tp_rank: int = 0
     enable_expert_parallel: bool = False
+    dp_size: int = 1
+    enable_dp_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {self.tp_size}, {self.tp_rank}")
+        check_dp(self.tp_size, self.dp_size, self.enable_dp_attention)
+
+
+def check_dp(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:
+    """Refuse the DP attention settings that are not built (SGLang's flags and meaning).
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
+    if enable_dp_attention and dp_size == 1:
+        raise ValueError("--enable-dp-attention needs --dp-size > 1 (the number of data-parallel attention ranks)")
+    if dp_size > 1 and not enable_dp_attention:
+        raise ValueError(f"--dp-size {dp_size} without --enable-dp-attention (data-parallel replicas of the whole "
+                         "engine in one worker) is not built: start one worker per replica behind the router, or "
+                         "add --enable-dp-attention")
+    if tp_size % dp_size:
+        raise ValueError(f"--dp-size {dp_size} must divide --tp-size {tp_size} (each DP rank's attention runs on "
+                         f"--tp-size / --dp-size ranks)")
+    if dp_size > 1 and tp_size != dp_size:
+        raise ValueError(f"--tp-size {tp_size} with --dp-size {dp_size}: tensor-parallel attention inside a DP rank "
+                         f"(--tp-size / --dp-size = {tp_size // dp_size}) is not built; use --tp-size {dp_size}")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,13 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         engine_args.setdefault("role", "mixed")
-        self.engine = LLMEngine(config_from_kwargs(model=model, **engine_args))
+        config = config_from_kwargs(model=model, **engine_args)
+        if config.parallel.enable_dp_attention:  # one engine per DP rank (`pd_cluster.engine.executor.dp`)
+            from pd_cluster.engine.executor.dp import DPAttentionEngine
+
+            self.engine = DPAttentionEngine(config)
+        else:
+            self.engine = LLMEngine(config)
         self._next_id = 0
 
     def get_tokenizer(self):
@@ -42,7 +48,8 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, data_parallel_rank: int | list[int | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         Args:
@@ -51,6 +58,8 @@ class LLM:
                 into ``n`` engine requests (`fanned_out`: seeds ``seed + i``), whose sequences come back together
                 in one `RequestOutput` (``outputs[i].index == i``), as vLLM's ``LLM`` returns them.
             use_tqdm: show a progress bar.
+            data_parallel_rank: under ``enable_dp_attention``, the DP rank of every prompt, or one per prompt
+                (None: the engine picks; SGLang's request field).
 
         Raises:
             RequestRejected: a prompt is invalid or too long; nothing is left queued.
@@ -62,7 +71,13 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         fans = [fanned_out(p) for p in params_list]
-        ids = self._add_all([pr for pr, f in zip(prompts, fans) for _ in f], [p for f in fans for p in f])
+        ranks = data_parallel_rank if isinstance(data_parallel_rank, list) else [data_parallel_rank] * len(prompts)
+        if len(ranks) != len(prompts):
+            raise ValueError(f"got {len(ranks)} data_parallel_rank values for {len(prompts)} prompts")
+        if any(r is not None for r in ranks) and not hasattr(self.engine, "pick_rank"):
+            raise ValueError("data_parallel_rank needs an engine started with enable_dp_attention")
+        ids = self._add_all([pr for pr, f in zip(prompts, fans) for _ in f], [p for f in fans for p in f],
+                            [r for r, f in zip(ranks, fans) for _ in f])
         results = self._run(ids, use_tqdm)
         outs, k = [], 0
         for prompt, f in zip(prompts, fans):
@@ -76,13 +91,16 @@ class LLM:
             outs.append(first)
         return outs
 
-    def _add_all(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list, params_list: list[SamplingParams], ranks: list[int | None]) -> list[str]:
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, rank in zip(prompts, params_list, ranks):
                 rid = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(rid, prompt, p)
+                if rank is None:
+                    self.engine.add_request(rid, prompt, p)
+                else:
+                    self.engine.add_request(rid, prompt, p, data_parallel_rank=rank)
                 ids.append(rid)
         except Exception:
             for rid in ids:

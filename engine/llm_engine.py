@@ -35,7 +35,7 @@ from pd_cluster.engine.kv.l3.setup import attach_l3
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
-from pd_cluster.engine.parallel.group import SINGLE
+from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, StepOutput
@@ -63,18 +63,24 @@ class LLMEngine:
 
     Args:
         config: the engine configuration.
+        group: a DP attention rank's group (its attention on one rank, its MoE layers over the DP ranks:
+            `pd_cluster.engine.parallel.dp_attention`); None otherwise.
 
     Raises:
         ValueError: invalid configuration, unsupported model, or a KV budget that holds no page.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, group: TPGroup | None = None) -> None:
+        if config.parallel.enable_dp_attention:
+            raise ValueError("--enable-dp-attention: one engine per DP rank, run by `DPAttentionEngine` "
+                             "(pd_cluster.engine.executor.dp); it is not built for the workers of pd-serve yet")
         check_model_folder(config.model.path)  # before the tokenizer: a Hub id must not reach transformers
         # EOS ids and default sampling parameters (--generation-config), refused keys before any weight loads
         self.generation = load_generation_config(config.model.generation_config, config.model.path)
         self.config = config
         self.role = config.role
         self.tp_driver = None
+        self._group = group or SINGLE  # a DP attention rank's group (`dp_attention.init_dp_group`)
         if config.parallel.tp_size > 1:
             check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel)
             self.tp_driver = TPDriver(config)
@@ -93,7 +99,7 @@ class LLMEngine:
         mc = config.model
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer_path)
         self.tokenizer.model_max_length = sys.maxsize  # lengths are checked against --context-length instead
-        tp = self.tp_driver.tp if self.tp_driver else SINGLE
+        tp = self.tp_driver.tp if self.tp_driver else self._group
         shard = build_shard(config, self.device, tp)
         self.shard = shard
         self.loaded, self.layout, self.pool_plan = shard.loaded, shard.layout, shard.plan

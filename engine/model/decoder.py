@@ -50,7 +50,7 @@ def build_mlp(cfg: ArchConfig, layer: int, tp: TPGroup, expert_parallel: bool = 
         ValueError: the TP size does not divide the expert width (or, with `expert_parallel`, their count).
     """
     if cfg.moe is not None and cfg.is_moe_layer(layer):
-        return SparseMoE(cfg.hidden_size, cfg.moe, tp, expert_parallel)
+        return SparseMoE(cfg.hidden_size, cfg.moe, tp.moe, expert_parallel)
     return MLP(cfg, tp)
 
 

@@ -183,16 +183,17 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
                 module, suffix = split_name(hf_name)
                 name = weight_map.canonical((module + ".weight" if suffix in PRIMARY_SUFFIXES else hf_name)
                                             .removeprefix("model."), family.weight_renames)
+                g = _group_of(name, arch, tp, expert_parallel)
                 if copy_quantized_expert(params, name, stored_name, f.get_slice(stored_name), tensors,
-                                         experts_stored, tp.rank, tp.size, expert_parallel and tp.size > 1,
+                                         experts_stored, g.rank, g.size, expert_parallel and g.size > 1,
                                          loaded) or suffix in PRIMARY_SUFFIXES and quant.load(stored_name, name):
                     continue  # experts kept quantised (`expert_loading`), quantised linear layers (`quant`)
                 values = quant.source(stored_name, name, f.get_slice(stored_name))
                 if quant.skip_zero_bias(name, values) or weight_map.copy_special(
-                        params, name, values, arch, family.split_gate_up, tp, expert_parallel, loaded):
+                        params, name, values, arch, family.split_gate_up, g, expert_parallel, loaded):
                     continue
-                tensor = shard(name, values, tp)
-                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, tp, loaded)
+                tensor = shard(name, values, g)
+                _copy(params, name, adapt(name, tensor) if adapt else tensor, arch, g, loaded)
     quant.finish()
     missing = (set(params) - loaded) | set(weight_map.missing_experts(params, loaded))
     if arch.tie_word_embeddings:
@@ -200,6 +201,19 @@ def _load_tensors(model: torch.nn.Module, path: Path, arch: ArchConfig, family: 
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:8]}")
     return k_scales, v_scales
+
+
+_MLP_RE = re.compile(r"layers\.(\d+)\.mlp\.")
+
+
+def _group_of(name: str, arch: ArchConfig, tp: TPGroup, expert_parallel: bool) -> TPGroup:
+    """The group that splits the tensor `name` (canonical, without ``model.``): a MoE layer's MLP tensors split
+    over ``tp.moe`` (under DP attention the DP ranks, `pd_cluster.engine.parallel.dp_attention`), the rest over
+    `tp`."""
+    if tp.moe is tp or (expert_parallel and ".shared_expert" in name):
+        return tp  # DP attention with expert parallelism keeps the shared experts whole (`SparseMoE.routed`)
+    m = _MLP_RE.match(name)
+    return tp.moe if m and arch.moe is not None and arch.is_moe_layer(int(m.group(1))) else tp
 
 
 def shard(name: str, tensor_slice, tp: TPGroup) -> torch.Tensor:

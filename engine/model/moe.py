@@ -14,8 +14,9 @@ Megatron-LM's split applied per expert); with expert parallelism rank r holds
 experts ``[r E / N, (r + 1) E / N)`` whole and skips the others. Either way
 the tokens are replicated on every rank (the attention all-reduce leaves
 them so), each rank computes a partial sum, and one all-reduce after the
-shared experts completes it: no all-to-all is needed at this scale (see
-``docs/moe.md`` for the all-to-all design across nodes).
+shared experts completes it. Under DP attention each rank holds other tokens: the
+block gathers every DP rank's tokens first and returns each rank its own rows of
+the sum (`pd_cluster.engine.parallel.dp_attention`, ``docs/moe.md``).
 """
 
 from __future__ import annotations
@@ -232,7 +233,10 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.gate = Router(hidden_size, cfg.routing)
         self.experts = FusedExperts(hidden_size, cfg, tp, expert_parallel)
-        self.shared_experts = (SharedExperts(hidden_size, cfg.shared_intermediate_size, tp)
+        # DP attention with expert parallelism: tokens go only to the ranks of their experts (routed all-to-all),
+        # and the shared experts are whole on every rank, run on the rank's own tokens
+        self.routed = tp.gathers_tokens and self.experts.expert_parallel
+        self.shared_experts = (SharedExperts(hidden_size, cfg.shared_intermediate_size, SINGLE if self.routed else tp)
                                if cfg.shared_intermediate_size else None)
         self.shared_expert_gate = make_linear(hidden_size, 1, bias=False) if cfg.shared_expert_gate else None
         self.activation = ((cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.activation == "swiglu_clamped"
@@ -240,19 +244,48 @@ class SparseMoE(nn.Module):
         self.ops: TorchLayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.tp.gathers_tokens:
+            return self.tp.all_reduce(self._partial(x))
+        # DP attention (`pd_cluster.engine.parallel.dp_attention.DPMoEGroup`)
+        if self.routed:  # each token to the ranks of its experts and back, then the shared experts here
+            weights, ids = self._route(x)
+            received, r_weights, r_ids = self.tp.dispatch_routed(x, weights, ids, self.experts.num_local_experts)
+            return self._with_shared(x, self.tp.combine_routed(self._routed_experts(received, r_weights, r_ids),
+                                                               x.shape[0]))
+        gathered = self.tp.dispatch(x)  # every DP rank's tokens in, this rank's rows of the summed output back
+        if gathered.shape[0] == 0:
+            return x  # no rank has a token this step (an idle step everywhere)
+        return self.tp.combine(self._partial(gathered))
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, ids = self.gate(x)
         if self.cfg.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
+        return weights, ids
+
+    def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's routed experts' weighted sum for x [T, H] chosen as `ids` [T, k] (global) with `weights`;
+        the other ranks' experts give zeros."""
+        if x.shape[0] == 0:
+            return x.clone()
         ex = self.experts
-        out = self.ops.fused_experts(x, ex.w13, ex.w2, weights, ex.local_ids(ids),
-                                     self.cfg.routing.apply_weights_on_input, ex.w13_bias,
-                                     ex.w2_bias if ex.adds_down_bias else None, self.activation)
+        return self.ops.fused_experts(x, ex.w13, ex.w2, weights, ex.local_ids(ids),
+                                      self.cfg.routing.apply_weights_on_input, ex.w13_bias,
+                                      ex.w2_bias if ex.adds_down_bias else None, self.activation)
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output for x [T, H]: its experts (or its slice of each) and its slice
+        of the shared experts, before the sum over the group."""
+        return self._with_shared(x, self._routed_experts(x, *self._route(x)))
+
+    def _with_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` plus the shared experts' output for x (gated where the model gates it)."""
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return self.tp.all_reduce(out)
+        return out
 
     def warm_up_kernels(self) -> None:
         """Compile the expert kernels' large-batch variant now (`engine.graph.warm_up_kernels`); no collective."""

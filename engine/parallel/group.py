@@ -42,6 +42,15 @@ class TPGroup:
     device: torch.device
     _tensor_group: Any = None
     _object_group: Any = None
+    moe_group: "TPGroup | None" = None  # DP attention: the MoE layers' group across the DP ranks
+
+    gathers_tokens = False  # a MoE group that gathers every DP rank's tokens (`dp_attention.DPMoEGroup`)
+
+    @property
+    def moe(self) -> "TPGroup":
+        """The group the MoE layers split their experts over: this one, or under DP attention the group of the
+        DP ranks (`pd_cluster.engine.parallel.dp_attention`)."""
+        return self.moe_group if self.moe_group is not None else self
 
     @property
     def is_driver(self) -> bool:
@@ -90,8 +99,9 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def init_tp_group(rank: int, size: int, master: tuple[str, int], device: torch.device) -> TPGroup:
-    """Join the group (every rank calls this with the same `master` address; rank 0 listens there).
+def init_tp_group(rank: int, size: int, master: tuple[str, int], device: torch.device, cls: type = TPGroup) -> TPGroup:
+    """Join the group (every rank calls this with the same `master` address; rank 0 listens there); `cls` is the
+    group's class (`TPGroup` or a subclass).
 
     Raises:
         RuntimeError: the rendezvous failed or a rank did not arrive within `RENDEZVOUS_TIMEOUT`.
@@ -103,8 +113,8 @@ def init_tp_group(rank: int, size: int, master: tuple[str, int], device: torch.d
                           wait_for_workers=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    logger.info("tensor-parallel rank %d of %d ready (%s)", rank, size, backend)
-    return TPGroup(rank, size, device, dist.group.WORLD, objects)
+    logger.info("%s rank %d of %d ready (%s)", cls.__name__, rank, size, backend)
+    return cls(rank, size, device, dist.group.WORLD, objects)
 
 
 SINGLE = TPGroup(0, 1, torch.device("cpu"))
