@@ -34,9 +34,10 @@ from pd_cluster.engine.planner.spec import ModelSpec
 from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
 
 DISPATCH_GROUP = 128  # values per FP8 scale in DeepEP's dispatch
-# What this engine runs today: an instance's ranks on one node only; DP attention not built.
+# What this engine runs today: an instance's ranks on one node only; DP attention in the offline engine
+# (`pd_cluster.engine.executor.dp`, --tp-size equal to --dp-size), not in a prefill or decode worker.
 ENGINE_MAX_NNODES = 1
-ENGINE_DP_ATTENTION = False
+ENGINE_DP_ATTENTION_IN_WORKERS = False
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,11 @@ class WideEPPlan:
     def engine_refusal(self) -> str | None:
         """Why this engine cannot run the instance yet, None when it can."""
         why = []
-        if not ENGINE_DP_ATTENTION:
-            why.append("DP attention (--enable-dp-attention) is not built")
+        if not ENGINE_DP_ATTENTION_IN_WORKERS:
+            why.append("a PD worker refuses --enable-dp-attention (the offline engine runs it)")
+        if self.inp.tp_size != self.inp.dp_size:
+            why.append(f"attention TP inside a DP rank (--tp-size {self.inp.tp_size} over --dp-size "
+                       f"{self.inp.dp_size}) is not built")
         if self.inp.nnodes > ENGINE_MAX_NNODES:
             why.append(f"an instance spans one node (--nnodes {self.inp.nnodes} asked)")
         return "; ".join(why) or None
