@@ -268,15 +268,26 @@ class ParallelConfig:
 
     `enable_expert_parallel`: MoE layers split their experts across the TP ranks (whole experts each)
     instead of each expert's width (`pd_cluster.engine.model.moe`).
+    `prefill_context_parallel_size`: ranks that split one prompt's prefill chunk
+    (`pd_cluster.engine.parallel.context_parallel`).
     """
 
     tp_size: int = 1
     tp_rank: int = 0
     enable_expert_parallel: bool = False
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {self.tp_size}, {self.tp_rank}")
+        if self.prefill_context_parallel_size < 1:
+            raise ValueError(f"--prefill-context-parallel-size must be at least 1, got "
+                             f"{self.prefill_context_parallel_size}")
+
+    @property
+    def world_size(self) -> int:
+        """The instance's rank processes: TP ranks times context-parallel ranks."""
+        return self.tp_size * self.prefill_context_parallel_size
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pd_cluster.engine.kv.l3.setup import attach_l3
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
+from pd_cluster.engine.parallel.context_parallel import check_context_parallel
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
@@ -73,8 +74,10 @@ class LLMEngine:
         self.config = config
         self.role = config.role
         self.tp_driver = None
+        check_context_parallel(config)
         if config.parallel.tp_size > 1:
             check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel)
+        if config.parallel.world_size > 1:
             self.tp_driver = TPDriver(config)
         try:
             self._build(config)
