@@ -21,6 +21,7 @@ run whole on every rank: correct, without the split.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,13 +60,14 @@ class CPAttention:
 
     Args:
         inner: this rank's attention backend (any `AttentionBackend`).
-        group: the CP group (`TPGroup` over every rank; its ``all_gather``).
+        runner: this rank's `ContextParallel` (its group's ``all_gather``; it counts the gathers' seconds).
         split: the step's split.
     """
 
-    def __init__(self, inner, group, split: _Split) -> None:
+    def __init__(self, inner, runner: "ContextParallel", split: _Split) -> None:
         self.inner = inner
-        self.group = group
+        self.runner = runner
+        self.group = runner.group
         self.split = split
 
     def __getattr__(self, name: str):
@@ -79,6 +81,7 @@ class CPAttention:
         """`AttentionBackend.forward` of this rank's tokens (q, k, v: [t_r, heads, head_dim]) after the other
         ranks' K and V of the chunk are in the pool."""
         sp = self.split
+        started = time.perf_counter()
         kv = torch.stack((k, v))  # [2, t_r, Hkv, D]
         padded = kv.new_zeros((2, sp.longest) + tuple(k.shape[1:]))
         padded[:, : k.shape[0]] = kv
@@ -88,6 +91,7 @@ class CPAttention:
                 continue
             n = sp.offsets[r].numel()
             pool.store_kv(layer, part[0, :n], part[1, :n], sp.full_slots[sp.offsets[r]])
+        self.runner.gather_seconds += time.perf_counter() - started
         return self.inner.forward(layer, q, k, v, pool, batch, sinks=sinks)
 
 
@@ -103,6 +107,7 @@ class ContextParallel:
         self.size = group.size
         self.rank = group.rank
         self.split_steps = 0  # prefill steps this rank ran split (tests, the benchmark)
+        self.gather_seconds = 0.0  # wall time in the K/V all-gathers and their stores (waits for the slowest rank)
 
     def applies(self, batch: ForwardBatch) -> bool:
         """True for a step of one request's prefill of at least 2N tokens, with one KV group, whose logits
@@ -149,7 +154,7 @@ class ContextParallel:
         logits rows on rank 0, [0, vocab] elsewhere."""
         local, split = self._local_batch(batch)
         self.split_steps += 1
-        return model(local, pool, CPAttention(backend, self.group, split))
+        return model(local, pool, CPAttention(backend, self, split))
 
 
 def check_context_parallel(config) -> None:
