@@ -33,9 +33,9 @@ from pd_cluster.engine.kv.l3.setup import attach_l3
 from pd_cluster.engine.model_runner import LaunchedStep, ModelRunner
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
-from pd_cluster.engine.parallel.context_parallel import check_context_parallel
 from pd_cluster.engine.parallel.group import SINGLE
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
+from pd_cluster.engine.executor.context_parallel_checks import check_context_parallel
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus

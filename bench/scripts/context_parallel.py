@@ -87,6 +87,17 @@ def run_one(model: str, length: int, cp: int, threads: int) -> dict:
     return row
 
 
+def _fresh_process(model: str, length: int, cp: str, threads: int) -> dict:
+    """`run_one` in a new interpreter (its peak memory is its own), with `threads` OpenMP threads."""
+    cmd = [sys.executable, "-m", "pd_cluster.bench.scripts.context_parallel", "--one", model, str(length), cp,
+           str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+    row = json.loads(out.strip().splitlines()[-1])
+    print(f"# {row}", file=sys.stderr, flush=True)
+    return row
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
@@ -101,17 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.one[0], int(args.one[1]), int(args.one[2]), int(args.one[3]))))
         return 0
     lengths = [1024] if args.smoke else args.lengths
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), max(lengths) + 64)
-        for length in lengths:
-            for cp, threads in ROWS:
-                env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-                res = subprocess.run([sys.executable, "-m", "pd_cluster.bench.scripts.context_parallel", "--one",
-                                      tmp, str(length), cp, str(threads)], capture_output=True, text=True, env=env,
-                                     check=True)
-                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-                print(f"# {rows[-1]}", file=sys.stderr, flush=True)
+        rows = [_fresh_process(tmp, length, cp, threads) for length in lengths for cp, threads in ROWS]
     print(f"Context-parallel prefill on CPU: tiny Llama 3 (hidden 128, 4 layers, 4 q / 2 KV heads of 32), fp32 KV, "
           f"page {PAGE}, chunked prefill {CHUNK}, backend cpu; {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, {date.today().isoformat()}\n")

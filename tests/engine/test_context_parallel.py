@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from pd_cluster.engine import LLM, SamplingParams
 from pd_cluster.engine.args import config_from_kwargs
-from pd_cluster.engine.parallel.context_parallel import check_context_parallel, rank_pieces, zigzag_pieces
+from pd_cluster.engine.executor.context_parallel_checks import check_context_parallel
+from pd_cluster.engine.parallel.context_parallel import rank_pieces, zigzag_pieces
 
 LLAMA3 = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -35,6 +36,17 @@ def test_zigzag_pieces_cover_the_chunk_and_balance_causal_work(n, size):
     work = [sum(sum(range(lo + 1, hi + 1)) for lo, hi in rank_pieces(n, size, r)) for r in range(size)]
     assert max(work) - min(work) <= (n // (2 * size) + 1) * 2 * size  # equal up to one row per piece boundary
     assert rank_pieces(n, size, 0)[1][1] == n  # the chunk's last token (its logits) is rank 0's
+
+
+def test_the_flag_and_its_short_name_parse():
+    import argparse
+
+    from pd_cluster.engine.args import add_engine_args, config_from_args
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    for argv in (["--prefill-context-parallel-size", "2"], ["-pcp", "2"]):
+        parallel = config_from_args(parser.parse_args(argv)).parallel
+        assert parallel.prefill_context_parallel_size == 2 and parallel.world_size == 2
 
 
 def _refusal(path, **kw) -> str:
