@@ -18,8 +18,8 @@ def check_context_parallel(config) -> None:
         config: the `EngineConfig`.
 
     Raises:
-        ValueError: naming the flag: a size below 1 (`ParallelConfig`), with ``--tp-size`` above 1, in a
-            prefill or decode role, with speculative decoding, a hierarchical or cluster-wide KV cache, an MLA
+        ValueError: naming the flag: a size below 1 (`ParallelConfig`), with ``--tp-size`` above 1, in the
+            decode role, with speculative decoding, a hierarchical or cluster-wide KV cache, an MLA
             or linear-attention model, several KV groups, a chunk that cannot be split (``--chunked-prefill-size``
             below 2 x the size), or more ranks than GPUs.
     """
@@ -30,9 +30,8 @@ def check_context_parallel(config) -> None:
     if config.parallel.tp_size > 1:
         raise ValueError(f"{head} with --tp-size {config.parallel.tp_size}: context parallelism is built with "
                          "--tp-size 1 only (each CP rank holds the whole model)")
-    if config.role != "mixed":
-        raise ValueError(f"{head} is built for the mixed role only, not --role {config.role}: the KV transfer "
-                         "from context-parallel ranks does not exist yet")
+    if config.role == "decode":
+        raise ValueError(f"{head} splits prefill chunks: a decode worker (--role decode) does not prefill")
     if config.speculative.enabled:
         raise ValueError(f"{head} with --speculative-algorithm {config.speculative.speculative_algorithm}: "
                          "speculative decoding is not built with context parallelism")

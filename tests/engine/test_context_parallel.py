@@ -60,7 +60,6 @@ def test_refusals_name_the_flag_before_any_rank_starts(llama3, tmp_path):
     with pytest.raises(ValueError, match="--prefill-context-parallel-size must be at least 1"):
         config_from_kwargs(model=str(llama3), prefill_context_parallel_size=0)
     assert "--tp-size 2" in _refusal(llama3, prefill_context_parallel_size=2, tp_size=2)
-    assert "--role prefill" in _refusal(llama3, prefill_context_parallel_size=2, role="prefill")
     assert "--role decode" in _refusal(llama3, prefill_context_parallel_size=2, role="decode")
     assert "NGRAM" in _refusal(llama3, prefill_context_parallel_size=2, speculative_algorithm="NGRAM")
     assert "--enable-hierarchical-cache" in _refusal(llama3, prefill_context_parallel_size=2,
@@ -72,6 +71,7 @@ def test_refusals_name_the_flag_before_any_rank_starts(llama3, tmp_path):
     check_context_parallel(config_from_kwargs(model=str(tmp_path / "gemma3"), prefill_context_parallel_size=2,
                                               disable_hybrid_kv_cache_manager=True))
     check_context_parallel(config_from_kwargs(model=str(llama3), prefill_context_parallel_size=2))
+    check_context_parallel(config_from_kwargs(model=str(llama3), prefill_context_parallel_size=2, role="prefill"))
 
 
 def _greedy_each(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
