@@ -108,6 +108,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
          "Decode role: prefill here, without a prefill worker, when the prompt's tokens not in this worker's "
          "prefix cache are at most this many (Dynamo's conditional disaggregation; default 0: never)."),
     Flag("--tp-size", "parallel.tp_size", int, "Tensor-parallel size.", aliases=("--tensor-parallel-size",)),
+    Flag("--prefill-context-parallel-size", "parallel.prefill_context_parallel_size", int,
+         "Context-parallel prefill (vLLM's flag): ranks that split each prompt chunk (zig-zag) and all-gather "
+         "its K/V per layer; --tp-size 1, mixed or prefill role (docs/long-context-10m.md).", aliases=("-pcp",)),
     Flag("--enable-expert-parallel", "parallel.enable_expert_parallel", None,
          "MoE layers: each TP rank holds whole experts (E / tp-size) instead of a slice of every expert (vLLM's flag).",
          action="store_true"),

@@ -270,6 +270,8 @@ class ParallelConfig:
     instead of each expert's width (`pd_cluster.engine.model.moe`).
     `dp_size`, `enable_dp_attention`: SGLang's data-parallel attention: the `tp_size` ranks form `dp_size`
     attention groups, each with its own requests and KV pool (`pd_cluster.engine.parallel.dp_attention`).
+    `prefill_context_parallel_size`: ranks that split one prompt's prefill chunk
+    (`pd_cluster.engine.parallel.context_parallel`).
     """
 
     tp_size: int = 1
@@ -277,11 +279,23 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     dp_size: int = 1
     enable_dp_attention: bool = False
+    prefill_context_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {self.tp_size}, {self.tp_rank}")
+        if self.prefill_context_parallel_size < 1:
+            raise ValueError(f"--prefill-context-parallel-size must be at least 1, got "
+                             f"{self.prefill_context_parallel_size}")
         check_dp(self.tp_size, self.dp_size, self.enable_dp_attention)
+        if self.prefill_context_parallel_size > 1 and self.enable_dp_attention:
+            raise ValueError("--prefill-context-parallel-size with --enable-dp-attention is not built (each DP rank "
+                             "prefills its own requests whole)")
+
+    @property
+    def world_size(self) -> int:
+        """The instance's rank processes: TP ranks times context-parallel ranks."""
+        return self.tp_size * self.prefill_context_parallel_size
 
 
 def check_dp(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:

@@ -37,6 +37,7 @@ from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.overlap import OverlapState, needs_host_tokens, overlap_mode
 from pd_cluster.engine.parallel.group import SINGLE, TPGroup
 from pd_cluster.engine.executor.tp import RankServer, TPDriver
+from pd_cluster.engine.executor.context_parallel_checks import check_context_parallel
 from pd_cluster.engine.executor.shard import build_shard, check_tp_size
 from pd_cluster.engine.outputs import PrefillProgress, StepOutput
 from pd_cluster.engine.request import Request, RequestStatus
@@ -81,8 +82,10 @@ class LLMEngine:
         self.role = config.role
         self.tp_driver = None
         self._group = group or SINGLE  # a DP attention rank's group (`dp_attention.init_dp_group`)
+        check_context_parallel(config)
         if config.parallel.tp_size > 1:
             check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel)
+        if config.parallel.world_size > 1:
             self.tp_driver = TPDriver(config)
         try:
             self._build(config)

@@ -351,6 +351,7 @@ def server_info(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[
         "max_running_requests": engine.max_running_requests,
         "layout_hash": layout.hash(),
         "tp_size": layout.tp_size,
+        "prefill_context_parallel_size": engine.config.parallel.prefill_context_parallel_size,
         **({"kv_groups": list(layout.kv_groups)} if layout.kv_groups else {}),
         **({"kv_store": {"backend": engine.l3.backend.name, "key_prefix": engine.l3.namespace.prefix}}
            if getattr(engine, "l3", None) is not None else {}),

@@ -46,11 +46,14 @@ def make_worker_transfer(engine, role: str, config: TransferConfig, registry) ->
     `TPSender` / `TPReceiver` (`pd_cluster.transfer.tp`), so a worker meets a peer of another TP size the same
     way whatever its own. Every rank's agent advertises the engine's speculative decoding at the handshake
     (`SpeculativeConfig.handshake`). Metrics go on `registry` (rank 0's agent). Every sender (each rank's) runs its
-    heartbeat thread (`KVSender.heartbeat`).
+    heartbeat thread (`KVSender.heartbeat`). A context-parallel prefill worker (``--prefill-context-parallel-size``)
+    pushes from rank 0 alone, as a worker of one rank: its pool holds every token's KV of the whole model
+    (`pd_cluster.engine.parallel.context_parallel`).
     """
     from pd_cluster.transfer.tp import TPAgent, TPReceiver, TPSender, install
 
-    driver = engine.tp_driver if engine.tp_driver is not None else LocalDriver(engine.pool)
+    one_rank = engine.tp_driver is None or engine.shard.cp is not None
+    driver = LocalDriver(engine.pool) if one_rank else engine.tp_driver
     infos = install(driver, role, config, engine.loaded.identity, registry, engine.config.speculative.handshake())
     proxy = (TPSender(driver, tuple(i.agent_name for i in infos)) if role == "prefill" else TPReceiver(driver))
     return TPAgent(driver, infos), proxy

@@ -33,6 +33,7 @@ from pd_cluster.engine.model.arch import ArchConfig
 from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 from pd_cluster.engine.packed_step import build_step, unpack_step
+from pd_cluster.engine.parallel.context_parallel import ContextParallel
 from pd_cluster.engine.parallel.group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Shard:
     graph_runner: Any = None
     staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
     block_table: DeviceBlockTable | None = None  # persistent per-request rows of page ids (set by build_shard)
+    cp: Any = None  # this rank's `ContextParallel` runner under --prefill-context-parallel-size > 1, else None
 
     @property
     def _state_pages(self) -> dict[int, int]:
@@ -92,6 +94,8 @@ class Shard:
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
+        if self.cp is not None and self.cp.applies(batch):
+            return self.cp.forward(self.loaded.model, batch, self.pool, self.backend)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.loaded.model(batch, self.pool, self.backend)
@@ -208,13 +212,16 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         TritonRuntimeError: the triton backend was chosen and its self-check failed (`check_triton`).
     """
     mc = config.model
+    cp = None
+    if config.parallel.prefill_context_parallel_size > 1:  # every rank holds the whole model: a TP group of one
+        cp, tp = ContextParallel(tp), TPGroup(0, 1, device)
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
                         expert_parallel=config.parallel.enable_expert_parallel)
     groups = kv_groups(config, loaded.arch)
     groups, layout = state_pages(groups, kv_layout(config, loaded, tp, groups), loaded.arch, tp)
     plan = plan_pool(layout, config.cache, device)
-    if tp.size > 1:
-        num_pages = tp.all_min(plan.num_pages)
+    if tp.size > 1 or cp is not None:  # one page allocator (rank 0's) serves every rank's pool
+        num_pages = (cp.group if cp is not None else tp).all_min(plan.num_pages)
         plan = PoolPlan(num_pages, plan.budget_bytes, plan.available_bytes, plan.source)
     pool = KVPool(layout, plan.num_pages, device, loaded.dtype, groups)
     arch = loaded.arch
@@ -232,4 +239,4 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
         logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
     return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device),
-                 block_table=DeviceBlockTable(device))
+                 block_table=DeviceBlockTable(device), cp=cp)

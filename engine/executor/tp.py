@@ -174,11 +174,11 @@ class TPDriver:
     """Rank 0's handle on the group: start the other ranks, command them, stop them.
 
     Args:
-        config: the engine configuration (``parallel.tp_size`` ranks).
+        config: the engine configuration (``parallel.world_size`` ranks).
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        size = config.parallel.tp_size
+        size = config.parallel.world_size
         master = ("127.0.0.1", free_port())
         ctx = mp.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()

@@ -63,6 +63,12 @@ class TPGroup:
             dist.all_reduce(x, group=self._tensor_group)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (the same shape and dtype on each), in rank order, over the tensor group."""
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(out, x.contiguous(), group=self._tensor_group)
+        return out
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's `obj`, on every rank."""
         box = [obj]

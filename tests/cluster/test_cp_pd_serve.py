@@ -1,0 +1,47 @@
+"""Context-parallel prefill through `pd-serve` 1P1D (`--prefill-arg=--prefill-context-parallel-size=2`): the
+prefill worker's two rank processes split each prompt chunk, rank 0 (whose pool holds every token's KV) pushes
+the pages over its NIXL agent, and the real `openai` client gets transformers' greedy tokens from a tiny random
+Llama 3 checkpoint, with prompts longer than the chunked-prefill size; every page comes back on both sides."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import psutil
+import pytest
+from cluster_util import running_pd_serve
+from reuse_util import counters
+from test_moe_pd_serve import _wait_all_free
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "24"]
+MAX_TOKENS = 12
+
+
+def test_llama3_cp2_prefill_worker_equals_transformers(tmp_path):
+    from random_models import build, hf_greedy_batch, long_prompt_ids
+
+    model = tmp_path / "llama3-tiny"
+    hf = build("llama3-rope-scaling", model, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    prompts = long_prompt_ids(3, (40, 53, 71))
+    expected = hf_greedy_batch(hf, prompts, MAX_TOKENS)
+    argv = ["--model", str(model), *ENGINE, "--prefill-arg=--prefill-context-parallel-size=2"]
+    with running_pd_serve(tmp_path / "manifest.json", argv) as (url, manifest):
+        workers = {w["role"]: w["url"] for w in manifest["workers"]}
+        pids = {w["role"]: w["pid"] for w in manifest["workers"]}
+        info = {role: httpx.get(u + "/server_info").json() for role, u in workers.items()}
+        assert [info[r]["prefill_context_parallel_size"] for r in ("prefill", "decode")] == [2, 1]
+        children = [" ".join(c.cmdline()) for c in psutil.Process(pids["prefill"]).children()]
+        assert sum("spawn_main" in c for c in children) == 1, children  # rank 1's process
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        for ids, want in zip(prompts, expected):
+            r = client.completions.create(model=model.name, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            assert r.choices[0].model_dump()["token_ids"] == want, ids
+        loads = _wait_all_free(workers, timeout=10)
+        assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
+        pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]
+        received = counters(workers["decode"])["pd:kv_transfer_received_bytes_total"]
+    page_bytes = 3 * 2 * 2 * 16 * 16 * 4  # layers x K,V x KV heads x tokens x head_dim x fp32
+    assert pushed == received == sum(-(-len(ids) // 16) for ids in prompts) * page_bytes, (pushed, received)
