@@ -49,6 +49,13 @@ def test_the_flag_and_its_short_name_parse():
         assert parallel.prefill_context_parallel_size == 2 and parallel.world_size == 2
 
 
+def test_context_parallel_with_dp_attention_is_refused_naming_both_flags():
+    from pd_cluster.engine.config import ParallelConfig
+
+    with pytest.raises(ValueError, match="--prefill-context-parallel-size with --enable-dp-attention"):
+        ParallelConfig(tp_size=2, dp_size=2, enable_dp_attention=True, prefill_context_parallel_size=2)
+
+
 def _refusal(path, **kw) -> str:
     with pytest.raises(ValueError) as e:
         check_context_parallel(config_from_kwargs(model=str(path), **kw))
