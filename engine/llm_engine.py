@@ -12,7 +12,6 @@ from one thread and feed requests in between steps.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import sys
 import time

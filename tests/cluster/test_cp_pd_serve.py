@@ -6,10 +6,9 @@ Llama 3 checkpoint, with prompts longer than the chunked-prefill size; every pag
 from __future__ import annotations
 
 import httpx
-import openai
 import psutil
 import pytest
-from cluster_util import running_pd_serve
+from cluster_util import greedy_token_ids, running_pd_serve
 from reuse_util import counters
 from test_moe_pd_serve import _wait_all_free
 
@@ -34,11 +33,7 @@ def test_llama3_cp2_prefill_worker_equals_transformers(tmp_path):
         assert [info[r]["prefill_context_parallel_size"] for r in ("prefill", "decode")] == [2, 1]
         children = [" ".join(c.cmdline()) for c in psutil.Process(pids["prefill"]).children()]
         assert sum("spawn_main" in c for c in children) == 1, children  # rank 1's process
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        for ids, want in zip(prompts, expected):
-            r = client.completions.create(model=model.name, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert r.choices[0].model_dump()["token_ids"] == want, ids
+        assert greedy_token_ids(url, model.name, prompts, MAX_TOKENS) == expected
         loads = _wait_all_free(workers, timeout=10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
         pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]

@@ -10,9 +10,8 @@ on the dequantised twin; every page comes back on both sides."""
 
 from __future__ import annotations
 
-import openai
 import pytest
-from cluster_util import running_pd_serve
+from cluster_util import greedy_token_ids, running_pd_serve
 from quant_checkpoints import write_quantized
 from quant_models import deepseek_fp8, gpt_oss_mxfp4, qwen3_moe_fp8
 from random_models import build, hf_greedy_full, prompt_ids
@@ -26,11 +25,7 @@ ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-si
 def _serve_and_compare(model, prompts, expected, tmp_path, what) -> None:
     """Greedy completions of `prompts` through 1P1D equal `expected`; no page leaks; the KV went over NIXL."""
     with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE]) as (url, manifest):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        for ids, want in zip(prompts, expected):
-            r = client.completions.create(model=model.name, prompt=ids, max_tokens=16, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert r.choices[0].model_dump()["token_ids"] == want, (what, ids)
+        assert greedy_token_ids(url, model.name, prompts, 16) == expected, what
         workers = {w["role"]: w["url"] for w in manifest["workers"]}
         loads = _wait_all_free(workers, timeout=10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from cluster_util import running_pd_serve
+from cluster_util import greedy_token_ids, running_pd_serve
 from reuse_util import counters
 from test_moe_pd_serve import _wait_all_free
 
@@ -27,11 +27,7 @@ def _serve_and_compare(tmp_path, model, prompts, expected, tp_argv, page_bytes_p
     be its ranks' pages of every prompt page (`page_bytes_per_rank`: one decode rank's bytes per page)."""
     with running_pd_serve(tmp_path / "manifest.json", ["--model", str(model), *ENGINE, *tp_argv]) as (url, manifest):
         workers = {w["role"]: w["url"] for w in manifest["workers"]}
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        for ids, want in zip(prompts, expected):
-            r = client.completions.create(model=model.name, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-            assert r.choices[0].model_dump()["token_ids"] == want, ids
+        assert greedy_token_ids(url, model.name, prompts, MAX_TOKENS) == expected
         loads = _wait_all_free(workers, timeout=10)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
         pushed = counters(workers["prefill"])["pd:kv_transfer_bytes_total"]
