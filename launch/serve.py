@@ -14,7 +14,8 @@ environment: worker-internal endpoints refuse calls without it. Engine flags
 pass through to every worker; ``--router-arg=--prefill-policy=cache_aware``
 passes flags to the router; ``--prefill-arg=--tp-size=2 --decode-arg=--tp-size=1`` gives one role's workers
 their own engine flags (`pd_cluster.launch.role_args`). Workers listen on free ports unless ``--prefill-ports``,
-``--decode-ports`` or ``--mixed-ports`` name them.
+``--decode-ports`` or ``--mixed-ports`` name them. ``--autoscale`` runs the planner beside the cluster
+(`pd_cluster.launch.autoscale`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list
 from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
                                       LocalCluster)
+from pd_cluster.launch.autoscale import AutoscaledCluster, add_autoscale_args, autoscale_config
 from pd_cluster.launch.kv_store import plan_kv_store
 from pd_cluster.launch.restarts import RestartBackoff
 from pd_cluster.launch.role_args import role_argv_of, role_tp_sizes
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p)
     add_cli_args(p)
     add_tool_args(p)
+    add_autoscale_args(p)
     return p
 
 
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
     internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
+    planner = autoscale_config(parser, args)
     if args.model and not args.ray_address:  # on Ray the folder is on the worker nodes
         try:
             check_model_folder(args.model)
@@ -216,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_ray_cluster(args.ray_address, spec, args)
     try:
-        cluster = LocalCluster(spec)
+        cluster = LocalCluster(spec) if planner is None else AutoscaledCluster(spec, planner, args.planner_metrics_port)
     except ValueError as e:  # a GPU list this host cannot satisfy, or ports that do not fit the workers
         parser.error(str(e))
     exit_now(serve_until_stopped(cluster, args.startup_timeout, args.manifest, api_key))  # skip a slow teardown

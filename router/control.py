@@ -274,6 +274,19 @@ class ControlPlane:
                 return _error(e.status, e.message, e.param, e.code)
             return JSONResponse(out)
 
+        @app.post("/workers/{worker_id}/drain", responses=error_responses(401, 403, 404, 409, 504))
+        async def drain(request: Request, worker_id: str, timeout_secs: float = 600.0) -> Response:
+            """Stop routing new work to a worker and answer once this router's requests on it have left it
+            (``RoleSwitcher.drain``): the first half of a scale-down."""
+            self._check_admin(request)
+            task = asyncio.ensure_future(self.switcher.drain(worker_id, timeout_secs))
+            self._switches.add(task)
+            task.add_done_callback(self._switches.discard)
+            try:
+                return JSONResponse(await asyncio.shield(task))
+            except SwitchRefused as e:
+                return _error(e.status, e.message, e.param, e.code)
+
 
 def package_version() -> str:
     """pd-cluster's installed version (the workers' ``/version`` answers the same), else ``0.1.0+source``."""

@@ -85,14 +85,15 @@ class RoleSwitcher:
         if worker.switching is not None:
             raise SwitchRefused(409, f"worker {worker.id} is already switching to {worker.switching.value}",
                                 None, "switch_in_progress")
+        if worker.draining:
+            raise SwitchRefused(409, f"worker {worker.id} is draining", None, "worker_draining")
         if worker.source not in SWITCHABLE_SOURCES:
             raise SwitchRefused(409, f"worker {worker.id} was found by {worker.source} discovery, whose labels "
                                 f"give its role; change the workload's labels instead", None, "discovered_worker")
         new = Role(role)
         if new is worker.role:
             return worker, new
-        left = [w for w in self.registry.of_role(worker.role) if w is not worker and w.switching is None]
-        if not left:
+        if not self._others(worker):
             raise SwitchRefused(409, f"switching worker {worker.id} to {new.value} would leave no "
                                 f"{worker.role.value} worker", "role", "would_leave_no_worker")
         return worker, new
@@ -141,6 +142,47 @@ class RoleSwitcher:
             "secs": round(took, 3), "healthy": again.healthy})
         return dict(again.describe(time.monotonic()), switched=True, from_role=old.value, switch_secs=round(took, 3),
                     router_drain_secs=round(routed_away, 3), worker=answer)
+
+    def _others(self, worker: Worker) -> list[Worker]:
+        """The workers of `worker`'s role that would still serve it without `worker`."""
+        return [w for w in self.registry.of_role(worker.role)
+                if w is not worker and w.switching is None and not w.draining]
+
+    async def drain(self, worker_id: str, timeout_secs: float) -> dict[str, Any]:
+        """Stop routing new work to worker `worker_id` and wait until this router's requests on it have left it
+        (a prefill's until their first token, a decode's until their end): the first half of a scale-down (a
+        planner then waits for the worker's own queues and pages, stops it and removes it). The worker stays in
+        the registry, marked ``draining``, until removed; ``DELETE`` it, or a failed drain (504 past
+        `timeout_secs`) routes to it again.
+
+        Raises:
+            SwitchRefused: 404 unknown id, 409 a worker switching role, already draining, or the last of its role
+                (``would_leave_no_worker``), 504 ``drain_timeout``.
+        """
+        worker = self.registry.by_id(worker_id)
+        if worker is None:
+            raise SwitchRefused(404, f"no worker with id {worker_id!r}", "id", "worker_not_found")
+        if worker.switching is not None or worker.draining:
+            raise SwitchRefused(409, f"worker {worker.id} is already switching role or draining", None,
+                                "switch_in_progress")
+        if worker.role is not Role.MIXED and not self._others(worker):
+            raise SwitchRefused(409, f"draining worker {worker.id} would leave no {worker.role.value} worker",
+                                None, "would_leave_no_worker")
+        started = time.monotonic()
+        worker.draining = True
+        self.registry.touch()
+        log.info("drain started: no new work", extra={"worker": worker.url, "id": worker.id,
+                                                      "role": worker.role.value})
+        while worker.inflight > 0:
+            if time.monotonic() - started > timeout_secs:
+                worker.draining = False
+                self.registry.touch()
+                raise SwitchRefused(504, f"worker {worker.id} still had {worker.inflight} request(s) of this router "
+                                    f"in flight after {timeout_secs:g} s; it takes work again", None, "drain_timeout")
+            await asyncio.sleep(self.poll_s)
+        took = time.monotonic() - started
+        log.info("drain done", extra={"worker": worker.url, "id": worker.id, "secs": round(took, 3)})
+        return dict(worker.describe(time.monotonic()), drain_secs=round(took, 3))
 
     async def _call_worker(self, worker: Worker, role: Role, timeout: float) -> dict[str, Any]:
         """The worker's ``POST /role``: it drains, re-sets-up its role and answers with its timings."""

@@ -72,7 +72,8 @@ class Worker:
     ``progress``: its step and transfer counters (``/health``, ``/get_load``), and ``progress_at`` when
     they last advanced. ``pool``: its data-path connections (``router.upstream``). ``id``: its stable id
     (`worker_id`). ``switching``: the role it is switching to (``router.role_switch``): it takes no new work of
-    its current role meanwhile and is not probed.
+    its current role meanwhile and is not probed. ``draining``: it takes no new work, before it leaves (a planner's
+    scale-down, ``POST /workers/{id}/drain``).
     """
 
     url: str
@@ -99,6 +100,7 @@ class Worker:
     pool: Any = field(default=None, repr=False)
     added_at: float = field(default_factory=time.monotonic)
     switching: Role | None = None
+    draining: bool = False
     id: str = ""
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
@@ -113,8 +115,8 @@ class Worker:
         return url
 
     def usable(self, now: float) -> bool:
-        """Healthy, not switching role, and its circuit breaker is not open."""
-        return self.healthy and self.switching is None and self.breaker.allows(now)
+        """Healthy, not switching role nor draining, and its circuit breaker is not open."""
+        return self.healthy and self.switching is None and not self.draining and self.breaker.allows(now)
 
     def note_progress(self, body: object, now: float) -> None:
         """Read the progress counters of a ``/health`` or ``/get_load`` answer (``num_steps``,
@@ -139,7 +141,7 @@ class Worker:
         load = self.load
         return {
             "id": self.id, "url": self.url, "role": self.role.value, "source": self.source,
-            "switching_to": None if self.switching is None else self.switching.value,
+            "switching_to": None if self.switching is None else self.switching.value, "draining": self.draining,
             "healthy": self.healthy, "dead": self.dead, "circuit_state": self.breaker.state(now).value,
             "busy": self.busy_until > now, "slow_checks": self.slow_checks,
             "inflight": self.inflight, "served_model_name": self.served_model_name,

@@ -1,0 +1,81 @@
+"""``pd-planner``: the planner as its own process, beside a router it reaches over HTTP.
+
+It runs the same loop as ``pd-serve --autoscale`` (`pd_cluster.planner.runner.PlannerRunner`) against
+``--router-url``, and serves its ``pd:planner_*`` metrics on ``--port`` (``/metrics``). ``--connector`` says what
+acts on a decision: ``none`` logs and exports decisions and changes nothing (Dynamo's planner calls this
+``--no-operation``). The planner holds no state of the cluster's: killed and started again, it reads the counts
+serving from the router and resumes from them; meanwhile the cluster serves at its current sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from pd_cluster.planner.config import add_planner_args, planner_config_from_args
+from pd_cluster.planner.decision import Decision
+from pd_cluster.planner.runner import PlannerMetrics, PlannerRunner
+from pd_cluster.planner.scrape import ClusterView, MetricsSource
+
+ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
+CONNECTORS = ("none",)
+
+
+class NoOpConnector:
+    """Acts on nothing: decisions are only logged and exported."""
+
+    name = "none"
+
+    def targets(self) -> dict[str, int]:
+        return {}
+
+    def apply(self, decision: Decision, view: ClusterView) -> None:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pd-planner", allow_abbrev=False,
+                                description="Size a pd-cluster's prefill and decode roles to TTFT and ITL targets.")
+    p.add_argument("--router-url", required=True, help="the router's base URL, e.g. http://pd-router:8000")
+    p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (or env {ADMIN_API_KEY_ENV})")
+    p.add_argument("--connector", choices=CONNECTORS, default="none",
+                   help="what acts on a decision (none: log and export only)")
+    p.add_argument("--host", default="0.0.0.0", help="address of the metrics server")
+    p.add_argument("--port", type=int, default=9091, help="port of the pd:planner_* metrics (/metrics)")
+    p.add_argument("--log-level", default="info")
+    add_planner_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = planner_config_from_args(parser, args)
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port: {args.port} is not a TCP port")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    admin_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+    metrics = PlannerMetrics()
+    connector = NoOpConnector()
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(args.port, args.host, registry=metrics.registry)
+    runner = PlannerRunner(config, MetricsSource(args.router_url, admin_key), connector, metrics)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    runner.start()
+    logging.getLogger("pd_cluster.planner").info("pd-planner: %s connector, every %g s, metrics on %s:%d",
+                                                 connector.name, config.interval_secs, args.host, args.port)
+    done.wait()
+    runner.stop()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

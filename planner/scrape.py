@@ -1,0 +1,238 @@
+"""Filling the decision core's `Snapshot` from the endpoints a running cluster already exposes.
+
+One scrape reads, over HTTP:
+
+* the router's ``GET /workers`` (admin key): every worker's stable id, role, health, ``draining`` and
+  ``switching_to``, and its in-flight requests (`WorkerView`); the counts serving each role are the healthy
+  workers not draining and not switching;
+* the router's ``GET /metrics``: ``pd_router_time_to_first_token_seconds`` and
+  ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape);
+* each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
+  prefill's ``num_prefill_inflight_queue_reqs`` and a decode's ``num_decode_transfer_queue_reqs``: the outstanding
+  KV transfers) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
+  the prompt throughput, and with the queue-time count the mean prompt length).
+
+Percentiles are taken over the window between two scrapes from the difference of the cumulative histogram
+buckets, interpolated inside a bucket as Prometheus' ``histogram_quantile`` does; a counter that went down (a
+restarted process) starts its window from zero. The prompt backlog is an estimate: the requests queued or
+computing on the prefill workers times the window's mean prompt length (the workers export no token count of
+their queues). A source that does not answer is named in `Snapshot.missing`, which freezes the decision.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd_cluster.planner.decision import RoleCounts, Snapshot
+
+TTFT = "pd_router_time_to_first_token_seconds"
+ITL = "pd_router_inter_token_latency_seconds"
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as the router lists it (``GET /workers``), with its ``/get_load`` when it was read."""
+
+    id: str
+    url: str
+    role: str
+    healthy: bool
+    draining: bool = False
+    switching_to: str | None = None
+    inflight: int = 0
+    load: dict[str, Any] | None = None
+
+    @property
+    def serving(self) -> bool:
+        """Counted in its role: healthy, not draining, not switching."""
+        return self.healthy and not self.draining and self.switching_to is None
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One scrape: the snapshot for the decision core and the workers a connector picks from."""
+
+    snapshot: Snapshot
+    workers: tuple[WorkerView, ...]
+
+    def serving(self, role: str) -> list[WorkerView]:
+        return [w for w in self.workers if w.role == role and w.serving]
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """``{upper bound: cumulative count}`` of histogram `name` in Prometheus text, summed over its label sets."""
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+def counter_total(text: str, name: str) -> float | None:
+    """The sum over label sets of counter `name` (its ``_total`` samples), None when absent."""
+    total = None
+    for fam in text_string_to_metric_families(text):
+        if fam.name == name:
+            for s in fam.samples:
+                if s.name == name + "_total":
+                    total = (total or 0.0) + s.value
+    return total
+
+
+def window(now: dict[float, float], before: dict[float, float] | None) -> dict[float, float]:
+    """The buckets' counts since `before` (all of `now` when there is none, or when a count went down)."""
+    if not before or any(now.get(le, 0.0) < c for le, c in before.items()):
+        return dict(now)
+    return {le: c - before.get(le, 0.0) for le, c in now.items()}
+
+
+def quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """The `q` quantile of cumulative `buckets` (``{le: count}``, ``+Inf`` included), interpolated linearly inside
+    its bucket (Prometheus' ``histogram_quantile``); the largest finite bound when it falls in ``+Inf``; None
+    with no observation."""
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if le == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000.0 * seconds
+
+
+class MetricsSource:
+    """Scrapes a cluster through its router (`ClusterView` per `fetch`); keeps the previous scrape for windows.
+
+    Args:
+        router_url: the router's base URL.
+        admin_api_key: the router's admin key (``GET /workers`` needs it when set).
+        timeout: seconds for each HTTP call.
+        clock: monotonic seconds (the snapshot's ``at``).
+        q: the percentile the decision core reads (0.9: its p90).
+    """
+
+    def __init__(self, router_url: str, admin_api_key: str | None = None, timeout: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, q: float = 0.9) -> None:
+        self.router_url = router_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self.timeout, self.clock, self.q = timeout, clock, q
+        self._prev: dict[str, Any] = {}  # source key -> its last buckets or counter values
+        self._prev_at: float | None = None
+
+    def fetch(self) -> ClusterView:
+        """Scrape once. Never raises for an unreachable source: it is named in ``snapshot.missing``."""
+        at = self.clock()
+        missing: list[str] = []
+        with httpx.Client(timeout=self.timeout) as client:
+            workers = self._workers(client, missing)
+            router_text = self._text(client, self.router_url + "/metrics", "router /metrics", missing)
+            loaded, texts = [], {}
+            for w in workers:
+                if not w.serving or w.role not in ("prefill", "decode"):
+                    loaded.append(w)
+                    continue
+                load = self._json(client, w.url + "/get_load", f"{w.role} {w.id} /get_load", missing)
+                texts[w.id] = self._text(client, w.url + "/metrics", f"{w.role} {w.id} /metrics", missing)
+                loaded.append(replace(w, load=load if isinstance(load, dict) else None))
+        counts = RoleCounts(sum(w.serving for w in loaded if w.role == "prefill"),
+                            sum(w.serving for w in loaded if w.role == "decode"))
+        snap = Snapshot(at=at, current=counts, missing=tuple(missing))
+        if not missing:
+            snap = self._signals(snap, router_text or "", loaded, texts, at)
+        self._prev_at = at
+        return ClusterView(snap, tuple(loaded))
+
+    # ---- signals ------------------------------------------------------------------------------------------------
+    def _windowed(self, key: str, buckets: dict[float, float]) -> dict[float, float]:
+        before = self._prev.get(key)
+        self._prev[key] = buckets
+        return window(buckets, before)
+
+    def _delta(self, key: str, value: float | None) -> float | None:
+        before = self._prev.get(key)
+        self._prev[key] = value
+        if value is None:
+            return None
+        return value if before is None or value < before else value - before
+
+    def _signals(self, snap: Snapshot, router_text: str, workers: list[WorkerView], texts: dict[str, str],
+                 at: float) -> Snapshot:
+        ttft = quantile(self.q, self._windowed("router ttft", histogram_buckets(router_text, TTFT)))
+        itl = quantile(self.q, self._windowed("router itl", histogram_buckets(router_text, ITL)))
+        prefill = [w for w in workers if w.role == "prefill" and w.serving and w.load]
+        decode = [w for w in workers if w.role == "decode" and w.serving and w.load]
+        queue: dict[float, float] = {}
+        prompt_tokens = 0.0
+        for w in prefill:
+            text = texts.get(w.id) or ""
+            for le, c in self._windowed(f"{w.id} queue", histogram_buckets(text, QUEUE_TIME)).items():
+                queue[le] = queue.get(le, 0.0) + c
+            prompt_tokens += self._delta(f"{w.id} prompt", counter_total(text, PROMPT_TOKENS)) or 0.0
+        finished = queue.get(float("inf"), 0.0)  # requests admitted in the window (each has a queue time)
+        elapsed = None if self._prev_at is None else at - self._prev_at
+        per_worker_tps = (prompt_tokens / elapsed / len(prefill)) if elapsed and prefill else None
+        waiting = sum(w.load.get("num_queue_reqs", 0) + w.load.get("num_running_reqs", 0) for w in prefill)
+        backlog = round(waiting * prompt_tokens / finished) if finished else None
+        cap = sum(w.load.get("max_running_requests", 0) for w in decode)
+        transfers = sum(w.load.get("num_prefill_inflight_queue_reqs", 0) for w in prefill)
+        transfers += sum(w.load.get("num_decode_transfer_queue_reqs", 0) for w in decode)
+        return replace(
+            snap, ttft_p90_ms=_ms(ttft), itl_p90_ms=_ms(itl), queue_time_p90_ms=_ms(quantile(self.q, queue)),
+            prefill_backlog_tokens=backlog, prefill_tokens_per_s=per_worker_tps or None,
+            decode_kv_usage=(sum(w.load.get("token_usage", 0.0) for w in decode) / len(decode)) if decode else None,
+            decode_running=sum(w.load.get("num_running_reqs", 0) for w in decode) if decode else None,
+            decode_capacity=cap or None, outstanding_transfers=transfers)
+
+    # ---- HTTP ---------------------------------------------------------------------------------------------------
+    def _workers(self, client: httpx.Client, missing: list[str]) -> list[WorkerView]:
+        body = self._json(client, self.router_url + "/workers", "router /workers", missing, self.headers)
+        if not isinstance(body, dict):
+            return []
+        return [WorkerView(id=w["id"], url=w["url"], role=w["role"], healthy=bool(w.get("healthy")),
+                           draining=bool(w.get("draining")), switching_to=w.get("switching_to"),
+                           inflight=int(w.get("inflight") or 0)) for w in body.get("workers", [])]
+
+    @staticmethod
+    def _json(client: httpx.Client, url: str, name: str, missing: list[str], headers=None) -> Any:
+        try:
+            r = client.get(url, headers=headers)
+            r.raise_for_status()
+            return r.json()
+        except (httpx.HTTPError, ValueError):
+            missing.append(name)
+            return None
+
+    @staticmethod
+    def _text(client: httpx.Client, url: str, name: str, missing: list[str]) -> str | None:
+        try:
+            r = client.get(url)
+            r.raise_for_status()
+            return r.text
+        except httpx.HTTPError:
+            missing.append(name)
+            return None
