@@ -61,6 +61,9 @@ class RouterAdmin:
         return self._call("POST", f"/workers/{worker_id}/drain", timeout_secs + 30,
                           params={"timeout_secs": timeout_secs})
 
+    def undrain(self, worker_id: str) -> dict:
+        return self._call("DELETE", f"/workers/{worker_id}/drain")
+
     def add(self, url: str, role: str) -> dict:
         return self._call("POST", "/workers", json={"url": url, "role": role})
 
@@ -236,8 +239,7 @@ class ActionConnector:
         try:
             wait_worker_idle(w.url, self.drain_timeout_secs)
         except ActionFailed:
-            self.admin.remove(w.url)  # not idle in time: give the drain up, the worker serves again
-            self.admin.add(w.url, w.role)
+            self.admin.undrain(w.id)  # not idle in time: give the drain up, the worker serves again
             raise
         self.admin.remove(w.url)
         self.stop_worker(w)

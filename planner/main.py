@@ -2,8 +2,9 @@
 
 It runs the same loop as ``pd-serve --autoscale`` (`pd_cluster.planner.runner.PlannerRunner`) against
 ``--router-url``, and serves its ``pd:planner_*`` metrics on ``--port`` (``/metrics``). ``--connector`` says what
-acts on a decision: ``none`` logs and exports decisions and changes nothing (Dynamo's planner calls this
-``--no-operation``). The planner holds no state of the cluster's: killed and started again, it reads the counts
+acts on a decision: ``kubernetes`` scales the prefill and decode StatefulSets (`pd_cluster.planner.kube`; it
+refuses to start without the RBAC to do so), ``none`` logs and exports decisions and changes nothing (Dynamo's
+planner calls this ``--no-operation``). The planner holds no state of the cluster's: killed and started again, it reads the counts
 serving from the router and resumes from them; meanwhile the cluster serves at its current sizes.
 """
 
@@ -22,7 +23,7 @@ from pd_cluster.planner.runner import PlannerMetrics, PlannerRunner
 from pd_cluster.planner.scrape import ClusterView, MetricsSource
 
 ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
-CONNECTORS = ("none",)
+CONNECTORS = ("kubernetes", "none")
 
 
 class NoOpConnector:
@@ -43,7 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-url", required=True, help="the router's base URL, e.g. http://pd-router:8000")
     p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (or env {ADMIN_API_KEY_ENV})")
     p.add_argument("--connector", choices=CONNECTORS, default="none",
-                   help="what acts on a decision (none: log and export only)")
+                   help="what acts on a decision: kubernetes (scale the role StatefulSets), none (log and export)")
+    p.add_argument("--namespace", default=None, help="with --connector kubernetes: the workloads' namespace "
+                   "(default: the pod's own, else 'default')")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-workload", default=None, metavar="STATEFULSET",
+                       help=f"with --connector kubernetes: the {role} workers' StatefulSet")
     p.add_argument("--host", default="0.0.0.0", help="address of the metrics server")
     p.add_argument("--port", type=int, default=9091, help="port of the pd:planner_* metrics (/metrics)")
     p.add_argument("--log-level", default="info")
@@ -51,7 +57,43 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def make_connector(parser: argparse.ArgumentParser, args: argparse.Namespace, admin_key: str | None,
+                   metrics: PlannerMetrics, api_client=None):
+    """The connector `args` name; a Kubernetes one only when the API server grants it `kube.REQUIRED` (else
+    `parser` stops, naming ``--connector``)."""
+    if args.connector == "none":
+        return NoOpConnector()
+    from pd_cluster.planner.actions import RouterAdmin
+    from pd_cluster.planner.kube import KubernetesConnector
+
+    missing_flags = [f"--{r}-workload" for r in ("prefill", "decode") if not getattr(args, f"{r}_workload")]
+    if missing_flags:
+        parser.error(f"--connector kubernetes needs {' and '.join(missing_flags)}")
+    namespace = args.namespace
+    if namespace is None:
+        try:
+            with open(NAMESPACE_FILE) as f:
+                namespace = f.read().strip()
+        except OSError:
+            namespace = "default"
+    connector = KubernetesConnector(RouterAdmin(args.router_url, admin_key), namespace,
+                                    {"prefill": args.prefill_workload, "decode": args.decode_workload},
+                                    api_client, metrics)
+    try:
+        denied = connector.missing_permissions()
+    except Exception as e:  # noqa: BLE001 - the API server's answer, whatever it is, stops the start
+        parser.error(f"--connector kubernetes: could not ask the API server for the planner's permissions ({e})")
+    if denied:
+        parser.error(f"--connector kubernetes: the planner's service account may not {', '.join(denied)} in "
+                     f"namespace {namespace!r}; grant them (the chart's planner.rbac.create) or use --connector none")
+    return connector
+
+
+def main(argv: list[str] | None = None, api_client=None) -> int:
+    """Run ``pd-planner`` (`api_client`: a ``kubernetes.client.ApiClient`` for ``--connector kubernetes``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     config = planner_config_from_args(parser, args)
@@ -60,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     admin_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
     metrics = PlannerMetrics()
-    connector = NoOpConnector()
+    connector = make_connector(parser, args, admin_key, metrics, api_client)
     from prometheus_client import start_http_server
 
     server, _ = start_http_server(args.port, args.host, registry=metrics.registry)

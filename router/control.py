@@ -287,6 +287,17 @@ class ControlPlane:
             except SwitchRefused as e:
                 return _error(e.status, e.message, e.param, e.code)
 
+        @app.delete("/workers/{worker_id}/drain", responses=error_responses(401, 403, 404))
+        async def undrain(request: Request, worker_id: str) -> Response:
+            """Give a drain up: the worker takes new work again."""
+            self._check_admin(request)
+            worker = self.registry.by_id(worker_id)
+            if worker is None:
+                return _error(404, f"no worker with id {worker_id!r}", "id", "worker_not_found")
+            worker.draining = False
+            self.registry.touch()
+            return JSONResponse(worker.describe(time.monotonic()))
+
 
 def package_version() -> str:
     """pd-cluster's installed version (the workers' ``/version`` answers the same), else ``0.1.0+source``."""
