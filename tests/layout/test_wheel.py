@@ -43,7 +43,8 @@ def test_package_list_matches_the_folders():
 
 def test_console_scripts_point_into_the_namespace():
     scripts = _pyproject()["project"]["scripts"]
-    assert set(scripts) == {"pd-serve", "pd-worker", "pd-router", "pd-bench", "pd-plan", "pd-generate", "pd-kv-store"}
+    assert set(scripts) == {"pd-serve", "pd-worker", "pd-router", "pd-bench", "pd-plan", "pd-generate", "pd-kv-store",
+                            "pd-planner"}
     assert all(target.startswith("pd_cluster.") for target in scripts.values()), scripts
 
 
