@@ -41,13 +41,15 @@ class ActionFailed(RuntimeError):
 class RouterAdmin:
     """The router's admin API calls a connector makes (with the admin key when there is one)."""
 
-    def __init__(self, router_url: str, admin_api_key: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, router_url: str, admin_api_key: str | None = None, timeout: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
         self.url = router_url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         self.timeout = timeout
+        self.transport = transport  # httpx's own by default
 
     def _call(self, method: str, path: str, timeout: float | None = None, **kw) -> Any:
-        with httpx.Client(timeout=timeout or self.timeout, headers=self.headers) as c:
+        with httpx.Client(timeout=timeout or self.timeout, headers=self.headers, transport=self.transport) as c:
             r = c.request(method, self.url + path, **kw)
         if r.status_code >= 400:
             raise ActionFailed(f"{method} {path}: {r.status_code} {r.text[:300]}")
@@ -98,7 +100,7 @@ def worker_idle(load: dict) -> bool:
             and not load.get("num_decode_prealloc_queue_reqs"))
 
 
-def wait_worker_idle(url: str, timeout: float, headers: dict | None = None) -> dict:
+def wait_worker_idle(url: str, timeout: float, transport: httpx.BaseTransport | None = None) -> dict:
     """Poll ``url``'s ``/get_load`` until `worker_idle` holds `SETTLE_S` in a row; returns the last load.
 
     Raises:
@@ -107,7 +109,7 @@ def wait_worker_idle(url: str, timeout: float, headers: dict | None = None) -> d
     deadline = time.monotonic() + timeout
     quiet_since = None
     load: dict = {}
-    with httpx.Client(timeout=5.0, headers=headers) as c:
+    with httpx.Client(timeout=5.0, transport=transport) as c:
         while True:
             now = time.monotonic()
             try:
@@ -237,7 +239,7 @@ class ActionConnector:
         log.info("planner: draining %s worker %s (%s)", role, w.id, w.url)
         self.admin.drain(w.id, self.drain_timeout_secs)
         try:
-            wait_worker_idle(w.url, self.drain_timeout_secs)
+            wait_worker_idle(w.url, self.drain_timeout_secs, self.admin.transport)
         except ActionFailed:
             self.admin.undrain(w.id)  # not idle in time: give the drain up, the worker serves again
             raise

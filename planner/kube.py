@@ -66,6 +66,7 @@ class KubernetesConnector(ActionConnector):
         self.core = client.CoreV1Api(api_client)
         self.authz = client.AuthorizationV1Api(api_client)
         self._client = client
+        self.poll_s = 1.0  # how often a start looks at the pod and the router
 
     def missing_permissions(self) -> list[str]:
         """The `REQUIRED` permissions the API server denies this identity (``SelfSubjectAccessReview``)."""
@@ -96,7 +97,7 @@ class KubernetesConnector(ActionConnector):
                 if not ip:
                     raise ActionFailed(f"pod {pod} has no IP")
                 return ip
-            time.sleep(1.0)
+            time.sleep(self.poll_s)
 
     # ---- actions ------------------------------------------------------------------------------------------------
     def _start(self, role: str) -> str:
@@ -110,7 +111,7 @@ class KubernetesConnector(ActionConnector):
             if any(urlsplit(w["url"]).hostname == ip and w["role"] == role and w["healthy"]
                    for w in self.admin.workers()):
                 return f"{pod} ({ip}) serving after {time.monotonic() - t0:.1f} s"
-            time.sleep(1.0)
+            time.sleep(self.poll_s)
         raise ActionFailed(f"{pod} ({ip}) was not serving after {self.start_timeout_secs:g} s")
 
     def _drain(self, view: ClusterView, role: str) -> str:
@@ -123,7 +124,7 @@ class KubernetesConnector(ActionConnector):
             raise ActionFailed(f"the router lists no {role} worker at {pod}'s IP {ip}")
         self.admin.drain(worker.id, self.drain_timeout_secs)
         try:
-            wait_worker_idle(worker.url, self.drain_timeout_secs)
+            wait_worker_idle(worker.url, self.drain_timeout_secs, self.admin.transport)
         except ActionFailed:
             self.admin.undrain(worker.id)  # not idle in time: give the drain up, the worker serves again
             raise

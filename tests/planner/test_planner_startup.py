@@ -4,6 +4,7 @@ subresource, checked on the real ``kubernetes`` client's requests (`kube_transpo
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from kube_transport import RecordingPool, api_client
 
@@ -11,7 +12,9 @@ from pd_cluster.launch.autoscale import autoscale_config
 from pd_cluster.launch.serve import build_parser
 from pd_cluster.planner import main as planner_main
 from pd_cluster.planner.actions import RouterAdmin
+from pd_cluster.planner.decision import Decision, RoleCounts, Snapshot
 from pd_cluster.planner.kube import KubernetesConnector
+from pd_cluster.planner.scrape import ClusterView, WorkerView
 
 
 def _serve_error(capsys, *argv: str) -> str:
@@ -92,3 +95,65 @@ def test_the_kubernetes_connector_scales_the_statefulset_scale_subresource():
     gets = [r[1] for r in pool.requests if r[0] == "GET"]
     assert gets == ["/apis/apps/v1/namespaces/llm/statefulsets/pd-prefill/scale"] * 2 + [
         "/api/v1/namespaces/llm/pods/pd-prefill-1"]
+
+
+class FakeRouter:
+    """The router's admin API and the workers' ``/get_load``, over `httpx.MockTransport`, logging into `log`."""
+
+    def __init__(self, log: list, workers: list[dict], busy_polls: int = 3) -> None:
+        self.log, self.workers, self.busy_polls = log, workers, busy_polls
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.log.append(("router", request.method, f"{request.url.host}{path}"))
+        if path == "/workers":
+            for w in self.workers:  # a pod the StatefulSet added turns healthy at the router's next look
+                w["healthy"] = True
+            return httpx.Response(200, json={"workers": self.workers})
+        if path.endswith("/drain"):
+            w = next(w for w in self.workers if w["id"] == path.split("/")[2])
+            w["draining"] = True
+            return httpx.Response(200, json=dict(w, drain_secs=0.0))
+        if path == "/get_load":
+            self.busy_polls -= 1
+            running = 1 if self.busy_polls >= 0 else 0
+            return httpx.Response(200, json={"num_running_reqs": running, "num_queue_reqs": 0,
+                                             "num_free_pages": 100 - 4 * running, "num_total_pages": 100})
+        return httpx.Response(404)
+
+
+def _worker(ip: str, role: str, healthy: bool = True) -> dict:
+    return {"id": f"w-{ip}", "url": f"http://{ip}:8000", "role": role, "healthy": healthy, "draining": False,
+            "switching_to": None, "inflight": 0}
+
+
+def test_the_kubernetes_connector_drains_the_highest_ordinal_before_patching_and_waits_for_a_new_pod():
+    log: list = []
+    pool = RecordingPool({"pd-prefill": 2, "pd-decode": 1},
+                         pod_ips={"pd-prefill-0": "10.0.0.5", "pd-prefill-1": "10.0.0.6", "pd-decode-0": "10.0.0.9"})
+    pool.requests = log
+    router = FakeRouter(log, [_worker("10.0.0.5", "prefill"), _worker("10.0.0.6", "prefill"),
+                              _worker("10.0.0.9", "decode")])
+    admin = RouterAdmin("http://router", transport=httpx.MockTransport(router.handle))
+    k = KubernetesConnector(admin, "llm", {"prefill": "pd-prefill", "decode": "pd-decode"}, api_client(pool))
+    k.poll_s = 0.01
+    view = ClusterView(Snapshot(0.0, RoleCounts(2, 1)), tuple(
+        WorkerView(w["id"], w["url"], w["role"], True) for w in router.workers))
+    k.apply(Decision(0.0, RoleCounts(2, 1), RoleCounts(1, 1), "scale", ("prefill -1",)), view)
+    assert k.targets() == {"prefill": 1}
+    assert k.wait_idle(10) and k.targets() == {}
+    assert [d[:3] for d in k.done] == [("drain", "prefill", "ok")]
+    steps = [(r[0], r[1], r[2]) for r in log if r[0] in ("router", "PATCH")]
+    drain = steps.index(("router", "POST", "router/workers/w-10.0.0.6/drain"))  # pod -1: the highest ordinal
+    loads = [i for i, s in enumerate(steps) if s == ("router", "GET", "10.0.0.6/get_load")]
+    patch = next(i for i, s in enumerate(steps) if s[0] == "PATCH")
+    assert drain < loads[0] and len(loads) >= 4 and loads[-1] < patch  # idle (pages free) before the replica goes
+    assert log[[i for i, r in enumerate(log) if r[0] == "PATCH"][0]][3] == {"spec": {"replicas": 1}}
+    assert pool.replicas["pd-prefill"] == 1
+    # up: one more replica, done once the router lists the new pod healthy
+    router.workers.append(_worker("10.0.0.7", "decode", healthy=False))
+    pool.pod_ips["pd-decode-1"] = "10.0.0.7"
+    k.apply(Decision(1.0, RoleCounts(1, 1), RoleCounts(1, 2), "scale", ("decode +1",)), view)
+    assert k.wait_idle(10)
+    assert [d[:3] for d in k.done][-1] == ("start", "decode", "ok"), k.done
+    assert pool.replicas == {"pd-prefill": 1, "pd-decode": 2}
