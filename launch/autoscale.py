@@ -134,15 +134,21 @@ class AutoscaledCluster(LocalCluster):
         self.connector = LocalConnector(self, admin, self.metrics)
         source = MetricsSource(self.router_url, self.spec.admin_api_key)
         self.runner = PlannerRunner(self.planner_config, source, self.connector, self.metrics)
+        if self.router.restarts.awaiting_health or not self.router.alive():
+            self.runner.paused = "the router (restarting)"
         self.runner.start()
         self._say(f"planner running: every {self.planner_config.interval_secs:g} s, pd:planner_* metrics on "
                   f"http://{self.spec.host}:{self.metrics_port}/metrics")
 
     def tend(self, now: float | None = None) -> bool:
         router_down = self.router.restarts.awaiting_health or not self.router.alive()
+        if router_down and self.runner is not None:  # until the restarted router knows the planner's workers
+            self.runner.paused = "the router (restarting)"
         changed = super().tend(now)
         if router_down and self.router.alive() and not self.router.restarts.awaiting_health:
             self.resync_router()
+            if self.runner is not None:
+                self.runner.paused = None
         if self.connector is not None and self.connector.changed:
             self.connector.changed = False
             changed = True

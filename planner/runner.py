@@ -96,6 +96,7 @@ class PlannerRunner:
         self.metrics = metrics or PlannerMetrics()
         self.planner = Planner(config)
         self.decisions: list[Decision] = []  # the last ones (tests, logs)
+        self.paused: str | None = None  # a source the caller knows to be unreliable now: decisions freeze
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -104,6 +105,8 @@ class PlannerRunner:
         before = self.connector.targets()  # an action that ends during the scrape still counts as under way
         view = self.source.fetch()
         snap = view.snapshot
+        if self.paused:
+            snap = replace(snap, missing=(*snap.missing, self.paused))
         under_way = {**before, **self.connector.targets()}
         if under_way and not snap.missing:
             cur = snap.current
