@@ -233,16 +233,24 @@ class ActionConnector:
         log.info("planner: new %s worker %s serving after %.1f s", role, url, took)
         return f"{url} serving after {took:.1f} s"
 
-    def _drain(self, view: ClusterView, role: str) -> str:
-        w = self._pick(view, role)
-        t0 = time.monotonic()
-        log.info("planner: draining %s worker %s (%s)", role, w.id, w.url)
+    def drain_worker(self, w: WorkerView) -> None:
+        """The router stops routing to `w` and its requests leave it; then `w` must be idle with every page free.
+
+        Raises:
+            ActionFailed: a refusal, or not idle in time (the drain is given up: `w` serves again).
+        """
+        log.info("planner: draining %s worker %s (%s)", w.role, w.id, w.url)
         self.admin.drain(w.id, self.drain_timeout_secs)
         try:
             wait_worker_idle(w.url, self.drain_timeout_secs, self.admin.transport)
         except ActionFailed:
-            self.admin.undrain(w.id)  # not idle in time: give the drain up, the worker serves again
+            self.admin.undrain(w.id)
             raise
+
+    def _drain(self, view: ClusterView, role: str) -> str:
+        w = self._pick(view, role)
+        t0 = time.monotonic()
+        self.drain_worker(w)
         self.admin.remove(w.url)
         self.stop_worker(w)
         took = time.monotonic() - t0

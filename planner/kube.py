@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from urllib.parse import urlsplit
 
-from pd_cluster.planner.actions import ActionConnector, ActionFailed, RouterAdmin, wait_worker_idle
+from pd_cluster.planner.actions import ActionConnector, ActionFailed, RouterAdmin
 from pd_cluster.planner.runner import PlannerMetrics
 from pd_cluster.planner.scrape import ClusterView
 
@@ -122,12 +122,7 @@ class KubernetesConnector(ActionConnector):
         worker = next((w for w in view.workers if urlsplit(w.url).hostname == ip and w.role == role), None)
         if worker is None:
             raise ActionFailed(f"the router lists no {role} worker at {pod}'s IP {ip}")
-        self.admin.drain(worker.id, self.drain_timeout_secs)
-        try:
-            wait_worker_idle(worker.url, self.drain_timeout_secs, self.admin.transport)
-        except ActionFailed:
-            self.admin.undrain(worker.id)  # not idle in time: give the drain up, the worker serves again
-            raise
+        self.drain_worker(worker)
         self.scale(role, n - 1)
         return f"{pod} drained in {time.monotonic() - t0:.1f} s, replicas {n} -> {n - 1}"
 
