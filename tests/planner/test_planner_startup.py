@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from fake_router import FakeRouter, worker_entry as _worker
 from kube_transport import RecordingPool, api_client
 
 from pd_cluster.launch.autoscale import autoscale_config
@@ -95,36 +96,6 @@ def test_the_kubernetes_connector_scales_the_statefulset_scale_subresource():
     gets = [r[1] for r in pool.requests if r[0] == "GET"]
     assert gets == ["/apis/apps/v1/namespaces/llm/statefulsets/pd-prefill/scale"] * 2 + [
         "/api/v1/namespaces/llm/pods/pd-prefill-1"]
-
-
-class FakeRouter:
-    """The router's admin API and the workers' ``/get_load``, over `httpx.MockTransport`, logging into `log`."""
-
-    def __init__(self, log: list, workers: list[dict], busy_polls: int = 3) -> None:
-        self.log, self.workers, self.busy_polls = log, workers, busy_polls
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        self.log.append(("router", request.method, f"{request.url.host}{path}"))
-        if path == "/workers":
-            for w in self.workers:  # a pod the StatefulSet added turns healthy at the router's next look
-                w["healthy"] = True
-            return httpx.Response(200, json={"workers": self.workers})
-        if path.endswith("/drain"):
-            w = next(w for w in self.workers if w["id"] == path.split("/")[2])
-            w["draining"] = True
-            return httpx.Response(200, json=dict(w, drain_secs=0.0))
-        if path == "/get_load":
-            self.busy_polls -= 1
-            running = 1 if self.busy_polls >= 0 else 0
-            return httpx.Response(200, json={"num_running_reqs": running, "num_queue_reqs": 0,
-                                             "num_free_pages": 100 - 4 * running, "num_total_pages": 100})
-        return httpx.Response(404)
-
-
-def _worker(ip: str, role: str, healthy: bool = True) -> dict:
-    return {"id": f"w-{ip}", "url": f"http://{ip}:8000", "role": role, "healthy": healthy, "draining": False,
-            "switching_to": None, "inflight": 0}
 
 
 def test_the_kubernetes_connector_drains_the_highest_ordinal_before_patching_and_waits_for_a_new_pod():
