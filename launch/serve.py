@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     admin_api_key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV) or None
     internal_api_key = os.environ.get(INTERNAL_API_KEY_ENV) or secrets.token_urlsafe(32)
     planner = autoscale_config(parser, args)
+    if planner is not None and api_key and not admin_api_key:
+        parser.error("--autoscale with --api-key needs --admin-api-key: the planner reads the router's /workers")
     if args.model and not args.ray_address:  # on Ray the folder is on the worker nodes
         try:
             check_model_folder(args.model)

@@ -48,6 +48,17 @@ def test_pd_serve_refuses_planner_flags_without_autoscale_and_autoscale_where_it
     assert config.max_prefill == 3 and config.ttft_slo_ms == 500
 
 
+def test_pd_serve_autoscale_behind_an_api_key_needs_the_admin_key(capsys, monkeypatch):
+    from pd_cluster.launch import serve
+
+    monkeypatch.delenv("PD_ROUTER_ADMIN_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--autoscale", "--api-key", "k"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--autoscale with --api-key needs --admin-api-key: the planner reads the router's /workers")
+
+
 def test_pd_planner_refuses_bad_slos_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         planner_main.main(["--router-url", "http://127.0.0.1:1", "--itl-slo-ms", "-1"])
