@@ -3,8 +3,8 @@
 One scrape reads, over HTTP:
 
 * the router's ``GET /workers`` (admin key): every worker's stable id, role, health, ``draining`` and
-  ``switching_to``, and its in-flight requests (`WorkerView`); the counts serving each role are the healthy
-  workers not draining and not switching;
+  ``switching_to``, and its in-flight requests (`WorkerView`); each role's count is its workers not draining and
+  not switching (`WorkerView.counted`), and the healthy ones among them are scraped;
 * the router's ``GET /metrics``: ``pd_router_time_to_first_token_seconds`` and
   ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape);
 * each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
@@ -51,9 +51,16 @@ class WorkerView:
     load: dict[str, Any] | None = None
 
     @property
+    def counted(self) -> bool:
+        """Counted in its role's size: not draining, not switching. A worker that is briefly unhealthy (restarting,
+        a failed probe) still counts: its launcher or its StatefulSet brings it back, and counting it out would make
+        a role look under its minimum."""
+        return not self.draining and self.switching_to is None
+
+    @property
     def serving(self) -> bool:
-        """Counted in its role: healthy, not draining, not switching."""
-        return self.healthy and not self.draining and self.switching_to is None
+        """Counted and healthy: its metrics are read, and a connector may take it."""
+        return self.healthy and self.counted
 
 
 @dataclass(frozen=True)
@@ -159,8 +166,8 @@ class MetricsSource:
                 load = self._json(client, w.url + "/get_load", f"{w.role} {w.id} /get_load", missing)
                 texts[w.id] = self._text(client, w.url + "/metrics", f"{w.role} {w.id} /metrics", missing)
                 loaded.append(replace(w, load=load if isinstance(load, dict) else None))
-        counts = RoleCounts(sum(w.serving for w in loaded if w.role == "prefill"),
-                            sum(w.serving for w in loaded if w.role == "decode"))
+        counts = RoleCounts(sum(w.counted for w in loaded if w.role == "prefill"),
+                            sum(w.counted for w in loaded if w.role == "decode"))
         snap = Snapshot(at=at, current=counts, missing=tuple(missing))
         if not missing:
             snap = self._signals(snap, router_text or "", loaded, texts, at)
