@@ -44,7 +44,8 @@ from pd_cluster.engine.request_builder import RequestLimits
 from pd_cluster.engine.sampling.grammar import GrammarManager
 from pd_cluster.engine.scheduler.group_pages import GroupedPageManager
 from pd_cluster.engine.scheduler.page_manager import PageManager
-from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.scheduler.output import SchedulerOutput
+from pd_cluster.engine.scheduler.scheduler import Scheduler
 from pd_cluster.engine.spec.drafter import build_drafter, captures_decode_graphs
 from pd_cluster.engine.spec.stats import SpecDecodeStats
 from pd_cluster.engine.stats import EngineStats
