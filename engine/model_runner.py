@@ -22,7 +22,7 @@ from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.batch import SamplingBatch
 from pd_cluster.engine.sampling.pending import PendingSample, SamplerOutput
 from pd_cluster.engine.sampling.sampler import Sampler, prompt_logprobs
-from pd_cluster.engine.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from pd_cluster.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from pd_cluster.engine.spec.verify import Verified, verify_drafts
 
 

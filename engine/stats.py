@@ -14,7 +14,8 @@ import logging
 import time
 from collections import Counter
 
-from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.scheduler.output import SchedulerOutput
+from pd_cluster.engine.scheduler.scheduler import Scheduler
 from pd_cluster.engine.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger("engine")

@@ -23,22 +23,8 @@ cancelled, and a transfer without progress or heartbeat for
 ``kv_transfer_timeout``, so a live sender has stopped writing before decode
 gives up.
 
-Heartbeats measure silence, not compute. A chunk's forward pass may run longer
-than the deadline (the last chunks of a 10M-token prompt take seconds each),
-and the step loop polls nothing meanwhile. So `heartbeat`, run every
-`heartbeat_period` by a thread of its own (`start_heartbeat`), sends decode an
-`Alive` naming this process's transfers: decode's deadline restarts for each.
-Every connected decode peer gets one each period, naming none if need be: a
-ticket this process has not read yet (it waits in its HTTP server's queue, or
-in decode's own send queue, when a 1,000-prompt request hands out tickets at
-once) is then kept alive by the process's life (`KVReceiver`). A process frozen (SIGSTOP, a VM pause) or killed sends none, so decode's
-deadline and its liveness probe find it as before; a step loop that has not
-polled for `step_timeout` is taken as hung and is vouched for no more. A
-heartbeat is never sent for a transfer already idle past
-`sender_idle_timeout` and counts from the time just before it was sent, so
-the rule "post nothing past `sender_idle_timeout` without progress or
-heartbeat" keeps every WRITE before decode's deadline for the last heartbeat
-it accepted (docs/transfer.md, Deadlines). A stopped transfer is
+Heartbeats (`SenderHeartbeat`, `transfer/heartbeat.py`) keep a transfer alive
+through a long chunk's forward pass, which polls nothing. A stopped transfer is
 reported only once every NIXL handle of it is released (cancelled or done),
 and only then does the sender tell decode it stopped: pages on both sides are
 reusable exactly when the events say so.
@@ -58,7 +44,7 @@ from pd_cluster.transfer.agent import DONE, ERR, TransferAgent
 from pd_cluster.transfer.descriptors import page_runs, run_descs, validate_pages
 from pd_cluster.transfer.errors import (NixlTransferError, PeerDiedError, StalePeerError, TransferAbortedError, TransferError,
                              TransferTimeoutError)
-from pd_cluster.transfer.heartbeat import HeartbeatThread
+from pd_cluster.transfer.heartbeat import HeartbeatThread, SenderHeartbeat
 from pd_cluster.transfer.metrics import TransferMetrics
 from pd_cluster.transfer.send_jobs import SendDone, SenderEvents, SendFailed, SendJob, SendPush
 from pd_cluster.transfer.ticket import KVTicket, group_slots
@@ -69,11 +55,10 @@ __all__ = ["KVSender", "SendDone", "SendFailed", "SenderEvents"]
 logger = logging.getLogger(__name__)
 
 _TOMBSTONES = 4096
-_ALIVE_IDS = 32  # transfer ids per heartbeat notification
 
 
-class KVSender:
-    """Pushes requests' KV pages from this worker's pool to decode pools.
+class KVSender(SenderHeartbeat):
+    """Pushes requests' KV pages from this worker's pool to decode pools (its heartbeats: `SenderHeartbeat`).
 
     Args:
         agent: this worker's `TransferAgent`.
@@ -254,78 +239,6 @@ class KVSender:
         self.metrics.prefill_inflight_queue.set(len(self._jobs))
         return ev
 
-    # ---- heartbeat -----------------------------------------------------------
-    def announce(self, ticket: KVTicket) -> None:
-        """A ticket arrived and waits for the engine thread (the current step may be a long chunk): heartbeats
-        name it until `add_request` or `withdraw_announced`. Safe from any thread; nothing is posted for it
-        before `add_request`."""
-        self.announce_id(ticket.transfer_id, ticket.decode_agent)
-
-    def announce_id(self, transfer_id: str, decode_agent: str) -> None:
-        """`announce` by id. An announcement that comes after `add_request` (under TP it travels apart from the
-        step loop's commands, `pd_cluster.transfer.tp`) is dropped, for a transfer in flight or one of the
-        last `_TOMBSTONES` that ended or that decode cancelled. An announcement left waiting longer than
-        `step_timeout` is dropped by the heartbeat (no step takes that long), so none is named forever."""
-        with self._jobs_lock:
-            if not (transfer_id in self._jobs or transfer_id in self._ended or transfer_id in self._cancelled):
-                self._waiting[transfer_id] = (decode_agent, self._clock())
-
-    def withdraw_announced(self, transfer_id: str) -> None:
-        """The announced ticket will not be added (refused, or the request went away). Safe from any thread."""
-        with self._jobs_lock:
-            self._waiting.pop(transfer_id, None)
-
-    def heartbeat(self) -> int:
-        """Tell each decode peer that this process is alive and working on its transfers (`protocol.Alive`);
-        a connected peer with none of them gets an `Alive` naming none (the process lives).
-
-        Safe from any thread (`start_heartbeat` runs it on its own). Nothing is sent for a transfer that
-        already failed or has been idle (no progress, no heartbeat) past `sender_idle_timeout` (the step
-        loop stops it, posting nothing), nor at all while the step loop has not polled for `step_timeout`
-        (taken as hung). A failed send is left to the step loop's liveness probe.
-
-        Returns:
-            The number of transfers vouched for.
-        """
-        now = self._clock()
-        if now - self._last_poll > self.config.step_timeout:
-            return 0
-        with self._jobs_lock:
-            jobs = [j for j in self._jobs.values() if j.error is None]
-            for tid in [t for t, (_, since) in self._waiting.items() if now - since > self.config.step_timeout]:
-                del self._waiting[tid]  # never added nor withdrawn (a lost add, a late announcement)
-            waiting = [(tid, peer) for tid, (peer, _) in self._waiting.items()]
-        by_peer: dict[str, list[tuple[str, SendJob | None]]] = {}
-        for job in jobs:
-            if now - job.live_since <= self.config.sender_idle_timeout:
-                by_peer.setdefault(job.peer, []).append((job.ticket.transfer_id, job))
-        for tid, peer in waiting:  # no push can be posted before `add_request`, which restarts its clock
-            if self.agent.is_connected(peer):
-                by_peer.setdefault(peer, []).append((tid, None))
-        for peer in self.agent.peer_names:  # the process lives: tickets not read yet (an HTTP queue) may wait
-            by_peer.setdefault(peer, [])
-        vouched = 0
-        for peer, group in by_peer.items():
-            for i in range(0, max(len(group), 1), _ALIVE_IDS):  # a notification stays small (tens of ids)
-                part = group[i:i + _ALIVE_IDS]
-                try:
-                    self.agent.send(peer, protocol.Alive(tuple(tid for tid, _ in part)), progress_data=False)
-                except TransferError as e:
-                    logger.debug("KV transfer: heartbeat to %s failed: %s", peer, e)
-                    break
-                for _, job in part:
-                    if job is not None:
-                        job.vouched = max(job.vouched, now)
-                vouched += len(part)
-        return vouched
-
-    def start_heartbeat(self) -> None:
-        """Run `heartbeat` every `heartbeat_period` on a daemon thread until `stop_heartbeat` or the agent closes."""
-        self._beat.start()
-
-    def stop_heartbeat(self) -> None:
-        self._beat.stop()
-
     # ---- internals -----------------------------------------------------------
     def _forget(self, job: SendJob) -> None:
         with self._jobs_lock:
@@ -474,15 +387,3 @@ class KVSender:
             self._expect_ack(msg.transfer_id, self._clock())
         except TransferError as e:
             logger.info("KV transfer %s: could not confirm cancel to %s: %s", msg.transfer_id, peer, e)
-
-    def _heartbeat(self) -> None:
-        for peer in {j.peer for j in self._jobs.values() if j.error is None}:
-            try:
-                self.agent.send(peer, protocol.Ping())
-            except PeerDiedError as e:
-                for job in self._jobs.values():
-                    if job.peer == peer and job.error is None:
-                        self._stop(job, PeerDiedError(f"decode agent {peer} is gone: {e}",
-                                                      transfer_id=job.ticket.transfer_id, peer=peer))
-            except TransferError as e:
-                logger.warning("KV transfer: liveness probe to %s failed: %s", peer, e)

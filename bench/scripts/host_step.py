@@ -28,7 +28,7 @@ from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.packed_step import HEADER_LEN, build_step, unpack_step
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.sampling.params import SamplingParams
-from pd_cluster.engine.scheduler.scheduler import ScheduledRequest
+from pd_cluster.engine.scheduler.output import ScheduledRequest
 
 PAGE = 16
 

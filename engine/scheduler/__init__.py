@@ -1,1 +1,1 @@
-"""The token-budget scheduler and its small managers (pages, admission)."""
+"""The token-budget scheduler, its small managers (pages, admission) and the plan of a step (`output.py`)."""

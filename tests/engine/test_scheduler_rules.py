@@ -13,7 +13,8 @@ from pd_cluster.engine.kv.prefix_cache import PrefixCache
 from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.sampling.params import SamplingParams
 from pd_cluster.engine.scheduler.page_manager import PageManager
-from pd_cluster.engine.scheduler.scheduler import Scheduler, SchedulerOutput
+from pd_cluster.engine.scheduler.output import SchedulerOutput
+from pd_cluster.engine.scheduler.scheduler import Scheduler
 
 PAGE = 4
 
