@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import httpx
 
 from pd_cluster.common.net import free_port
-from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env, router_ready,
-                                      worker_auth_argv)
+from pd_cluster.launch.cluster import router_ready
+from pd_cluster.launch.cluster_spec import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env,
+                                           worker_auth_argv)
 from pd_cluster.launch.restarts import parent_bound_argv
 from pd_cluster.launch.supervise import serve_until_stopped
 

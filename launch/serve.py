@@ -29,8 +29,8 @@ from pd_cluster.common.process import exit_now
 from pd_cluster.engine.args import ENGINE_FLAGS, add_engine_args
 from pd_cluster.engine.model.arch import check_model_folder
 from pd_cluster.launch.placement import cuda_device_count, parse_gpu_list
-from pd_cluster.launch.cluster import (ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec,
-                                      LocalCluster)
+from pd_cluster.launch.cluster import LocalCluster
+from pd_cluster.launch.cluster_spec import ADMIN_API_KEY_ENV, API_KEY_ENV, INTERNAL_API_KEY_ENV, ClusterSpec
 from pd_cluster.launch.autoscale import AutoscaledCluster, add_autoscale_args, autoscale_config
 from pd_cluster.launch.kv_store import plan_kv_store
 from pd_cluster.launch.restarts import RestartBackoff

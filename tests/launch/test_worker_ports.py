@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, worker_ports
+from pd_cluster.launch.cluster import LocalCluster
+from pd_cluster.launch.cluster_spec import ClusterSpec, worker_ports
 from pd_cluster.launch.serve import build_parser, main, parse_port_list
 
 
