@@ -63,20 +63,23 @@ class NodeRanks:
             None when every rank ended cleanly (rank 0 stopped the instance) or `stop` was set; else the error.
         """
         stop = stop or threading.Event()
-        addr = self.config.parallel.dist_init_addr
         while not stop.wait(WATCH_PERIOD_S):
             ended = [proc for proc in self.procs if not proc.is_alive()]
             if ended and all(proc.exitcode == 0 for proc in ended) and len(ended) == len(self.procs):
                 return None
             if any(proc.exitcode != 0 for proc in ended):
                 codes = ", ".join(f"{proc.name} exit code {proc.exitcode}" for proc in ended)
-                return (f"node {self.config.parallel.node_rank}: a rank ended ({codes}); rank 0 at --dist-init-addr "
-                        f"{addr} is gone or failed, so this node stops too")
+                return self._gone(f"a rank of this node lost the group: {codes}")
             try:
                 self._watch.check([PREFIX + "verdict"])
             except Exception as e:  # noqa: BLE001 - any store failure means node 0's process is gone
-                return f"node {self.config.parallel.node_rank}: node 0 at --dist-init-addr {addr} stopped answering ({e})"
+                return self._gone(f"its store stopped answering: {e}")
         return None
+
+    def _gone(self, how: str) -> str:
+        p = self.config.parallel
+        return (f"node {p.node_rank}: rank 0 at --dist-init-addr {p.dist_init_addr} is gone or failed ({how}); this "
+                f"node stops too")
 
     def stop(self, timeout: float = 10.0) -> None:
         """Kill this node's ranks (rank 0's instance cannot go on without them)."""
