@@ -183,7 +183,8 @@ def test_ports_agree(path):
 CHART_MANAGED = {
     "engineArgs": {"--role", "--disaggregation-mode", "--host", "--port", "--advertise-url", "--log-level",
                    "--timeout-graceful-shutdown", "--model", "--prefill-url", "--help",
-                   "--internal-api-key", "--prefill-urls"},
+                   "--internal-api-key", "--prefill-urls",
+                   "--nnodes", "--node-rank", "--dist-init-addr"},  # a LeaderWorkerSet pod's LWS_* variables
     "routerArgs": {"--host", "--port", "--log-level", "--prefill", "--decode", "--worker", "--service-discovery",
                    "--service-discovery-namespace", "--prefill-selector", "--decode-selector", "--selector",
                    "--service-discovery-port", "--service-discovery-port-annotation", "--api-key",
