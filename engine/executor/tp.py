@@ -220,11 +220,19 @@ class TPDriver:
     """Rank 0's handle on the group: start the other ranks, command them, stop them.
 
     Args:
-        config: the engine configuration (``parallel.world_size`` ranks).
+        config: the engine configuration (``parallel.world_size`` ranks; over ``nnodes`` nodes, this node's
+            share spawned here and the rest met at ``dist_init_addr``).
+
+    Raises:
+        ValueError: ``node_rank`` > 0 (rank 0 lives on node 0), or more ranks than this node's GPUs.
+        NodeJoinError: the other nodes did not join, or differ (`pd_cluster.engine.parallel.rendezvous`).
     """
 
     def __init__(self, config: EngineConfig) -> None:
         size, nnodes = config.parallel.world_size, config.parallel.nnodes
+        if config.parallel.node_rank > 0:
+            raise ValueError(f"--node-rank {config.parallel.node_rank}: rank 0 runs on node 0; a node r > 0 runs only "
+                             f"its ranks, started by `pd-worker --node-rank {config.parallel.node_rank}` (any role)")
         check_gpus(config)
         local = node_ranks(size, nnodes, 0)
         store = host_instance(config) if nnodes > 1 else None  # waits for the other nodes, or raises

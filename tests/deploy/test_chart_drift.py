@@ -309,3 +309,6 @@ def test_leaderworkerset_pods_get_consistent_node_args(monkeypatch):
         assert leader.dist_init_addr == worker.dist_init_addr == (f"pd-pd-cluster-{role}-0.pd-pd-cluster-{role}:"
                                                                   f"{DEFAULT_DIST_INIT_PORT}")
         assert leader.tp_size == 16 and config_differences(configs[0], configs[1]) == [], role
+        # the leader's name resolves before it is ready: the other pods meet it before the model loads
+        (svc,) = [o for o in objects(objs, "Service") if o["metadata"]["name"] == lws["metadata"]["name"]]
+        assert svc["spec"]["publishNotReadyAddresses"] is True and svc["spec"]["clusterIP"] == "None"

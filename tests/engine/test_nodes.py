@@ -61,6 +61,13 @@ def test_more_ranks_than_the_node_has_gpus_is_refused_naming_the_flags():
     check_node_gpus(8, 1, 8)
 
 
+def test_an_engine_is_node_0_a_node_r_runs_only_its_ranks():
+    from pd_cluster.engine.executor.tp import TPDriver
+
+    with pytest.raises(ValueError, match=r"--node-rank 1: rank 0 runs on node 0; .* `pd-worker --node-rank 1`"):
+        TPDriver(config_from_kwargs(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:9"))
+
+
 def test_lws_environment_gives_the_node_flags_an_explicit_flag_wins():
     env = {"LWS_LEADER_ADDRESS": "pd-decode-0.pd-decode.ns", "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
     assert lws_node_args(env, None, None, None) == (2, 1, f"pd-decode-0.pd-decode.ns:{DEFAULT_DIST_INIT_PORT}")
