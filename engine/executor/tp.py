@@ -176,6 +176,8 @@ def _rank_main(rank: int, size: int, master: tuple[str, int] | None, config: Eng
     try:
         _serve_commands(rank, tp, server)
     except RuntimeError as e:  # gloo: "Connection closed by peer" when rank 0 (or another rank) died
+        if not any(s in str(e) for s in _PEER_GONE):
+            raise
         logger.critical("tp rank %d: lost the tensor-parallel group, rank 0 is gone or failed: %s", rank, e)
         logging.shutdown()
         os._exit(3)  # no teardown: threads may still wait on the group or the store
