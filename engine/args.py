@@ -120,6 +120,16 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-dp-attention", "parallel.enable_dp_attention", None,
          "Data-parallel attention (SGLang's flag): each DP rank its own requests and KV pool, attention weights "
          "whole; MoE layers gather every rank's tokens.", action="store_true"),
+    Flag("--nnodes", "parallel.nnodes", int,
+         "Nodes one instance spans (SGLang's flag): --tp-size / --nnodes ranks on each; default 1, or "
+         "LWS_GROUP_SIZE in a LeaderWorkerSet pod."),
+    Flag("--node-rank", "parallel.node_rank", int,
+         "This node's rank, 0 .. nnodes-1: node 0 serves the instance, the others run only their ranks (default 0, "
+         "or LWS_WORKER_INDEX)."),
+    Flag("--dist-init-addr", "parallel.dist_init_addr", str,
+         "HOST:PORT of node 0 where every node's ranks meet (default with LWS: LWS_LEADER_ADDRESS:20000)."),
+    Flag("--dist-timeout", "parallel.dist_timeout", int,
+         "Seconds the ranks have to meet before start-up fails (default 120 on one node, 600 over several)."),
     Flag("--device", "device.device", str, "auto, cpu or cuda[:N]."),
     Flag("--attention-backend", "device.attention_backend", str, "auto, torch, cpu or triton.",
          choices=("auto", "torch", "cpu", "triton")),

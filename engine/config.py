@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
+from pd_cluster.engine.parallel.nodes import check_nodes
 from pd_cluster.engine.spec.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -280,6 +281,10 @@ class ParallelConfig:
     dp_size: int = 1
     enable_dp_attention: bool = False
     prefill_context_parallel_size: int = 1
+    nnodes: int = 1                    # nodes the instance spans (`pd_cluster.engine.parallel.nodes`)
+    node_rank: int = 0                 # this node's place among them; node 0 runs rank 0
+    dist_init_addr: str | None = None  # node 0's HOST:PORT where every node's ranks meet
+    dist_timeout: int | None = None    # seconds the ranks (and nodes) have to meet; None: 120 on one node, 600 over several
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -291,6 +296,10 @@ class ParallelConfig:
         if self.prefill_context_parallel_size > 1 and self.enable_dp_attention:
             raise ValueError("--prefill-context-parallel-size with --enable-dp-attention is not built (each DP rank "
                              "prefills its own requests whole)")
+        check_nodes(self.world_size, self.nnodes, self.node_rank, self.dist_init_addr, self.enable_dp_attention,
+                    self.prefill_context_parallel_size)
+        if self.dist_timeout is not None and self.dist_timeout <= 0:
+            raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
 
     @property
     def world_size(self) -> int:

@@ -7,6 +7,14 @@ Examples::
     pd-worker --role decode --port 30002 --kv-cache-dtype fp8_e4m3
 
 SGLang's ``--disaggregation-mode prefill|decode|null`` is accepted for ``--role``.
+
+An instance over two nodes (SGLang's flags; node 1 runs its ranks and serves no API, `pd_cluster.launch.node`)::
+
+    pd-worker --role decode --tp-size 16 --nnodes 2 --node-rank 0 --dist-init-addr 10.0.0.1:20000
+    pd-worker --role decode --tp-size 16 --nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:20000
+
+In a LeaderWorkerSet pod, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX`` and ``LWS_LEADER_ADDRESS`` give ``--nnodes``,
+``--node-rank`` and ``--dist-init-addr LEADER:20000`` where those flags are not given (a flag wins).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import uvicorn
 
 from pd_cluster.common.process import exit_now
 from pd_cluster.engine.args import add_engine_args, config_from_args
+from pd_cluster.engine.parallel.nodes import lws_node_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.tools.chat import add_tool_args, tool_settings_from_args
 from pd_cluster.serving.worker_app import WorkerAppBuilder, WorkerConfig
@@ -87,6 +96,9 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         SystemExit: ``--role`` and ``--disaggregation-mode`` disagree.
     """
     role = resolve_role(args)
+    # a LeaderWorkerSet pod: the node flags not given come from LWS_* (explicit flags win, flag by flag)
+    args.nnodes, args.node_rank, args.dist_init_addr = lws_node_args(os.environ, args.nnodes, args.node_rank,
+                                                                     args.dist_init_addr)
     return WorkerConfig(role=role, host=args.host, port=args.port, advertise_url=args.advertise_url,
                         prefill_url=args.prefill_url, log_level=args.log_level,
                         prefill_urls=tuple(u.rstrip("/") for u in args.prefill_urls),
@@ -162,9 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                                             "from a checkpoint")
     if config.engine.device.attention_backend == "triton":
         use_triton_interpreter_without_cuda()  # before the kernels are imported
+    if config.engine.parallel.node_rank > 0:  # a node of an instance whose rank 0 runs elsewhere: no API here
+        from pd_cluster.launch.node import serve_node
+
+        return serve_node(config)
+    from pd_cluster.engine.parallel.rendezvous import NodeJoinError
+
     try:
         app = build_app(config)
-    except FileNotFoundError as e:  # e.g. a Hub id instead of a model folder: one line, not a traceback
+    except (FileNotFoundError, NodeJoinError) as e:  # e.g. a Hub id, a node that did not join: one line
         print(f"pd-worker: error: {e}", file=sys.stderr)
         return 2
     DrainedServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),

@@ -20,12 +20,18 @@ rank, which runs an installed extension's method declared safe from any thread
 back. It exists for what must reach the ranks while the step loop is busy, e.g.
 a KV transfer ticket that arrives during a long prefill chunk and needs the
 ranks' heartbeats to name it (`pd_cluster.transfer.tp.TPSender.announce`).
+
+An instance over several nodes (``--nnodes``): rank 0's driver spawns only its own node's ranks; the other nodes'
+processes run theirs (`pd_cluster.engine.executor.node`), which meet it at ``--dist-init-addr``
+(`pd_cluster.engine.parallel.rendezvous`), serve the same command loop, and take rank 0's posts from the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 from importlib import import_module
@@ -37,11 +43,15 @@ import torch
 from pd_cluster.engine.config import EngineConfig
 from pd_cluster.common.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
+from pd_cluster.engine.parallel.nodes import check_node_gpus, node_ranks
+from pd_cluster.engine.parallel.rendezvous import StoreInbox, StoreOutbox, client_store, host_instance
 from pd_cluster.engine.executor.shard import Shard, build_shard
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.packed_step import COMMAND_MAGIC, HEADER_LEN, STEP_MAGIC, payload_len
 
 logger = logging.getLogger(__name__)
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words for a dead rank
 
 
 
@@ -126,7 +136,8 @@ def _serve_side(conn, server: RankServer) -> None:
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r runs on ``cuda:r`` (offset by the configured index) on GPUs, on the CPU otherwise."""
+    """Local rank r (the rank within its node) runs on ``cuda:r`` (offset by the configured index) on GPUs, on the
+    CPU otherwise."""
     name = config.device.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,16 +147,54 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConfig, log_level: int,
+def check_gpus(config: EngineConfig) -> None:
+    """On GPUs, refuse more ranks a node than the node's GPUs (`pd_cluster.engine.parallel.nodes.check_node_gpus`)."""
+    device = rank_device(config, 0)
+    if device.type == "cuda":
+        p = config.parallel
+        check_node_gpus(p.world_size, p.nnodes, torch.cuda.device_count(), device.index or 0)
+
+
+def _rank_main(rank: int, size: int, master: tuple[str, int] | None, config: EngineConfig, log_level: int,
                side=None) -> None:
+    """One rank's process: join the group (at `master`, or over several nodes at ``--dist-init-addr``), build its
+    shard, obey rank 0's commands until ``stop``. A rank of another node than rank 0's reads rank 0's posts from
+    the store (`StoreInbox`) and dies with its node's process."""
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    device = rank_device(config, rank)
+    p = config.parallel
+    if p.node_rank > 0:
+        _die_with_parent()
+    device = rank_device(config, rank - node_ranks(size, p.nnodes, p.node_rank).start)
     if device.type == "cpu":
         torch.set_num_threads(config.device.cpu_threads)
-    tp = init_tp_group(rank, size, master, device)
+    tp = init_tp_group(rank, size, master, device, store=client_store(config) if master is None else None)
     server = RankServer(build_shard(config, device, tp), tp, device)
+    if side is None and p.node_rank > 0:
+        side = StoreInbox(config, rank)
     if side is not None:
         threading.Thread(target=_serve_side, args=(side, server), daemon=True, name=f"tp{rank}-side").start()
+    try:
+        _serve_commands(rank, tp, server)
+    except RuntimeError as e:  # gloo: "Connection closed by peer" when rank 0 (or another rank) died
+        if not any(s in str(e) for s in _PEER_GONE):
+            raise
+        logger.critical("tp rank %d: lost the tensor-parallel group, rank 0 is gone or failed: %s", rank, e)
+        logging.shutdown()
+        os._exit(3)  # no teardown: threads may still wait on the group or the store
+    tp.destroy()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent (the node's process) dies, so no rank outlives its node."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def _serve_commands(rank: int, tp: TPGroup, server: RankServer) -> None:
     while True:
         header = tp.broadcast_tensor(torch.empty(HEADER_LEN, dtype=torch.int64)).numpy()
         if int(header[0]) == STEP_MAGIC:
@@ -167,36 +216,48 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
             result = e
         if gather:
             tp.gather_objects(result)
-    tp.destroy()
 
 
 class TPDriver:
     """Rank 0's handle on the group: start the other ranks, command them, stop them.
 
     Args:
-        config: the engine configuration (``parallel.world_size`` ranks).
+        config: the engine configuration (``parallel.world_size`` ranks; over ``nnodes`` nodes, this node's
+            share spawned here and the rest met at ``dist_init_addr``).
+
+    Raises:
+        ValueError: ``node_rank`` > 0 (rank 0 lives on node 0), or more ranks than this node's GPUs.
+        NodeJoinError: the other nodes did not join, or differ (`pd_cluster.engine.parallel.rendezvous`).
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        size = config.parallel.world_size
-        master = ("127.0.0.1", free_port())
+        size, nnodes = config.parallel.world_size, config.parallel.nnodes
+        if config.parallel.node_rank > 0:
+            raise ValueError(f"--node-rank {config.parallel.node_rank}: rank 0 runs on node 0; a node r > 0 runs only "
+                             f"its ranks, started by `pd-worker --node-rank {config.parallel.node_rank}` (any role)")
+        check_gpus(config)
+        local = node_ranks(size, nnodes, 0)
+        store = host_instance(config) if nnodes > 1 else None  # waits for the other nodes, or raises
+        master = None if store is not None else ("127.0.0.1", free_port())
         ctx = mp.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
-        pipes = [ctx.Pipe(duplex=False) for _ in range(1, size)]  # (reader, writer): the side channel
+        pipes = [ctx.Pipe(duplex=False) for _ in local[1:]]  # (reader, writer): the side channel
         self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level, pipes[r - 1][0]),
-                                  daemon=True, name=f"tp-rank-{r}") for r in range(1, size)]
+                                  daemon=True, name=f"tp-rank-{r}") for r in local[1:]]
         for p in self.procs:
             p.start()
         for reader, _ in pipes:
             reader.close()  # the rank holds its own copy
-        self._side = [writer for _, writer in pipes]
+        # ranks of the other nodes: rank 0's posts go through node 0's store (`rendezvous.StoreOutbox`)
+        self._side = [writer for _, writer in pipes] + [StoreOutbox(config, r) for r in range(local.stop, size)]
         self._posts = [queue.SimpleQueue() for _ in self._side]  # `post` -> rank r's writer thread
         self._posters = [threading.Thread(target=self._forward_posts, args=(r,), daemon=True, name=f"tp-post-{r}")
                          for r in range(1, size)]
         for t in self._posters:
             t.start()
         self.device = rank_device(config, 0)
-        self.tp = init_tp_group(0, size, master, self.device)
+        self._parallel = config.parallel
+        self.tp = init_tp_group(0, size, master, self.device, store=store)
         self.local: RankServer | None = None
 
     def attach(self, server: RankServer) -> None:
@@ -210,8 +271,12 @@ class TPDriver:
 
         Raises:
             Exception: with `gather`, the first rank's exception, as raised there.
-            RuntimeError: a rank process is gone.
+            RuntimeError: a rank process is gone (on another node: the group broke).
         """
+        with self._group_failures():
+            return self._call(name, args, gather, rank0_kwargs)
+
+    def _call(self, name: str, args: tuple, gather: bool, rank0_kwargs: dict[str, Any] | None) -> Any:
         self._check_alive()
         self._send_command(name, args, gather)
         local = rank0_kwargs or {}
@@ -242,7 +307,7 @@ class TPDriver:
         while (item := posts.get()) is not None:
             try:
                 conn.send(item)
-            except (OSError, ValueError) as e:  # BrokenPipeError: the rank is gone
+            except (OSError, ValueError, RuntimeError) as e:  # BrokenPipeError: the rank is gone (a store: node 0's)
                 logger.debug("tp rank %d: posted %s.%s not delivered: %s", rank, item[0], item[1], e)
 
     def _check_alive(self) -> None:
@@ -266,9 +331,23 @@ class TPDriver:
         """
         self._check_alive()
         header, payload = torch.from_numpy(step[:HEADER_LEN]), torch.from_numpy(step[HEADER_LEN:])
-        self.tp.broadcast_tensor(header)
-        self.tp.broadcast_tensor(payload)
-        return self.local.run_step(header.numpy(), payload.numpy(), prev_tokens)
+        with self._group_failures():
+            self.tp.broadcast_tensor(header)
+            self.tp.broadcast_tensor(payload)
+            return self.local.run_step(header.numpy(), payload.numpy(), prev_tokens)
+
+    @contextlib.contextmanager
+    def _group_failures(self):
+        """A collective that fails because a peer's connection closed: say which ranks may be gone."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not any(s in str(e) for s in _PEER_GONE):
+                raise
+            p = self._parallel
+            where = (f"a rank on this node or on node(s) 1..{p.nnodes - 1} (--nnodes {p.nnodes}, --dist-init-addr "
+                     f"{p.dist_init_addr})" if p.nnodes > 1 else "a rank process")
+            raise RuntimeError(f"the tensor-parallel group broke: {where} is gone ({e})") from e
 
     def capture_decode_graphs(self, config: CudaGraphConfig) -> list[int]:
         """Every rank captures decode graphs for the same buckets, in lockstep (the all-reduces inside the

@@ -105,18 +105,21 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def init_tp_group(rank: int, size: int, master: tuple[str, int], device: torch.device, cls: type = TPGroup) -> TPGroup:
+def init_tp_group(rank: int, size: int, master: tuple[str, int] | None, device: torch.device, cls: type = TPGroup,
+                  store: dist.Store | None = None) -> TPGroup:
     """Join the group (every rank calls this with the same `master` address; rank 0 listens there); `cls` is the
-    group's class (`TPGroup` or a subclass).
+    group's class (`TPGroup` or a subclass). An instance over several nodes passes node 0's `store` instead
+    (`pd_cluster.engine.parallel.rendezvous`: node 0's own, or a connection to it).
 
     Raises:
-        RuntimeError: the rendezvous failed or a rank did not arrive within `RENDEZVOUS_TIMEOUT`.
+        RuntimeError: the rendezvous failed or a rank did not arrive within `RENDEZVOUS_TIMEOUT` (or the store's).
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore(master[0], master[1], size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
-                          wait_for_workers=True)
+    if store is None:
+        store = dist.TCPStore(master[0], master[1], size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=True)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     logger.info("%s rank %d of %d ready (%s)", cls.__name__, rank, size, backend)

@@ -34,8 +34,8 @@ from pd_cluster.engine.planner.spec import ModelSpec
 from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
 
 DISPATCH_GROUP = 128  # values per FP8 scale in DeepEP's dispatch
-# What this engine runs today: an instance's ranks on one node only; DP attention in the offline engine
-# (`pd_cluster.engine.executor.dp`, --tp-size equal to --dp-size), not in a prefill or decode worker.
+# What this engine runs today: DP attention in the offline engine (`pd_cluster.engine.executor.dp`, --tp-size equal
+# to --dp-size), on one node and not in a prefill or decode worker; a TP instance may span nodes, DP attention not.
 ENGINE_MAX_NNODES = 1
 ENGINE_DP_ATTENTION_IN_WORKERS = False
 
@@ -118,7 +118,7 @@ class WideEPPlan:
             why.append(f"attention TP inside a DP rank (--tp-size {self.inp.tp_size} over --dp-size "
                        f"{self.inp.dp_size}) is not built")
         if self.inp.nnodes > ENGINE_MAX_NNODES:
-            why.append(f"an instance spans one node (--nnodes {self.inp.nnodes} asked)")
+            why.append(f"DP attention runs on one node (--nnodes {self.inp.nnodes} asked)")
         return "; ".join(why) or None
 
 

@@ -183,7 +183,8 @@ def test_ports_agree(path):
 CHART_MANAGED = {
     "engineArgs": {"--role", "--disaggregation-mode", "--host", "--port", "--advertise-url", "--log-level",
                    "--timeout-graceful-shutdown", "--model", "--prefill-url", "--help",
-                   "--internal-api-key", "--prefill-urls"},
+                   "--internal-api-key", "--prefill-urls",
+                   "--nnodes", "--node-rank", "--dist-init-addr"},  # a LeaderWorkerSet pod's LWS_* variables
     "routerArgs": {"--host", "--port", "--log-level", "--prefill", "--decode", "--worker", "--service-discovery",
                    "--service-discovery-namespace", "--prefill-selector", "--decode-selector", "--selector",
                    "--service-discovery-port", "--service-discovery-port-annotation", "--api-key",
@@ -282,3 +283,32 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     for topic in ("time to first token", "inter-token", "token usage", "queue", "transfer throughput", "retries"):
         assert topic in titles, topic
     assert {"pd:kv_transfer_bytes_total", "pd_router_retries_total", "pd:token_usage"} <= used
+
+
+def test_leaderworkerset_pods_get_consistent_node_args(monkeypatch):
+    """Each pod of a LeaderWorkerSet group, with the environment the LWS controller gives it, is one node of the same
+    instance: the leader node 0, the worker node 1, both meeting at the leader's address, and otherwise the very
+    same engine configuration (`rendezvous.config_differences`: what node 0 would refuse)."""
+    from pd_cluster.engine.parallel.nodes import DEFAULT_DIST_INIT_PORT
+    from pd_cluster.engine.parallel.rendezvous import config_differences
+
+    objs = render(load_values(CHART / "ci" / "lws-values.yaml"))
+    for role in ("prefill", "decode"):
+        (lws,) = [o for o in objects(objs, "LeaderWorkerSet") if o["metadata"]["name"].endswith(f"-{role}")]
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        configs = []
+        for index, tpl in enumerate((lwt["leaderTemplate"], lwt["workerTemplate"])):
+            env = dict(FAKE_ENV, LWS_LEADER_ADDRESS=f"pd-pd-cluster-{role}-0.pd-pd-cluster-{role}",
+                       LWS_GROUP_SIZE=str(lwt["size"]), LWS_WORKER_INDEX=str(index))
+            for k in LWS_ENV:
+                monkeypatch.setenv(k, env[k])
+            argv = [expand(a, env) for a in tpl["spec"]["containers"][0]["args"]]
+            configs.append(launch_worker.worker_config_from_args(parse(launch_worker.build_parser(), argv)).engine)
+        leader, worker = (c.parallel for c in configs)
+        assert (leader.nnodes, leader.node_rank, worker.nnodes, worker.node_rank) == (2, 0, 2, 1), role
+        assert leader.dist_init_addr == worker.dist_init_addr == (f"pd-pd-cluster-{role}-0.pd-pd-cluster-{role}:"
+                                                                  f"{DEFAULT_DIST_INIT_PORT}")
+        assert leader.tp_size == 16 and config_differences(configs[0], configs[1]) == [], role
+        # the leader's name resolves before it is ready: the other pods meet it before the model loads
+        (svc,) = [o for o in objects(objs, "Service") if o["metadata"]["name"] == lws["metadata"]["name"]]
+        assert svc["spec"]["publishNotReadyAddresses"] is True and svc["spec"]["clusterIP"] == "None"
