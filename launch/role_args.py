@@ -11,6 +11,7 @@ Refused at start-up, naming the flag:
 - a flag ``pd-serve`` sets for each worker itself (``--role``, ``--port``, ``--host``, ...);
 - a flag whose value must be the same on both roles, because the pages or the answers would differ (``--model``,
   ``--page-size``, ``--kv-cache-dtype``, ...): give it to ``pd-serve`` itself;
+- the flags of an instance over several nodes (``--nnodes``, ...): ``pd-serve`` starts every worker on one host;
 - a flag with no meaning for the role (``--max-local-prefill-length`` is the decode role's), and per-role flags with
   ``--colocated`` (mixed workers have no prefill or decode role).
 """
@@ -31,6 +32,22 @@ SAME_ON_EVERY_ROLE = ("--model", "--model-path", "--tokenizer", "--tokenizer-pat
                       "--seed", "--random-seed", "--served-model-name", "--generation-config", "--page-size",
                       "--kv-cache-dtype", "--context-length", "--max-model-len")
 ROLE_ONLY = {"--max-local-prefill-length": "decode"}
+NODE_FLAGS = ("--nnodes", "--node-rank", "--dist-init-addr", "--dist-timeout")
+"""An instance over several nodes: pd-serve starts every worker on one host, so these are refused (give them to
+``pd-worker`` on each node, or use the chart's LeaderWorkerSet; ``docs/deploy.md``)."""
+
+
+def refuse_node_flags(argv: list[str], where: str) -> None:
+    """Raise ValueError naming the first of `NODE_FLAGS` in `argv` (given `where`: ``pd-serve`` or ``--decode-arg``).
+
+    Raises:
+        ValueError: a flag of an instance over several nodes.
+    """
+    for name in _flag_names(argv):
+        if name in NODE_FLAGS:
+            raise ValueError(f"{where} {name}: pd-serve starts every worker on this host; an instance over several "
+                             f"nodes is started with pd-worker on each node (--nnodes, --node-rank, --dist-init-addr) "
+                             f"or the Helm chart's LeaderWorkerSet")
 
 
 def _flag_names(argv: list[str]) -> list[str]:
@@ -56,6 +73,7 @@ def role_argv_of(values: dict[str, list[str]], colocated: bool) -> dict[str, lis
         if given and colocated:
             raise ValueError(f"--{role}-arg has no meaning with --colocated (mixed workers have no {role} role)")
         argv = [word for value in given for word in shlex.split(value)]
+        refuse_node_flags(argv, f"--{role}-arg")
         for name in _flag_names(argv):
             if name in MANAGED:
                 raise ValueError(f"--{role}-arg={name}: pd-serve sets {name} for each worker itself")

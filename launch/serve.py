@@ -34,7 +34,7 @@ from pd_cluster.launch.cluster_spec import ADMIN_API_KEY_ENV, API_KEY_ENV, INTER
 from pd_cluster.launch.autoscale import AutoscaledCluster, add_autoscale_args, autoscale_config
 from pd_cluster.launch.kv_store import plan_kv_store
 from pd_cluster.launch.restarts import RestartBackoff
-from pd_cluster.launch.role_args import role_argv_of, role_tp_sizes
+from pd_cluster.launch.role_args import refuse_node_flags, role_argv_of, role_tp_sizes
 from pd_cluster.launch.supervise import serve_until_stopped
 from pd_cluster.serving.tools.chat import add_tool_args, tool_argv, tool_settings_from_args
 from pd_cluster.transfer.config import TRANSFER_FLAGS, add_cli_args
@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                      if (text := getattr(args, f"{role}_gpus")) is not None}
         role_ports = {role: parse_port_list(text, f"--{role}-ports") for role in ("prefill", "decode", "mixed")
                       if (text := getattr(args, f"{role}_ports")) is not None}
+        refuse_node_flags([f"--{k.replace('_', '-')}" for k in ("nnodes", "node_rank", "dist_init_addr", "dist_timeout")
+                           if getattr(args, k, None) is not None], "pd-serve")
         role_argv = role_argv_of({"prefill": args.prefill_arg, "decode": args.decode_arg}, args.colocated)
         role_tp = role_tp_sizes(role_argv, args.tp_size)
     except ValueError as e:

@@ -34,6 +34,8 @@ def test_per_role_flags_override_the_shared_ones_for_that_role_only():
     ("prefill", "--port=30001", ["--port", "pd-serve sets"]),
     ("decode", "--prefill-policy=cache_aware", ["--prefill-policy", "not a worker flag"]),
     ("decode", "--tp-size=two", ["--tp-size", "invalid int value"]),
+    ("decode", "--nnodes=2", ["--nnodes", "pd-worker on each node"]),
+    ("prefill", "--dist-init-addr=10.0.0.1:20000", ["--dist-init-addr", "every worker on this host"]),
 ])
 def test_a_flag_without_meaning_for_the_role_is_refused_naming_it(role, flag, words):
     with pytest.raises(ValueError) as err:
@@ -50,6 +52,14 @@ def test_pd_serve_exits_at_start_up_naming_the_refused_flag(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--prefill-arg=--page-size=32"])
     assert done.value.code == 2 and "--prefill-arg=--page-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--nnodes", "2"], ["--node-rank", "1"], ["--dist-init-addr", "10.0.0.1:20000"]])
+def test_pd_serve_refuses_the_flags_of_an_instance_over_several_nodes(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"pd-serve {argv[0]}" in err and "LeaderWorkerSet" in err, err
 
 
 def test_each_role_takes_gpus_in_blocks_of_its_own_tp_size():
