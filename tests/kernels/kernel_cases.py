@@ -12,8 +12,10 @@ headroom over the 8x that the mantissa alone would give. NaN never passes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
+import pytest
 import torch
 
 from pd_cluster.engine.attention.torch_ref import TorchAttentionBackend
@@ -134,3 +136,34 @@ def reference_attention(pool: KVPool, layer: int, q: torch.Tensor, batch: Forwar
 
 def random_q(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device=device(), dtype=dtype)
+
+
+def kernel_grid(*axes: dict) -> list:
+    """pytest params over `axes` (each ``{id: value}``, in the test's argument order; a tuple value fills several
+    arguments): on a CUDA device every combination, under Triton's interpreter (CPU) a pairwise covering set.
+
+    The interpreter runs each program of a launch in Python, so a full grid of 3 x 3 x 2 x 2 launches costs
+    minutes of CPU; the covering set keeps every value of every axis and every pair of values of two axes (page
+    size with GQA ratio, activation dtype with KV dtype, ...) together in at least one case, chosen greedily and
+    in a fixed order, so the same cases run every time. Each case keeps its full check.
+    """
+    rows = list(itertools.product(*(list(a.items()) for a in axes)))
+    if not torch.cuda.is_available():
+        rows = _pairwise_cover(rows)
+    return [pytest.param(*(v for _, value in row for v in (value if isinstance(value, tuple) else (value,))),
+                         id="-".join(name for name, _ in row)) for row in rows]
+
+
+def _pairwise_cover(rows: list[tuple]) -> list[tuple]:
+    """The greedy covering set of `rows` (a full product of ``(id, value)`` axes): repeatedly the first row that
+    covers the most pairs of (axis, id) not yet covered, until every pair is."""
+    def pairs(row):
+        return {(i, row[i][0], j, row[j][0]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+    uncovered = set().union(*(pairs(r) for r in rows))
+    chosen = []
+    while uncovered:
+        best = max(rows, key=lambda r: len(pairs(r) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen

@@ -2,7 +2,8 @@
 
 Runs under Triton's interpreter on CPU (the package sets TRITON_INTERPRET=1
 there) and compiled on a GPU. Grid: page sizes 1/16/64, GQA ratios 1/4/8,
-fp16/fp32 activations over fp16 and FP8 pages, ragged batches, several splits
+fp16/fp32 activations over fp16 and FP8 pages (every combination on a GPU, every
+pair of them under the interpreter: `kernel_cases.kernel_grid`), ragged batches, several splits
 per request (including empty ones). Bounds: `kernel_cases.REL_ERR_BOUND`.
 """
 
@@ -13,8 +14,8 @@ import torch
 
 from pd_cluster.engine.attention.triton.decode import (DecodeKernelConfig, DecodeWorkspace, decode_attention, max_splits_for,
                                             num_kv_splits)
-from kernel_cases import (REL_ERR_BOUND, device, make_batch, make_pool, random_q, reference_attention,
-                          rel_err)
+from kernel_cases import (REL_ERR_BOUND, device, kernel_grid, make_batch, make_pool, random_q,
+                          reference_attention, rel_err)
 
 NUM_KV_HEADS = 2
 HEAD_DIM = 32
@@ -54,10 +55,9 @@ def _run(page_size: int, group: int, act: torch.dtype, kv, block_n: int, seq_len
     return rel_err(out.view(len(seq_lens), -1), ref), ws.num_splits
 
 
-@pytest.mark.parametrize("kv", [torch.float16, "fp8"], ids=["fp16kv", "fp8kv"])
-@pytest.mark.parametrize("act", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("page_size,block_n", [(1, 32), (16, 16), (64, 32)])
+@pytest.mark.parametrize("page_size,block_n,group,act,kv", kernel_grid(
+    {"1-32": (1, 32), "16-16": (16, 16), "64-32": (64, 32)}, {"1": 1, "4": 4, "8": 8},
+    {"fp16": torch.float16, "fp32": torch.float32}, {"fp16kv": torch.float16, "fp8kv": "fp8"}))
 def test_decode_matches_reference(page_size, block_n, group, act, kv):
     seq_lens = [1, 37, 130, 77]  # ragged; 37 with block_n 32 leaves an empty split
     err, splits = _run(page_size, group, act, kv, block_n, seq_lens, seed=page_size * 100 + group)

@@ -1,7 +1,8 @@
 """Prefill / extend attention (chunk over cached pages plus itself, causally) against the float64 reference.
 
 Grid: page sizes 1/16/64, GQA ratios 1/4/8, fp16/fp32 activations over fp16
-and FP8 pages, ragged chunks (fresh prompts, chunks after a cached prefix,
+and FP8 pages (every combination on a GPU, every pair of them under the interpreter:
+`kernel_cases.kernel_grid`), ragged chunks (fresh prompts, chunks after a cached prefix,
 one-token chunks), a sliding window. Bounds: `kernel_cases.REL_ERR_BOUND`.
 """
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend_attention
-from kernel_cases import REL_ERR_BOUND, make_batch, make_pool, random_q, reference_attention, rel_err
+from kernel_cases import REL_ERR_BOUND, kernel_grid, make_batch, make_pool, random_q, reference_attention, rel_err
 
 HEAD_DIM = 32
 # (cached tokens, new tokens) per request: a fresh prompt over two query blocks, chunks after a
@@ -48,10 +49,9 @@ def _run(page_size: int, group: int, act: torch.dtype, kv, cfg: ExtendKernelConf
     return rel_err(out[first_row:].reshape(-1, num_heads * head_dim), ref[first_row:])
 
 
-@pytest.mark.parametrize("kv", [torch.float16, "fp8"], ids=["fp16kv", "fp8kv"])
-@pytest.mark.parametrize("act", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("page_size,block_m,block_n", [(1, 16, 32), (16, 16, 32), (64, 32, 16)])
+@pytest.mark.parametrize("page_size,block_m,block_n,group,act,kv", kernel_grid(
+    {"1-16-32": (1, 16, 32), "16-16-32": (16, 16, 32), "64-32-16": (64, 32, 16)}, {"1": 1, "4": 4, "8": 8},
+    {"fp16": torch.float16, "fp32": torch.float32}, {"fp16kv": torch.float16, "fp8kv": "fp8"}))
 def test_extend_matches_reference(page_size, block_m, block_n, group, act, kv):
     cfg = ExtendKernelConfig(block_m=block_m, block_n=block_n)
     err = _run(page_size, group, act, kv, cfg, seed=page_size + group)

@@ -2,7 +2,8 @@
 chunked local attention (a query sees only its own chunk), attention sinks (gpt-oss) and soft-capped logits
 (Gemma 2), alone and together, in the decode kernel (both stages: sinks join at the split merge), the extend
 kernel (query blocks that straddle a chunk boundary, chunks after a cached prefix) and the backend's forward with
-a different type on every layer. fp16 and fp32 activations under the interpreter; bounds `REL_ERR_BOUND`."""
+a different type on every layer. fp16 and fp32 activations (every combination with the types on a GPU, every pair under the interpreter:
+`kernel_cases.kernel_grid`); bounds `REL_ERR_BOUND`."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pd_cluster.engine.attention.triton.extend import ExtendKernelConfig, extend
 from pd_cluster.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 from pd_cluster.engine.kv.pool import KVPool
 from pd_cluster.engine.layer_attention import LayerAttention
-from kernel_cases import REL_ERR_BOUND, device, make_batch, make_pool, random_q, reference_attention, rel_err
+from kernel_cases import REL_ERR_BOUND, device, kernel_grid, make_batch, make_pool, random_q, reference_attention, \
+    rel_err
 
 HKV, D = 2, 32
 CHUNK = LayerAttention("chunked", chunk_size=24)
@@ -38,9 +40,8 @@ def _kw(spec: LayerAttention, sinks: torch.Tensor) -> dict:
                 softcap=spec.logit_softcap)
 
 
-@pytest.mark.parametrize("act", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name,page_size,act", kernel_grid(
+    {n: n for n in sorted(SPECS)}, {"1": 1, "16": 16}, {"fp16": torch.float16, "fp32": torch.float32}))
 def test_decode_attention_types(name, page_size, act):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(page_size + len(name))
@@ -67,9 +68,8 @@ def test_decode_attention_types(name, page_size, act):
     assert err <= REL_ERR_BOUND[act], f"relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("act", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("page_size,block_m,block_n", [(1, 16, 16), (16, 32, 16)])
-@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("name,page_size,block_m,block_n,act", kernel_grid(
+    {n: n for n in sorted(SPECS)}, {"1-16-16": (1, 16, 16), "16-32-16": (16, 32, 16)}, {"fp16": torch.float16, "fp32": torch.float32}))
 def test_extend_attention_types(name, page_size, block_m, block_n, act):
     spec = SPECS[name]
     gen = torch.Generator().manual_seed(page_size + block_m + len(name))

@@ -3,7 +3,8 @@
 Runs under Triton's interpreter on CPU (fp16 and fp32 compute; the interpreter
 has no bf16 `tl.dot`) and compiled on a GPU. Grid: page sizes 1/16/64, 4, 16 and
 20 query heads (20: a partial head block), fp16/fp32 activations over fp16, fp32
-and FP8 latent pages (FP8 with a scale other than 1), ragged batches with several
+and FP8 latent pages (FP8 with a scale other than 1; the main grid's every combination on a GPU, every pair under
+the interpreter: `kernel_cases.kernel_grid`), ragged batches with several
 splits per request, a request of length 0, and DeepSeek-V3's own latent (512 + 64).
 Bounds: `kernel_cases.REL_ERR_BOUND`, per request row.
 """
@@ -18,7 +19,7 @@ from pd_cluster.engine.attention.triton.decode import DecodeKernelConfig, Decode
 from pd_cluster.engine.attention.triton.mla_decode import mla_decode_attention, mla_head_blocks
 from pd_cluster.engine.attention.triton.store import store_kv
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
-from kernel_cases import KV_DTYPE_NAME, REL_ERR_BOUND, device, make_batch, rel_err
+from kernel_cases import KV_DTYPE_NAME, REL_ERR_BOUND, device, kernel_grid, make_batch, rel_err
 
 NUM_SMS = 8
 SPLIT_CFG = dict(max_kv_splits=4, min_tokens_per_split=16, programs_per_sm=4)
@@ -73,10 +74,8 @@ def _run(page_size: int, heads: int, act: torch.dtype, kv, seq_lens: list[int], 
     return rel_err(out, _reference(pool, layer, q, batch, rank, scale)), ws.num_splits
 
 
-@pytest.mark.parametrize("kv", [torch.float16, "fp8"], ids=["fp16kv", "fp8kv"])
-@pytest.mark.parametrize("act", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("heads", [4, 20])
-@pytest.mark.parametrize("page_size,block_n", [(1, 16), (16, 16), (64, 32)])
+@pytest.mark.parametrize("page_size,block_n,heads,act,kv", kernel_grid(
+    {"1-16": (1, 16), "16-16": (16, 16), "64-32": (64, 32)}, {"4": 4, "20": 20}, {"fp16": torch.float16, "fp32": torch.float32}, {"fp16kv": torch.float16, "fp8kv": "fp8"}))
 def test_mla_decode_matches_reference(page_size, block_n, heads, act, kv):
     err, splits = _run(page_size, heads, act, kv, [1, 17, 100, 64], block_n=block_n)
     assert err <= REL_ERR_BOUND[act], err

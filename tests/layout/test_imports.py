@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 from collections import defaultdict
@@ -34,8 +35,10 @@ def _module_name(path: Path) -> str:
     return ".".join(["pd_cluster", *parts])
 
 
-def _imports(path: Path) -> list[str]:
-    """Absolute module names imported by one file (``from a import b`` gives ``a`` and ``a.b``)."""
+@functools.lru_cache(maxsize=None)
+def _imports(path: Path) -> tuple[str, ...]:
+    """Absolute module names imported by one file (``from a import b`` gives ``a`` and ``a.b``); each file is
+    parsed once per session (the tests below read the same files)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = []
     for node in ast.walk(tree):
@@ -45,7 +48,7 @@ def _imports(path: Path) -> list[str]:
             assert node.level == 0, f"{path}: relative import; use pd_cluster.* names"
             names.append(node.module)
             names += [f"{node.module}.{a.name}" for a in node.names]
-    return names
+    return tuple(names)
 
 
 def _sources(*folders: str) -> list[Path]:
