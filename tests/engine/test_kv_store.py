@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -235,11 +236,14 @@ def test_unreachable_store_at_start_up_warns_or_fails_when_required(tmp_path, ca
     llm.engine.close()
     with pytest.raises(RuntimeError, match="hicache-storage-required"):
         store_llm(blocked / "store", hicache_storage_required=True)
-    # Mooncake: a master that is not there is found out at once (no 90 s of client retries)
-    mooncake = json.dumps({"master_server_address": "127.0.0.1:9"})
-    with pytest.raises(RuntimeError, match="cannot connect to the Mooncake master"):
-        LLM(page_size=16, hicache_storage_backend="mooncake", hicache_storage_backend_extra_config=mooncake,
-            hicache_storage_required=True)
+    # Mooncake: a master that is not there is found out at once (no 90 s of client retries). The port is held,
+    # bound but not listening, so nothing else on the host can answer on it while the test runs.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        mooncake = json.dumps({"master_server_address": f"127.0.0.1:{held.getsockname()[1]}"})
+        with pytest.raises(RuntimeError, match="cannot connect to the Mooncake master"):
+            LLM(page_size=16, hicache_storage_backend="mooncake", hicache_storage_backend_extra_config=mooncake,
+                hicache_storage_required=True)
 
 
 def test_flags_follow_sglangs_names_and_refuse_what_is_not_built():
