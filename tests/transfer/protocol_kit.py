@@ -91,6 +91,20 @@ def until_completed(p: Side, d: Side, n: int = 200, allow_failures: bool = False
     return None
 
 
+def polls(n: int, timeout: float = 10.0):
+    """Count the polls of a loop that waits for something to happen (``for _ in polls(100): ... break``): `n` tight
+    ones, then more 1 ms apart until `timeout` seconds of real time have passed, since a loaded host may take
+    longer than `n` tight polls to move a UCX message. Only for waits that end in a `break`: a loop that checks
+    that nothing happens keeps its fixed ``range``."""
+    deadline = time.monotonic() + timeout
+    i = 0
+    while i < n or time.monotonic() < deadline:
+        yield i
+        if i >= n - 1:
+            time.sleep(0.001)
+        i += 1
+
+
 def push_msg(tid, index, start, n, total=0):
     """A `protocol.Push` of `n` pages of `LAYOUT`; the last one (`total` set) carries a first token."""
     return protocol.Push(tid, index, start, n, n * LAYOUT.page_nbytes, total, {"first_token_id": 7} if total else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from protocol_kit import polls
 
 from pd_cluster.engine.kv.groups import KVGroup, KVGroups
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
@@ -73,7 +74,7 @@ def test_chunked_pushes_move_only_the_window_page_for_page(pair):
     assert p.sender.push(t.transfer_id, full[:5], 80, group_tables=[window[:5]]) == 4  # pages 2..4, window 4
     assert p.sender.push(t.transfer_id, full, 90, meta={"first_token_id": 3}, group_tables=[window]) == 2
     done = None
-    for _ in range(200):
+    for _ in polls(200):
         p.sender.poll()
         ev = d.receiver.poll()
         if ev.completed or ev.failed:

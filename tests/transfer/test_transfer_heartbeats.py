@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
-from protocol_kit import T, Side, drain, sides, until_completed  # noqa: F401  (sides: the module's fixture)
+from protocol_kit import T, Side, drain, polls, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
 from pd_cluster.transfer import protocol
 from pd_cluster.transfer.config import TransferConfig
@@ -41,7 +41,7 @@ def test_heartbeats_keep_a_chunk_longer_than_the_timeout_alive(sides):
     t = d.receiver.expect("long-chunk", [20, 21], 32, p.agent.name)
     p.sender.add_request(t)
     assert p.sender.push(t.transfer_id, [3, 4], 16) == 1
-    for _ in range(100):
+    for _ in polls(100):
         p.sender.poll()
         d.receiver.poll()
         if d.receiver.progress(t.transfer_id):
@@ -52,7 +52,7 @@ def test_heartbeats_keep_a_chunk_longer_than_the_timeout_alive(sides):
         _deliver(d, p, t)
     assert p.sender.push(t.transfer_id, [3, 4], 32, meta={"first_token_id": 9}) == 1  # posted, not refused
     done = None
-    for _ in range(200):
+    for _ in polls(200):
         ev = p.sender.poll()
         assert not ev.failed, ev.failed
         got = d.receiver.poll()
@@ -142,7 +142,7 @@ def test_a_ticket_waiting_for_a_long_step_is_named_by_heartbeats_until_added_or_
     p.sender.add_request(t)
     assert p.sender.push(t.transfer_id, [13], 10, meta={"first_token_id": 2}) == 1
     done, failed = None, []
-    for _ in range(200):
+    for _ in polls(200):
         p.sender.poll()
         ev = d.receiver.poll()
         failed += ev.failed

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from protocol_kit import LAYOUT, T, Side, drain, push_msg, sides, until_completed  # noqa: F401  (sides: the module's fixture)
+from protocol_kit import LAYOUT, T, Side, drain, polls, push_msg, sides, until_completed  # noqa: F401  (sides: the module's fixture)
 
 from pd_cluster.transfer import protocol
 from pd_cluster.transfer.config import TransferConfig
@@ -144,7 +144,7 @@ def test_ready_event_defers_the_post(sides):
         p.sender.poll()
         assert not d.receiver.poll().completed
     e.ready = True
-    for _ in range(100):
+    for _ in polls(100):
         p.sender.poll()
         ev = d.receiver.poll()
         if ev.completed:
@@ -179,7 +179,7 @@ def test_peer_failed_by_the_caller_then_confirmed(sides):
     ev = d.receiver.poll()
     assert [(f.transfer_id, type(f.error).__name__) for f in ev.failed] == [(t.transfer_id, "PeerDiedError")]
     assert "control connection" in str(ev.failed[0].error) and not ev.released
-    for _ in range(50):
+    for _ in polls(50):
         p.sender.poll()  # answers the cancel of a transfer it never started
         ev = d.receiver.poll()
         if ev.released:
@@ -197,14 +197,14 @@ def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
     p.sender.add_request(t)
     p.sender.push(t.transfer_id, [7], 16, meta={"first_token_id": 1})
     sent = None
-    for _ in range(100):
+    for _ in polls(100):
         ev = p.sender.poll()
         sent = sent or (ev.completed and ev.completed[0])
         if sent:
             break
     assert sent and sent.transfer_id == t.transfer_id
     assert p.sender.has_work and p.sender.num_inflight == 0  # done, but the Ack is still to come
-    for _ in range(200):
+    for _ in polls(200):
         d.receiver.poll()
         p.sender.poll()
         if not p.sender.has_work:
@@ -215,7 +215,7 @@ def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
     d.receiver.withdraw(t2.transfer_id)
     p.sender.add_request(t2)
     p.sender.push(t2.transfer_id, [8], 16, meta={})
-    for _ in range(100):
+    for _ in polls(100):
         d.receiver.poll()
         if p.sender.poll().completed:
             break
@@ -237,7 +237,7 @@ def test_a_sender_stalled_past_its_idle_timeout_posts_nothing_on_waking(sides):
     t = d.receiver.expect("stalled", [27, 28], 32, p.agent.name)
     p.sender.add_request(t)
     assert p.sender.push(t.transfer_id, [7, 8], 16) == 1  # the first chunk before the freeze
-    for _ in range(100):
+    for _ in polls(100):
         p.sender.poll()
         d.receiver.poll()
         if d.receiver.progress(t.transfer_id):
