@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body
@@ -119,9 +120,16 @@ class ControlPlane:
             status, message = exc.status_code, str(exc.detail)
             if status == 404 and message == "Not Found":
                 message = f"no route {request.method} {request.url.path}"
-            elif status == 405:
+            headers = getattr(exc, "headers", None)
+            if status == 405:
                 message = f"method {request.method} not allowed on {request.url.path}"
-            return _error(status, message, headers=getattr(exc, "headers", None))
+                # Starlette names the methods of the first route on the path; a path served by several routes
+                # (POST and DELETE /workers/{id}/drain) allows them all (RFC 9110 section 15.5.6)
+                allowed = sorted({m for r in app.router.routes if isinstance(r, Route)
+                                  and r.matches(request.scope)[0] is not Match.NONE for m in r.methods or ()})
+                if allowed:
+                    headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+            return _error(status, message, headers=headers)
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -274,7 +282,7 @@ class ControlPlane:
                 return _error(e.status, e.message, e.param, e.code)
             return JSONResponse(out)
 
-        @app.post("/workers/{worker_id}/drain", responses=error_responses(401, 403, 404, 409, 504))
+        @app.post("/workers/{worker_id}/drain", responses=error_responses(400, 401, 403, 404, 409, 504))
         async def drain(request: Request, worker_id: str, timeout_secs: float = 600.0) -> Response:
             """Stop routing new work to a worker and answer once this router's requests on it have left it
             (``RoleSwitcher.drain``): the first half of a scale-down."""

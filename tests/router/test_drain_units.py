@@ -78,3 +78,14 @@ def test_the_admin_key_guards_the_drain():
     r = asyncio.run(_request(control, "DELETE", f"/workers/{worker_id(P0)}/drain"))
     assert r.status_code == 401
     assert not app.registry.get(P0).draining
+
+
+def test_a_method_the_drain_path_does_not_take_is_answered_405_allowing_both_of_its_methods():
+    """Two routes serve the path (POST and DELETE): a 405 names both in ``Allow``, not only the first route's."""
+    _, _, control = _router()
+    for method in ("OPTIONS", "GET", "PUT"):
+        r = asyncio.run(_request(control, method, f"/workers/{worker_id(P0)}/drain"))
+        assert r.status_code == 405 and r.headers["allow"] == "DELETE, POST", (method, r.headers)
+        assert r.json()["error"]["code"] == "method_not_allowed"
+    r = asyncio.run(_request(control, "PUT", "/workers"))  # one route's path keeps its own methods
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) >= {"GET", "POST", "DELETE"}, r.headers
