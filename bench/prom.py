@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_cluster.common.histogram import histogram_quantile
+
 Labels = tuple[tuple[str, str], ...]
 Scrape = dict[tuple[str, Labels], float]
 
@@ -77,17 +79,10 @@ class HistogramDelta:
 
     def quantile(self, q: float) -> float:
         """Prometheus ``histogram_quantile(q)`` on these buckets (NaN when empty)."""
-        if self.count <= 0 or not self.buckets:
+        if self.count <= 0:
             return math.nan
-        rank = q * self.buckets[-1][1]
-        prev_le, prev_cum = 0.0, 0.0
-        for le, cum in self.buckets:
-            if cum >= rank and cum > prev_cum:
-                if math.isinf(le):
-                    return prev_le
-                return prev_le + (le - prev_le) * (rank - prev_cum) / (cum - prev_cum)
-            prev_le, prev_cum = le, cum
-        return prev_le
+        value = histogram_quantile(q, self.buckets)
+        return math.nan if value is None else value
 
 
 def _cum_at(buckets: list[tuple[float, float]], le: float) -> float:

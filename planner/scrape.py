@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pd_cluster.common.histogram import histogram_quantile
 from pd_cluster.planner.decision import RoleCounts, Snapshot
 
 TTFT = "pd_router_time_to_first_token_seconds"
@@ -106,26 +107,9 @@ def window(now: dict[float, float], before: dict[float, float] | None) -> dict[f
 
 
 def quantile(q: float, buckets: dict[float, float]) -> float | None:
-    """The `q` quantile of cumulative `buckets` (``{le: count}``, ``+Inf`` included), interpolated linearly inside
-    its bucket (Prometheus' ``histogram_quantile``); the largest finite bound when it falls in ``+Inf``; None
-    with no observation."""
-    if not buckets:
-        return None
-    bounds = sorted(buckets)
-    total = buckets[bounds[-1]]
-    if total <= 0:
-        return None
-    rank = q * total
-    lower, below = 0.0, 0.0
-    for le in bounds:
-        count = buckets[le]
-        if count >= rank:
-            if le == float("inf"):
-                return lower
-            inside = count - below
-            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
-        lower, below = le, count
-    return lower
+    """The `q` quantile of cumulative `buckets` (``{le: count}``, ``+Inf`` included), as Prometheus'
+    ``histogram_quantile`` (`pd_cluster.common.histogram`); None with no observation."""
+    return histogram_quantile(q, sorted(buckets.items()))
 
 
 def _ms(seconds: float | None) -> float | None:
