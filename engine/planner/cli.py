@@ -6,6 +6,7 @@ Example::
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000
     pd-plan --model llama-4-scout --tp-size 8 --context-length 10000000 --role decode
     pd-plan --model llama-3.1-8b --enable-hierarchical-cache --hicache-ratio 2
+    pd-plan --model deepseek-v3 --gpu-memory 80GiB --tp-size 16 --nnodes 2
     pd-plan --model deepseek-v3 --role decode --tp-size 16 --dp-size 16 --enable-dp-attention \
         --enable-expert-parallel --nnodes 2
 """
@@ -67,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "groups and whose experts are spread over every rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --enable-dp-attention: whole experts a rank (else a slice of each)")
-    p.add_argument("--nnodes", type=int, default=1, help="nodes one instance spans (with --enable-dp-attention)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes one instance spans: --tp-size / --nnodes ranks a node (SGLang's multi-node TP; with "
+                        "--enable-dp-attention, the wide-EP instance's nodes)")
     p.add_argument("--decode-batch-per-rank", type=int, default=128,
                    help="decode tokens per DP group per step, for the communication estimate (default 128)")
     return p
@@ -139,7 +142,9 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
         ("model", f"{s.name}: {s.num_layers} layers ({s.global_layers} global, {s.local_layers} "
                   f"{s.local_kind or 'local'}), "
                   f"{kv_shape}, {params}"),
-        ("deployment", f"TP {inp.tp_size}, {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
+        ("deployment", f"TP {inp.tp_size}"
+                       + (f" over {inp.nnodes} nodes ({inp.ranks_per_node} ranks a node)" if inp.nnodes > 1 else "")
+                       + f", {inp.gpus_per_node} GPUs/node x {_gib(inp.gpu_memory)}, "
                        f"mem_fraction_static {inp.mem_fraction_static}, kv_cache_dtype {inp.kv_cache_dtype}"
                        + (f" ({inp.kv_dtype})" if inp.kv_cache_dtype == "auto" else "")
                        + f", weights {stored_weights(s, inp.weight_dtype)}, page_size {inp.page_size}, role {inp.role}"),
@@ -156,15 +161,17 @@ def render(plan: Plan, prefill_tflops: float = DEFAULT_PREFILL_TFLOPS) -> str:
          f"({_gib(plan.static_budget_per_gpu)}: mem_fraction_static {inp.mem_fraction_static} x "
          f"{_gib(inp.gpu_memory)}) by {_gib(-plan.pool_per_gpu)}"),
         ("pool tokens per GPU / instance", f"{plan.tokens_per_instance:,}"),
-        ("pool tokens per node", f"{plan.tokens_per_node:,} ({plan.instances_per_node} instance(s))"),
+        ("pool tokens per node", f"{plan.tokens_per_node:,} " + (
+            f"({plan.instances_per_node} instance(s))" if inp.nnodes == 1 else
+            f"(a 1/{inp.nnodes} share of each of {plan.instances_per_node} instance(s) over {inp.nnodes} nodes)")),
         ("longest single request", f"{plan.tokens_per_instance:,} tokens"),
         ("asked context", f"{n:,} tokens: {verdict}"),
         (f"prefill of one {n:,}-token request", f"~{_duration(prefill_seconds(s, n, inp.tp_size, prefill_tflops))} "
                                                  f"({flops:.3g} FLOPs at --prefill-tflops {prefill_tflops:g} per GPU "
                                                  f"x TP {inp.tp_size}; no prefix-cache hits)"),
         (f"{n:,}-token requests at once", f"{plan.requests_at_once(n):,} per instance, "
-                                           f"{plan.requests_at_once(n) * plan.instances_per_node:,} per node "
-                                           f"(KV pool only)"),
+                                           f"{plan.requests_at_once(n) * plan.instances_per_node:,} per "
+                                           f"{'node' if inp.nnodes == 1 else f'{inp.nnodes} nodes'} (KV pool only)"),
     ]
     if inp.enable_hierarchical_cache:
         per_node = plan.host_bytes_per_gpu * inp.gpus_per_node
@@ -217,12 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         if not wide and args.dp_size != 1:
             raise ValueError(f"--dp-size {args.dp_size} without --enable-dp-attention is {args.dp_size} replicas: "
                              "plan one (the table gives the instances per node)")
-        if not wide and args.nnodes != 1:
-            raise ValueError("--nnodes: pd-plan plans an instance over several nodes with --enable-dp-attention")
-        if not wide and args.tp_size > args.gpus_per_node:
-            raise ValueError(f"--tp-size {args.tp_size} is more than a node's {args.gpus_per_node} GPUs "
-                             "(--gpus-per-node); an instance over several nodes needs --nnodes")
-        inp = PlanInput(tp_size=1 if wide else args.tp_size, gpus_per_node=args.gpus_per_node,
+        inp = PlanInput(tp_size=1 if wide else args.tp_size, nnodes=1 if wide else args.nnodes,
+                        gpus_per_node=args.gpus_per_node,
                         gpu_memory=parse_size(args.gpu_memory),
                         mem_fraction_static=args.mem_fraction_static, kv_cache_dtype=args.kv_cache_dtype,
                         weight_dtype=args.dtype, page_size=args.page_size, context_length=args.context_length,

@@ -46,6 +46,23 @@ WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192  # the engine's --chunked-prefill-size default
 
 
+def check_instance_nodes(tp_size: int, nnodes: int, gpus_per_node: int) -> int:
+    """The ranks a node of an instance of `tp_size` ranks over `nnodes` nodes runs (the engine's rule,
+    `pd_cluster.engine.parallel.nodes.check_node_gpus`: every node runs ``tp_size / nnodes`` ranks).
+
+    Raises:
+        ValueError: `nnodes` does not divide `tp_size`, or a node would run more ranks than its GPUs; the message
+            names the flag.
+    """
+    if nnodes < 1 or tp_size % nnodes:
+        raise ValueError(f"--nnodes {nnodes} must divide --tp-size {tp_size}")
+    per_node = tp_size // nnodes
+    if per_node > gpus_per_node:
+        raise ValueError(f"--tp-size {tp_size} over --nnodes {nnodes} is {per_node} ranks a node, more than its "
+                         f"{gpus_per_node} GPUs: raise --nnodes")
+    return per_node
+
+
 @dataclass(frozen=True)
 class PlanInput:
     """The deployment being planned (sizes in bytes)."""
@@ -64,6 +81,12 @@ class PlanInput:
     hicache_size: int | None = None          # host tier bytes per GPU; overrides the ratio
     role: str = "mixed"                      # the worker's role: only the mixed role frees window pages
     chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE
+    nnodes: int = 1                          # nodes one instance spans (``--nnodes``): tp_size / nnodes ranks a node
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The instance's ranks on each of its nodes: ``tp_size / nnodes``."""
+        return self.tp_size // self.nnodes
 
     @property
     def kv_dtype(self) -> str:
@@ -76,8 +99,12 @@ class PlanInput:
     def __post_init__(self) -> None:
         if not self.hicache_ratio > 0 or (self.hicache_size is not None and self.hicache_size <= 0):
             raise ValueError("hicache_ratio and hicache_size must be > 0")
-        if self.tp_size < 1 or self.gpus_per_node % self.tp_size:
-            raise ValueError(f"tp_size {self.tp_size} must divide gpus_per_node {self.gpus_per_node}")
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        per_node = check_instance_nodes(self.tp_size, self.nnodes, self.gpus_per_node)
+        if self.gpus_per_node % per_node:
+            raise ValueError(f"--tp-size {self.tp_size} is {per_node} ranks a node, which does not divide a node's "
+                             f"{self.gpus_per_node} GPUs (--gpus-per-node)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
         if self.role not in ROLES:
@@ -101,7 +128,7 @@ class Plan:
     weights_per_gpu: int
     pool_per_gpu: int
     tokens_per_instance: int
-    instances_per_node: int
+    instances_per_node: int          # instances a node (each of an instance's ``nnodes`` nodes) runs ranks of
     window_kv: bool = False          # local layers hold only their window or chunk (plus the prefill chunk)
     local_tokens: int = 0            # window_kv: tokens a local group holds at most per request (whole pages)
     local_bytes_per_token_per_gpu: int = 0  # window_kv: the local groups' layer slots, per token held
@@ -110,7 +137,8 @@ class Plan:
 
     @property
     def tokens_per_node(self) -> int:
-        return self.tokens_per_instance * self.instances_per_node
+        """Pool tokens per node: an instance over ``nnodes`` nodes counts a share of its tokens on each."""
+        return self.tokens_per_instance * self.instances_per_node // self.inp.nnodes
 
     @property
     def host_tokens_per_instance(self) -> int:
@@ -189,7 +217,7 @@ def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool | None = None) ->
         state = -(-spec.state_bytes_per_request // inp.tp_size // max(page, 1)) * page  # whole pages
         tokens = max(pool - state, 0) // max(kv_gpu, 1) // inp.page_size * inp.page_size
         return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, 0, weights, pool, int(tokens),
-                    inp.gpus_per_node // inp.tp_size, state_bytes_per_gpu=state)
+                    inp.gpus_per_node // inp.ranks_per_node, state_bytes_per_gpu=state)
     # the engine's groups (plan_kv_groups): min(global, local) layers a page; each type fills whole groups
     group = min(spec.global_layers, spec.local_layers) if spec.global_layers else spec.local_layers
     full_slots = -(-spec.global_layers // group) * group
@@ -202,11 +230,11 @@ def make_plan(spec: ModelSpec, inp: PlanInput, window_kv: bool | None = None) ->
     usable = max(pool - local_gpu, 0)
     tokens = usable // max(kv_gpu, 1) // ps * ps
     return Plan(spec, inp, heads_per_gpu, kv_total, kv_gpu, local_gpu, weights, pool, int(tokens),
-                inp.gpus_per_node // inp.tp_size, True, local_tokens, local_per_token, group)
+                inp.gpus_per_node // inp.ranks_per_node, True, local_tokens, local_per_token, group)
 
 
 def suggestions(plan: Plan) -> list[str]:
-    """What would make the asked context fit on one node, when it does not: only what the engine can do (it
+    """What would make the asked context fit, when it does not: only what the engine can do (it
     keeps a running request's KV on its GPUs: no live offload to host memory, no context parallelism)."""
     if plan.fits:
         return []
@@ -242,8 +270,7 @@ def _weight_suggestions(plan: Plan) -> list[str]:
         quant = quant_note(s)
         quant = f" ({quant})" if quant else ""
         out.append(f"none the engine offers: the {inp.weight_dtype} weights need {plan.weights_per_gpu / 2**30:,.2f} "
-                   f"GiB per GPU at TP {inp.tp_size}{quant}, and tensor parallelism stays within one node's "
-                   f"{inp.gpus_per_node} GPUs")
+                   f"GiB per GPU at TP {inp.tp_size}{quant}")
     return out
 
 
@@ -276,10 +303,22 @@ def _format_name(w) -> str:
 
 
 def _more_tp(plan: Plan) -> list[str]:
-    """The more-TP tip (TP over the whole node), with its verdict; none when TP already spans the node."""
-    inp = plan.inp
-    if inp.tp_size >= inp.gpus_per_node:
-        return []
-    full = make_plan(plan.spec, replace(inp, tp_size=inp.gpus_per_node))
-    verdict = ("fits" if full.fits else "still does not fit") if full.weights_fit else "the weights still do not fit"
-    return [f"more TP: --tp-size {inp.gpus_per_node} gives {full.tokens_per_instance:,} tokens ({verdict})"]
+    """The more-TP tips: TP over the whole node, with its verdict; then the first of TP over 2 or 4 whole nodes
+    (``--nnodes``, SGLang's multi-node tensor parallelism) that fits, if one does. None beyond what the
+    deployment already spans."""
+    inp, spec = plan.inp, plan.spec
+    out = []
+    for nodes in (1, 2, 4):
+        tp = nodes * inp.gpus_per_node
+        if tp <= inp.tp_size:
+            continue
+        more = make_plan(spec, replace(inp, tp_size=tp, nnodes=nodes))
+        if nodes > 1 and not more.fits:
+            continue
+        verdict = ("fits" if more.fits else "still does not fit") if more.weights_fit else \
+            "the weights still do not fit"
+        flags = f"--tp-size {tp}" + (f" --nnodes {nodes}" if nodes > 1 else "")
+        out.append(f"more TP: {flags} gives {more.tokens_per_instance:,} tokens ({verdict})")
+        if more.fits:
+            break
+    return out

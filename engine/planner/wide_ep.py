@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_cluster.engine.planner.plan import KV_BYTES, WEIGHT_BYTES, PlanInput
+from pd_cluster.engine.planner.plan import KV_BYTES, WEIGHT_BYTES, PlanInput, check_instance_nodes
 from pd_cluster.engine.planner.spec import ModelSpec
 from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
 
@@ -66,12 +66,7 @@ class WideEPInput:
             raise ValueError(f"--enable-dp-attention needs --dp-size > 1, got {self.dp_size}")
         if self.tp_size % self.dp_size:
             raise ValueError(f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size}")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
-            raise ValueError(f"--nnodes {self.nnodes} must divide --tp-size {self.tp_size}")
-        per_node = self.tp_size // self.nnodes
-        if per_node > self.base.gpus_per_node:
-            raise ValueError(f"--tp-size {self.tp_size} over --nnodes {self.nnodes} is {per_node} ranks a node, more "
-                             f"than its {self.base.gpus_per_node} GPUs: raise --nnodes")
+        check_instance_nodes(self.tp_size, self.nnodes, self.base.gpus_per_node)
         if not spec.num_experts:
             raise ValueError(f"--enable-dp-attention plans a MoE model (its experts spread over the ranks); "
                              f"{spec.name} is dense")

@@ -86,8 +86,11 @@ def test_a_layout_that_cannot_be_built_is_refused_naming_its_flag(capsys, argv, 
     (["--model", "llama-3.1-8b", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
      "llama-3.1-8b is dense"),
     (["--model", "llama-3.1-8b", "--dp-size", "2"], "--dp-size 2 without --enable-dp-attention"),
-    (["--model", "llama-3.1-70b", "--tp-size", "16"], "--tp-size 16 is more than a node's 8 GPUs"),
-    (["--model", "llama-3.1-70b", "--nnodes", "2"], "--nnodes: pd-plan plans an instance over several nodes"),
+    (["--model", "llama-3.1-70b", "--tp-size", "16"], "--tp-size 16 over --nnodes 1 is 16 ranks a node, more than "
+                                                      "its 8 GPUs: raise --nnodes"),
+    (["--model", "llama-3.1-70b", "--nnodes", "2"], "--nnodes 2 must divide --tp-size 1"),
+    (["--model", "llama-3.1-70b", "--tp-size", "12", "--nnodes", "2"], "--tp-size 12 is 6 ranks a node, which does "
+                                                                       "not divide a node's 8 GPUs"),
 ])
 def test_other_models_and_flags_refused_by_name(capsys, argv, message):
     code, out, err = _run(capsys, *argv)
