@@ -1,7 +1,9 @@
 """Shared test set-up: GPU skipping, shared helpers on the path, and the rule that only `slow` tests start processes.
 
-Test tiers: ``python -m pytest`` runs everything (what CI runs); ``python -m pytest -m "not slow"`` is the fast
-inner loop (under 4 minutes on a 2-core CPU). A test that starts a process (a worker, a router, a cluster, a
+Test tiers: ``python -m pytest`` runs everything; ``python -m pytest -m "not slow"`` is the fast inner loop (under 4
+minutes on a 2-core CPU with ``-n 2``). CI runs everything in two passes, the README's command: the tests not marked
+``exclusive`` in two processes (pytest-xdist), then the ``exclusive`` ones (`tests/support/exclusive.py`: modules
+whose checks are windows of wall-clock time) in one. A test that starts a process (a worker, a router, a cluster, a
 tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
 over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
 way of starting a process fail the test.
@@ -20,19 +22,41 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # shared helpers (tests/support/)
 
+from exclusive import EXCLUSIVE_MODULES  # noqa: E402
 from process_guard import ProcessGuard, answer_processor_without_uname  # noqa: E402
 from shared_clusters import SHARED, pd_1p1d  # noqa: E402, F401  (clusters shared by several modules)
 
 answer_processor_without_uname()
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which names a test by its `xdist_group`
 def pytest_collection_modifyitems(config, items):
+    _mark_exclusive_and_groups(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in item.keywords`: that holds folder names too
             item.add_marker(skip)
+
+
+def _mark_exclusive_and_groups(items) -> None:
+    """Mark the tests of `EXCLUSIVE_MODULES`; give every test its module as `xdist_group`, or the shared cluster's
+    name for every test of a module that takes one, so that under ``-n 2 --dist loadgroup`` a module's fixtures
+    start once and a shared cluster serves all its modules from one process (its last user stops it)."""
+    group: dict[Path, str] = {}
+    for item in items:
+        for name in SHARED.names:
+            if name in getattr(item, "fixturenames", ()):
+                group[item.path] = name
+    for item in items:
+        module = Path(item.path).resolve().relative_to(ROOT).as_posix()
+        if module in EXCLUSIVE_MODULES:
+            item.add_marker(pytest.mark.exclusive)
+        item.add_marker(pytest.mark.xdist_group(group.get(item.path, module)))
 
 
 def _no_process_unless_slow(item):

@@ -103,3 +103,11 @@ def test_a_shared_cluster_runs_from_its_first_user_to_its_last():
                           ["start", "stop"]), item.nodeid
     shared.close("pd_1p1d")  # the session fixture's own teardown: nothing left to stop
     assert events == ["start", "stop"]
+
+
+def test_every_exclusive_module_exists_and_is_marked(request):
+    from exclusive import EXCLUSIVE_MODULES
+    root = request.config.rootpath
+    missing = [m for m in EXCLUSIVE_MODULES if not (root / m).is_file()]
+    assert not missing, f"tests/support/exclusive.py names modules that do not exist: {missing}"
+    assert request.node.get_closest_marker("exclusive") is None  # this module is not one of them
