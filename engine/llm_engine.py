@@ -145,7 +145,9 @@ class LLMEngine(RequestLifecycle):
         if self.tp_driver is not None:
             self.tp_driver.attach(RankServer(shard, tp, self.device))
             buckets = self.tp_driver.capture_decode_graphs(graphs)  # every rank, same buckets
-            logger.info("tensor parallelism: %d ranks; CUDA graph batch sizes on every rank: %s", tp.size, buckets)
+            par = config.parallel
+            logger.info("%d rank processes (TP %d x prefill CP %d); CUDA graph batch sizes on every rank: %s",
+                        par.world_size, par.tp_size, par.prefill_context_parallel_size, buckets)
         else:  # None off CUDA or with --disable-cuda-graph
             shard.capture_decode_graphs(graphs)
         self.runner = ModelRunner(shard, self.device, mc.seed, self.tp_driver)
