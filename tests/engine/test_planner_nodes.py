@@ -7,21 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cluster.engine.planner import cli
 from pd_cluster.engine.planner.plan import PlanInput, make_plan, suggestions
 from pd_cluster.engine.planner.spec import load_spec
+from test_planner_wide_ep import _row, _run
 
 GPU_80 = 80 * 2**30
-
-
-def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _row(text: str, key: str) -> str:
-    return next(line for line in text.splitlines() if line.startswith(key + " "))[len(key):].strip()
 
 
 def test_deepseek_v3_over_two_80gib_nodes_by_hand():
