@@ -112,3 +112,34 @@ def test_bad_dp_settings_fail_at_start_up_naming_the_flag(tmp_path, role_argv, m
                            str(tmp_path / "m"), *role_argv], capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_qwen3_moe_tp2_prefill_into_dp_ranks(tmp_path):
+    """GQA K/V pages from a TP-2 prefill: each DP rank (attention TP 1) receives every KV head, merged from both
+    prefill ranks, for its own requests only; experts split by width (no expert parallelism)."""
+    from random_models import build as build_random
+    from random_models import hf_greedy_batch, prompt_ids
+
+    model = tmp_path / "qwen3-moe-tiny"
+    hf = build_random("qwen3-moe", model)
+    prompts = prompt_ids(4)
+    expected = hf_greedy_batch(hf, prompts, MAX_TOKENS)
+    argv = ["--model", str(model), *ENGINE, "--prefill-arg=--tp-size=2", *DP_DECODE[:3]]
+    with running_pd_serve(tmp_path / "manifest.json", argv) as (url, m):
+        workers = {w["role"]: w["url"] for w in m["workers"]}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        pins = [0, 1, None, None]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda i: client.completions.create(
+                model=model.name, prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True,
+                            **({} if pins[i] is None else {"data_parallel_rank": pins[i]})}
+            ).choices[0].model_dump()["token_ids"], range(len(prompts))))
+        assert got == expected
+        loads = _idle_loads(workers, 10)
+        for name, load in loads.items():
+            assert load["num_free_pages"] == load["num_total_pages"], (name, load)
+        assert all(r["dispatched"] >= 1 for r in loads["decode"]["dp_ranks"])
+        rank_urls = httpx.get(workers["decode"] + "/server_info", timeout=10).json()["dp_urls"]
+        received = [counters(u)["pd:kv_transfer_received_bytes_total"] for u in rank_urls]
+        assert counters(workers["prefill"])["pd:kv_transfer_bytes_total"] == sum(received) and min(received) > 0
