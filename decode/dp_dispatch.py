@@ -51,6 +51,9 @@ class DPDispatch:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                             keepalive_expiry=2.0))
+        # the router polls /get_load and /health every 100 ms: the front's calls to the ranks are not worth a log line
+        polls = tuple(f"{u}{path}" for u in self.urls[1:] for path in ("/get_load", "/health"))
+        logging.getLogger("httpx").addFilter(lambda record: not any(p in record.getMessage() for p in polls))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
