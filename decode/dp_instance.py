@@ -77,7 +77,8 @@ def _rank_app(rank: int, size: int, master: tuple[str, int], config: WorkerConfi
 
     group = init_dp_group(rank, size, master, rank_device(config.engine, 0))
     engine = LLMEngine(config.engine, group=group)
-    app = build_decode_app(engine, config, {"url": config.url, "incarnation": uuid.uuid4().hex[:12], "dp_rank": rank,
+    app = build_decode_app(engine, config, {"url": config.url, "incarnation": uuid.uuid4().hex[:12], "pid": os.getpid(),
+                                            "dp_rank": rank,
                                             "dp_size": size, **({"dp_urls": list(urls)} if urls else {})})
     return install_internal_auth(app, config)
 

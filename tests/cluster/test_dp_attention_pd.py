@@ -9,6 +9,8 @@ naming the flag."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -116,7 +118,8 @@ def test_bad_dp_settings_fail_at_start_up_naming_the_flag(tmp_path, role_argv, m
 
 def test_qwen3_moe_tp2_prefill_into_dp_ranks(tmp_path):
     """GQA K/V pages from a TP-2 prefill: each DP rank (attention TP 1) receives every KV head, merged from both
-    prefill ranks, for its own requests only; experts split by width (no expert parallelism)."""
+    prefill ranks, for its own requests only; experts split by width (no expert parallelism). Then kill -9 of DP
+    rank 1: the instance restarts whole and serves exactly again."""
     from random_models import build as build_random
     from random_models import hf_greedy_batch, prompt_ids
 
@@ -143,3 +146,19 @@ def test_qwen3_moe_tp2_prefill_into_dp_ranks(tmp_path):
         rank_urls = httpx.get(workers["decode"] + "/server_info", timeout=10).json()["dp_urls"]
         received = [counters(u)["pd:kv_transfer_received_bytes_total"] for u in rank_urls]
         assert counters(workers["prefill"])["pd:kv_transfer_bytes_total"] == sum(received) and min(received) > 0
+
+        # kill -9 of DP rank 1: the instance goes down as a unit and pd-serve restarts it whole (new rank processes)
+        pid = httpx.get(rank_urls[1] + "/server_info", timeout=10).json()["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline, answer = time.monotonic() + 180, None
+        while answer is None and time.monotonic() < deadline:
+            time.sleep(1)
+            try:
+                answer = client.completions.create(model=model.name, prompt=prompts[0], max_tokens=MAX_TOKENS,
+                                                   temperature=0, extra_body={"data_parallel_rank": 1,
+                                                                              "return_token_ids": True,
+                                                                              "ignore_eos": True})
+            except openai.APIError:
+                continue
+        assert answer is not None and answer.choices[0].model_dump()["token_ids"] == expected[0]
+        assert httpx.get(workers["decode"] + "/server_info", timeout=10).json()["dp_urls"] != rank_urls
