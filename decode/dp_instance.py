@@ -65,7 +65,7 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: WorkerConf
     os.setsid()  # the launcher's signals to rank 0's group stop rank 0, whose exit stops this rank
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s dp{rank} %(name)s: %(message)s")
-    app = _rank_app(rank, size, master, config)
+    app = install_internal_auth(_rank_app(rank, size, master, config), config)
     uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                   access_log=False)).run()
 
@@ -77,10 +77,9 @@ def _rank_app(rank: int, size: int, master: tuple[str, int], config: WorkerConfi
 
     group = init_dp_group(rank, size, master, rank_device(config.engine, 0))
     engine = LLMEngine(config.engine, group=group)
-    app = build_decode_app(engine, config, {"url": config.url, "incarnation": uuid.uuid4().hex[:12], "pid": os.getpid(),
-                                            "dp_rank": rank,
-                                            "dp_size": size, **({"dp_urls": list(urls)} if urls else {})})
-    return install_internal_auth(app, config)
+    info = {"url": config.url, "incarnation": uuid.uuid4().hex[:12], "pid": os.getpid(), "dp_rank": rank,
+            "dp_size": size, **({"dp_urls": list(urls)} if urls else {})}
+    return build_decode_app(engine, config, info)
 
 
 def build_dp_decode_app(config: WorkerConfig):
@@ -110,7 +109,8 @@ def build_dp_decode_app(config: WorkerConfig):
             p.kill()
         raise
     threading.Thread(target=_watch, args=(procs,), name="dp-rank-watch", daemon=True).start()
-    app.add_middleware(DPDispatch, urls=[c.url for c in configs])
+    app.add_middleware(DPDispatch, urls=[c.url for c in configs])  # inside the internal key's check
+    app = install_internal_auth(app, config)
     logger.info("DP attention decode instance: %d ranks (%s), expert parallel %s", size,
                 ", ".join(c.url for c in configs), config.engine.parallel.enable_expert_parallel)
     return app
