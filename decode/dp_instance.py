@@ -6,7 +6,8 @@ The instance is N DP rank processes. Each is a whole decode server (`build_decod
 its own KV transfer agent over its own pool, and its own HTTP server; only the MoE layers are shared, over the
 group of all ranks (`pd_cluster.engine.parallel.dp_attention`: all-gather/reduce-scatter, or the routed all-to-all
 with expert parallelism). Rank 0 runs in the worker's own process and serves the instance's URL; ranks 1..N-1 are
-child processes serving loopback ports of the same host (their URL has the instance's host), which die with it.
+child processes, each serving a port of its own on the same ``--host`` (its URL has the instance's advertised
+host), which die with it.
 
 - **Which rank**: rank 0's front (`pd_cluster.decode.dp_dispatch.DPDispatch`) gives each OpenAI request to one rank:
   the body's ``data_parallel_rank`` (SGLang's field) pins it, else the rank with the fewest requests in flight.
