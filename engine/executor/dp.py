@@ -188,7 +188,8 @@ class DPLockstep:
     @classmethod
     def of(cls, engine) -> "DPLockstep | None":
         """The lockstep of `engine` when it is a DP attention rank, else None."""
-        return cls(engine) if getattr(engine, "dp_group", None) is not None else None
+        group = getattr(engine, "dp_group", None)
+        return cls(engine) if getattr(group, "gathers_tokens", False) is True else None
 
     def any_work(self, mine: bool) -> bool:
         """Whether any DP rank has work (this one's answer is `mine`)."""
