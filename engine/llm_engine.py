@@ -73,7 +73,8 @@ class LLMEngine(RequestLifecycle):
     def __init__(self, config: EngineConfig, group: TPGroup | None = None) -> None:
         if config.parallel.enable_dp_attention:
             raise ValueError("--enable-dp-attention: one engine per DP rank, run by `DPAttentionEngine` "
-                             "(pd_cluster.engine.executor.dp); it is not built for the workers of pd-serve yet")
+                             "(pd_cluster.engine.executor.dp) or a decode worker's DP instance "
+                             "(pd_cluster.decode.dp_instance)")
         check_model_folder(config.model.path)  # before the tokenizer: a Hub id must not reach transformers
         # EOS ids and default sampling parameters (--generation-config), refused keys before any weight loads
         self.generation = load_generation_config(config.model.generation_config, config.model.path)
@@ -195,6 +196,13 @@ class LLMEngine(RequestLifecycle):
         self.runner.release(req.request_id)
         if self.drafter is not None:
             self.drafter.release(req.request_id)
+
+    @property
+    def dp_group(self):
+        """A DP attention rank's MoE group (`DPMoEGroup`: its step loop steps in lockstep with the other ranks',
+        `pd_cluster.engine.executor.dp.DPLockstep`); None for any other engine."""
+        moe = self._group.moe
+        return moe if moe.gathers_tokens else None
 
     # ---- the step ----------------------------------------------------------------
     def has_work(self) -> bool:

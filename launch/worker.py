@@ -120,6 +120,14 @@ def build_app(config: WorkerConfig):
     from pd_cluster.serving.worker_app import install_internal_auth
     from pd_cluster.transfer import ucx_env
 
+    if config.engine.parallel.enable_dp_attention:  # N DP rank processes behind rank 0's app; no role switch
+        if config.role != "decode":
+            raise ValueError(f"--enable-dp-attention is built for decode workers (and the offline engine), not "
+                             f"--role {config.role} yet")
+        ucx_env.bind_to_host(config.host, config.transfer)
+        from pd_cluster.decode.dp_instance import build_dp_decode_app
+
+        return build_dp_decode_app(config)
     if config.role == "mixed":
         return install_internal_auth(_build_role_app(config), config)
     ucx_env.bind_to_host(config.host, config.transfer)
@@ -182,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = build_app(config)
-    except (FileNotFoundError, NodeJoinError) as e:  # e.g. a Hub id, a node that did not join: one line
+    except (FileNotFoundError, NodeJoinError, ValueError) as e:  # a Hub id, a node that did not join, a refused
+        # setting: one line
         print(f"pd-worker: error: {e}", file=sys.stderr)
         return 2
     DrainedServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),

@@ -80,6 +80,10 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self.fatal: BaseException | None = None
         self.num_steps = 0  # engine steps run: with `StepHooks.transfer_events`, what `progress` reports
+        # a DP attention rank: every iteration agrees with the other ranks whether to step (`DPLockstep`)
+        from pd_cluster.engine.executor.dp import DPLockstep
+
+        self.lockstep = DPLockstep.of(engine)
 
     # ---- lifecycle ---------------------------------------------------------------
     def start(self, aloop: asyncio.AbstractEventLoop) -> None:
@@ -147,7 +151,10 @@ class EngineLoop:
                 self.hooks.poll(self.engine)
                 if commands or self.hooks.transfer_events != events:
                     backoff = self.idle_poll_s
-                if self.engine.has_work():
+                work = self.engine.has_work()
+                if self.lockstep is not None:  # every DP rank steps when any has work (its MoE layers pair up)
+                    work = self.lockstep.any_work(work)
+                if work:
                     if self._step():
                         backoff = self.idle_poll_s
                         continue
@@ -221,7 +228,11 @@ class EngineLoop:
         """One engine step and its hooks; returns whether it did anything (computed, reserved pages, produced
         output, or left a step in flight)."""
         t = time.monotonic()
-        out = self.engine.step()
+        try:
+            out = self.engine.step()
+        finally:  # a step that failed before its forward still pairs the other DP ranks' collectives
+            if self.lockstep is not None:
+                self.lockstep.end_step()
         self.num_steps += 1
         self.hooks.after_step(self.engine, out)
         if self.on_step is not None:

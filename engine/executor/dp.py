@@ -44,12 +44,20 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # a rank must load its weights and size its pool by then
 
 
-def check_dp_attention(config: EngineConfig) -> ArchConfig:
+ROLE_USES = {"mixed": "the offline engine (role mixed)", "decode": "decode workers (pd-worker --role decode, "
+              "pd-serve's --decode-arg)"}
+
+
+def check_dp_attention(config: EngineConfig, roles: tuple[str, ...] = ("mixed",)) -> ArchConfig:
     """Refuse, before any rank starts, a model or setting DP attention is not built for.
+
+    Args:
+        roles: the engine roles the caller runs DP attention for (`DPAttentionEngine`: mixed; a decode worker's
+            instance, `pd_cluster.decode.dp_instance`: decode).
 
     Raises:
         ValueError: naming the flag (a dense model, experts that ``--tp-size`` cannot split, quantised weights,
-            speculative decoding, a role other than mixed).
+            speculative decoding, a role not in `roles`).
     """
     p = config.parallel
     arch = ArchConfig.from_pretrained(config.model.path)
@@ -62,9 +70,9 @@ def check_dp_attention(config: EngineConfig) -> ArchConfig:
     if config.speculative.enabled:
         raise ValueError("--speculative-algorithm is not built with --enable-dp-attention yet (a verify step "
                          "would run forwards the other DP ranks do not pair)")
-    if config.role != "mixed":
-        raise ValueError(f"--enable-dp-attention is built for the offline engine (role mixed), not role "
-                         f"{config.role} yet")
+    if config.role not in roles:
+        raise ValueError(f"--enable-dp-attention is built for {' and '.join(ROLE_USES[r] for r in roles)}, not "
+                         f"role {config.role} yet")
     return arch
 
 
@@ -142,6 +150,53 @@ def _describe(engine) -> dict:
             "attention_heads": model.layers[0].self_attn.num_heads,
             "experts": (experts.first_expert, experts.num_local_experts, tuple(experts.w13_weight.shape)),
             "shared_width": None if moe.shared_experts is None else moe.shared_experts.intermediate_size}
+
+
+def pick_dp_rank(unfinished: list[int], data_parallel_rank: int | None = None) -> int:
+    """The DP rank of a new request: `data_parallel_rank` when given (SGLang's field), else the rank with the fewest
+    `unfinished` requests, the lowest on a tie (a fresh batch goes round robin).
+
+    Raises:
+        RequestRejected: `data_parallel_rank` is not an int in ``[0, len(unfinished))``.
+    """
+    size = len(unfinished)
+    if data_parallel_rank is not None:
+        if isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int) or \
+                not 0 <= data_parallel_rank < size:
+            raise RequestRejected(f"data_parallel_rank {data_parallel_rank!r} is not in [0, {size})",
+                                  param="data_parallel_rank")
+        return data_parallel_rank
+    return min(range(size), key=lambda r: (unfinished[r], r))
+
+
+class DPLockstep:
+    """The lockstep of a DP rank whose engine runs in its own step loop (a worker's `EngineLoop`, not the driver
+    above): every loop iteration asks the other ranks whether any has work (`any_work`: one all-reduce over the
+    object group), and when one has, every rank steps once and closes its step with `end_step` (the idle pass of
+    its MoE layers when its own step ran no forward). SGLang's DP ranks sync their batches the same way each
+    iteration of their schedulers' loops (``prepare_mlp_sync_batch``).
+
+    Call both from the engine's thread only, once per iteration on every rank.
+    """
+
+    def __init__(self, engine) -> None:
+        self.group = engine.dp_group
+        self.layers = _moe_layers(engine.loaded.model)
+        self.hidden, self.dtype = engine.arch.hidden_size, engine.loaded.dtype
+        self.idle_steps = 0  # steps this rank ran only the idle pass
+
+    @classmethod
+    def of(cls, engine) -> "DPLockstep | None":
+        """The lockstep of `engine` when it is a DP attention rank, else None."""
+        group = getattr(engine, "dp_group", None)
+        return cls(engine) if getattr(group, "gathers_tokens", False) is True else None
+
+    def any_work(self, mine: bool) -> bool:
+        """Whether any DP rank has work (this one's answer is `mine`)."""
+        return self.group.all_min(0 if mine else 1) == 0
+
+    def end_step(self) -> None:
+        self.idle_steps += self.group.end_step(self.layers, self.hidden, self.dtype)
 
 
 @dataclass
@@ -223,20 +278,11 @@ class DPAttentionEngine:
 
     # ---- requests --------------------------------------------------------------
     def pick_rank(self, data_parallel_rank: int | None = None) -> int:
-        """The DP rank of a new request: `data_parallel_rank` when given, else the least loaded (module docstring).
-
-        Raises:
-            RequestRejected: `data_parallel_rank` is not a rank of this instance.
-        """
-        if data_parallel_rank is not None:
-            if not 0 <= data_parallel_rank < self.dp_size:
-                raise RequestRejected(f"data_parallel_rank {data_parallel_rank} is not in [0, {self.dp_size})",
-                                      param="data_parallel_rank")
-            return data_parallel_rank
+        """The DP rank of a new request (`pick_dp_rank` over this driver's unfinished requests)."""
         counts = [0] * self.dp_size
         for req in self.requests.values():
             counts[req.dp_rank] += 1
-        return min(range(self.dp_size), key=lambda r: (counts[r], r))
+        return pick_dp_rank(counts, data_parallel_rank)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     stream: bool = False, resumed_output_ids: list[int] | tuple[int, ...] = (),

@@ -34,10 +34,11 @@ from pd_cluster.engine.planner.spec import ModelSpec
 from pd_cluster.engine.planner.weights import WeightBytes, weight_bytes
 
 DISPATCH_GROUP = 128  # values per FP8 scale in DeepEP's dispatch
-# What this engine runs today: DP attention in the offline engine (`pd_cluster.engine.executor.dp`, --tp-size equal
-# to --dp-size), on one node and not in a prefill or decode worker; a TP instance may span nodes, DP attention not.
+# What this engine runs today: DP attention in the offline engine (`pd_cluster.engine.executor.dp`) and in decode
+# workers (`pd_cluster.decode.dp_instance`), --tp-size equal to --dp-size, on one node; a TP instance may span nodes,
+# DP attention not.
 ENGINE_MAX_NNODES = 1
-ENGINE_DP_ATTENTION_IN_WORKERS = False
+ENGINE_DP_ATTENTION_ROLES = ("decode",)
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,9 @@ class WideEPPlan:
     def engine_refusal(self) -> str | None:
         """Why this engine cannot run the instance yet, None when it can."""
         why = []
-        if not ENGINE_DP_ATTENTION_IN_WORKERS:
-            why.append("a PD worker refuses --enable-dp-attention (the offline engine runs it)")
+        if self.inp.base.role not in ENGINE_DP_ATTENTION_ROLES:
+            why.append(f"a {self.inp.base.role} worker refuses --enable-dp-attention (decode workers and the offline "
+                       "engine run it)")
         if self.inp.tp_size != self.inp.dp_size:
             why.append(f"attention TP inside a DP rank (--tp-size {self.inp.tp_size} over --dp-size "
                        f"{self.inp.dp_size}) is not built")

@@ -108,3 +108,18 @@ def test_models_dp_attention_cannot_serve_are_refused_before_any_rank_starts(tmp
         check_dp_attention(_config(tmp_path / "dense", tp_size=2, dp_size=2, enable_dp_attention=True))
     with pytest.raises(ValueError, match="--enable-dp-attention is built for the offline engine"):
         LLM(str(tmp_path / "moe6"), role="decode", tp_size=2, dp_size=2, enable_dp_attention=True)
+    # a decode worker's DP instance (decode/dp_instance.py) runs the decode role only
+    with pytest.raises(ValueError, match="built for decode workers .*, not role prefill"):
+        check_dp_attention(_config(tmp_path / "moe6", tp_size=2, dp_size=2, enable_dp_attention=True,
+                                   role="prefill"), roles=("decode",))
+
+
+def test_dp_rank_choice_pins_or_takes_the_least_loaded_lowest_rank():
+    from pd_cluster.engine.errors import RequestRejected
+    from pd_cluster.engine.executor.dp import pick_dp_rank
+
+    assert pick_dp_rank([0, 0]) == 0 and pick_dp_rank([1, 0]) == 1 and pick_dp_rank([2, 1, 1]) == 1
+    assert pick_dp_rank([0, 5], data_parallel_rank=1) == 1  # pinned, whatever the load
+    for bad in (2, -1, True, "1", 1.0):
+        with pytest.raises(RequestRejected, match="data_parallel_rank"):
+            pick_dp_rank([0, 0], data_parallel_rank=bad)
