@@ -7,7 +7,8 @@ One scrape reads, over HTTP:
   not switching (`WorkerView.counted`), and the healthy ones among them are scraped;
 * the router's ``GET /metrics`` (the API key, which the router's ``--api-key-protects-all-paths`` asks of every
   path but its probes and ``/workers``): ``pd_router_time_to_first_token_seconds`` and
-  ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape);
+  ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape), and
+  ``pd_router_queue_depth`` (requests waiting in the router);
 * each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
   prefill's ``num_prefill_inflight_queue_reqs`` and a decode's ``num_decode_transfer_queue_reqs``: the outstanding
   KV transfers) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
@@ -36,6 +37,7 @@ from pd_cluster.planner.decision import RoleCounts, Snapshot
 TTFT = "pd_router_time_to_first_token_seconds"
 ITL = "pd_router_inter_token_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+ROUTER_QUEUE = "pd_router_queue_depth"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 
 
@@ -96,6 +98,17 @@ def counter_total(text: str, name: str) -> float | None:
         if fam.name == name:
             for s in fam.samples:
                 if s.name == name + "_total":
+                    total = (total or 0.0) + s.value
+    return total
+
+
+def gauge_total(text: str, name: str) -> float | None:
+    """The sum over label sets of gauge `name`, None when absent."""
+    total = None
+    for fam in text_string_to_metric_families(text):
+        if fam.name == name:
+            for s in fam.samples:
+                if s.name == name:
                     total = (total or 0.0) + s.value
     return total
 
@@ -213,6 +226,7 @@ class MetricsSource:
         waiting = sum(w.load.get("num_queue_reqs", 0) + w.load.get("num_running_reqs", 0) for w in prefill)
         backlog = round(waiting * prompt_tokens / finished) if finished else None
         cap = sum(w.load.get("max_running_requests", 0) for w in decode)
+        queued = gauge_total(router_text, ROUTER_QUEUE)
         transfers = sum(w.load.get("num_prefill_inflight_queue_reqs", 0) for w in prefill)
         transfers += sum(w.load.get("num_decode_transfer_queue_reqs", 0) for w in decode)
         return replace(
@@ -220,7 +234,8 @@ class MetricsSource:
             prefill_backlog_tokens=backlog, prefill_tokens_per_s=per_worker_tps or None,
             decode_kv_usage=(sum(w.load.get("token_usage", 0.0) for w in decode) / len(decode)) if decode else None,
             decode_running=sum(w.load.get("num_running_reqs", 0) for w in decode) if decode else None,
-            decode_capacity=cap or None, outstanding_transfers=transfers)
+            decode_capacity=cap or None, outstanding_transfers=transfers,
+            prefill_waiting=waiting if prefill else None, router_queued=None if queued is None else round(queued))
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
     def _workers(self, client: httpx.Client, missing: list[str]) -> list[WorkerView]:

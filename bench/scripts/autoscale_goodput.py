@@ -128,8 +128,8 @@ def run_autoscaled(a: argparse.Namespace, work) -> dict:
         row = run_load(cluster.router_url, *work, a)
         cluster.runner.stop()
         cluster.connector.wait_idle(120)
-        scales = [d for d in cluster.runner.decisions if d.action == "scale"]
-        done = [f"{act} {role} {outcome}" for act, role, outcome, _ in cluster.connector.done]
+        scales = cluster.runner.scales
+        done = [f"{act} {role} {outcome} ({detail})" for act, role, outcome, detail in cluster.connector.done]
         roles = [w["role"] for w in cluster.connector.admin.workers() if not w.get("draining")]  # switches included
         sizes = f"{roles.count('prefill')}P{roles.count('decode')}D"
         decisions = "; ".join(f"+{d.at - t0:.0f}s {d.current.prefill}P{d.current.decode}D->"
