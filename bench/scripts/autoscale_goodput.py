@@ -85,10 +85,10 @@ def run_load(url: str, reqs: list[SampledRequest], plan: ArrivalPlan, spans, a: 
     out = Runner(target, LoadConfig(), MODEL, progress=False).run_sync(reqs, plan)
     slos = (("ttft", a.ttft_slo_ms), ("tpot", a.itl_slo_ms))
     recs = out.records
+    whole = goodput(recs, slos, out.duration_s)
     row = {"sent": len(recs), "failed": sum(not r.success for r in recs),
            "errors": sorted({f"{r.reason}: {r.error}"[:120] for r in recs if not r.success})[:3],
-           "goodput": goodput(recs, slos, out.duration_s)["request_goodput"],
-           "good": goodput(recs, slos, out.duration_s)["good_requests"]}
+           "goodput": whole["request_goodput"], "good": whole["good_requests"]}
     ok = [r for r in recs if r.success]
     row["ttft_p90"] = float(np.percentile([r.ttft for r in ok], 90)) * 1000 if ok else float("nan")
     row["tpot_p90"] = float(np.percentile([r.tpot for r in ok], 90)) * 1000 if ok else float("nan")

@@ -40,6 +40,7 @@ def router_url():
 def test_the_planner_sends_the_api_key_to_metrics_and_the_admin_key_to_workers(router_url):
     view = MetricsSource(router_url, ADMIN_KEY, api_key=API_KEY).fetch()
     assert view.snapshot.missing == ()
+    assert view.snapshot.router_queued == 0  # the router's own pd_router_queue_depth, read with the API key
     source = MetricsSource(router_url, ADMIN_KEY, api_key=API_KEY)
     assert source.refusals() == {}
 
