@@ -156,7 +156,7 @@ def table(rows: list[dict], spans) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--phase-secs", type=float, default=25.0, help="seconds of each of the three phases")
     p.add_argument("--quiet-rate", type=float, default=4.0, help="req/s of the quiet phase (the burst is 4x)")
     p.add_argument("--decode-rate", type=float, default=8.0, help="req/s of the decode-heavy phase")
