@@ -132,7 +132,7 @@ class AutoscaledCluster(LocalCluster):
             self.metrics_port = port
         admin = RouterAdmin(self.router_url, self.spec.admin_api_key)
         self.connector = LocalConnector(self, admin, self.metrics)
-        source = MetricsSource(self.router_url, self.spec.admin_api_key)
+        source = MetricsSource(self.router_url, self.spec.admin_api_key, api_key=self.spec.api_key)
         self.runner = PlannerRunner(self.planner_config, source, self.connector, self.metrics)
         if self.router.restarts.awaiting_health or not self.router.alive():
             self.runner.paused = "the router (restarting)"

@@ -77,6 +77,11 @@ class Snapshot:
             (their ``max_running_requests`` summed).
         outstanding_transfers: KV transfers posted and not complete (prefill pushes in flight and decode
             requests waiting for their KV).
+        prefill_waiting: requests queued or computing on the prefill workers. With some waiting and no TTFT,
+            queue-time or backlog sample in the window (nothing reached its first token), prefill is not calm: a
+            prefill so far behind that nothing finishes is starved, not idle.
+        router_queued: requests waiting in the router for a slot or a worker (``pd_router_queue_depth``); with any,
+            neither role is calm (the cluster is saturated; a scale-down would deepen the queue).
         pending: the counts a connector is still bringing the cluster to (None: nothing under way).
         missing: metric sources that did not answer (any: the decision is frozen).
     """
@@ -92,6 +97,8 @@ class Snapshot:
     decode_running: int | None = None
     decode_capacity: int | None = None
     outstanding_transfers: int | None = None
+    prefill_waiting: int | None = None
+    router_queued: int | None = None
     pending: RoleCounts | None = None
     missing: tuple[str, ...] = ()
 
@@ -194,7 +201,10 @@ class Planner:
             up += [f"{k} > {cfg.scale_up_ratio:g} x --ttft-slo-ms {cfg.ttft_slo_ms:g}" for k, v in blamed.items()
                    if v > cfg.scale_up_ratio]
         every = list(ratios.values()) + list(blamed.values())
-        return _Pressure(tuple(up), all(v < cfg.scale_down_ratio for v in every), max(every, default=0.0))
+        calm = all(v < cfg.scale_down_ratio for v in every) and not s.router_queued
+        if not every and s.prefill_waiting:
+            calm = False  # requests waiting and none reached its first token in the window: starved, not idle
+        return _Pressure(tuple(up), calm, max(every, default=0.0))
 
     def _decode(self, s: Snapshot) -> _Pressure:
         cfg = self.config
@@ -224,7 +234,7 @@ class Planner:
             if per > cfg.transfers_per_decode_high:
                 up.append(f"{per:.1f} outstanding KV transfers per decode worker > "
                           f"--planner-transfers-per-decode-high {cfg.transfers_per_decode_high:g}")
-        return _Pressure(tuple(up), calm, peak)
+        return _Pressure(tuple(up), calm and not s.router_queued, peak)
 
     # ---- bounds -------------------------------------------------------------------------------------------------
     def _bounds(self, role: str) -> tuple[int, int]:

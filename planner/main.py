@@ -4,7 +4,9 @@ It runs the same loop as ``pd-serve --autoscale`` (`pd_cluster.planner.runner.Pl
 ``--router-url``, and serves its ``pd:planner_*`` metrics on ``--port`` (``/metrics``). ``--connector`` says what
 acts on a decision: ``kubernetes`` scales the prefill and decode StatefulSets (`pd_cluster.planner.kube`; it
 refuses to start without the RBAC to do so), ``none`` logs and exports decisions and changes nothing (Dynamo's
-planner calls this ``--no-operation``). The planner holds no state of the cluster's: killed and started again, it reads the counts
+planner calls this ``--no-operation``). It sends ``--admin-api-key`` to the router's ``/workers`` and ``--api-key`` to its
+``/metrics`` (which wants it under the router's ``--api-key-protects-all-paths``); a router that refuses either key
+stops it at start-up, naming the flag. The planner holds no state of the cluster's: killed and started again, it reads the counts
 serving from the router and resumes from them; meanwhile the cluster serves at its current sizes.
 """
 
@@ -23,6 +25,7 @@ from pd_cluster.planner.runner import PlannerMetrics, PlannerRunner
 from pd_cluster.planner.scrape import ClusterView, MetricsSource
 
 ADMIN_API_KEY_ENV = "PD_ROUTER_ADMIN_API_KEY"
+API_KEY_ENV = "PD_ROUTER_API_KEY"
 CONNECTORS = ("kubernetes", "none")
 
 
@@ -42,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-planner", allow_abbrev=False,
                                 description="Size a pd-cluster's prefill and decode roles to TTFT and ITL targets.")
     p.add_argument("--router-url", required=True, help="the router's base URL, e.g. http://pd-router:8000")
-    p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (or env {ADMIN_API_KEY_ENV})")
+    p.add_argument("--admin-api-key", default=None, help=f"the router's admin key, for its /workers (or env "
+                   f"{ADMIN_API_KEY_ENV})")
+    p.add_argument("--api-key", default=None, help=f"the router's API key, for its /metrics when the router runs with "
+                   f"--api-key-protects-all-paths (or env {API_KEY_ENV})")
     p.add_argument("--connector", choices=CONNECTORS, default="none",
                    help="what acts on a decision: kubernetes (scale the role StatefulSets), none (log and export)")
     p.add_argument("--namespace", default=None, help="with --connector kubernetes: the workloads' namespace "
@@ -105,8 +111,14 @@ def main(argv: list[str] | None = None, api_client=None) -> int:
     connector = make_connector(parser, args, admin_key, metrics, api_client)
     from prometheus_client import start_http_server
 
+    source = MetricsSource(args.router_url, admin_key, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    refused = source.refusals()
+    for path, flag, env in (("/workers", "--admin-api-key", ADMIN_API_KEY_ENV), ("/metrics", "--api-key", API_KEY_ENV)):
+        if path in refused:
+            parser.error(f"{flag}: the router at {args.router_url} answers {refused[path]} to the planner's GET "
+                         f"{path}; give its key ({flag} or env {env}), or every decision stays frozen")
     server, _ = start_http_server(args.port, args.host, registry=metrics.registry)
-    runner = PlannerRunner(config, MetricsSource(args.router_url, admin_key), connector, metrics)
+    runner = PlannerRunner(config, source, connector, metrics)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

@@ -96,6 +96,7 @@ class PlannerRunner:
         self.metrics = metrics or PlannerMetrics()
         self.planner = Planner(config)
         self.decisions: list[Decision] = []  # the last ones (tests, logs)
+        self.scales: list[Decision] = []  # the last scale decisions (benchmarks: the planner's history of a run)
         self.paused: str | None = None  # a source the caller knows to be unreliable now: decisions freeze
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -116,6 +117,7 @@ class PlannerRunner:
         self.metrics.observe(d)
         self.decisions = (self.decisions + [d])[-100:]
         if d.action == "scale":
+            self.scales = (self.scales + [d])[-100:]
             log.info("planner: scale prefill %d -> %d, decode %d -> %d: %s", d.current.prefill, d.target.prefill,
                      d.current.decode, d.target.decode, "; ".join(d.reasons))
             self.connector.apply(d, replace(view, snapshot=snap))

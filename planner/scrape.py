@@ -5,8 +5,10 @@ One scrape reads, over HTTP:
 * the router's ``GET /workers`` (admin key): every worker's stable id, role, health, ``draining`` and
   ``switching_to``, and its in-flight requests (`WorkerView`); each role's count is its workers not draining and
   not switching (`WorkerView.counted`), and the healthy ones among them are scraped;
-* the router's ``GET /metrics``: ``pd_router_time_to_first_token_seconds`` and
-  ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape);
+* the router's ``GET /metrics`` (the API key, which the router's ``--api-key-protects-all-paths`` asks of every
+  path but its probes and ``/workers``): ``pd_router_time_to_first_token_seconds`` and
+  ``pd_router_inter_token_latency_seconds`` (the TTFT and ITL p90 over the window since the last scrape), and
+  ``pd_router_queue_depth`` (requests waiting in the router);
 * each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
   prefill's ``num_prefill_inflight_queue_reqs`` and a decode's ``num_decode_transfer_queue_reqs``: the outstanding
   KV transfers) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
@@ -35,6 +37,7 @@ from pd_cluster.planner.decision import RoleCounts, Snapshot
 TTFT = "pd_router_time_to_first_token_seconds"
 ITL = "pd_router_inter_token_latency_seconds"
 QUEUE_TIME = "vllm:request_queue_time_seconds"
+ROUTER_QUEUE = "pd_router_queue_depth"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 
 
@@ -99,6 +102,17 @@ def counter_total(text: str, name: str) -> float | None:
     return total
 
 
+def gauge_total(text: str, name: str) -> float | None:
+    """The sum over label sets of gauge `name`, None when absent."""
+    total = None
+    for fam in text_string_to_metric_families(text):
+        if fam.name == name:
+            for s in fam.samples:
+                if s.name == name:
+                    total = (total or 0.0) + s.value
+    return total
+
+
 def window(now: dict[float, float], before: dict[float, float] | None) -> dict[float, float]:
     """The buckets' counts since `before` (all of `now` when there is none, or when a count went down)."""
     if not before or any(now.get(le, 0.0) < c for le, c in before.items()):
@@ -112,6 +126,10 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
     return histogram_quantile(q, sorted(buckets.items()))
 
 
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000.0 * seconds
 
@@ -122,15 +140,17 @@ class MetricsSource:
     Args:
         router_url: the router's base URL.
         admin_api_key: the router's admin key (``GET /workers`` needs it when set).
+        api_key: the router's API key, sent to its ``GET /metrics`` (needed under ``--api-key-protects-all-paths``).
         timeout: seconds for each HTTP call.
         clock: monotonic seconds (the snapshot's ``at``).
         q: the percentile the decision core reads (0.9: its p90).
     """
 
     def __init__(self, router_url: str, admin_api_key: str | None = None, timeout: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, q: float = 0.9) -> None:
+                 clock: Callable[[], float] = time.monotonic, q: float = 0.9, api_key: str | None = None) -> None:
         self.router_url = router_url.rstrip("/")
-        self.headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self.headers = _bearer(admin_api_key)  # GET /workers
+        self.metrics_headers = _bearer(api_key)  # the router's GET /metrics
         self.timeout, self.clock, self.q = timeout, clock, q
         self._prev: dict[str, Any] = {}  # source key -> its last buckets or counter values
         self._prev_at: float | None = None
@@ -141,7 +161,8 @@ class MetricsSource:
         missing: list[str] = []
         with httpx.Client(timeout=self.timeout) as client:
             workers = self._workers(client, missing)
-            router_text = self._text(client, self.router_url + "/metrics", "router /metrics", missing)
+            router_text = self._text(client, self.router_url + "/metrics", "router /metrics", missing,
+                                     self.metrics_headers)
             loaded, texts = [], {}
             for w in workers:
                 if not w.serving or w.role not in ("prefill", "decode"):
@@ -157,6 +178,21 @@ class MetricsSource:
             snap = self._signals(snap, router_text or "", loaded, texts, at)
         self._prev_at = at
         return ClusterView(snap, tuple(loaded))
+
+    def refusals(self) -> dict[str, int]:
+        """The router's paths the planner reads that refuse its keys now: ``{"/workers": 401, ...}`` (401 or 403;
+        empty when both answer, or when the router does not answer at all: that is an outage, not a refusal).
+        ``pd-planner`` stops at start-up on one (a key that is refused would freeze every decision for good)."""
+        out: dict[str, int] = {}
+        with httpx.Client(timeout=self.timeout) as client:
+            for path, headers in (("/workers", self.headers), ("/metrics", self.metrics_headers)):
+                try:
+                    status = client.get(self.router_url + path, headers=headers).status_code
+                except httpx.HTTPError:
+                    continue
+                if status in (401, 403):
+                    out[path] = status
+        return out
 
     # ---- signals ------------------------------------------------------------------------------------------------
     def _windowed(self, key: str, buckets: dict[float, float]) -> dict[float, float]:
@@ -190,6 +226,7 @@ class MetricsSource:
         waiting = sum(w.load.get("num_queue_reqs", 0) + w.load.get("num_running_reqs", 0) for w in prefill)
         backlog = round(waiting * prompt_tokens / finished) if finished else None
         cap = sum(w.load.get("max_running_requests", 0) for w in decode)
+        queued = gauge_total(router_text, ROUTER_QUEUE)
         transfers = sum(w.load.get("num_prefill_inflight_queue_reqs", 0) for w in prefill)
         transfers += sum(w.load.get("num_decode_transfer_queue_reqs", 0) for w in decode)
         return replace(
@@ -197,7 +234,8 @@ class MetricsSource:
             prefill_backlog_tokens=backlog, prefill_tokens_per_s=per_worker_tps or None,
             decode_kv_usage=(sum(w.load.get("token_usage", 0.0) for w in decode) / len(decode)) if decode else None,
             decode_running=sum(w.load.get("num_running_reqs", 0) for w in decode) if decode else None,
-            decode_capacity=cap or None, outstanding_transfers=transfers)
+            decode_capacity=cap or None, outstanding_transfers=transfers,
+            prefill_waiting=waiting if prefill else None, router_queued=None if queued is None else round(queued))
 
     # ---- HTTP ---------------------------------------------------------------------------------------------------
     def _workers(self, client: httpx.Client, missing: list[str]) -> list[WorkerView]:
@@ -214,16 +252,20 @@ class MetricsSource:
             r = client.get(url, headers=headers)
             r.raise_for_status()
             return r.json()
+        except httpx.HTTPStatusError as e:
+            missing.append(f"{name} ({e.response.status_code})")
         except (httpx.HTTPError, ValueError):
             missing.append(name)
-            return None
+        return None
 
     @staticmethod
-    def _text(client: httpx.Client, url: str, name: str, missing: list[str]) -> str | None:
+    def _text(client: httpx.Client, url: str, name: str, missing: list[str], headers=None) -> str | None:
         try:
-            r = client.get(url)
+            r = client.get(url, headers=headers)
             r.raise_for_status()
             return r.text
+        except httpx.HTTPStatusError as e:
+            missing.append(f"{name} ({e.response.status_code})")
         except httpx.HTTPError:
             missing.append(name)
-            return None
+        return None

@@ -25,7 +25,8 @@ signals = st.fixed_dictionaries({
     "queue_time_p90_ms": maybe(st.floats(0, 20_000)), "prefill_backlog_tokens": maybe(st.integers(0, 200_000)),
     "prefill_tokens_per_s": maybe(st.floats(1, 50_000)), "decode_kv_usage": maybe(st.floats(0, 1)),
     "decode_running": maybe(st.integers(0, 512)), "decode_capacity": maybe(st.integers(1, 512)),
-    "outstanding_transfers": maybe(st.integers(0, 200)),
+    "outstanding_transfers": maybe(st.integers(0, 200)), "prefill_waiting": maybe(st.integers(0, 64)),
+    "router_queued": maybe(st.integers(0, 64)),
     "missing": st.sampled_from([(), (), (), ("router",)])})
 
 configs = st.builds(
@@ -198,3 +199,19 @@ def test_a_per_worker_signal_just_over_its_threshold_grows_once_and_stays(snap, 
     """One more worker halves a per-worker signal: it lands inside the band, not below it (no 1 <-> 2 flapping)."""
     decisions = _run(dataclasses.replace(CFG, cooldown_secs=0), RoleCounts(1, 1), [snap] * 40)
     assert [d.target for d in decisions if d.changed] == [grown]
+
+
+def test_a_starved_prefill_or_a_router_queue_is_not_calm():
+    """Nothing reached its first token in the window while requests wait on prefill: no sample, but no calm either
+    (a backlog so deep that a window passes without a first token once read as calm, and the planner drained a
+    prefill worker in the middle of a burst); requests queued in the router keep both roles from shrinking."""
+    cfg = PlannerConfig(ttft_slo_ms=300, itl_slo_ms=50, max_prefill=3, max_decode=3, stable_intervals=2,
+                        cooldown_secs=0)
+    quiet = {"itl_p90_ms": 5.0, "decode_kv_usage": 0.1, "decode_running": 1, "decode_capacity": 64,
+             "outstanding_transfers": 0}
+    starved = [dict(quiet, prefill_waiting=40)] * 4
+    assert [d.target.prefill for d in _run(cfg, RoleCounts(2, 2), starved)] == [2] * 4  # decode's calm is its own
+    queued = [dict(quiet, prefill_waiting=0, router_queued=12)] * 4
+    assert [d.action for d in _run(cfg, RoleCounts(2, 2), queued)] == ["hold"] * 4
+    idle = [dict(quiet, prefill_waiting=0, router_queued=0)] * 2
+    assert [d.target for d in _run(cfg, RoleCounts(2, 2), idle)] == [RoleCounts(2, 2), RoleCounts(1, 1)]

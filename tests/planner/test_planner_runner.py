@@ -98,6 +98,7 @@ def test_the_loop_scales_holds_while_under_way_and_exports_each_decision():
     actions = [runner.step().action for _ in range(4)]
     assert actions == ["hold", "scale", "hold", "hold"]  # pressure must last 2 snapshots; then the start is under way
     assert len(conn.applied) == 1 and conn.applied[0].target == RoleCounts(2, 1)
+    assert runner.scales == conn.applied  # the scale decisions are kept apart from the holds
     assert "holding until the last change (1 -> 2)" in runner.decisions[-1].reasons[0]
     m = runner.metrics
     assert _sample(m, "pd:planner_decisions_total", action="scale") == 1
