@@ -54,7 +54,9 @@ def test_the_planner_renders_with_its_rbac_and_validates(version):
     assert one(objs, "Service", "-router")["metadata"]["name"] == "pd-pd-cluster-router"
     config = planner_config_from_args(parser, args)
     assert config.ttft_slo_ms == 2000 and config.max_prefill == 6 and config.itl_slo_ms == PlannerConfig.itl_slo_ms
-    assert any(e["name"] == "PD_ROUTER_ADMIN_API_KEY" for e in container["env"])
+    # both router keys, from the router's secret: /workers takes the admin key, /metrics (protect-all-paths) the API key
+    keys = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"] if "valueFrom" in e}
+    assert keys == {"PD_ROUTER_ADMIN_API_KEY": "admin-api-key", "PD_ROUTER_API_KEY": "api-key"}
 
 
 def test_without_rbac_the_chart_leaves_it_to_you():
