@@ -182,7 +182,10 @@ def test_a_metrics_outage_freezes_decisions(cluster, refs):
     # --min-prefill 2 from here: after the outage the planner must hold at 2, neither start nor drain a worker
     cluster.planner_config = dataclasses.replace(cluster.planner_config, min_prefill=2)
     cluster.start_planner()
-    time.sleep(8 * cluster.planner_config.interval_secs)
+    # at least 4 decisions (a fixed sleep gave fewer on a loaded machine, each scrape waiting on slow workers)
+    deadline = time.monotonic() + max(60.0, 8 * cluster.planner_config.interval_secs)
+    while len(cluster.runner.decisions) < 4 and time.monotonic() < deadline:
+        time.sleep(cluster.planner_config.interval_secs)
     assert _planner_metric(cluster, "pd:planner_frozen") == 1
     decisions = list(cluster.runner.decisions)
     assert len(decisions) >= 4 and all(d.action == "frozen" and d.target == d.current for d in decisions), decisions
