@@ -63,14 +63,21 @@ def test_llama3_gqa_heads_split_and_merged(tmp_path, llama3, prefill_tp, decode_
     assert saved == 2 * _gqa_page_bytes(hf, decode_tp) * decode_tp  # the third prompt's first two pages
 
 
-def test_qwen3_moe_p2_d1(tmp_path):
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
     from random_models import build, hf_greedy_batch, prompt_ids
 
-    model = tmp_path / "qwen3-moe-tiny"
+    model = tmp_path_factory.mktemp("qwen3-moe") / "qwen3-moe-tiny"
     hf = build("qwen3-moe", model)
     prompts = prompt_ids(3)
-    _serve_and_compare(tmp_path, model, prompts, hf_greedy_batch(hf, prompts, MAX_TOKENS), _tp(2, 1),
-                       _gqa_page_bytes(hf, 1), 1)
+    return model, hf, prompts, hf_greedy_batch(hf, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_qwen3_moe_heads_merged_and_split(tmp_path, qwen3_moe, prefill_tp, decode_tp):
+    model, hf, prompts, expected = qwen3_moe
+    _serve_and_compare(tmp_path, model, prompts, expected, _tp(prefill_tp, decode_tp),
+                       _gqa_page_bytes(hf, decode_tp), decode_tp)
 
 
 def test_deepseek_v3_mla_p2_d1(tmp_path):
