@@ -96,7 +96,7 @@ class CacheAware(Policy):
         self.balanced = 0
         self.by_events = 0
         self.by_tree = 0
-        self._routed: tuple[RouteRequest | None, float] = (None, 0.0)
+        self._routed: tuple[RouteRequest | None, float, TextPages | None] = (None, 0.0, None)
         self._hashed: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
         self._hashed_chars = 0
 
@@ -109,8 +109,9 @@ class CacheAware(Policy):
                 prompt = request.prompt
                 return self._by_kv_state(candidates, lambda c: _page_match(
                     self.index.cached_pages(c.url, prompt), self.index.l3_pages(c.url, prompt)))
-            self._routed = (request, now)
-            return self._by_kv_state(candidates, TextPages(self, request.text))
+            pages = TextPages(self, request.text)
+            self._routed = (request, now, pages)
+            return self._by_kv_state(candidates, pages)
         self.by_tree += 1
         hashes = self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
@@ -187,11 +188,11 @@ class CacheAware(Policy):
         if self.index is None:
             return None
         if request.prompt is None:
-            routed, at = self._routed
+            routed, at, pages = self._routed
             w = self.index.get(choice.url)
             if routed is not request or w is None or w.page_size < 1:  # routed by the tree
                 return None
-            route = self.index.predict_text(choice.url, self.hashes(request.text, w.page_size), at)
+            route = self.index.predict_text(choice.url, pages.hashes(w.page_size), at)
             return None if route is None else (lambda: KvIndex.done(route, self._clock()))
         w = self.index.get(choice.url)
         if w is None or w.page_size < 1:
@@ -264,11 +265,18 @@ class TextPages:
     token, which a text unlike the others' misjudges (a held page at 42% of the text counted as 1 of 4 estimated
     pages fell below ``cache_threshold`` and the continuation went elsewhere)."""
 
+    __slots__ = ("policy", "text", "_by_size", "_stored")
+
     def __init__(self, policy: CacheAware, text: str) -> None:
         self.policy = policy
         self.text = text
         self._by_size: dict[int, tuple[list[int], list[tuple[int, int, int]], int, float]] = {}
         self._stored: dict[int, int] = {}  # page size -> `_stored_blocks`
+
+    def hashes(self, page_size: int) -> list[int]:
+        """The text's block hashes for `page_size` (`CacheAware.hashes`; those the match used, when it did)."""
+        got = self._by_size.get(page_size)
+        return got[0] if got is not None else self.policy.hashes(self.text, page_size)
 
     def _resolved(self, page_size: int) -> tuple[list[int], list[tuple[int, int, int]], int, float]:
         got = self._by_size.get(page_size)
