@@ -67,6 +67,10 @@ HASHED_CHARS = 1 << 22
 """Characters of recent prompts whose block hashes are remembered (a repeated prompt is hashed once)."""
 
 
+FINGERPRINT_CHARS = 64
+"""Characters at each end of a text that key its remembered block hashes (with its length and the page size)."""
+
+
 L3_HIT_WEIGHT = 0.5
 """What a page in the cluster-wide KV store counts for, against one in the worker's own cache (1) or a miss (0)."""
 
@@ -97,7 +101,7 @@ class CacheAware(Policy):
         self.by_events = 0
         self.by_tree = 0
         self._routed: tuple[RouteRequest | None, float, TextPages | None] = (None, 0.0, None)
-        self._hashed: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self._hashed: OrderedDict[tuple[int, str, str, int], tuple[str, list[int]]] = OrderedDict()
         self._hashed_chars = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
@@ -126,19 +130,26 @@ class CacheAware(Policy):
 
     def hashes(self, text: str, page_size: int) -> list[int]:
         """`block_hashes` of `text` in the text maps' blocks for `page_size`, remembered for the most recent texts
-        (a repeated prompt is hashed once)."""
-        key = (text, page_size)
+        (a repeated prompt is hashed once). The memo is keyed by a fingerprint (the length, the first and last
+        `FINGERPRINT_CHARS` characters and the page size: hashing a whole prompt to key it cost as much as a
+        tenth of its block hashes), and a hit is checked against the whole text."""
+        key = (len(text), text[:FINGERPRINT_CHARS], text[-FINGERPRINT_CHARS:], page_size)
         cache = self._hashed
         got = cache.get(key)
         if got is not None:
+            if got[0] == text:
+                cache.move_to_end(key)
+                return got[1]
+        hashes = block_hashes(text, block_chars_for(page_size))
+        cache[key] = (text, hashes)
+        if got is not None:  # another text with the same fingerprint took its slot
+            self._hashed_chars -= len(got[0])
             cache.move_to_end(key)
-            return got
-        got = cache[key] = block_hashes(text, block_chars_for(page_size))
         self._hashed_chars += len(text)
         while self._hashed_chars > HASHED_CHARS and cache:
-            (old, _), _ = cache.popitem(last=False)
+            _, (old, _) = cache.popitem(last=False)
             self._hashed_chars -= len(old)
-        return got
+        return hashes
 
     def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest, now: float) -> bool:
         index = self.index

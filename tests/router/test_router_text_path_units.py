@@ -104,3 +104,19 @@ def test_a_routed_prompt_leaves_its_text_blocks_pending_on_the_chosen_worker():
     expected = block_hashes(text, block_chars_for(8))
     assert index.get("a").text.depth(expected) == len(expected)
     assert set(index.get("a").text._cur) == set(expected)
+
+
+def test_remembered_block_hashes_are_those_of_the_very_text_even_when_fingerprints_collide(monkeypatch):
+    import pd_cluster.router.policies.cache_aware as cache_aware
+
+    policy = CacheAware(CacheAwareConfig(), lambda: 0.0)
+    head, tail = "h" * 70, "t" * 70
+    one, two = head + "middle one" + tail, head + "middle two" + tail  # same length and ends: one fingerprint
+    for text in (one, two, one, two + "!", one):
+        assert policy.hashes(text, 8) == block_hashes(text, block_chars_for(8))
+    assert policy.hashes(one, 8) is policy.hashes(one, 8)  # remembered: hashed once
+    assert policy.hashes(one, 16) == block_hashes(one, block_chars_for(16))
+    assert policy._hashed_chars == sum(len(text) for text, _ in policy._hashed.values())
+    monkeypatch.setattr(cache_aware, "HASHED_CHARS", 2 * len(one))  # room for two: the least recent goes
+    policy.hashes(two, 8)
+    assert [text for text, _ in policy._hashed.values()] == [one, two]
