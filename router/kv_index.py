@@ -28,12 +28,22 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from pd_cluster.common.routing_text import unpack_u64
 from pd_cluster.router.text_map import RecentText, TextRoute
+
+try:  # the C loop behind ``Counter.update``: ``m[k] = m.get(k, 0) + 1`` for each k
+    from collections import _count_elements
+except ImportError:  # pragma: no cover (another Python)
+    def _count_elements(mapping: dict, iterable: Iterable) -> None:
+        get = mapping.get
+        for k in iterable:
+            mapping[k] = get(k, 0) + 1
 
 ROOT_HASH = 0
 MAX_PENDING_ROUTES = 4096
@@ -226,15 +236,17 @@ class KvIndex:
             blocks.clear()
             return
         hashes = _block_hashes(e)
+        if not isinstance(hashes, array):  # a JSON list (packed hashes are ints already)
+            hashes = [int(h) for h in hashes]
         if kind == "BlockStored":
-            get = blocks.get
-            for h in hashes:
-                h = int(h)
-                blocks[h] = get(h, 0) + 1
+            _count_elements(blocks, hashes)  # blocks[h] = blocks.get(h, 0) + 1 for each, in C
         elif kind == "BlockRemoved":
+            get = blocks.get
+            if max(map(get, hashes, repeat(0)), default=0) <= 1:  # each held once (or not): all go, in C
+                deque(map(blocks.pop, hashes, repeat(None)), maxlen=0)
+                return
             for h in hashes:
-                h = int(h)
-                left = blocks.get(h, 0) - 1
+                left = get(h, 0) - 1
                 if left > 0:
                     blocks[h] = left
                 else:

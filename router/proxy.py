@@ -31,7 +31,7 @@ from pd_cluster.common.request_limits import too_many_sequences
 from pd_cluster.router.capacity import CapacityGate
 from pd_cluster.router.config import Role, RouterConfig
 from pd_cluster.router.errors import error_body, sse_error_event
-from pd_cluster.router.exchange import Exchange, bearer_ok, valid_request_id
+from pd_cluster.router.exchange import Exchange, bearer_ok, running_loop, valid_request_id
 from pd_cluster.router.limiter import ConcurrencyLimiter, Overloaded
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.migration import plan_body
@@ -172,7 +172,7 @@ class GenerateHandler:
         return await self._admit_and_run(state, ex)
 
     async def _admit_and_run(self, state: RequestState, ex: Exchange) -> int:
-        key, sup = self.supervisor.enter(self.config.limits.request_timeout_secs)
+        key, sup = self.supervisor.enter(self.config.limits.request_timeout_secs, running_loop(ex))
         state.supervised = sup
         ex.on_lost = lambda: Supervisor.client_lost(sup)
         try:

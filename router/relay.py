@@ -31,7 +31,7 @@ from pd_cluster.common.deadline import DEADLINE_HEADER
 
 from pd_cluster.router.blame import FAILED_PEER_HEADER, blame_status, error_param
 from pd_cluster.router.config import LimitsConfig, Role
-from pd_cluster.router.exchange import Exchange
+from pd_cluster.router.exchange import Exchange, running_loop
 from pd_cluster.router.kv_index import PromptTokens
 from pd_cluster.router.metrics import RouterMetrics
 from pd_cluster.router.migration import StreamTracker
@@ -172,7 +172,7 @@ class Relay:
         if pool is None or pool.closed:
             pool = pair.decode.pool = upstreams.pool(pair.decode.url)
         sink = _StreamSink(self, state, ex, pair) if stream else None
-        reply = Reply(asyncio.get_running_loop(), sink.on_head if sink is not None else _release_prefill(pair))
+        reply = Reply(running_loop(ex), sink.on_head if sink is not None else _release_prefill(pair))
         try:
             request = pool.frame((path or state.path).encode(), headers, data)
             try:

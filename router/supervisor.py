@@ -66,9 +66,10 @@ class Supervisor:
     def __len__(self) -> int:
         return len(self._live)
 
-    def enter(self, timeout_secs: float) -> tuple[int, Supervised]:
-        """Start supervising the current task."""
-        task = asyncio.current_task()
+    def enter(self, timeout_secs: float, loop: asyncio.AbstractEventLoop | None = None) -> tuple[int, Supervised]:
+        """Start supervising the current task (of `loop`, the running loop: naming it spares
+        ``asyncio.get_running_loop()``'s ``getpid`` system call)."""
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("Supervisor.enter needs a running task")
         now = time.monotonic()

@@ -57,6 +57,7 @@ class TextMap:
         self._sources: dict[str, Source] = {}
         self._newest: dict[int, float] = {}  # page size -> the latest good poll start of any of its sources
         self._cpt: dict[int, float] = {}  # page size -> its sources' mean characters per token
+        self._gen_size = max(1, max_entries // 2)  # `_generation_size()` for the page sizes in `_maps`
         self.entries_received = 0
 
     def __len__(self) -> int:
@@ -64,6 +65,13 @@ class TextMap:
 
     def _generation_size(self) -> int:
         return max(1, self.max_entries // (2 * max(1, len(self._maps))))
+
+    def _generations(self, page_size: int) -> list[dict[int, int]]:
+        gens = self._maps.get(page_size)
+        if gens is None:
+            gens = self._maps[page_size] = [{}, {}]
+            self._gen_size = self._generation_size()
+        return gens
 
     def since(self, url: str) -> int | None:
         """The ``since`` of the next poll of `url` (None: everything the source holds)."""
@@ -110,12 +118,12 @@ class TextMap:
             values = [x.chars_per_token for x in self._sources.values()
                       if x.page_size == page_size and x.chars_per_token]
             self._cpt[page_size] = sum(values) / len(values)
-        gens = self._maps.setdefault(page_size, [{}, {}])
+        gens = self._generations(page_size)
         new = gens[0]
         before = len(new)
         new.update({flat[i]: flat[i + 2] << 64 | flat[i + 1] for i in range(0, len(flat), 3)})
         self.entries_received += len(flat) // 3
-        if len(new) > self._generation_size():
+        if len(new) > self._gen_size:
             gens[0], gens[1] = {}, new
         return len(new) - before if new is gens[0] else len(flat) // 3
 
@@ -136,11 +144,16 @@ class TextMap:
 
     def lookup(self, page_size: int, hashes: list[int]) -> list[tuple[int, int, int]]:
         """The mapped blocks of a prompt (its block hashes, in order): ``(block index, page hash, pages)``. An
-        entry found in the older generation moves to the newer one."""
+        entry found in the older generation moves to the newer one. A prompt none of whose blocks is mapped (one
+        that never repeats) costs two membership passes in C."""
         gens = self._maps.get(page_size)
         if gens is None:
             return []
         new, old = gens
+        if new.keys().isdisjoint(hashes) and old.keys().isdisjoint(hashes):
+            if len(new) > self._gen_size:
+                gens[0], gens[1] = {}, new
+            return []
         get_new, get_old = new.get, old.get
         out = []
         for k, h in enumerate(hashes):
@@ -151,7 +164,7 @@ class TextMap:
                     continue
                 new[h] = v
             out.append((k, v & _MASK, v >> 64))
-        if len(new) > self._generation_size():
+        if len(new) > self._gen_size:
             gens[0], gens[1] = {}, new
         return out
 
@@ -211,18 +224,14 @@ class RecentText:
     def depth(self, hashes: list[int]) -> int:
         """How many leading blocks of `hashes` were routed here at or after the horizon. A route adds all its
         blocks at once, so the pending blocks of a prompt are a prefix of it: a binary search finds its end."""
-        horizon, cur, old = self.horizon, self._cur, self._old
-
-        def pending(h: int) -> bool:
-            t = cur.get(h)
-            if t is None:
-                t = old.get(h)
-            return t is not None and t >= horizon
-
+        horizon, get_cur, get_old = self.horizon, self._cur.get, self._old.get
         lo, hi = 0, len(hashes)  # hashes[:lo] pending; hashes[hi:] not
         while lo < hi:
             mid = (lo + hi) // 2
-            if pending(hashes[mid]):
+            t = get_cur(hashes[mid])
+            if t is None:
+                t = get_old(hashes[mid])
+            if t is not None and t >= horizon:  # pending
                 lo = mid + 1
             else:
                 hi = mid

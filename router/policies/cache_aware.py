@@ -67,6 +67,10 @@ HASHED_CHARS = 1 << 22
 """Characters of recent prompts whose block hashes are remembered (a repeated prompt is hashed once)."""
 
 
+FINGERPRINT_CHARS = 64
+"""Characters at each end of a text that key its remembered block hashes (with its length and the page size)."""
+
+
 L3_HIT_WEIGHT = 0.5
 """What a page in the cluster-wide KV store counts for, against one in the worker's own cache (1) or a miss (0)."""
 
@@ -96,8 +100,8 @@ class CacheAware(Policy):
         self.balanced = 0
         self.by_events = 0
         self.by_tree = 0
-        self._routed: tuple[RouteRequest | None, float] = (None, 0.0)
-        self._hashed: OrderedDict[tuple[str, int], list[int]] = OrderedDict()
+        self._routed: tuple[RouteRequest | None, float, TextPages | None] = (None, 0.0, None)
+        self._hashed: OrderedDict[tuple[int, str, str, int], tuple[str, list[int]]] = OrderedDict()
         self._hashed_chars = 0
 
     def select(self, candidates: Sequence[Candidate], request: RouteRequest) -> Candidate:
@@ -109,8 +113,9 @@ class CacheAware(Policy):
                 prompt = request.prompt
                 return self._by_kv_state(candidates, lambda c: _page_match(
                     self.index.cached_pages(c.url, prompt), self.index.l3_pages(c.url, prompt)))
-            self._routed = (request, now)
-            return self._by_kv_state(candidates, TextPages(self, request.text))
+            pages = TextPages(self, request.text)
+            self._routed = (request, now, pages)
+            return self._by_kv_state(candidates, pages)
         self.by_tree += 1
         hashes = self.tree.path_hashes(request.text)
         loads = [effective_load(c) for c in candidates]
@@ -125,19 +130,26 @@ class CacheAware(Policy):
 
     def hashes(self, text: str, page_size: int) -> list[int]:
         """`block_hashes` of `text` in the text maps' blocks for `page_size`, remembered for the most recent texts
-        (a repeated prompt is hashed once)."""
-        key = (text, page_size)
+        (a repeated prompt is hashed once). The memo is keyed by a fingerprint (the length, the first and last
+        `FINGERPRINT_CHARS` characters and the page size: hashing a whole prompt to key it cost as much as a
+        tenth of its block hashes), and a hit is checked against the whole text."""
+        key = (len(text), text[:FINGERPRINT_CHARS], text[-FINGERPRINT_CHARS:], page_size)
         cache = self._hashed
         got = cache.get(key)
         if got is not None:
+            if got[0] == text:
+                cache.move_to_end(key)
+                return got[1]
+        hashes = block_hashes(text, block_chars_for(page_size))
+        cache[key] = (text, hashes)
+        if got is not None:  # another text with the same fingerprint took its slot
+            self._hashed_chars -= len(got[0])
             cache.move_to_end(key)
-            return got
-        got = cache[key] = block_hashes(text, block_chars_for(page_size))
         self._hashed_chars += len(text)
         while self._hashed_chars > HASHED_CHARS and cache:
-            (old, _), _ = cache.popitem(last=False)
+            _, (old, _) = cache.popitem(last=False)
             self._hashed_chars -= len(old)
-        return got
+        return hashes
 
     def _events_usable(self, candidates: Sequence[Candidate], request: RouteRequest, now: float) -> bool:
         index = self.index
@@ -187,11 +199,11 @@ class CacheAware(Policy):
         if self.index is None:
             return None
         if request.prompt is None:
-            routed, at = self._routed
+            routed, at, pages = self._routed
             w = self.index.get(choice.url)
             if routed is not request or w is None or w.page_size < 1:  # routed by the tree
                 return None
-            route = self.index.predict_text(choice.url, self.hashes(request.text, w.page_size), at)
+            route = self.index.predict_text(choice.url, pages.hashes(w.page_size), at)
             return None if route is None else (lambda: KvIndex.done(route, self._clock()))
         w = self.index.get(choice.url)
         if w is None or w.page_size < 1:
@@ -264,11 +276,18 @@ class TextPages:
     token, which a text unlike the others' misjudges (a held page at 42% of the text counted as 1 of 4 estimated
     pages fell below ``cache_threshold`` and the continuation went elsewhere)."""
 
+    __slots__ = ("policy", "text", "_by_size", "_stored")
+
     def __init__(self, policy: CacheAware, text: str) -> None:
         self.policy = policy
         self.text = text
         self._by_size: dict[int, tuple[list[int], list[tuple[int, int, int]], int, float]] = {}
         self._stored: dict[int, int] = {}  # page size -> `_stored_blocks`
+
+    def hashes(self, page_size: int) -> list[int]:
+        """The text's block hashes for `page_size` (`CacheAware.hashes`; those the match used, when it did)."""
+        got = self._by_size.get(page_size)
+        return got[0] if got is not None else self.policy.hashes(self.text, page_size)
 
     def _resolved(self, page_size: int) -> tuple[list[int], list[tuple[int, int, int]], int, float]:
         got = self._by_size.get(page_size)
