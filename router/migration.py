@@ -99,6 +99,7 @@ class StreamTracker:
     done: bool = False      # [DONE] was relayed
     continuing: bool = False  # events now come from a /v1/completions continuation
     errored: bool = False     # the worker sent an error event: the stream ends with it
+    worker_died: bool = False  # the worker said its engine died (``engine_dead``): this attempt failed, not the stream
     no_ids: bool = False      # tokens came without ids: the worker cannot give them
 
     def __post_init__(self) -> None:
@@ -170,6 +171,7 @@ class StreamTracker:
     def continuation_body(self) -> bytes:
         """The request again, continuing after the ids relayed so far (``resume_token_ids``: one list, or one per
         choice with ``null`` for those that finished)."""
+        self.worker_died = False  # a new attempt
         body = dict(self.data, stream=True, return_token_ids=True)
         if self.multi:
             body["resume_token_ids"] = [None if i in self.done_choices else list(self.outputs.get(i, ()))
@@ -180,6 +182,8 @@ class StreamTracker:
 
     def feed(self, payload: bytes) -> bytes | None:
         """One event's payload (after ``data: ``) -> the event to relay, or ``None`` to drop it."""
+        if self.worker_died:
+            return None  # what the attempt sends after its worker's engine died is not the stream's
         if payload.strip() == b"[DONE]":
             self.done = True
             return b"data: [DONE]\n\n"
@@ -192,6 +196,9 @@ class StreamTracker:
         except ValueError:
             return b"data: " + payload + b"\n\n"
         if not isinstance(event, dict) or "error" in event:
+            if _engine_died(event) and self.can_migrate:  # a dead worker, as a broken stream: migrate
+                self.worker_died = True
+                return None
             self.errored = self.errored or isinstance(event, dict)
             return b"data: " + payload + b"\n\n"
         if self.continuing:
@@ -301,3 +308,10 @@ class StreamTracker:
         if self.multi and isinstance(event.get("usage"), dict):  # the worker counted only the choices it continued
             event["usage"].update(self._usage())
         return event
+
+
+def _engine_died(event) -> bool:
+    """Whether `event` is a worker's ``engine_dead`` error (its engine loop died and it restarts,
+    `pd_cluster.serving.errors`): the worker failed, not the request."""
+    error = event.get("error") if isinstance(event, dict) else None
+    return isinstance(error, dict) and error.get("code") == "engine_dead"

@@ -121,7 +121,7 @@ class AttemptFailure:
             return False
         if self.status is not None:
             return True
-        return self.reason in ("decode_unreachable", "decode_disconnected", "stream_broken")
+        return self.reason in ("decode_unreachable", "decode_disconnected", "stream_broken", "decode_engine_dead")
 
     @property
     def code(self) -> str:
@@ -310,6 +310,9 @@ class _StreamSink:
     def finish(self) -> int | AttemptFailure:
         state = self.state
         tracker = state.tracker
+        if tracker is not None and tracker.worker_died:
+            return AttemptFailure("decode_engine_dead", Role.DECODE, after_start=True,
+                                  detail="the decode worker's engine died mid-stream (engine_dead)")
         if tracker is not None and not tracker.ended and not state.delivered:
             return AttemptFailure("stream_broken", Role.DECODE, after_start=True,
                                   detail="the stream ended without [DONE]")

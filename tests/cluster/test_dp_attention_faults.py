@@ -3,7 +3,7 @@
 `pd-serve` 1P2D, both decode workers at ``--tp-size 2 --dp-size 2 --enable-dp-attention --enable-expert-parallel``
 (a tiny DeepSeek-V3 built by transformers, fp32 latents). Twenty greedy streams run through the router; once each
 has relayed 3 pieces and DP rank 1 of the decode-0 instance has requests of its own, that rank's process gets
-SIGKILL. Rank 0 then ends the whole instance (its ranks step in lockstep: `decode/dp_instance.py`), its streams
+SIGKILL (their text is first checked against transformers' greedy tokens, unstreamed). Rank 0 then ends the whole instance (its ranks step in lockstep: `decode/dp_instance.py`), its streams
 break, and the router migrates them to decode-1. Every stream must end with the text of the undisturbed run, the
 instance must come back whole (new rank processes, a request pinned to rank 1 exact), and no page may stay held on
 any rank of either instance or on the prefill.
@@ -19,17 +19,29 @@ import time
 import httpx
 import pytest
 from cluster_util import running_pd_serve, stream_pieces
-from deepseek_models import PROMPTS, build
+from deepseek_models import PROMPTS, build, hf_greedy_recompute, prompt_ids
 from test_dp_attention_pd import DP_DECODE, ENGINE, _idle_loads
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 N_STREAMS = 20
-TOKENS = 48
+TOKENS = 160  # long enough that decode-0's streams are still running when its rank dies
+
+
+def _prompt(i: int) -> str:
+    return PROMPTS[i % len(PROMPTS)]  # five prompts, four streams each
+
+
+def _reference(url: str, model: str) -> list[dict]:
+    """Each prompt's greedy completion through the router, unstreamed, with its token ids."""
+    with httpx.Client(timeout=300) as client:
+        return [client.post(url + "/v1/completions", json={
+            "model": model, "prompt": _prompt(i), "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}).json()["choices"][0] for i in range(len(PROMPTS))]
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, i: int, progress: list[int]) -> dict:
-    body = {"model": model, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": TOKENS, "temperature": 0,
+    body = {"model": model, "prompt": _prompt(i), "max_tokens": TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True}
     rec = {"i": i, "text": "", "error": None, "done": False}
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -70,24 +82,25 @@ async def _run(url: str, model: str, decode0: str | None) -> tuple[list[dict], b
 
 def test_kill_9_of_a_dp_rank_migrates_every_stream_exactly_and_the_instance_comes_back(tmp_path):
     model = tmp_path / "deepseek-v3-tiny"
-    build("deepseek-v3", model)
+    hf = build("deepseek-v3", model)
+    expected = [hf_greedy_recompute(hf, prompt_ids(p), TOKENS) for p in PROMPTS]
     argv = ["--model", str(model), *ENGINE, *DP_DECODE, "--num-decode", "2",
             "--router-arg=--decode-policy=round_robin"]
     with running_pd_serve(tmp_path / "manifest.json", argv, timeout=400) as (url, m):
         decodes = sorted(w["url"] for w in m["workers"] if w["role"] == "decode")
         prefill = next(w["url"] for w in m["workers"] if w["role"] == "prefill")
-        reference, _ = asyncio.run(_run(url, model.name, None))
-        assert all(r["done"] and r["error"] is None for r in reference), reference
+        reference = _reference(url, model.name)  # transformers' tokens; their text is what every stream must show
+        assert [r["token_ids"] for r in reference] == expected
         before = _rank1(decodes[0])
         for _ in range(3):  # a round that missed the window is exact too, and is sent again
             got, killed = asyncio.run(_run(url, model.name, decodes[0]))
             if killed:
                 break
-            assert [r["text"] for r in got] == [r["text"] for r in reference]
+            assert [r["text"] for r in got] == [reference[i % len(PROMPTS)]["text"] for i in range(N_STREAMS)]
         assert killed, "3 rounds ended before every stream had 3 pieces with DP rank 1 of decode-0 busy"
-        for want, rec in zip(reference, got):
+        for rec in got:
             assert rec["error"] is None and rec["done"], rec
-            assert rec["text"] == want["text"], rec["i"]
+            assert rec["text"] == reference[rec["i"] % len(PROMPTS)]["text"], rec["i"]
         router_metrics = httpx.get(url + "/metrics", timeout=10).text
         assert sum(float(line.split()[-1]) for line in router_metrics.splitlines()
                    if line.startswith("pd_router_migrations_total")) >= 1
@@ -104,7 +117,7 @@ def test_kill_9_of_a_dp_rank_migrates_every_stream_exactly_and_the_instance_come
         sent = httpx.get(decodes[0] + "/get_load", timeout=5).json()["dp_ranks"][1]["dispatched"]
         for i in range(2):  # round robin over the two decodes: one of these lands on decode-0's new rank 1
             r = httpx.post(url + "/v1/completions", timeout=120, json={
-                "model": model.name, "prompt": f"{PROMPTS[i % len(PROMPTS)]} {i}", "max_tokens": TOKENS,
+                "model": model.name, "prompt": _prompt(i), "max_tokens": TOKENS,
                 "temperature": 0, "ignore_eos": True, "data_parallel_rank": 1})
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[i]["text"], r.text
         assert httpx.get(decodes[0] + "/get_load", timeout=5).json()["dp_ranks"][1]["dispatched"] == sent + 1

@@ -1,7 +1,7 @@
 """The test modules that need the machine to themselves: the ``exclusive`` marker.
 
-The README's test command runs the suite in two passes: every other test in two processes (pytest-xdist,
-``-n 2 -m "not exclusive"``), then these modules in one (``-m exclusive``), with nothing beside them. A module
+A run of the suite split over processes (pytest-xdist: ``-n 2 --dist loadgroup -m "not exclusive"``) leaves these
+modules out, to run them alone afterwards (``-m exclusive``); CI runs the whole suite in one process. A module
 belongs here when what it checks is a window of wall-clock time that a second test process on a 2-core machine
 would eat into: a freeze that must outlast one deadline and not another, CPU hogs that are the load under test, a
 budget or a rate measured against the clock, fault injection under load where a slow peer must not read as a dead
