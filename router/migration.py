@@ -100,6 +100,7 @@ class StreamTracker:
     continuing: bool = False  # events now come from a /v1/completions continuation
     errored: bool = False     # the worker sent an error event: the stream ends with it
     worker_died: bool = False  # the worker said its engine died (``engine_dead``): this attempt failed, not the stream
+    death_event: bytes = b""   # that event, to end the stream with when no other worker can continue it
     no_ids: bool = False      # tokens came without ids: the worker cannot give them
 
     def __post_init__(self) -> None:
@@ -197,7 +198,7 @@ class StreamTracker:
             return b"data: " + payload + b"\n\n"
         if not isinstance(event, dict) or "error" in event:
             if _engine_died(event) and self.can_migrate:  # a dead worker, as a broken stream: migrate
-                self.worker_died = True
+                self.worker_died, self.death_event = True, b"data: " + payload + b"\n\n"
                 return None
             self.errored = self.errored or isinstance(event, dict)
             return b"data: " + payload + b"\n\n"

@@ -344,6 +344,8 @@ class GenerateHandler:
         if tracker is not None and tracker.migrations:
             message += f" after {tracker.migrations} migration(s)"
         event = sse_error_event(502, message, "worker_failed_mid_stream")
+        if tracker is not None and tracker.death_event:  # a worker's engine died under it and no worker could
+            event = tracker.death_event                  # continue it: it ends with that worker's own error
         state.mark_finished()
         ex.end(event if state.clean else b"\n\n" + event)
         return 200

@@ -154,7 +154,7 @@ def table(shape: Shape, ranks: int, rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--tokens-per-rank", type=int, nargs="+", default=[1, 8, 32, 128])
     p.add_argument("--hidden", type=int, default=Shape.hidden)

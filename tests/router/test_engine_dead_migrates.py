@@ -2,7 +2,8 @@
 `pd_cluster.serving.errors`) rather than by breaking the connection; a DP-attention decode does so when one of its
 ranks dies. The router's stream tracker takes that event as the attempt's failure, not the stream's end: it relays
 nothing of it (nor the ``[DONE]`` after it), the stream can still migrate, the continuation is a fresh attempt, and
-the relay names the failure ``decode_engine_dead``. Any other error event still ends the stream."""
+the relay names the failure ``decode_engine_dead``; when no worker can continue the stream, it ends with the worker's
+own event (`tests/cluster/test_multinode_decode.py` sees it end so). Any other error event still ends the stream."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def _tracker():
 def test_an_engine_dead_event_mid_stream_is_the_attempts_failure_and_the_stream_migrates():
     tracker = _tracker()
     assert tracker.feed(json.dumps(ENGINE_DEAD).encode()) is None
+    # kept: if no worker can continue the stream, it ends with this worker's own error (`Proxy._migrate`)
+    assert tracker.death_event == b"data: " + json.dumps(ENGINE_DEAD).encode() + b"\n\n"
     assert tracker.feed(b"[DONE]") is None  # the dead attempt's end is not the stream's
     assert tracker.worker_died and not tracker.ended and tracker.can_migrate
     continuation = json.loads(tracker.continuation_body())
