@@ -198,6 +198,7 @@ def test_sender_keeps_polling_until_decode_acknowledges(sides, caplog):
     p.sender.push(t.transfer_id, [7], 16, meta={"first_token_id": 1})
     sent = None
     for _ in polls(100):
+        d.agent.take()  # decode's progress only (a first message to a peer needs both sides); its messages stay queued
         ev = p.sender.poll()
         sent = sent or (ev.completed and ev.completed[0])
         if sent:
