@@ -73,6 +73,11 @@ class TextMap:
             self._gen_size = self._generation_size()
         return gens
 
+    def _rotate(self, gens: list[dict[int, int]]) -> None:
+        """A full newer generation becomes the older one (the older one's entries are dropped)."""
+        if len(gens[0]) > self._gen_size:
+            gens[0], gens[1] = {}, gens[0]
+
     def since(self, url: str) -> int | None:
         """The ``since`` of the next poll of `url` (None: everything the source holds)."""
         s = self._sources.get(url)
@@ -123,8 +128,7 @@ class TextMap:
         before = len(new)
         new.update({flat[i]: flat[i + 2] << 64 | flat[i + 1] for i in range(0, len(flat), 3)})
         self.entries_received += len(flat) // 3
-        if len(new) > self._gen_size:
-            gens[0], gens[1] = {}, new
+        self._rotate(gens)
         return len(new) - before if new is gens[0] else len(flat) // 3
 
     # ---- reading ----------------------------------------------------------------------------------------
@@ -151,8 +155,7 @@ class TextMap:
             return []
         new, old = gens
         if new.keys().isdisjoint(hashes) and old.keys().isdisjoint(hashes):
-            if len(new) > self._gen_size:
-                gens[0], gens[1] = {}, new
+            self._rotate(gens)
             return []
         get_new, get_old = new.get, old.get
         out = []
@@ -164,8 +167,7 @@ class TextMap:
                     continue
                 new[h] = v
             out.append((k, v & _MASK, v >> 64))
-        if len(new) > self._gen_size:
-            gens[0], gens[1] = {}, new
+        self._rotate(gens)
         return out
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pd_cluster.engine.executor.dp import DPLockstep
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestDelta, StepOutput
 from pd_cluster.serving.errors import EngineDeadError
@@ -81,8 +82,6 @@ class EngineLoop:
         self.fatal: BaseException | None = None
         self.num_steps = 0  # engine steps run: with `StepHooks.transfer_events`, what `progress` reports
         # a DP attention rank: every iteration agrees with the other ranks whether to step (`DPLockstep`)
-        from pd_cluster.engine.executor.dp import DPLockstep
-
         self.lockstep = DPLockstep.of(engine)
 
     # ---- lifecycle ---------------------------------------------------------------

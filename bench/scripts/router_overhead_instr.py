@@ -32,6 +32,7 @@ from pd_cluster.bench.fake_process import FakeServerProcess
 from pd_cluster.bench.scripts.router_overhead import body_parts, pd_router_cmd
 from pd_cluster.bench.scripts.router_overhead_kit import make_prompt, pinned, tree_env, wait_ready
 from pd_cluster.common.net import free_port
+from pd_cluster.engine.assets import DEFAULT_MODEL
 
 CONNS = 16
 
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="requests/s sent at most (below what the router serves under valgrind, so every router "
                         "runs the same seconds, and the polls it runs per second weigh the same)")
     p.add_argument("--base-tree", default=None, help="also count pd-router from this source tree")
-    p.add_argument("--tokenizer-path", default="../shared/tokenizers/llama2-32k", help="builds the prompt")
+    p.add_argument("--tokenizer-path", default=DEFAULT_MODEL,
+                   help="builds the prompt (default: the embedded model's tokenizer, as router_overhead.py)")
     p.add_argument("--prompt-tokens", type=int, default=682)
     p.add_argument("--router-cpu", type=int, default=1)
     p.add_argument("--client-cpu", type=int, default=0)
