@@ -114,6 +114,7 @@ class AutoscaledCluster(LocalCluster):
         self.runner: PlannerRunner | None = None
         self.connector: LocalConnector | None = None
         self._metrics_server = None
+        self._resynced_pid: int | None = None  # the router process resync_router last registered workers with
 
     def start(self, timeout: float | None = None) -> None:
         super().start(timeout)
@@ -141,37 +142,54 @@ class AutoscaledCluster(LocalCluster):
                   f"http://{self.spec.host}:{self.metrics_port}/metrics")
 
     def tend(self, now: float | None = None) -> bool:
-        router_down = self.router.restarts.awaiting_health or not self.router.alive()
+        router = self.router
+        router_down = router.restarts.awaiting_health or not router.alive()
         if router_down and self.runner is not None:  # until the restarted router knows the planner's workers
             self.runner.paused = "the router (restarting)"
         changed = super().tend(now)
-        if router_down and self.router.alive() and not self.router.restarts.awaiting_health:
-            self.resync_router()
-            if self.runner is not None:
-                self.runner.paused = None
+        # A restarted router's flags name the launch's workers: when the planner has stopped one of those, the
+        # router is never ready (no usable pair) until it learns the planner's workers, so register them as soon
+        # as it is alive (/health), before readiness, and again once ready if that did not succeed.
+        if router.alive() and router.pid != self._resynced_pid and (
+                (router.restarts.awaiting_health and self._router_live()) or
+                (router_down and not router.restarts.awaiting_health)):
+            if self.resync_router():
+                self._resynced_pid = router.pid
+        if router_down and router.alive() and not router.restarts.awaiting_health and self.runner is not None:
+            self.runner.paused = None
         if self.connector is not None and self.connector.changed:
             self.connector.changed = False
             changed = True
         return changed
 
-    def resync_router(self) -> None:
+    def _router_live(self) -> bool:
+        try:
+            return httpx.get(self.router_url + "/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def resync_router(self) -> bool:
         """After a router restart: its flags name the launch's workers, not the planner's. Register every worker
-        process in the role it serves now (``/server_info``) and remove what is no longer a process."""
+        process in the role it serves now (``/server_info``) and remove what is no longer a process.
+
+        Returns False (and says why) when the router or a worker did not answer; the next `tend` tries again."""
         headers = {"Authorization": f"Bearer {self.spec.admin_api_key}"} if self.spec.admin_api_key else {}
         try:
             with httpx.Client(timeout=5.0, headers=headers) as c:
                 listed = {w["url"]: w["role"] for w in c.get(self.router_url + "/workers").json()["workers"]}
                 ours = {p.url for p in self.procs}
                 for url in set(listed) - ours:
-                    c.request("DELETE", self.router_url + "/workers", params={"url": url})
+                    c.request("DELETE", self.router_url + "/workers", params={"url": url}).raise_for_status()
                 for p in self.procs:
                     role = c.get(p.url + "/server_info").json().get("role", p.role)
                     if listed.get(p.url) not in (None, role):
-                        c.request("DELETE", self.router_url + "/workers", params={"url": p.url})
+                        c.request("DELETE", self.router_url + "/workers", params={"url": p.url}).raise_for_status()
                     if listed.get(p.url) != role:
-                        c.post(self.router_url + "/workers", json={"url": p.url, "role": role})
+                        c.post(self.router_url + "/workers", json={"url": p.url, "role": role}).raise_for_status()
+            return True
         except (httpx.HTTPError, ValueError, KeyError) as e:
             self._say(f"could not register the planner's workers with the restarted router ({e!r})")
+            return False
 
     def stop(self, timeout: float = 15.0, force=None) -> None:
         if self.runner is not None:

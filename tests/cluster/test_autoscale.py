@@ -9,8 +9,9 @@ The planner's config comes from pd-serve's own parser (``--autoscale --max-prefi
    and stops it. Every request succeeds with the offline greedy text, no worker holds a page afterwards, and
    ``pd:planner_*`` on the planner's metrics server count the decisions and actions;
 2. a metrics outage (the router killed; pd-serve restarts it) freezes the planner's decisions (``pd:planner_frozen``
-   is 1) instead of scaling; pd-serve registers the planner's worker with the restarted router, and the planner
-   thaws at the same size.
+   is 1) instead of scaling; pd-serve registers the planner's workers with the restarted router (whose flags name
+   a prefill worker the planner stopped: it is never ready from its flags alone), and the planner thaws at the
+   same size.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def _no_leaks(cluster) -> None:
 
 def test_scales_prefill_up_under_a_burst_and_drains_it_under_light_load(cluster, refs):
     first = cluster.connector
-    burst = _run_until(cluster, LONG, 8, lambda: "prefill" in first.targets() or bool(first.done), 60, 5000)
+    burst = _run_until(cluster, LONG, 32, lambda: "prefill" in first.targets() or bool(first.done), 60, 5000)
     assert first.targets() == {"prefill": 2} or first.done, [d.reasons for d in cluster.runner.decisions[-5:]]
     _check(burst, refs)
     # the planner dies with the new worker starting: the start completes, the cluster serves on at 2P1D
@@ -172,9 +173,17 @@ def test_scales_prefill_up_under_a_burst_and_drains_it_under_light_load(cluster,
 def test_a_metrics_outage_freezes_decisions(cluster, refs):
     # the cluster at 2P1D with no load: a planner that read the missing metrics as calm would drain to 1P1D
     cluster.runner.stop()
-    cluster.connector.start_worker("prefill")
-    cluster.connector.admin.add(cluster.procs[-1].url, "prefill")
-    cluster.connector.admin.wait_healthy(cluster.procs[-1].url, 60)
+    admin = cluster.connector.admin
+    # the restarted router's flags name the launch's prefill-0: stopped (drained above, or here), the router
+    # has no usable pair from its flags and is never ready until pd-serve registers the planner's workers with it
+    while len([p for p in cluster.procs if p.role == "prefill" and p.name != "prefill-0"]) < 2:
+        cluster.connector.start_worker("prefill")
+        admin.add(cluster.procs[-1].url, "prefill")
+        admin.wait_healthy(cluster.procs[-1].url, 60)
+    original = next((p for p in cluster.procs if p.name == "prefill-0"), None)
+    if original is not None:
+        admin.remove(original.url)
+        cluster.connector._stop(original)
     before = sorted(p.url for p in cluster.procs)
     router = cluster.router
     os.killpg(router.popen.pid, signal.SIGKILL)  # the outage: nothing restarts it until the test calls tend()
