@@ -114,6 +114,14 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-expert-parallel", "parallel.enable_expert_parallel", None,
          "MoE layers: each TP rank holds whole experts (E / tp-size) instead of a slice of every expert (vLLM's flag).",
          action="store_true"),
+    Flag("--ep-num-redundant-experts", "parallel.ep_num_redundant_experts", int,
+         "EPLB (SGLang's flag): extra physical experts over the expert-parallel ranks, replicas of the busiest "
+         "(E + this a multiple of the EP size; needs --enable-expert-parallel)."),
+    Flag("--enable-eplb", "parallel.enable_eplb", None,
+         "EPLB (SGLang's flag): record each MoE layer's expert load and rebalance the experts over the ranks every "
+         "--eplb-rebalance-num-iterations steps.", action="store_true"),
+    Flag("--eplb-rebalance-num-iterations", "parallel.eplb_rebalance_num_iterations", int,
+         "EPLB: steps between two rebalances (default 1000)."),
     Flag("--dp-size", "parallel.dp_size", int,
          "Data-parallel attention ranks (with --enable-dp-attention; --tp-size / --dp-size ranks each).",
          aliases=("--data-parallel-size",)),

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
-from pd_cluster.engine.parallel.nodes import check_nodes
+from pd_cluster.engine.model.eplb import EPLBConfig
+from pd_cluster.engine.parallel.nodes import check_dp, check_nodes
 from pd_cluster.engine.spec.config import SpeculativeConfig
 
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_e4m3")
@@ -271,6 +272,8 @@ class ParallelConfig:
     instead of each expert's width (`pd_cluster.engine.model.moe`).
     `dp_size`, `enable_dp_attention`: SGLang's data-parallel attention: the `tp_size` ranks form `dp_size`
     attention groups, each with its own requests and KV pool (`pd_cluster.engine.parallel.dp_attention`).
+    `ep_num_redundant_experts`, `enable_eplb`, `eplb_rebalance_num_iterations`: expert load balancing (SGLang's
+    flags; `pd_cluster.engine.model.eplb`).
     `prefill_context_parallel_size`: ranks that split one prompt's prefill chunk
     (`pd_cluster.engine.parallel.context_parallel`).
     """
@@ -285,6 +288,9 @@ class ParallelConfig:
     node_rank: int = 0                 # this node's place among them; node 0 runs rank 0
     dist_init_addr: str | None = None  # node 0's HOST:PORT where every node's ranks meet
     dist_timeout: int | None = None    # seconds the ranks (and nodes) have to meet; None: 120 on one node, 600 over several
+    ep_num_redundant_experts: int = 0  # EPLB: extra physical experts over the EP group (`engine.model.eplb`)
+    enable_eplb: bool = False          # EPLB: rebalance the experts from their recorded load
+    eplb_rebalance_num_iterations: int = 1000  # EPLB: steps between two rebalances
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -300,33 +306,17 @@ class ParallelConfig:
                     self.prefill_context_parallel_size)
         if self.dist_timeout is not None and self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
+        self.eplb.check(self.enable_expert_parallel)  # over several ranks: `LLMEngine` (a DP rank's config has TP 1)
+
+    @property
+    def eplb(self) -> EPLBConfig:
+        """The EPLB settings (`pd_cluster.engine.model.eplb`)."""
+        return EPLBConfig(self.ep_num_redundant_experts, self.enable_eplb, self.eplb_rebalance_num_iterations)
 
     @property
     def world_size(self) -> int:
         """The instance's rank processes: TP ranks times context-parallel ranks."""
         return self.tp_size * self.prefill_context_parallel_size
-
-
-def check_dp(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:
-    """Refuse the DP attention settings that are not built (SGLang's flags and meaning).
-
-    Raises:
-        ValueError: naming the flag.
-    """
-    if dp_size < 1:
-        raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
-    if enable_dp_attention and dp_size == 1:
-        raise ValueError("--enable-dp-attention needs --dp-size > 1 (the number of data-parallel attention ranks)")
-    if dp_size > 1 and not enable_dp_attention:
-        raise ValueError(f"--dp-size {dp_size} without --enable-dp-attention (data-parallel replicas of the whole "
-                         "engine in one worker) is not built: start one worker per replica behind the router, or "
-                         "add --enable-dp-attention")
-    if tp_size % dp_size:
-        raise ValueError(f"--dp-size {dp_size} must divide --tp-size {tp_size} (each DP rank's attention runs on "
-                         f"--tp-size / --dp-size ranks)")
-    if dp_size > 1 and tp_size != dp_size:
-        raise ValueError(f"--tp-size {tp_size} with --dp-size {dp_size}: tensor-parallel attention inside a DP rank "
-                         f"(--tp-size / --dp-size = {tp_size // dp_size}) is not built; use --tp-size {dp_size}")
 
 
 @dataclass(frozen=True)

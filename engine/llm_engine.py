@@ -83,8 +83,12 @@ class LLMEngine(RequestLifecycle):
         self.tp_driver = None
         self._group = group or SINGLE  # a DP attention rank's group (`dp_attention.init_dp_group`)
         check_context_parallel(config)
+        if config.parallel.eplb.active and config.parallel.tp_size == 1 and group is None:
+            raise ValueError(f"{config.parallel.eplb.flags} need expert parallelism over several ranks "
+                             "(--enable-expert-parallel with --tp-size > 1)")
         if config.parallel.tp_size > 1:
-            check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel)
+            check_tp_size(config.model.path, config.parallel.tp_size, config.parallel.enable_expert_parallel,
+                          config.parallel.ep_num_redundant_experts)
         if config.parallel.world_size > 1:
             self.tp_driver = TPDriver(config)
         try:
@@ -376,3 +380,8 @@ class LLMEngine(RequestLifecycle):
             **(self.drafter.load() if self.drafter is not None else {}),  # STANDALONE: the draft pool's pages
         }
 
+
+    def expert_distribution(self) -> dict | None:
+        """EPLB's expert load (pairs routed to each logical expert since start, per MoE layer; this rank's tokens
+        under DP attention, every token under TP) and placement (`ExpertBalancer.stats`); None without EPLB."""
+        return None if self.shard.eplb is None else self.shard.eplb.stats()

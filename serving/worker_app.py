@@ -276,6 +276,9 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
     async def server_info(request: Request) -> Response:
         return JSONResponse(dict(state.info, draining=state.draining))
 
+    async def expert_distribution(request: Request) -> Response:
+        return JSONResponse(await asyncio.to_thread(state.loop.engine.expert_distribution))
+
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -293,7 +296,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
 
     all_routes = [("/health", health, ["GET"]), ("/get_load", get_load, ["GET"]),
                   ("/server_info", server_info, ["GET"]), ("/metrics", metrics, ["GET"]),
-                  ("/version", version, ["GET"]), ("/kv_events", kv_events, ["GET"])] + routes
+                  ("/version", version, ["GET"]), ("/kv_events", kv_events, ["GET"]),
+                  ("/expert_distribution", expert_distribution, ["GET"])] + routes
     document = worker_openapi(state.info.get("role", "mixed"), [path for path, _, _ in all_routes])
 
     async def openapi(request: Request) -> Response:

@@ -64,7 +64,7 @@ def check_dp_attention(config: EngineConfig, roles: tuple[str, ...] = ("mixed",)
     if arch.moe is None:
         raise ValueError(f"--enable-dp-attention is built for mixture-of-experts models only ({arch.architecture} "
                          "has no MoE layers: serve it with --tp-size alone or one worker per replica)")
-    check_moe_parallel(arch.moe, p.tp_size, p.enable_expert_parallel)
+    check_moe_parallel(arch.moe, p.tp_size, p.enable_expert_parallel, p.ep_num_redundant_experts)
     if arch.quant is not None:
         raise ValueError(f"--enable-dp-attention is not built for quantised checkpoints yet ({arch.quant.method})")
     if config.speculative.enabled:
@@ -81,7 +81,10 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     MoE collectives depend on every rank's batch)."""
     device = rank_device(config, rank)
     return dataclasses.replace(
-        config, parallel=ParallelConfig(enable_expert_parallel=config.parallel.enable_expert_parallel),
+        config, parallel=ParallelConfig(
+            enable_expert_parallel=config.parallel.enable_expert_parallel,
+            ep_num_redundant_experts=config.parallel.ep_num_redundant_experts, enable_eplb=config.parallel.enable_eplb,
+            eplb_rebalance_num_iterations=config.parallel.eplb_rebalance_num_iterations),
         device=dataclasses.replace(config.device, device=str(device), disable_cuda_graph=True))
 
 
@@ -124,6 +127,8 @@ def _rank_main(rank: int, size: int, master: tuple[str, int], config: EngineConf
                 result = engine.abort_request(*args)
             elif name == "load":
                 result = engine.load()
+            elif name == "expert_distribution":
+                result = engine.expert_distribution()
             else:
                 raise ValueError(f"unknown DP rank command {name!r}")
         except Exception as e:  # noqa: BLE001 - raised again by the driver
@@ -341,6 +346,10 @@ class DPAttentionEngine:
                                                         "max_running_requests")}
         return {"role": ranks[0]["role"], **total, "token_usage": max(r["token_usage"] for r in ranks),
                 "dp_ranks": ranks}
+
+    def expert_distribution(self) -> list[dict | None]:
+        """Each DP rank's EPLB statistics (`LLMEngine.expert_distribution`: its own tokens' expert load)."""
+        return [self._call(r, "expert_distribution") for r in range(self.dp_size)]
 
     def close(self, graceful: bool = True, timeout: float = 10.0) -> None:
         """Stop the DP ranks (a ``stop`` command, or with ``graceful=False`` SIGKILL). Unusable afterwards."""

@@ -30,6 +30,7 @@ from pd_cluster.engine.kv.groups import KVGroups, plan_kv_groups, single_group
 from pd_cluster.engine.kv.pool import KVLayout, KVPool
 from pd_cluster.engine.kv.sizing import PoolPlan, plan_pool
 from pd_cluster.engine.model.arch import ArchConfig
+from pd_cluster.engine.model.eplb import ExpertBalancer, setup_eplb
 from pd_cluster.engine.model.layer_ops import layer_ops
 from pd_cluster.engine.model.loader import LoadedModel, load_model
 from pd_cluster.engine.packed_step import build_step, unpack_step
@@ -55,6 +56,7 @@ class Shard:
     staging: HostStaging | None = None  # persistent host buffers for the step's inputs (set by build_shard)
     block_table: DeviceBlockTable | None = None  # persistent per-request rows of page ids (set by build_shard)
     cp: Any = None  # this rank's `ContextParallel` runner under --prefill-context-parallel-size > 1, else None
+    eplb: ExpertBalancer | None = None  # EPLB's placement and load counts (`pd_cluster.engine.model.eplb`), or None
 
     @property
     def _state_pages(self) -> dict[int, int]:
@@ -90,7 +92,10 @@ class Shard:
                                  f"{step.num_prev} sampled ids, got {None if prev_tokens is None else prev_tokens.shape}")
             dev = batch.input_ids.device
             batch.input_ids[to_device(step.future_pos, dev)] = prev_tokens[to_device(step.future_src, dev)]
-        return self.forward(batch)
+        logits = self.forward(batch)
+        if self.eplb is not None and not self.eplb.group.gathers_tokens:  # TP: every rank runs every step
+            self.eplb.step_done()  # (DP attention counts its lockstep's steps: `DPMoEGroup.end_step`)
+        return logits
 
     def forward(self, batch) -> torch.Tensor:
         """Run the model on `batch` (a `ForwardBatch` on this rank's device)."""
@@ -101,14 +106,15 @@ class Shard:
         return self.loaded.model(batch, self.pool, self.backend)
 
 
-def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False) -> None:
+def check_tp_size(model_path: str, tp_size: int, expert_parallel: bool = False, num_redundant_experts: int = 0
+                  ) -> None:
     """Refuse a TP size that does not divide the KV heads (MLA: the attention heads), the MLP width or the
     experts (before any rank starts).
 
     Raises:
         ValueError: naming the sizes (`ArchConfig.check_tp`).
     """
-    ArchConfig.from_pretrained(model_path).check_tp(tp_size, expert_parallel)
+    ArchConfig.from_pretrained(model_path).check_tp(tp_size, expert_parallel, num_redundant_experts)
 
 
 def kv_groups(config: EngineConfig, arch: ArchConfig) -> KVGroups:
@@ -217,6 +223,9 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         cp, tp = ContextParallel(tp), TPGroup(0, 1, device)
     loaded = load_model(mc.path, mc.dtype, mc.load_format, mc.seed, device, tp,
                         expert_parallel=config.parallel.enable_expert_parallel)
+    eplb = setup_eplb(loaded.model, tp.moe, config.parallel.eplb)  # redundant slots before the pool is sized
+    if eplb is not None and tp.moe.gathers_tokens:
+        tp.moe.eplb = eplb  # DP attention: its lockstep's `end_step` counts the steps
     groups = kv_groups(config, loaded.arch)
     groups, layout = state_pages(groups, kv_layout(config, loaded, tp, groups), loaded.arch, tp)
     plan = plan_pool(layout, config.cache, device)
@@ -239,4 +248,4 @@ def build_shard(config: EngineConfig, device: torch.device, tp: TPGroup) -> Shar
         warm_up_kernels(loaded.model, pool, backend)  # every kernel variant compiles now, not while serving
         logger.info("Triton kernels warmed up in %.2f s", time.perf_counter() - started)
     return Shard(loaded, layout, plan, pool, backend, name, staging=HostStaging(device),
-                 block_table=DeviceBlockTable(device), cp=cp)
+                 block_table=DeviceBlockTable(device), cp=cp, eplb=eplb)

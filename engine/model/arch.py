@@ -184,7 +184,7 @@ class ArchConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
-    def check_tp(self, tp_size: int, expert_parallel: bool = False) -> None:
+    def check_tp(self, tp_size: int, expert_parallel: bool = False, num_redundant_experts: int = 0) -> None:
         """Refuse a TP size that does not divide the KV heads (MLA: the attention heads; the latent is
         replicated on every rank), the dense MLP width or the experts (`moe_config.check_moe_parallel`), or
         that cuts a quantised layer's blocks, groups or packed words (`pd_cluster.engine.quant.tp`).
@@ -199,7 +199,7 @@ class ArchConfig:
             raise ValueError(f"--tp-size {tp_size} must divide {what} ({heads}) "
                              f"and intermediate_size ({self.intermediate_size})")
         if self.moe is not None:
-            check_moe_parallel(self.moe, tp_size, expert_parallel)
+            check_moe_parallel(self.moe, tp_size, expert_parallel, num_redundant_experts)
         if self.quant is not None:
             check_splits(linear_layers(self), self.quant, tp_size)
         if self.linear is not None:

@@ -16,7 +16,8 @@ the tokens are replicated on every rank (the attention all-reduce leaves
 them so), each rank computes a partial sum, and one all-reduce after the
 shared experts completes it. Under DP attention each rank holds other tokens: the
 block gathers every DP rank's tokens first and returns each rank its own rows of
-the sum (`pd_cluster.engine.parallel.dp_attention`, ``docs/moe.md``).
+the sum (`pd_cluster.engine.parallel.dp_attention`, ``docs/moe.md``). With EPLB (redundant experts, rebalancing:
+`pd_cluster.engine.model.eplb`) the ranks hold physical slots and the router's logical choices are mapped to them.
 """
 
 from __future__ import annotations
@@ -242,6 +243,10 @@ class SparseMoE(nn.Module):
         self.activation = ((cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.activation == "swiglu_clamped"
                            else ("silu",))
         self.ops: TorchLayerOps = TORCH_OPS
+        # EPLB (`pd_cluster.engine.model.eplb.setup_eplb`): the placement of logical experts on physical slots and
+        # their load counts; None without redundant experts or rebalancing
+        self.location = None
+        self.expert_params: list[str] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp.gathers_tokens:
@@ -261,6 +266,9 @@ class SparseMoE(nn.Module):
         weights, ids = self.gate(x)
         if self.cfg.routing.weights_in_activation_dtype:
             weights = weights.to(x.dtype)
+        if self.location is not None:  # EPLB: count the logical choices, then pick each one's physical replica
+            self.location.record(ids)
+            ids = self.location.to_physical(ids)
         return weights, ids
 
     def _routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -183,10 +183,10 @@ class MoEConfig:
         return router + self.top_k * self._expert_params(h) + shared
 
 
-def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> None:
+def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool, num_redundant: int = 0) -> None:
     """Refuse a TP size that cannot split this MoE block: the experts' width under TP (for quantised experts, in
     whole blocks: `ExpertQuant.check_split`), their count under expert parallelism, and the shared experts'
-    width (always TP-split).
+    width (always TP-split), and with ``--ep-num-redundant-experts`` (`num_redundant`) the physical experts' count.
 
     Raises:
         ValueError: naming the sizes.
@@ -194,6 +194,9 @@ def check_moe_parallel(cfg: MoEConfig, tp_size: int, expert_parallel: bool) -> N
     if expert_parallel and cfg.num_experts % tp_size:
         raise ValueError(f"--tp-size {tp_size} with --enable-expert-parallel must divide the number of experts "
                          f"({cfg.num_experts})")
+    if expert_parallel and (cfg.num_experts + num_redundant) % tp_size:
+        raise ValueError(f"--ep-num-redundant-experts {num_redundant}: the {cfg.num_experts} experts and the "
+                         f"redundant ones must be a multiple of the expert-parallel size {tp_size}")
     mxfp4 = cfg.weight_quant is not None and cfg.weight_quant.format == "mxfp4"  # split in whole blocks, padded
     if not expert_parallel and cfg.intermediate_size % tp_size and not mxfp4:
         raise ValueError(f"--tp-size {tp_size} must divide the experts' intermediate size ({cfg.intermediate_size})")

@@ -32,6 +32,7 @@ tokens), so the collectives of every layer pair up. Collectives go over
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ class DPMoEGroup(TPGroup):
     _send: list[int] = field(default_factory=list)  # routed dispatch: tokens sent to / received from each rank
     _recv: list[int] = field(default_factory=list)
     _token: torch.Tensor | None = None  # routed dispatch: which of this rank's tokens each sent row is
+    eplb: Any = None  # this rank's `ExpertBalancer` (`pd_cluster.engine.model.eplb`): told of every lockstep step
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Every DP rank's tokens, in rank order.
@@ -149,12 +151,16 @@ class DPMoEGroup(TPGroup):
             if calls % len(layers):
                 raise RuntimeError(f"DP rank {self.rank} ran {calls} MoE layers in one step, not a whole number of "
                                    f"forwards of {len(layers)}: the ranks' collectives no longer pair up")
-            return False
-        empty = torch.empty(0, hidden_size, dtype=dtype, device=self.device)
-        for layer in layers:
-            layer(empty)
-        self._calls = 0
-        return True
+            idled = False
+        else:
+            empty = torch.empty(0, hidden_size, dtype=dtype, device=self.device)
+            for layer in layers:
+                layer(empty)
+            self._calls = 0
+            idled = True
+        if self.eplb is not None:  # every rank closes the same steps: a rebalance pairs up
+            self.eplb.step_done()
+        return idled
 
 
 def init_dp_group(rank: int, size: int, master: tuple[str, int], device: torch.device) -> TPGroup:

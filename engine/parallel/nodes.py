@@ -10,6 +10,9 @@ On Kubernetes a LeaderWorkerSet (LWS) gives every pod of a group ``LWS_LEADER_AD
 count, this pod's node rank, and the leader's address at `DEFAULT_DIST_INIT_PORT`. A flag given on the command line
 wins over the environment, flag by flag.
 
+`check_dp` refuses the DP attention settings that are not built, beside `check_nodes` (both run on the flags, before
+any rank starts).
+
 This module holds the pure checks; the rendezvous is `pd_cluster.engine.parallel.rendezvous`.
 """
 
@@ -111,3 +114,25 @@ def lws_node_args(environ: Mapping[str, str], nnodes: int | None, node_rank: int
     leader = environ["LWS_LEADER_ADDRESS"]
     return (size if nnodes is None else nnodes, index if node_rank is None else node_rank,
             f"{leader}:{DEFAULT_DIST_INIT_PORT}" if dist_init_addr is None else dist_init_addr)
+
+
+def check_dp(tp_size: int, dp_size: int, enable_dp_attention: bool) -> None:
+    """Refuse the DP attention settings that are not built (SGLang's flags and meaning).
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    if dp_size < 1:
+        raise ValueError(f"--dp-size must be >= 1, got {dp_size}")
+    if enable_dp_attention and dp_size == 1:
+        raise ValueError("--enable-dp-attention needs --dp-size > 1 (the number of data-parallel attention ranks)")
+    if dp_size > 1 and not enable_dp_attention:
+        raise ValueError(f"--dp-size {dp_size} without --enable-dp-attention (data-parallel replicas of the whole "
+                         "engine in one worker) is not built: start one worker per replica behind the router, or "
+                         "add --enable-dp-attention")
+    if tp_size % dp_size:
+        raise ValueError(f"--dp-size {dp_size} must divide --tp-size {tp_size} (each DP rank's attention runs on "
+                         f"--tp-size / --dp-size ranks)")
+    if dp_size > 1 and tp_size != dp_size:
+        raise ValueError(f"--tp-size {tp_size} with --dp-size {dp_size}: tensor-parallel attention inside a DP rank "
+                         f"(--tp-size / --dp-size = {tp_size // dp_size}) is not built; use --tp-size {dp_size}")

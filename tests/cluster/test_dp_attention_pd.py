@@ -1,6 +1,7 @@
 """Acceptance: a decode worker with data-parallel attention through `pd-serve` (``--decode-arg=--tp-size=2
 --decode-arg=--dp-size=2 --decode-arg=--enable-dp-attention --decode-arg=--enable-expert-parallel``) serves a tiny
-DeepSeek-V3 (MLA + MoE, built by transformers, fp32 latents) pushed by a TP-1 prefill: concurrent requests spread
+DeepSeek-V3 (MLA + MoE, built by transformers, fp32 latents; EPLB on: two redundant experts, rebalanced every two
+steps) pushed by a TP-1 prefill: concurrent requests spread
 over both DP ranks (one pinned by ``data_parallel_rank``) give transformers' greedy tokens; the prefill pushed each
 request's pages into its rank's pool only (the bytes it pushed are the bytes the two ranks received); the ranks
 stepped in lockstep; every page is free again on every rank and on the prefill; bad settings fail at start-up
@@ -30,6 +31,9 @@ MAX_TOKENS = 12
 ENGINE = ["--kv-cache-dtype", "fp32", "--page-size", "16", "--chunked-prefill-size", "8"]
 DP_DECODE = ["--decode-arg=--tp-size=2", "--decode-arg=--dp-size=2", "--decode-arg=--enable-dp-attention",
              "--decode-arg=--enable-expert-parallel"]
+# EPLB on the DeepSeek decode: 2 redundant experts, a rebalance every 2 steps while the requests decode
+EPLB_DECODE = ["--decode-arg=--ep-num-redundant-experts=2", "--decode-arg=--enable-eplb",
+               "--decode-arg=--eplb-rebalance-num-iterations=2"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +42,7 @@ def served(tmp_path_factory):
     model = tmp_path_factory.mktemp("dsv3") / "deepseek-v3-tiny"
     hf = build("deepseek-v3", model)
     manifest = tmp_path_factory.mktemp("pd") / "manifest.json"
-    with running_pd_serve(manifest, ["--model", str(model), *ENGINE, *DP_DECODE]) as (url, m):
+    with running_pd_serve(manifest, ["--model", str(model), *ENGINE, *DP_DECODE, *EPLB_DECODE]) as (url, m):
         workers = {w["role"]: w["url"] for w in m["workers"]}
         info = httpx.get(workers["decode"] + "/server_info", timeout=10).json()
         assert info["dp_size"] == 2 and info["dp_urls"][0] == workers["decode"]
@@ -91,6 +95,13 @@ def test_concurrent_requests_on_both_dp_ranks_equal_transformers(served):
                 for r, u in enumerate(rank_urls)]
     pushed = counters(prefill)["pd:kv_transfer_bytes_total"] - pushed_before
     assert all(b > 0 for b in received) and pushed == sum(received), (pushed, received)  # each page to one rank
+    # EPLB: the experts moved between the ranks while the requests decoded (the tokens above stayed exact), both
+    # ranks placed them alike, and their counts are the (token, choice) pairs of both ranks' tokens
+    eplb = [httpx.get(u + "/expert_distribution", timeout=10).json() for u in rank_urls]
+    assert all(s["rebalances"] >= 2 and s["experts_moved"] > 0 for s in eplb), eplb
+    assert eplb[0]["layers"][0]["placement"] == eplb[1]["layers"][0]["placement"]
+    assert sorted(set(eplb[0]["layers"][0]["placement"])) == [0, 1, 2, 3] and len(eplb[0]["layers"][0]["placement"]) == 6
+    assert all(sum(s["layers"][0]["total_load"]) > 0 for s in eplb)
 
 
 def test_data_parallel_rank_out_of_range_is_refused(served):
