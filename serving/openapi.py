@@ -201,9 +201,10 @@ _PATHS: dict[str, dict[str, Any]] = {
     "/get_load": {"get": _op("Load numbers for the router", _json(Load, "the load"))},
     "/server_info": {"get": _op("Static facts about the worker", _json(None, "role, model, KV layout"))},
     "/expert_distribution": {"get": _op("EPLB: each MoE layer's expert load since start and its placement, and the "
-                                        "rebalances so far (null without --ep-num-redundant-experts or "
-                                        "--enable-eplb; under DP attention this rank's tokens)",
-                                        _json(None, "iterations, rebalances, experts_moved, layers"))},
+                                        "rebalances so far (under DP attention this rank's tokens)",
+                                        _json(None, "enabled (false without --ep-num-redundant-experts or "
+                                                    "--enable-eplb), iterations, rebalances, experts_moved, "
+                                                    "layers"))},
     "/metrics": {"get": _op("Prometheus metrics", {"description": "Prometheus text format",
                                                     "content": {"text/plain": {"schema": {"type": "string"}}}})},
     "/version": {"get": _op("pd-cluster's version", _json(Version, "the version"))},

@@ -277,7 +277,8 @@ def create_worker_app(state: WorkerState, routes: list[tuple[str, Callable, list
         return JSONResponse(dict(state.info, draining=state.draining))
 
     async def expert_distribution(request: Request) -> Response:
-        return JSONResponse(await asyncio.to_thread(state.loop.engine.expert_distribution))
+        stats = await asyncio.to_thread(state.loop.engine.expert_distribution)
+        return JSONResponse({"enabled": False} if stats is None else stats)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)

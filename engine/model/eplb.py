@@ -317,7 +317,7 @@ class ExpertBalancer:
 
     def stats(self) -> dict:
         """The load counts since start and the placement of each layer, and the rebalances so far."""
-        return {"iterations": self.iterations, "rebalances": self.rebalances, "experts_moved": self.experts_moved,
+        return {"enabled": True, "iterations": self.iterations, "rebalances": self.rebalances, "experts_moved": self.experts_moved,
                 "num_redundant_experts": self.config.num_redundant_experts, "ep_size": self.group.size,
                 "layers": [{"total_load": layer.location.total_load.tolist(),
                             "placement": layer.location.placement} for layer in self.layers]}

@@ -98,7 +98,8 @@ def test_concurrent_requests_on_both_dp_ranks_equal_transformers(served):
     # EPLB: the experts moved between the ranks while the requests decoded (the tokens above stayed exact), both
     # ranks placed them alike, and their counts are the (token, choice) pairs of both ranks' tokens
     eplb = [httpx.get(u + "/expert_distribution", timeout=10).json() for u in rank_urls]
-    assert all(s["rebalances"] >= 2 and s["experts_moved"] > 0 for s in eplb), eplb
+    assert all(s["enabled"] and s["rebalances"] >= 2 and s["experts_moved"] > 0 for s in eplb), eplb
+    assert httpx.get(prefill + "/expert_distribution", timeout=10).json() == {"enabled": False}  # no EPLB there
     assert eplb[0]["layers"][0]["placement"] == eplb[1]["layers"][0]["placement"]
     assert sorted(set(eplb[0]["layers"][0]["placement"])) == [0, 1, 2, 3] and len(eplb[0]["layers"][0]["placement"]) == 6
     assert all(sum(s["layers"][0]["total_load"]) > 0 for s in eplb)
