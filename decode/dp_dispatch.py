@@ -10,7 +10,8 @@ with its own URL and ticket, so the prefill pushes the request's pages into that
 
 It also answers for the whole instance: ``/health`` is 200 only when every rank's is, and ``/get_load`` sums the
 ranks' numbers (``token_usage``: the fullest rank's) and lists each rank's own under ``dp_ranks`` (as
-`DPAttentionEngine.load`). Every other path is rank 0's.
+`DPAttentionEngine.load`), and ``/metrics`` is every rank's, each sample labelled ``dp_rank``
+(`pd_cluster.decode.dp_metrics`). Every other path is rank 0's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import json
 import logging
 
 import httpx
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from pd_cluster.decode.dp_metrics import merge_rank_metrics
 from pd_cluster.engine.errors import RequestRejected
 from pd_cluster.engine.executor.dp import pick_dp_rank
 from pd_cluster.serving.body import MAX_BODY_BYTES
@@ -65,6 +68,8 @@ class DPDispatch:
             return await self._load(scope, send)
         if method == "GET" and path == "/health":
             return await self._health(scope, send)
+        if method == "GET" and path == "/metrics":
+            return await self._metrics(scope, send)
         return await self.app(scope, receive, send)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -161,6 +166,26 @@ class DPDispatch:
         return await _json(send, 200, out)
 
 
+    async def _metrics(self, scope, send) -> None:
+        """Every rank's metrics in one exposition, each sample labelled ``dp_rank`` (`merge_rank_metrics`); a rank
+        that does not answer is left out (its ``/health`` says so)."""
+        async def one(rank: int) -> str | None:
+            if rank == 0:
+                status, body = await _call_app_raw(self.app, scope)
+                return body.decode() if status == 200 else None
+            try:
+                r = await self.client.get(self.urls[rank] + "/metrics", timeout=RANK_CHECK_TIMEOUT_S)
+                return r.text if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        data = merge_rank_metrics(list(await asyncio.gather(*(one(r) for r in range(len(self.urls))))))
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode()),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
 def _with_body(scope, body: bytes) -> dict:
     headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
     return dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
@@ -195,6 +220,15 @@ async def _copy(resp: httpx.Response, send) -> None:
 
 async def _call_app(app, scope) -> tuple[int, dict]:
     """GET `scope`'s path on `app` in-process: (status, JSON body)."""
+    status, body = await _call_app_raw(app, scope)
+    try:
+        return status, json.loads(body or b"{}")
+    except ValueError:
+        return status, {}
+
+
+async def _call_app_raw(app, scope) -> tuple[int, bytes]:
+    """GET `scope`'s path on `app` in-process: (status, body bytes)."""
     status, chunks = 500, []
 
     async def receive():
@@ -208,10 +242,7 @@ async def _call_app(app, scope) -> tuple[int, dict]:
             chunks.append(msg.get("body", b""))
 
     await app(scope, receive, send)
-    try:
-        return status, json.loads(b"".join(chunks) or b"{}")
-    except ValueError:
-        return status, {}
+    return status, b"".join(chunks)
 
 
 async def _json(send, status: int, body: dict) -> None:

@@ -21,6 +21,7 @@ import openai
 import pytest
 from cluster_util import FAST_ENGINE, running_pd_serve
 from deepseek_models import PROMPTS, build, hf_greedy_recompute
+from prometheus_client.parser import text_string_to_metric_families
 from reuse_util import counters
 
 from pd_cluster.launch.cluster import free_port
@@ -95,6 +96,12 @@ def test_concurrent_requests_on_both_dp_ranks_equal_transformers(served):
                 for r, u in enumerate(rank_urls)]
     pushed = counters(prefill)["pd:kv_transfer_bytes_total"] - pushed_before
     assert all(b > 0 for b in received) and pushed == sum(received), (pushed, received)  # each page to one rank
+    # the instance's /metrics is every rank's, under dp_rank: rank 1's samples are its own server's
+    merged = {s.labels.get("dp_rank"): s.value for fam in text_string_to_metric_families(
+        httpx.get(decode + "/metrics", timeout=10).text) for s in fam.samples
+        if s.name == "pd:kv_transfer_received_bytes_total"}
+    assert merged == {"0": counters(rank_urls[0])["pd:kv_transfer_received_bytes_total"],
+                      "1": counters(rank_urls[1])["pd:kv_transfer_received_bytes_total"]}, merged
     # EPLB: the experts moved between the ranks while the requests decoded (the tokens above stayed exact), both
     # ranks placed them alike, and their counts are the (token, choice) pairs of both ranks' tokens
     eplb = [httpx.get(u + "/expert_distribution", timeout=10).json() for u in rank_urls]
