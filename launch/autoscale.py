@@ -49,8 +49,6 @@ def autoscale_config(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         return None
     if args.colocated:
         parser.error("--autoscale sizes prefill and decode workers: it does not apply to --colocated")
-    if args.ray_address:
-        parser.error("--autoscale with --ray-address: the Ray connector is not built yet; run without Ray")
     if not 0 <= args.planner_metrics_port < 65536:
         parser.error(f"--planner-metrics-port: {args.planner_metrics_port} is not a TCP port")
     return planner_config_from_args(parser, args)

@@ -181,6 +181,8 @@ class RayCluster:
         self.manifest: dict = {}
         self._reported: set[str] = set()
         self._restarts: dict[str, int] = {}
+        self._actor_cls = None  # `ProcessActor` as a Ray actor class (set by `start`)
+        self._gpus_per_worker = 0.0
 
     @property
     def router_url(self) -> str:
@@ -192,11 +194,15 @@ class RayCluster:
             return ["mixed"] * (s.num_workers or s.num_prefill + s.num_decode)
         return ["prefill"] * s.num_prefill + ["decode"] * s.num_decode
 
+    def max_local_workers(self) -> int:
+        """Workers a local Ray instance makes CPU slots for: the launch's."""
+        return len(self.roles())
+
     def connect(self):
         import ray
 
-        if self.local:  # CPU slots: one per worker and one for the router
-            ray.init(num_cpus=len(self.roles()) + 1, num_gpus=0, namespace=self.namespace,
+        if self.local:  # CPU slots: one per worker (`max_local_workers`) and one for the router
+            ray.init(num_cpus=self.max_local_workers() + 1, num_gpus=0, namespace=self.namespace,
                      include_dashboard=False, log_to_driver=self.spec.echo, object_store_memory=128 * 2**20)
         else:
             ray.init(address=self.address, namespace=self.namespace, log_to_driver=self.spec.echo)
@@ -209,34 +215,16 @@ class RayCluster:
             RuntimeError: a placement group, a process or the router was not ready within `timeout` s.
         """
         ray = self.connect()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         deadline = time.monotonic() + timeout
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        node_gpus = [n["Resources"].get("GPU", 0) for n in nodes]
-        placement = plan_placement(self.tp_size, node_gpus)
-        max_restarts = self.spec.restart.max_restarts  # -1: Ray's "restart forever" too
-        actor_cls = ray.remote(max_restarts=max_restarts)(ProcessActor)
+        self._actor_cls = ray.remote(max_restarts=self.spec.restart.max_restarts)(ProcessActor)  # -1: forever too
         counts: dict[str, int] = {}
         for role in self.roles():
-            i = counts[role] = counts.get(role, -1) + 1
-            placement = plan_placement(self.spec.role_tp.get(role, self.tp_size), node_gpus)
-            name = f"{ACTOR_PREFIX}-{role}-{i}"
-            pg = placement_group([placement.bundle()], strategy=placement.strategy, name=f"{self.namespace}-{name}")
-            self.groups.append(pg)
-            if not _wait_ref(ray, pg.ready(), deadline):
-                raise RuntimeError(f"{name}: no node has {placement.bundle()} free (cluster: "
-                                   f"{ray.cluster_resources()})")
-            host = self.spec.host if self.local else None
-            self.names.append(name)
-            self.workers.append(actor_cls.options(
-                name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host,
-                      None, internal_key_env(self.spec)))
+            counts[role] = counts.get(role, -1) + 1
+            self.place_worker(role, counts[role], deadline)
         gcs = ray.get_runtime_context().gcs_address
-        self.router = actor_cls.options(
+        self.router = self._actor_cls.options(
             name="pd-router", num_cpus=1 if self.local else 0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         ).remote("pd-router", "router", "pd_cluster.router.main", router_argv(self.spec, gcs, self.namespace),
@@ -246,10 +234,48 @@ class RayCluster:
         self.manifest = {"router": {"url": self.router_url, "pid": infos[-1]["pid"]},
                          "workers": [dict(i, restarts=0) for i in infos[:-1]],
                          "ray": {"address": gcs, "namespace": self.namespace, "local": self.local,
-                                 "session_dir": _session_dir(ray), "gpus_per_worker": placement.gpus_per_worker}}
+                                 "session_dir": _session_dir(ray), "gpus_per_worker": self._gpus_per_worker}}
 
-    def _wait_ready(self, ray, infos: list[dict], deadline: float) -> None:
-        pending = {i["url"]: (i, actor) for i, actor in zip(infos, self.workers + [self.router])}
+    def place_worker(self, role: str, index: int, deadline: float):
+        """Reserve a placement group for worker ``<role>-<index>`` and start its actor; returns the handle.
+
+        Raises:
+            RuntimeError: no node had the group's resources free by `deadline` (the group is removed again).
+        """
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        node_gpus = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+        placement = plan_placement(self.spec.role_tp.get(role, self.tp_size), node_gpus)
+        self._gpus_per_worker = placement.gpus_per_worker
+        name = f"{ACTOR_PREFIX}-{role}-{index}"
+        pg = placement_group([placement.bundle()], strategy=placement.strategy, name=f"{self.namespace}-{name}")
+        if not _wait_ref(ray, pg.ready(), deadline):
+            remove_placement_group(pg)
+            raise RuntimeError(f"{name}: no node has {placement.bundle()} free (cluster: "
+                               f"{ray.cluster_resources()})")
+        host = self.spec.host if self.local else None
+        actor = self._actor_cls.options(
+            name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host,
+                 None, internal_key_env(self.spec))
+        self.groups.append(pg)
+        self.names.append(name)
+        self.workers.append(actor)
+        return actor
+
+    def _wait_ready(self, ray, infos: list[dict], deadline: float, actors: list | None = None,
+                    router: bool = True) -> None:
+        """Until every actor of `infos` (`actors`: the workers and the router by default) answers ``/health``,
+        then (`router`) the router's ``/readiness``.
+
+        Raises:
+            RuntimeError: a process exited, or `deadline` passed.
+        """
+        actors = self.workers + [self.router] if actors is None else actors
+        pending = {i["url"]: (i, actor) for i, actor in zip(infos, actors)}
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 for url, (info, actor) in list(pending.items()):
@@ -263,7 +289,7 @@ class RayCluster:
                         pass
                 _check_deadline(deadline, f"not healthy: {[i['name'] for i, _ in pending.values()]}")
                 time.sleep(0.5)
-            while not router_ready(client, self.router_url):
+            while router and not router_ready(client, self.router_url):
                 _check_deadline(deadline, "the router's /readiness was never 200")
                 time.sleep(0.2)
 
@@ -299,7 +325,8 @@ class RayCluster:
 
         changed = False
         workers = self.manifest.get("workers", [])
-        refs = [(i, name, actor.info.remote()) for i, (name, actor) in enumerate(zip(self.names, self.workers))]
+        entry = {w["name"]: k for k, w in enumerate(workers)}  # an actor still starting has none yet
+        refs = [(entry.get(name), name, actor.info.remote()) for name, actor in zip(self.names, self.workers)]
         for i, name, ref in refs:
             try:
                 info = ray.get(ref, timeout=5)
@@ -310,7 +337,7 @@ class RayCluster:
                           file=sys.stderr, flush=True)
                 continue
             self._reported.discard(name)
-            if i < len(workers) and (info["pid"], info["url"]) != (workers[i]["pid"], workers[i]["url"]):
+            if i is not None and (info["pid"], info["url"]) != (workers[i]["pid"], workers[i]["url"]):
                 self._restarts[name] = self._restarts.get(name, 0) + 1
                 workers[i] = dict(info, restarts=self._restarts[name])
                 print(f"pd-serve: {name} restarted by Ray (pid {info['pid']}, {info['url']}, restart "
@@ -362,8 +389,11 @@ def _session_dir(ray) -> str | None:
     return node.get_session_dir_path() if node is not None else None
 
 
-def run_ray_cluster(address: str, spec: ClusterSpec, args: argparse.Namespace) -> int:
-    """Run `spec` on Ray until SIGINT/SIGTERM; 0 on a clean stop, 1 when start-up failed (``pd-serve`` entry)."""
-    cluster = RayCluster(address, spec, getattr(args, "tp_size", None))
+def run_ray_cluster(address: str, spec: ClusterSpec, args: argparse.Namespace,
+                    cluster: RayCluster | None = None) -> int:
+    """Run `spec` on Ray until SIGINT/SIGTERM (`cluster`: a `RayCluster` of the caller's instead, such as
+    ``--autoscale``'s `pd_cluster.launch.ray_autoscale.AutoscaledRayCluster`); 0 on a clean stop, 1 when start-up
+    failed (``pd-serve`` entry)."""
+    cluster = cluster or RayCluster(address, spec, getattr(args, "tp_size", None))
     return serve_until_stopped(cluster, getattr(args, "startup_timeout", 300.0), getattr(args, "manifest", None),
                                spec.api_key)

@@ -220,9 +220,12 @@ def main(argv: list[str] | None = None) -> int:
         if role_gpus or role_ports:
             parser.error("--prefill-gpus/--decode-gpus/--mixed-gpus and the --*-ports flags are for one host: Ray "
                          "places the workers itself")
+        from pd_cluster.launch.ray_autoscale import AutoscaledRayCluster
         from pd_cluster.launch.ray_cluster import run_ray_cluster
 
-        return run_ray_cluster(args.ray_address, spec, args)
+        scaled = None if planner is None else AutoscaledRayCluster(args.ray_address, spec, args.tp_size, planner,
+                                                                   args.planner_metrics_port)
+        return run_ray_cluster(args.ray_address, spec, args, scaled)
     try:
         cluster = LocalCluster(spec) if planner is None else AutoscaledCluster(spec, planner, args.planner_metrics_port)
     except ValueError as e:  # a GPU list this host cannot satisfy, or ports that do not fit the workers
