@@ -199,9 +199,11 @@ class ExpertLocation(nn.Module):
 
 def expand_slots(experts: nn.Module, extra: int) -> list[str]:
     """Give `experts` (`FusedExperts`, loaded) `extra` more slots: every parameter with one row per expert grows
-    by `extra` rows (zeros until `move_experts` fills them). Returns those parameters' names, in order."""
+    by `extra` rows (zeros until `move_experts` fills them). Returns those parameters' names, in order. A
+    per-expert parameter has at least two dimensions (weights, scales, biases); a static input scale [1] is
+    shared."""
     n = experts.num_local_experts
-    names = [name for name, p in experts.named_parameters(recurse=False) if p.dim() > 0 and p.shape[0] == n]
+    names = [name for name, p in experts.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
     for name in names:
         p = getattr(experts, name)
         grown = torch.cat([p.data, p.data.new_zeros((extra, *p.shape[1:]))])

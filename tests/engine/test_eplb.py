@@ -150,3 +150,28 @@ def test_rebalancing_experts_mid_generation_keeps_transformers_tokens_and_counts
         assert [list(o.token_ids) for o in again] == refs[:2]
     finally:
         llm.engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["deepseek-v3-fp8", "gpt-oss-mxfp4"])
+def test_quantised_experts_move_whole_with_their_scales_and_biases(family, tmp_path):
+    """FP8-block experts (values and block scales) and MXFP4 experts (codes, E8M0 scales and biases) rebalanced
+    between two ranks give transformers' greedy tokens on the dequantised twin."""
+    from quant_models import deepseek_fp8, gpt_oss_mxfp4
+
+    build_q = (lambda root: deepseek_fp8(root, v_head_dim=32)) if family.startswith("deepseek") else gpt_oss_mxfp4
+    path, _, prompts, hf_greedy = build_q(tmp_path)
+    llm = LLM(str(path), tp_size=2, **EPLB)
+    try:
+        experts = llm.engine.loaded.model.layers[1 if family.startswith("deepseek") else 0].mlp.experts
+        moved = [n for n in experts.named_parameters(recurse=False)]
+        assert all(p.shape[0] == 3 for n, p in moved if p.dim() >= 2), [(n, p.shape) for n, p in moved]  # 2 + 1
+        assert experts.w13_weight.dtype in (torch.float8_e4m3fn, torch.uint8)  # held quantised
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        for ids, out in zip(prompts, outs):
+            assert list(out.token_ids) == hf_greedy(ids), len(ids)
+        stats = llm.engine.expert_distribution()
+        assert stats["rebalances"] >= 2 and stats["experts_moved"] > 0, stats
+    finally:
+        llm.engine.close()
