@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes one instance spans: --tp-size / --nnodes ranks a node (SGLang's multi-node TP; with "
                         "--enable-dp-attention, the wide-EP instance's nodes)")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0,
+                   help="with --enable-dp-attention --enable-expert-parallel: EPLB's extra physical experts over the "
+                        "instance (SGLang's flag), held on top of the E / --tp-size a rank")
     p.add_argument("--decode-batch-per-rank", type=int, default=128,
                    help="decode tokens per DP group per step, for the communication estimate (default 128)")
     return p
@@ -221,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.model)
         wide = args.enable_dp_attention
+        if not wide and args.ep_num_redundant_experts:
+            raise ValueError("--ep-num-redundant-experts is planned for a wide-EP instance: add --enable-dp-attention "
+                             "--enable-expert-parallel")
         if not wide and args.dp_size != 1:
             raise ValueError(f"--dp-size {args.dp_size} without --enable-dp-attention is {args.dp_size} replicas: "
                              "plan one (the table gives the instances per node)")
@@ -236,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--prefill-tflops must be > 0, got {args.prefill_tflops}")
         if wide:
             plan = plan_wide_ep(spec, WideEPInput(inp, args.tp_size, args.dp_size, args.enable_expert_parallel,
-                                                  args.nnodes, args.decode_batch_per_rank))
+                                                  args.nnodes, args.decode_batch_per_rank,
+                                                  args.ep_num_redundant_experts))
     except (ValueError, FileNotFoundError) as e:
         print(f"pd-plan: {e}", file=sys.stderr)
         return 2

@@ -45,7 +45,8 @@ class WeightBytes:
 
 
 def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int, tp_size: int = 1,
-                 expert_kinds_kept: frozenset[str] | None = None, attention_tp_size: int | None = None) -> WeightBytes:
+                 expert_kinds_kept: frozenset[str] | None = None, attention_tp_size: int | None = None,
+                 redundant_experts: int = 0) -> WeightBytes:
     """Bytes of one GPU's weights at TP `tp_size` (module docstring).
 
     Args:
@@ -57,6 +58,8 @@ def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int,
         attention_tp_size: the ranks the attention projections are split over, when fewer than `tp_size`: DP
             attention's ``tp_size / dp_size`` (SGLang's ``--enable-dp-attention``: each DP rank holds the
             attention of its own requests, and the ranks of one DP group split it). Default `tp_size`.
+        redundant_experts: EPLB's extra physical experts (``--ep-num-redundant-experts``, with expert
+            parallelism): each rank holds ``(E + R) / tp_size`` routed experts instead of ``E / tp_size``.
     """
     attention_tp = tp_size if attention_tp_size is None else attention_tp_size
     kept_experts = support.EXPERT_KINDS_KEPT if expert_kinds_kept is None else expert_kinds_kept
@@ -70,6 +73,8 @@ def weight_bytes(arch: ArchConfig, scheme: QuantScheme | None, dtype_bytes: int,
         if kept and layer.name.rsplit(".", 1)[-1] in support.DEQUANTIZED_MODULES:
             kept = False
         share = params / ((attention_tp if _is_attention(layer.name) else tp_size) if split else 1)
+        if layer.expert and redundant_experts:
+            share *= (layer.count + redundant_experts) / layer.count
         if kept:
             quantized += share * ws.bits_per_weight() / 8
             quantized_params += params

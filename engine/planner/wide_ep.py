@@ -52,6 +52,7 @@ class WideEPInput:
         enable_expert_parallel: whole experts per rank (``--enable-expert-parallel``); else a slice of each.
         nnodes: nodes the instance spans (``--nnodes``); ``tp_size / nnodes`` ranks a node.
         batch_per_rank: decode tokens each DP group runs per step, for the communication estimate.
+        num_redundant_experts: EPLB's extra physical experts over the ranks (``--ep-num-redundant-experts``).
     """
 
     base: PlanInput
@@ -60,6 +61,7 @@ class WideEPInput:
     enable_expert_parallel: bool = True
     nnodes: int = 1
     batch_per_rank: int = 128
+    num_redundant_experts: int = 0
 
     def check(self, spec: ModelSpec) -> None:
         """Raises ValueError naming the flag when the instance cannot be laid out."""
@@ -74,6 +76,12 @@ class WideEPInput:
         if self.enable_expert_parallel and spec.num_experts % self.tp_size:
             raise ValueError(f"--enable-expert-parallel: {spec.num_experts} experts do not divide over "
                              f"--tp-size {self.tp_size} ranks")
+        r = self.num_redundant_experts
+        if r < 0 or (r and not self.enable_expert_parallel):
+            raise ValueError(f"--ep-num-redundant-experts {r}: needs --enable-expert-parallel and a count >= 0")
+        if r and (spec.num_experts + r) % self.tp_size:
+            raise ValueError(f"--ep-num-redundant-experts {r}: the {spec.num_experts} experts and the redundant ones "
+                             f"must be a multiple of --tp-size {self.tp_size}")
         if spec.arch is None:
             raise ValueError(f"{spec.name}: the engine cannot build this model's shape ({spec.refusal})")
         if self.batch_per_rank < 1:
@@ -125,7 +133,7 @@ def plan_wide_ep(spec: ModelSpec, inp: WideEPInput) -> WideEPPlan:
     base = inp.base
     dtype_bytes = WEIGHT_BYTES[base.weight_dtype]
     weights = weight_bytes(spec.arch, spec.quant, dtype_bytes, inp.tp_size,
-                           attention_tp_size=inp.attention_tp_size)
+                           attention_tp_size=inp.attention_tp_size, redundant_experts=inp.num_redundant_experts)
     pool = int(base.gpu_memory * base.mem_fraction_static) - weights.total
     kvb = KV_BYTES[base.kv_dtype]
     kv_layers = spec.num_layers - spec.state_layers
@@ -146,7 +154,9 @@ def render_wide_ep(spec: ModelSpec, plan: WideEPPlan) -> str:
     """`pd-plan`'s table for a wide-EP instance."""
     inp, base = plan.inp, plan.inp.base
     gib = 2**30
-    ep = (f"EP {inp.tp_size}: {spec.num_experts // inp.tp_size} whole experts a rank" if inp.enable_expert_parallel
+    r = inp.num_redundant_experts
+    ep = (f"EP {inp.tp_size}: {(spec.num_experts + r) // inp.tp_size} whole experts a rank"
+          + (f" ({r} redundant over the instance, EPLB)" if r else "") if inp.enable_expert_parallel
           else f"experts sliced over {inp.tp_size} ranks")
     refusal = plan.engine_refusal
     rows = [

@@ -5,6 +5,8 @@ each naming its flag."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pd_cluster.engine.planner import cli
@@ -53,6 +55,21 @@ def test_deepseek_v3_dp16_ep16_on_two_nodes():
     assert plan.all_reduce_bytes_per_step > 5 * plan.all_to_all_bytes_per_step
 
 
+def test_redundant_experts_add_their_whole_experts_to_each_rank(capsys):
+    """EPLB's ``--ep-num-redundant-experts 32`` over EP 16: two more whole FP8 experts a rank in each of the 58 MoE
+    layers (3 x 7168 x 2048 weights each, with their 128 x 128 block scales), and nothing else."""
+    spec = load_spec("deepseek-v3")
+    base = WideEPInput(PlanInput(), tp_size=16, dp_size=16, nnodes=2)
+    plain = plan_wide_ep(spec, base)
+    eplb = plan_wide_ep(spec, dataclasses.replace(base, num_redundant_experts=32))
+    assert eplb.weights.quantized - plain.weights.quantized == pytest.approx(
+        58 * 2 * 3 * 7168 * 2048 * (1 + 4 / 16384), rel=1e-6)
+    assert (eplb.weights.plain, eplb.weights.replicated) == (plain.weights.plain, plain.weights.replicated)
+    assert eplb.pool_per_gpu == plain.pool_per_gpu - (eplb.weights.total - plain.weights.total)
+    code, out, _ = _run(capsys, *WIDE, "--ep-num-redundant-experts", "32")
+    assert code == 0 and "EP 16: 18 whole experts a rank (32 redundant over the instance, EPLB)" in _row(out, "deployment")
+
+
 def test_pd_plan_prints_the_wide_ep_decode_and_what_the_engine_lacks(capsys):
     code, out, _ = _run(capsys, *WIDE)
     assert code == 0
@@ -73,6 +90,8 @@ def test_pd_plan_prints_the_wide_ep_decode_and_what_the_engine_lacks(capsys):
     (["--nnodes", "1"], "--tp-size 16 over --nnodes 1 is 16 ranks a node, more than its 8 GPUs: raise --nnodes"),
     (["--nnodes", "3"], "--nnodes 3 must divide --tp-size 16"),
     (["--decode-batch-per-rank", "0"], "--decode-batch-per-rank must be >= 1"),
+    (["--ep-num-redundant-experts", "8"], "--ep-num-redundant-experts 8: the 256 experts and the redundant ones must "
+                                          "be a multiple of --tp-size 16"),
 ])
 def test_a_layout_that_cannot_be_built_is_refused_naming_its_flag(capsys, argv, message):
     code, out, err = _run(capsys, *WIDE, *argv)
@@ -86,6 +105,8 @@ def test_a_layout_that_cannot_be_built_is_refused_naming_its_flag(capsys, argv, 
     (["--model", "llama-3.1-8b", "--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
      "llama-3.1-8b is dense"),
     (["--model", "llama-3.1-8b", "--dp-size", "2"], "--dp-size 2 without --enable-dp-attention"),
+    (["--model", "deepseek-v3", "--tp-size", "8", "--ep-num-redundant-experts", "8"],
+     "--ep-num-redundant-experts is planned for a wide-EP instance"),
     (["--model", "llama-3.1-70b", "--tp-size", "16"], "--tp-size 16 over --nnodes 1 is 16 ranks a node, more than "
                                                       "its 8 GPUs: raise --nnodes"),
     (["--model", "llama-3.1-70b", "--nnodes", "2"], "--nnodes 2 must divide --tp-size 1"),
