@@ -10,8 +10,9 @@ with its own URL and ticket, so the prefill pushes the request's pages into that
 
 It also answers for the whole instance: ``/health`` is 200 only when every rank's is, and ``/get_load`` sums the
 ranks' numbers (``token_usage``: the fullest rank's) and lists each rank's own under ``dp_ranks`` (as
-`DPAttentionEngine.load`), and ``/metrics`` is every rank's, each sample labelled ``dp_rank``
-(`pd_cluster.decode.dp_metrics`). Every other path is rank 0's.
+`DPAttentionEngine.load`), ``/metrics`` is every rank's, each sample labelled ``dp_rank``
+(`pd_cluster.decode.dp_metrics`), and ``/expert_distribution`` adds each rank's EPLB statistics under
+``dp_ranks``. Every other path is rank 0's.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class DPDispatch:
             return await self._health(scope, send)
         if method == "GET" and path == "/metrics":
             return await self._metrics(scope, send)
+        if method == "GET" and path == "/expert_distribution":
+            return await self._expert_distribution(scope, send)
         return await self.app(scope, receive, send)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -165,6 +168,15 @@ class DPDispatch:
                            for r, ld in enumerate(loads)]
         return await _json(send, 200, out)
 
+
+    async def _expert_distribution(self, scope, send) -> None:
+        """Rank 0's EPLB statistics (the placement every rank shares) and each rank's own under ``dp_ranks``
+        (its tokens' expert load)."""
+        answers = await self._rank_json(scope, "/expert_distribution")
+        if any(s != 200 for s, _ in answers):
+            return await _json(send, 503, next(b for s, b in answers if s != 200))
+        return await _json(send, 200, dict(answers[0][1], dp_ranks=[dict(b, dp_rank=r)
+                                                                    for r, (_, b) in enumerate(answers)]))
 
     async def _metrics(self, scope, send) -> None:
         """Every rank's metrics in one exposition, each sample labelled ``dp_rank`` (`merge_rank_metrics`); a rank

@@ -8,10 +8,14 @@ a DP rank's scheduler metrics), so one scrape of the instance's URL sees every r
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+logger = logging.getLogger("pd.decode")
 
 
 class _Families:
@@ -26,16 +30,16 @@ class _Families:
 
 def merge_rank_metrics(texts: list[str | None]) -> bytes:
     """One Prometheus text exposition of every rank's `texts` (rank order; None: a rank that did not answer,
-    left out), each sample with ``dp_rank="<rank>"`` added to its labels.
-
-    Raises:
-        ValueError: a text that is not Prometheus' text format (`prometheus_client.parser`).
-    """
+    left out, as is one whose text is not Prometheus' format), each sample with ``dp_rank="<rank>"`` added to
+    its labels."""
     families: dict[str, Metric] = {}
     for rank, text in enumerate(texts):
-        if text is None:
+        try:
+            parsed = list(text_string_to_metric_families(text)) if text is not None else []
+        except ValueError:
+            logger.warning("DP rank %d's /metrics is not Prometheus text: left out", rank)
             continue
-        for fam in text_string_to_metric_families(text):
+        for fam in parsed:
             out = families.get(fam.name)
             if out is None:
                 out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)

@@ -290,7 +290,7 @@ class ParallelConfig:
     dist_timeout: int | None = None    # seconds the ranks (and nodes) have to meet; None: 120 on one node, 600 over several
     ep_num_redundant_experts: int = 0  # EPLB: extra physical experts over the EP group (`engine.model.eplb`)
     enable_eplb: bool = False          # EPLB: rebalance the experts from their recorded load
-    eplb_rebalance_num_iterations: int = 1000  # EPLB: steps between two rebalances
+    eplb_rebalance_num_iterations: int | None = None  # EPLB: steps between two rebalances (None: 1000)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -306,7 +306,7 @@ class ParallelConfig:
                     self.prefill_context_parallel_size)
         if self.dist_timeout is not None and self.dist_timeout <= 0:
             raise ValueError(f"--dist-timeout must be positive, got {self.dist_timeout}")
-        self.eplb.check(self.enable_expert_parallel)  # over several ranks: `LLMEngine` (a DP rank's config has TP 1)
+        self.eplb.check(self.enable_expert_parallel, self.prefill_context_parallel_size > 1)  # over several ranks: `LLMEngine` (a DP rank's config has TP 1)
 
     @property
     def eplb(self) -> EPLBConfig:

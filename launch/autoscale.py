@@ -51,7 +51,12 @@ def autoscale_config(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         parser.error("--autoscale sizes prefill and decode workers: it does not apply to --colocated")
     if not 0 <= args.planner_metrics_port < 65536:
         parser.error(f"--planner-metrics-port: {args.planner_metrics_port} is not a TCP port")
-    return planner_config_from_args(parser, args)
+    config = planner_config_from_args(parser, args)
+    if args.ray_address and config.max_workers:
+        parser.error("--max-workers with --ray-address: at the cap the planner switches a worker's role, which the "
+                     "router does not do for workers its Ray discovery found; bound each role with --max-prefill and "
+                     "--max-decode")
+    return config
 
 
 class LocalConnector(ActionConnector):
@@ -116,6 +121,7 @@ class AutoscaledCluster(LocalCluster):
 
     def start(self, timeout: float | None = None) -> None:
         super().start(timeout)
+        self._resynced_pid = self.router.pid  # started with the launch's workers: nothing to register
         if timeout is not None:
             self.start_planner()
 
@@ -147,13 +153,14 @@ class AutoscaledCluster(LocalCluster):
         changed = super().tend(now)
         # A restarted router's flags name the launch's workers: when the planner has stopped one of those, the
         # router is never ready (no usable pair) until it learns the planner's workers, so register them as soon
-        # as it is alive (/health), before readiness, and again once ready if that did not succeed.
+        # as it is alive (/health), before readiness, and on every later step until that succeeds; the planner
+        # thaws only then.
         if router.alive() and router.pid != self._resynced_pid and (
-                (router.restarts.awaiting_health and self._router_live()) or
-                (router_down and not router.restarts.awaiting_health)):
+                not router.restarts.awaiting_health or self._router_live()):
             if self.resync_router():
                 self._resynced_pid = router.pid
-        if router_down and router.alive() and not router.restarts.awaiting_health and self.runner is not None:
+        if (self.runner is not None and self.runner.paused and router.alive()
+                and not router.restarts.awaiting_health and router.pid == self._resynced_pid):
             self.runner.paused = None
         if self.connector is not None and self.connector.changed:
             self.connector.changed = False
@@ -172,22 +179,29 @@ class AutoscaledCluster(LocalCluster):
 
         Returns False (and says why) when the router or a worker did not answer; the next `tend` tries again."""
         headers = {"Authorization": f"Bearer {self.spec.admin_api_key}"} if self.spec.admin_api_key else {}
-        try:
-            with httpx.Client(timeout=5.0, headers=headers) as c:
+        failed = []
+        with httpx.Client(timeout=5.0, headers=headers) as c:
+            try:
                 listed = {w["url"]: w["role"] for w in c.get(self.router_url + "/workers").json()["workers"]}
-                ours = {p.url for p in self.procs}
-                for url in set(listed) - ours:
+                for url in set(listed) - {p.url for p in self.procs}:
                     c.request("DELETE", self.router_url + "/workers", params={"url": url}).raise_for_status()
-                for p in self.procs:
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                failed.append(f"the router ({e!r})")
+                listed = None
+            # a worker down or restarting is registered by the supervision step once it answers (`LocalCluster.tend`)
+            serving = [p for p in self.procs if p.alive() and not p.restarts.awaiting_health]
+            for p in serving if listed is not None else []:
+                try:
                     role = c.get(p.url + "/server_info").json().get("role", p.role)
                     if listed.get(p.url) not in (None, role):
                         c.request("DELETE", self.router_url + "/workers", params={"url": p.url}).raise_for_status()
                     if listed.get(p.url) != role:
                         c.post(self.router_url + "/workers", json={"url": p.url, "role": role}).raise_for_status()
-            return True
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            self._say(f"could not register the planner's workers with the restarted router ({e!r})")
-            return False
+                except (httpx.HTTPError, ValueError, KeyError) as e:
+                    failed.append(f"{p.name} ({e!r})")
+        if failed:
+            self._say(f"could not register every worker with the restarted router yet: {'; '.join(failed)}")
+        return not failed
 
     def stop(self, timeout: float = 15.0, force=None) -> None:
         if self.runner is not None:

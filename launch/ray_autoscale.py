@@ -27,6 +27,7 @@ class RayConnector(ActionConnector):
     """Starts and stops worker actors of an `AutoscaledRayCluster` (`ActionConnector` does the rest)."""
 
     name = "ray"
+    discovered = True  # the router's Ray discovery lists the actors
 
     def __init__(self, cluster: AutoscaledRayCluster, admin: RouterAdmin, metrics: PlannerMetrics | None = None,
                  **kw) -> None:
@@ -103,9 +104,12 @@ class AutoscaledRayCluster(RayCluster):
             name = f"{ACTOR_PREFIX}-{role}-{index}"
             self._reserved.add(name)
         try:
-            actor = self.place_worker(role, index, deadline)  # appends to the actor lists (no lock: may wait)
+            placed = self.place_worker(role, index, deadline)  # no lock held: it may wait for resources
+            with self._lock:
+                self.add_actor(*placed)
         finally:
             self._reserved.discard(name)
+        actor = placed[1]
         try:
             info = ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 1.0))
             self._wait_ready(ray, [info], deadline, [actor], router=False)

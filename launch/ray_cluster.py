@@ -222,7 +222,7 @@ class RayCluster:
         counts: dict[str, int] = {}
         for role in self.roles():
             counts[role] = counts.get(role, -1) + 1
-            self.place_worker(role, counts[role], deadline)
+            self.add_actor(*self.place_worker(role, counts[role], deadline))
         gcs = ray.get_runtime_context().gcs_address
         self.router = self._actor_cls.options(
             name="pd-router", num_cpus=1 if self.local else 0,
@@ -236,12 +236,13 @@ class RayCluster:
                          "ray": {"address": gcs, "namespace": self.namespace, "local": self.local,
                                  "session_dir": _session_dir(ray), "gpus_per_worker": self._gpus_per_worker}}
 
-    def place_worker(self, role: str, index: int, deadline: float):
-        """Reserve a placement group for worker ``<role>-<index>`` and start its actor; returns the handle.
+    def add_actor(self, name: str, actor, pg) -> None:
+        """Note a worker actor and its placement group (`place_worker`'s) in the lists `tend` and `stop` read."""
+        self.groups, self.names, self.workers = self.groups + [pg], self.names + [name], self.workers + [actor]
 
-        Raises:
-            RuntimeError: no node had the group's resources free by `deadline` (the group is removed again).
-        """
+    def place_worker(self, role: str, index: int, deadline: float) -> tuple:
+        """Reserve a placement group for worker ``<role>-<index>`` and start its actor: (name, handle, group).
+        RuntimeError when no node had the resources by `deadline` or the actor failed (the group is removed)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -256,24 +257,21 @@ class RayCluster:
             raise RuntimeError(f"{name}: no node has {placement.bundle()} free (cluster: "
                                f"{ray.cluster_resources()})")
         host = self.spec.host if self.local else None
-        actor = self._actor_cls.options(
-            name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host,
-                 None, internal_key_env(self.spec))
-        self.groups.append(pg)
-        self.names.append(name)
-        self.workers.append(actor)
-        return actor
+        try:
+            actor = self._actor_cls.options(
+                name=name, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(name, role, "pd_cluster.launch.worker", worker_argv(role, "{host}", "{port}", self.spec), host,
+                     None, internal_key_env(self.spec))
+        except Exception as e:
+            remove_placement_group(pg)
+            raise RuntimeError(f"{name}: {e}") from e
+        return name, actor, pg
 
     def _wait_ready(self, ray, infos: list[dict], deadline: float, actors: list | None = None,
                     router: bool = True) -> None:
-        """Until every actor of `infos` (`actors`: the workers and the router by default) answers ``/health``,
-        then (`router`) the router's ``/readiness``.
-
-        Raises:
-            RuntimeError: a process exited, or `deadline` passed.
-        """
+        """Until each of `actors` (default: workers, router) answers ``/health``, then (`router`) the router's
+        ``/readiness``; RuntimeError when a process exited or `deadline` passed."""
         actors = self.workers + [self.router] if actors is None else actors
         pending = {i["url"]: (i, actor) for i, actor in zip(infos, actors)}
         with httpx.Client(timeout=2.0) as client:

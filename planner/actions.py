@@ -138,6 +138,8 @@ class ActionConnector:
     """
 
     name = "actions"
+    discovered = False  # the router finds this connector's workers itself (Ray discovery): no admin add, and a
+    # drained worker is stopped before it leaves the router
 
     def __init__(self, admin: RouterAdmin, metrics: PlannerMetrics | None = None, drain_timeout_secs: float = 600.0,
                  start_timeout_secs: float = 300.0) -> None:
@@ -227,7 +229,8 @@ class ActionConnector:
     def _start(self, role: str) -> str:
         t0 = time.monotonic()
         url = self.start_worker(role)
-        self.admin.add(url, role)
+        if not self.discovered:
+            self.admin.add(url, role)
         self.admin.wait_healthy(url, self.start_timeout_secs)
         took = time.monotonic() - t0
         log.info("planner: new %s worker %s serving after %.1f s", role, url, took)
@@ -251,8 +254,15 @@ class ActionConnector:
         w = self._pick(view, role)
         t0 = time.monotonic()
         self.drain_worker(w)
-        self.admin.remove(w.url)
-        self.stop_worker(w)
+        if self.discovered:  # gone first: the router's discovery would list a worker that still answers again
+            self.stop_worker(w)
+            try:
+                self.admin.remove(w.url)
+            except ActionFailed:  # discovery forgot it first
+                pass
+        else:
+            self.admin.remove(w.url)
+            self.stop_worker(w)
         took = time.monotonic() - t0
         log.info("planner: %s worker %s drained and stopped in %.1f s", role, w.url, took)
         return f"{w.url} drained and stopped in {took:.1f} s"

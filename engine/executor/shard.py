@@ -69,6 +69,8 @@ class Shard:
         ``--disable-cuda-graph``); returns the captured batch sizes, [] for none. The shard owns its runner
         (its static buffers hold every KV group's block table and slot mapping)."""
         self.graph_runner = maybe_capture_decode_graphs(self.loaded.model, self.pool, self.backend, config)
+        if self.eplb is not None:
+            self.eplb.reset_counts()  # capture's warm-up passes routed dummy tokens
         return [] if self.graph_runner is None else list(self.graph_runner.sizes)
 
     def run_step(self, header: np.ndarray, payload: np.ndarray, prev_tokens: torch.Tensor | None = None

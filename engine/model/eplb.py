@@ -44,23 +44,34 @@ class EPLBConfig:
 
     num_redundant_experts: int = 0
     enable: bool = False
-    rebalance_num_iterations: int = 1000
+    rebalance_num_iterations: int | None = None  # None: 1000 (SGLang's default)
+
+    @property
+    def every(self) -> int:
+        """Steps between two rebalances."""
+        return self.rebalance_num_iterations or 1000
 
     @property
     def active(self) -> bool:
         return self.num_redundant_experts > 0 or self.enable
 
-    def check(self, expert_parallel: bool) -> None:
+    def check(self, expert_parallel: bool, context_parallel: bool = False) -> None:
         """Refuse settings that cannot run (naming the flag); expert parallelism over several ranks is checked
         where the ranks are known (`LLMEngine`, `setup_eplb`).
 
         Raises:
-            ValueError: a negative count, no steps between rebalances, or EPLB without expert parallelism.
+            ValueError: a negative count, no steps between rebalances, a rebalance period without
+                ``--enable-eplb``, EPLB without expert parallelism or with context-parallel prefill.
         """
         if self.num_redundant_experts < 0:
             raise ValueError(f"--ep-num-redundant-experts must be >= 0, got {self.num_redundant_experts}")
-        if self.rebalance_num_iterations < 1:
+        if self.rebalance_num_iterations is not None and self.rebalance_num_iterations < 1:
             raise ValueError(f"--eplb-rebalance-num-iterations must be >= 1, got {self.rebalance_num_iterations}")
+        if self.rebalance_num_iterations is not None and not self.enable:
+            raise ValueError("--eplb-rebalance-num-iterations needs --enable-eplb (without it nothing rebalances)")
+        if self.active and context_parallel:
+            raise ValueError(f"{self.flags} with --prefill-context-parallel-size is not built (each context-parallel "
+                             "rank holds every expert)")
         if self.active and not expert_parallel:
             raise ValueError(f"{self.flags} need expert parallelism over several ranks (--enable-expert-parallel "
                              "with --tp-size > 1)")
@@ -294,8 +305,14 @@ class ExpertBalancer:
 
     def step_done(self) -> None:
         self.iterations += 1
-        if self.config.enable and self.iterations % self.config.rebalance_num_iterations == 0:
+        if self.config.enable and self.iterations % self.config.every == 0:
             self.rebalance()
+
+    def reset_counts(self) -> None:
+        """Forget the load counted so far (the warm-up passes of CUDA graph capture are not traffic)."""
+        for layer in self.layers:
+            layer.location.load.zero_()
+            layer.location.total_load.zero_()
 
     def rebalance(self) -> int:
         """Place every layer's experts by the load recorded since the last rebalance and move their weights.
@@ -306,6 +323,10 @@ class ExpertBalancer:
             load = loc.load.clone()
             if self.group.gathers_tokens:  # DP attention: each rank counted its own tokens
                 dist.all_reduce(load, group=self.group._tensor_group)
+            else:  # TP: every rank saw the same tokens; rank 0's counts decide, so the ranks' plans pair up
+                dist.broadcast(load, src=0, group=self.group._tensor_group)
+            if not int(load.sum()):  # no traffic in the window: nothing to balance, nothing moves
+                continue
             old = loc.placement
             new = place([float(x) for x in load.tolist()], self.config.num_redundant_experts, self.group.size, old)
             moved += move_experts(layer.experts, layer.expert_params, old, new, self.group)
@@ -325,6 +346,21 @@ class ExpertBalancer:
                             "placement": layer.location.placement} for layer in self.layers]}
 
 
+def _connect_peers(group: Any) -> None:
+    """A byte to and from every other rank of the group: NCCL opens its point-to-point connections now, before
+    the KV pool takes the free memory, not at the first rebalance."""
+    ops = []
+    for peer in range(group.size):
+        if peer != group.rank:
+            ops.append(dist.P2POp(dist.isend, torch.ones(1, dtype=torch.uint8, device=group.device), peer,
+                                  group._tensor_group))
+            ops.append(dist.P2POp(dist.irecv, torch.empty(1, dtype=torch.uint8, device=group.device), peer,
+                                  group._tensor_group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
 def setup_eplb(model: nn.Module, group: Any, config: EPLBConfig) -> ExpertBalancer | None:
     """Give every expert-parallel MoE layer of the loaded `model` its redundant slots (filled from the other
     ranks) and an `ExpertLocation`; a collective over the EP `group`. None when EPLB is off.
@@ -342,6 +378,7 @@ def setup_eplb(model: nn.Module, group: Any, config: EPLBConfig) -> ExpertBalanc
         raise ValueError(f"{config.flags} need expert parallelism over several ranks (--enable-expert-parallel "
                          "with --tp-size > 1)")
     size, r = group.size, config.num_redundant_experts
+    _connect_peers(group)
     for layer in layers:
         e = layer.cfg.num_experts
         if (e + r) % size:
@@ -358,5 +395,5 @@ def setup_eplb(model: nn.Module, group: Any, config: EPLBConfig) -> ExpertBalanc
         layer.location = ExpertLocation(placement, e, r).to(experts.w13_weight.device)
     logger.info("EPLB: %d redundant experts, %d physical experts per rank over %d ranks; %s", r,
                 layers[0].experts.num_local_experts, size,
-                f"rebalance every {config.rebalance_num_iterations} steps" if config.enable else "no rebalance")
+                f"rebalance every {config.every} steps" if config.enable else "no rebalance")
     return ExpertBalancer(layers, group, config)

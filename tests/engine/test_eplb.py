@@ -79,6 +79,10 @@ def test_a_token_s_choices_spread_over_an_expert_s_replicas_and_load_is_counted(
     (dict(enable_eplb=True, tp_size=2), "need expert parallelism"),
     (dict(ep_num_redundant_experts=-1, enable_expert_parallel=True), "--ep-num-redundant-experts must be >= 0"),
     (dict(eplb_rebalance_num_iterations=0), "--eplb-rebalance-num-iterations must be >= 1"),
+    (dict(eplb_rebalance_num_iterations=10, enable_expert_parallel=True, tp_size=2),
+     "--eplb-rebalance-num-iterations needs --enable-eplb"),
+    (dict(enable_eplb=True, enable_expert_parallel=True, prefill_context_parallel_size=2),
+     "with --prefill-context-parallel-size is not built"),
 ])
 def test_bad_eplb_settings_are_refused_naming_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

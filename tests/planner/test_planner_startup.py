@@ -41,6 +41,8 @@ def test_pd_serve_refuses_planner_flags_without_autoscale_and_autoscale_where_it
     assert _serve_error(capsys, "--max-decode", "3") == \
         "pd-serve: error: --max-decode is a planner flag: it needs --autoscale"
     assert "--colocated" in _serve_error(capsys, "--autoscale", "--colocated")
+    assert "--max-workers with --ray-address" in _serve_error(capsys, "--autoscale", "--ray-address", "local",
+                                                             "--max-workers", "3")
     parser = build_parser()
     assert autoscale_config(parser, parser.parse_args([])) is None
     config = autoscale_config(parser, parser.parse_args(["--autoscale", "--max-prefill", "3", "--ttft-slo-ms", "500"]))
