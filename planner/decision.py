@@ -119,11 +119,17 @@ class Decision:
         return self.target != self.current
 
 
+LOAD_MEMORY_MARGIN = 0.8
+"""A role shrinks only when one worker fewer would each carry under this share of the per-worker load at which
+pressure last grew it (`Planner._fits_one_fewer`)."""
+
+
 @dataclass
 class _RoleState:
     up_streak: int = 0
     calm_streak: int = 0
     changed_at: float = -math.inf
+    grown_at: float | None = None  # the role's load per worker when pressure last grew it (`Planner._load`)
 
 
 @dataclass(frozen=True)
@@ -173,7 +179,7 @@ class Planner:
             if st.up_streak >= cfg.stable_intervals and n < hi:
                 target = target.with_(role, n + 1)
                 reasons.append(f"{role} +1: {'; '.join(p.up)}")
-            elif st.calm_streak >= cfg.stable_intervals and n > lo:
+            elif st.calm_streak >= cfg.stable_intervals and n > lo and self._fits_one_fewer(snap, role, st):
                 target = target.with_(role, n - 1)
                 reasons.append(f"{role} -1: every signal below {cfg.scale_down_ratio:g} x its target")
         target = self._cap(snap, cur, target, pressure, reasons)
@@ -181,6 +187,9 @@ class Planner:
             if target.get(role) != cur.get(role):
                 st = self._roles[role]
                 st.changed_at, st.up_streak, st.calm_streak = snap.at, 0, 0
+                if target.get(role) > cur.get(role) and pressure[role].up:
+                    load = self._load(snap, role)
+                    st.grown_at = None if load is None else load / max(cur.get(role), 1)
         return Decision(snap.at, cur, target, "scale" if target != cur else "hold", tuple(reasons))
 
     # ---- signals ------------------------------------------------------------------------------------------------
@@ -235,6 +244,25 @@ class Planner:
                 up.append(f"{per:.1f} outstanding KV transfers per decode worker > "
                           f"--planner-transfers-per-decode-high {cfg.transfers_per_decode_high:g}")
         return _Pressure(tuple(up), calm and not s.router_queued, peak)
+
+    # ---- load memory --------------------------------------------------------------------------------------------
+    @staticmethod
+    def _load(s: Snapshot, role: str) -> float | None:
+        """The load a role serves now: prompt tokens/s over the prefill workers, requests running on the decode
+        workers; None when not measured."""
+        if role == "prefill":
+            return None if s.prefill_tokens_per_s is None else s.prefill_tokens_per_s * s.current.prefill
+        return None if s.decode_running is None else float(s.decode_running)
+
+    def _fits_one_fewer(self, s: Snapshot, role: str, st: _RoleState) -> bool:
+        """Whether one worker fewer would carry the load below the per-worker load that last grew the role
+        (times `LOAD_MEMORY_MARGIN`). Signals that are not per worker (TTFT, ITL) fall far below their targets
+        once a worker is added, so calm alone would drain the worker the load needs, and the load would grow
+        the role again: the oscillation of a steady load (Dynamo's 2 <-> 1, PR #9294)."""
+        load, n = self._load(s, role), s.current.get(role)
+        if st.grown_at is None or load is None or n <= 1:
+            return True
+        return load / (n - 1) < LOAD_MEMORY_MARGIN * st.grown_at
 
     # ---- bounds -------------------------------------------------------------------------------------------------
     def _bounds(self, role: str) -> tuple[int, int]:

@@ -215,3 +215,21 @@ def test_a_starved_prefill_or_a_router_queue_is_not_calm():
     assert [d.action for d in _run(cfg, RoleCounts(2, 2), queued)] == ["hold"] * 4
     idle = [dict(quiet, prefill_waiting=0, router_queued=0)] * 2
     assert [d.target for d in _run(cfg, RoleCounts(2, 2), idle)] == [RoleCounts(2, 2), RoleCounts(1, 1)]
+
+
+def test_a_worker_added_for_a_steady_load_stays_until_the_load_falls():
+    """TTFT is not a per-worker signal: one more prefill worker takes it from over its target to far under half of
+    it, so calm alone would drain that worker and the same load would grow the role again (an oscillation under a
+    steady load). The planner remembers the load per worker that grew the role: it drains only when one worker
+    fewer would carry under 0.8 of it."""
+    cfg = dataclasses.replace(CFG, max_workers=0)
+    planner, cur, targets = Planner(cfg), RoleCounts(1, 1), []
+    for i in range(40):
+        offered = 20_000.0 if i < 30 else 6_000.0  # prompt tokens/s, steady, then it falls
+        ttft = {1: 2500.0, 2: 100.0}.get(cur.prefill, 50.0) if offered > 10_000 else 50.0
+        d = planner.decide(Snapshot(at=i * 10.0, current=cur, ttft_p90_ms=ttft, itl_p90_ms=10.0,
+                                    decode_kv_usage=0.1, prefill_tokens_per_s=offered / cur.prefill))
+        cur = d.target
+        targets.append(cur.prefill)
+    assert targets[:2] == [1, 2] and set(targets[2:30]) == {2}  # grown once, kept under the same load
+    assert targets[-1] == 1  # the load fell under 0.8 of what one worker carried: drained
