@@ -114,13 +114,27 @@ def run_static(a: argparse.Namespace, prefill: int, decode: int, work) -> dict:
     return dict(row, name=f"static {prefill}P{decode}D", decisions="-", sizes=f"{prefill}P{decode}D")
 
 
-def run_autoscaled(a: argparse.Namespace, work) -> dict:
+def add_planner_bench_args(p: argparse.ArgumentParser) -> None:
+    """The SLOs, the planner's pace and the request timeout of the autoscale benchmarks."""
+    p.add_argument("--ttft-slo-ms", type=float, default=300.0)
+    p.add_argument("--itl-slo-ms", type=float, default=50.0)
+    p.add_argument("--planner-interval", type=float, default=1.0)
+    p.add_argument("--planner-cooldown", type=float, default=5.0)
+    p.add_argument("--request-timeout", type=float, default=120.0)
+
+
+def planner_config(a: argparse.Namespace, max_prefill: int, max_decode: int, max_workers: int = 0):
+    """pd-serve's planner config for `a`'s SLOs and pace, from 1P1D up to the given bounds."""
     parser = build_parser()
-    config = autoscale_config(parser, parser.parse_args([
-        "--autoscale", "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1", "--max-decode", "3",
-        "--max-workers", "4", "--ttft-slo-ms", str(a.ttft_slo_ms), "--itl-slo-ms", str(a.itl_slo_ms),
-        "--planner-interval-secs", str(a.planner_interval), "--planner-stable-intervals", "2",
-        "--planner-cooldown-secs", str(a.planner_cooldown)]))
+    return autoscale_config(parser, parser.parse_args([
+        "--autoscale", "--min-prefill", "1", "--max-prefill", str(max_prefill), "--min-decode", "1",
+        "--max-decode", str(max_decode), "--max-workers", str(max_workers), "--ttft-slo-ms", str(a.ttft_slo_ms),
+        "--itl-slo-ms", str(a.itl_slo_ms), "--planner-interval-secs", str(a.planner_interval),
+        "--planner-stable-intervals", "2", "--planner-cooldown-secs", str(a.planner_cooldown)]))
+
+
+def run_autoscaled(a: argparse.Namespace, work) -> dict:
+    config = planner_config(a, 3, 3, 4)
     cluster = AutoscaledCluster(spec(a, 1, 1), config)
     try:
         cluster.start(timeout=300)
@@ -164,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=384, help="prompt tokens of the burst")
     p.add_argument("--short-out", type=int, default=16, help="output tokens of the quiet phase and the burst")
     p.add_argument("--long-out", type=int, default=128, help="output tokens of the decode-heavy phase")
-    p.add_argument("--ttft-slo-ms", type=float, default=300.0)
-    p.add_argument("--itl-slo-ms", type=float, default=50.0)
-    p.add_argument("--planner-interval", type=float, default=1.0)
-    p.add_argument("--planner-cooldown", type=float, default=5.0)
-    p.add_argument("--request-timeout", type=float, default=120.0)
+    add_planner_bench_args(p)
     p.add_argument("--only", choices=["autoscale", "1P3D", "2P2D", "3P1D"], action="append",
                    help="run only these clusters (repeatable; default: all four)")
     p.add_argument("--seed", type=int, default=0)

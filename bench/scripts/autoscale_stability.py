@@ -25,10 +25,9 @@ from pd_cluster.bench.config import DatasetConfig, LengthScaling, LoadConfig, Ta
 from pd_cluster.bench.datasets import load_dataset
 from pd_cluster.bench.metrics import goodput
 from pd_cluster.bench.runner import Runner
-from pd_cluster.bench.scripts.autoscale_goodput import MODEL, spec
+from pd_cluster.bench.scripts.autoscale_goodput import MODEL, add_planner_bench_args, planner_config, spec
 from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
-from pd_cluster.launch.autoscale import AutoscaledCluster, autoscale_config
-from pd_cluster.launch.serve import build_parser
+from pd_cluster.launch.autoscale import AutoscaledCluster
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_code_1000.csv"
 
@@ -64,21 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-output-len", type=int, default=64)
     p.add_argument("--max-prefill", type=int, default=2)
     p.add_argument("--max-decode", type=int, default=2)
-    p.add_argument("--ttft-slo-ms", type=float, default=300.0)
-    p.add_argument("--itl-slo-ms", type=float, default=50.0)
-    p.add_argument("--planner-interval", type=float, default=1.0)
-    p.add_argument("--planner-cooldown", type=float, default=5.0)
-    p.add_argument("--request-timeout", type=float, default=120.0)
+    add_planner_bench_args(p)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     reqs, plan = workload(a)
     print(f"load: {len(reqs)} requests, {plan.kind}", flush=True)
-    parser = build_parser()
-    config = autoscale_config(parser, parser.parse_args([
-        "--autoscale", "--min-prefill", "1", "--max-prefill", str(a.max_prefill), "--min-decode", "1",
-        "--max-decode", str(a.max_decode), "--ttft-slo-ms", str(a.ttft_slo_ms), "--itl-slo-ms", str(a.itl_slo_ms),
-        "--planner-interval-secs", str(a.planner_interval), "--planner-stable-intervals", "2",
-        "--planner-cooldown-secs", str(a.planner_cooldown)]))
+    config = planner_config(a, a.max_prefill, a.max_decode)
     cluster = AutoscaledCluster(spec(a, 1, 1), config)
     try:
         cluster.start(timeout=300)
