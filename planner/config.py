@@ -34,6 +34,9 @@ class PlannerConfig:
             a band of 2x is never crossed by the planner's own step.
         stable_intervals: consecutive snapshots a pressure (or calm) must last before it acts (>= 1).
         cooldown_secs: after a role changed size, seconds before it changes again (>= 0).
+        scale_down_window_secs: a role shrinks only after every snapshot of this many seconds was calm, and only
+            if one worker fewer carries the window's peak load (>= 0; Kubernetes HPA's scale-down
+            ``stabilizationWindowSeconds``, whose default is also 300 s).
         kv_usage_high, kv_usage_low: decode KV usage (0..1) above which decode is under pressure, and below which
             it may shrink (``0 <= low < high <= 1``).
         transfers_per_decode_high: outstanding KV transfers per decode worker above which decode is the
@@ -52,6 +55,7 @@ class PlannerConfig:
     scale_down_ratio: float = 0.5
     stable_intervals: int = 2
     cooldown_secs: float = 60.0
+    scale_down_window_secs: float = 300.0
     kv_usage_high: float = 0.85
     kv_usage_low: float = 0.4
     transfers_per_decode_high: float = 8.0
@@ -82,8 +86,9 @@ class PlannerConfig:
                       f"that one more or one fewer worker scales by up to 2x must not cross it")
         if self.stable_intervals < 1:
             raise bad("stable_intervals", f"must be >= 1, got {self.stable_intervals}")
-        if not self.cooldown_secs >= 0:
-            raise bad("cooldown_secs", f"must be >= 0, got {self.cooldown_secs}")
+        for name in ("cooldown_secs", "scale_down_window_secs"):
+            if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
+                raise bad(name, f"must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.kv_usage_low < self.kv_usage_high <= 1:
             raise bad("kv_usage_low", f"({self.kv_usage_low}) and --planner-kv-usage-high ({self.kv_usage_high}) "
                       f"must satisfy 0 <= low < high <= 1")
@@ -106,6 +111,9 @@ PLANNER_FLAGS: tuple[Flag, ...] = (
          "last before it acts."),
     Flag("--planner-cooldown-secs", "cooldown_secs", float, "Seconds after a role changed size before it may "
          "change again."),
+    Flag("--planner-scale-down-window-secs", "scale_down_window_secs", float, "Seconds a role must have been calm, "
+         "with one worker fewer carrying their peak load, before it shrinks (Kubernetes HPA's scale-down "
+         "stabilization window)."),
     Flag("--planner-kv-usage-high", "kv_usage_high", float, "Decode KV usage (0..1) that is pressure."),
     Flag("--planner-kv-usage-low", "kv_usage_low", float, "Decode KV usage (0..1) under which decode may shrink."),
     Flag("--planner-transfers-per-decode-high", "transfers_per_decode_high", float,

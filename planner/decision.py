@@ -21,7 +21,10 @@ What it reads, per role (the anchors' gaps it closes, from issue reports of Dyna
   usage and running ratio below ``--planner-kv-usage-low``): between the two thresholds nothing moves
   (hysteresis), so a steady load makes no decision after the first (Dynamo oscillated 2 <-> 1, PR #9294).
 
-Rules: a pressure or calm must hold ``--planner-stable-intervals`` snapshots in a row before it acts; one step
+Rules: a pressure or calm must hold ``--planner-stable-intervals`` snapshots in a row before it acts, and a calm
+must also have held for ``--planner-scale-down-window-secs`` (Kubernetes' HPA ``stabilizationWindowSeconds`` for
+scale-down, default 300 s there and here) with one worker fewer carrying the peak load of that window: a bursty
+trace's gaps of a few seconds are not calm, and a burst of the last minutes counts against a drain. One step
 (one worker) per role per decision; after a role changed, ``--planner-cooldown-secs`` pass before it changes
 again. Each role decides on its own: a role whose last change is still being carried out (`Snapshot.pending`)
 holds, the other does not (Dynamo never scaled decode down while a prefill scale-up waited for a GPU,
@@ -34,6 +37,7 @@ decision (`Decision.action` ``frozen``): an outage never scales down to the mini
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from pd_cluster.planner.config import PlannerConfig
@@ -130,6 +134,8 @@ class _RoleState:
     calm_streak: int = 0
     changed_at: float = -math.inf
     grown_at: float | None = None  # the role's load per worker when pressure last grew it (`Planner._load`)
+    calm_since: float | None = None  # when the current run of calm snapshots began
+    loads: deque = field(default_factory=deque)  # (at, load) of the scale-down window's snapshots
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,7 @@ class Planner:
         if snap.missing:
             for st in self._roles.values():  # a gap breaks every streak: pressure must be seen again
                 st.up_streak = st.calm_streak = 0
+                st.calm_since = None
             return Decision(snap.at, cur, cur, "frozen", (f"metrics missing from {', '.join(snap.missing)}: "
                                                           f"no change",))
         pressure = {"decode": self._decode(snap)}
@@ -165,6 +172,8 @@ class Planner:
             st, p = self._roles[role], pressure[role]
             st.up_streak = st.up_streak + 1 if p.up else 0
             st.calm_streak = st.calm_streak + 1 if p.calm and not p.up else 0
+            st.calm_since = (st.calm_since if st.calm_since is not None else snap.at) if st.calm_streak else None
+            self._remember_load(snap, role, st)
             lo, hi = self._bounds(role)
             n = cur.get(role)
             if not lo <= n <= hi:
@@ -179,14 +188,16 @@ class Planner:
             if st.up_streak >= cfg.stable_intervals and n < hi:
                 target = target.with_(role, n + 1)
                 reasons.append(f"{role} +1: {'; '.join(p.up)}")
-            elif st.calm_streak >= cfg.stable_intervals and n > lo and self._fits_one_fewer(snap, role, st):
+            elif (st.calm_streak >= cfg.stable_intervals and snap.at - st.calm_since >= cfg.scale_down_window_secs
+                  and n > lo and self._fits_one_fewer(snap, role, st)):
                 target = target.with_(role, n - 1)
-                reasons.append(f"{role} -1: every signal below {cfg.scale_down_ratio:g} x its target")
+                reasons.append(f"{role} -1: every signal below {cfg.scale_down_ratio:g} x its target for "
+                               f"{snap.at - st.calm_since:.0f} s")
         target = self._cap(snap, cur, target, pressure, reasons)
         for role in ROLES:
             if target.get(role) != cur.get(role):
                 st = self._roles[role]
-                st.changed_at, st.up_streak, st.calm_streak = snap.at, 0, 0
+                st.changed_at, st.up_streak, st.calm_streak, st.calm_since = snap.at, 0, 0, None
                 if target.get(role) > cur.get(role) and pressure[role].up:
                     load = self._load(snap, role)
                     st.grown_at = None if load is None else load / max(cur.get(role), 1)
@@ -254,15 +265,24 @@ class Planner:
             return None if s.prefill_tokens_per_s is None else s.prefill_tokens_per_s * s.current.prefill
         return None if s.decode_running is None else float(s.decode_running)
 
+    def _remember_load(self, s: Snapshot, role: str, st: _RoleState) -> None:
+        """Keep the role's loads of the last ``--planner-scale-down-window-secs`` (and the snapshot now)."""
+        load = self._load(s, role)
+        if load is not None:
+            st.loads.append((s.at, load))
+        while st.loads and st.loads[0][0] < s.at - self.config.scale_down_window_secs:
+            st.loads.popleft()
+
     def _fits_one_fewer(self, s: Snapshot, role: str, st: _RoleState) -> bool:
-        """Whether one worker fewer would carry the load below the per-worker load that last grew the role
-        (times `LOAD_MEMORY_MARGIN`). Signals that are not per worker (TTFT, ITL) fall far below their targets
-        once a worker is added, so calm alone would drain the worker the load needs, and the load would grow
-        the role again: the oscillation of a steady load (Dynamo's 2 <-> 1, PR #9294)."""
-        load, n = self._load(s, role), s.current.get(role)
-        if st.grown_at is None or load is None or n <= 1:
+        """Whether one worker fewer would carry the peak load of the scale-down window below the per-worker load
+        that last grew the role (times `LOAD_MEMORY_MARGIN`). Signals that are not per worker (TTFT, ITL) fall far
+        below their targets once a worker is added, so calm alone would drain the worker the load needs, and the
+        load would grow the role again: the oscillation of a steady load (Dynamo's 2 <-> 1, PR #9294)."""
+        n = s.current.get(role)
+        if st.grown_at is None or not st.loads or n <= 1:
             return True
-        return load / (n - 1) < LOAD_MEMORY_MARGIN * st.grown_at
+        peak = max(load for _, load in st.loads)
+        return peak / (n - 1) < LOAD_MEMORY_MARGIN * st.grown_at
 
     # ---- bounds -------------------------------------------------------------------------------------------------
     def _bounds(self, role: str) -> tuple[int, int]:

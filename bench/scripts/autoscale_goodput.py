@@ -36,6 +36,7 @@ from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
 from pd_cluster.launch.autoscale import AutoscaledCluster, autoscale_config
 from pd_cluster.launch.cluster import ClusterSpec, LocalCluster, free_port
 from pd_cluster.launch.serve import build_parser
+from pd_cluster.planner.config import PlannerConfig
 
 MODEL = "stories260K"
 ENGINE = ["--kv-cache-memory", "64MiB", "--cpu-threads", "1"]
@@ -120,6 +121,8 @@ def add_planner_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--planner-interval", type=float, default=1.0)
     p.add_argument("--planner-cooldown", type=float, default=5.0)
+    p.add_argument("--planner-scale-down-window", type=float, default=PlannerConfig().scale_down_window_secs,
+                   help="pd-serve's --planner-scale-down-window-secs (seconds of calm before a role shrinks)")
     p.add_argument("--request-timeout", type=float, default=120.0)
 
 
@@ -130,7 +133,8 @@ def planner_config(a: argparse.Namespace, max_prefill: int, max_decode: int, max
         "--autoscale", "--min-prefill", "1", "--max-prefill", str(max_prefill), "--min-decode", "1",
         "--max-decode", str(max_decode), "--max-workers", str(max_workers), "--ttft-slo-ms", str(a.ttft_slo_ms),
         "--itl-slo-ms", str(a.itl_slo_ms), "--planner-interval-secs", str(a.planner_interval),
-        "--planner-stable-intervals", "2", "--planner-cooldown-secs", str(a.planner_cooldown)]))
+        "--planner-stable-intervals", "2", "--planner-cooldown-secs", str(a.planner_cooldown),
+        "--planner-scale-down-window-secs", str(a.planner_scale_down_window)]))
 
 
 def run_autoscaled(a: argparse.Namespace, work) -> dict:

@@ -42,7 +42,7 @@ LONG = [f"{i} Once upon a time there was a little girl named Lily who loved to p
 SHORT = ["Once upon a time", "The little dog ran"]
 FLAGS = ["--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--min-decode", "1", "--max-decode", "1",
          "--ttft-slo-ms", "150", "--itl-slo-ms", "1000", "--planner-interval-secs", "0.5",
-         "--planner-stable-intervals", "2", "--planner-cooldown-secs", "2"]
+         "--planner-stable-intervals", "2", "--planner-cooldown-secs", "2", "--planner-scale-down-window-secs", "0"]
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ PROMPTS = ["Once upon a time", "The little dog ran", "Lily and Tom went to the p
 MAX_TOKENS = 8
 FLAGS = ["--autoscale", "--min-prefill", "1", "--max-prefill", "2", "--min-decode", "1", "--max-decode", "1",
          "--ttft-slo-ms", "1", "--itl-slo-ms", "100000", "--planner-interval-secs", "0.5",
-         "--planner-stable-intervals", "2", "--planner-cooldown-secs", "2"]
+         "--planner-stable-intervals", "2", "--planner-cooldown-secs", "2", "--planner-scale-down-window-secs", "0"]
 
 
 def _manifest(path) -> dict:
@@ -46,11 +46,12 @@ def _prefills(path) -> list[dict]:
     return [w for w in _manifest(path).get("workers", []) if w["role"] == "prefill"]
 
 
-def _load(url: str, stop: threading.Event, out: list, limit: int) -> None:
-    """Requests one after another until `stop` or `limit`: (prompt, status, text)."""
+def _load(url: str, stop: threading.Event, out: list, limit: int, seconds: float = 300.0) -> None:
+    """Requests one after another until `stop`, `limit` requests or `seconds`: (prompt, status, text)."""
+    deadline = time.monotonic() + seconds
     with httpx.Client(timeout=120) as client:
         for i in range(limit):
-            if stop.is_set():
+            if stop.is_set() or time.monotonic() > deadline:
                 return
             prompt = PROMPTS[i % len(PROMPTS)]
             r = client.post(url + "/v1/completions", json={"model": "stories260K", "prompt": prompt,
@@ -75,18 +76,29 @@ def _wait(check, timeout: float) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=False, reason="passed 3 of 3 runs alone; in one full-suite run from a fresh clone the planner's "
-                   "new prefill actor was not listed within 240 s (cause not found yet)")
+def _why(manifest, log) -> str:
+    """What a failed wait saw: the manifest's workers, the planner's actions and the tail of pd-serve's log."""
+    m = _manifest(manifest)
+    try:
+        actions = [ln for ln in httpx.get(m["planner"]["metrics_url"], timeout=5).text.splitlines()
+                   if ln.startswith(("pd:planner_actions_total", "pd:planner_target_workers"))]
+    except (KeyError, httpx.HTTPError) as e:
+        actions = [repr(e)]
+    tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+    return f"workers: {m.get('workers')}\nplanner: {actions}\npd-serve log tail:\n{tail}"
+
+
 def test_the_planner_starts_and_drains_prefill_actors_on_ray(tmp_path):
     llm = LLM(page_size=16)
     refs = {p: o.text for p, o in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)))}
     llm.engine.close()
-    manifest, port = tmp_path / "manifest.json", free_port()
+    manifest, port, log = tmp_path / "manifest.json", free_port(), tmp_path / "pd-serve.log"
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--ray-address", "local", "--port",
-                             str(port), "--manifest", str(manifest), "--log-level", "warning", *FAST_ENGINE, *FLAGS],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.launch.serve", "--ray-address", "local", "--port",
+                                 str(port), "--manifest", str(manifest), "--log-level", "info", *FAST_ENGINE,
+                                 *FLAGS], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     tree: set[int] = set()
     try:
         assert _wait(lambda: proc.poll() is not None or bool(_manifest(manifest).get("planner")), 300), \
@@ -94,9 +106,11 @@ def test_the_planner_starts_and_drains_prefill_actors_on_ray(tmp_path):
         assert proc.poll() is None
         first = _prefills(manifest)
         assert [w["name"] for w in first] == ["pd-worker-prefill-0"]
-        # steady load: TTFT over 1 ms is prefill pressure, the planner starts a second prefill actor
+        # steady load until the second prefill serves (a request loop bounded at 4,000 requests and 300 s): TTFT
+        # over 1 ms is prefill pressure, the planner starts a second prefill actor. A load that ended before the
+        # new actor served would leave the planner calm, and it would drain that actor again.
         stop, records = threading.Event(), []
-        t = threading.Thread(target=_load, args=(url, stop, records, 400), daemon=True)
+        t = threading.Thread(target=_load, args=(url, stop, records, 4000), daemon=True)
         t.start()
         grew = _wait(lambda: len(_prefills(manifest)) == 2 and any(
             w["url"] == _prefills(manifest)[1]["url"] and w["healthy"]
@@ -104,13 +118,13 @@ def test_the_planner_starts_and_drains_prefill_actors_on_ray(tmp_path):
         time.sleep(2)  # a few requests at 2P1D
         stop.set()
         t.join(180)
-        assert grew, _manifest(manifest)
+        assert grew, _why(manifest, log)
         new = _prefills(manifest)[1]
         assert new["name"] == "pd-worker-prefill-1"
         tree = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         assert new["pid"] in tree  # a process of this Ray instance
         # no load: every signal calm, the planner drains one prefill worker and stops its actor
-        assert _wait(lambda: len(_prefills(manifest)) == 1, 120), _manifest(manifest)
+        assert _wait(lambda: len(_prefills(manifest)) == 1, 120), _why(manifest, log)
         gone = next(w for w in (first + [new]) if w["url"] not in {p["url"] for p in _prefills(manifest)})
         assert _wait(lambda: not psutil.pid_exists(gone["pid"]) or
                      psutil.Process(gone["pid"]).status() == psutil.STATUS_ZOMBIE, 60)

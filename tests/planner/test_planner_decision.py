@@ -16,7 +16,7 @@ from pd_cluster.planner.config import PLANNER_FLAGS, PlannerConfig, add_planner_
 from pd_cluster.planner.decision import Planner, RoleCounts, Snapshot
 
 CFG = PlannerConfig(ttft_slo_ms=1000, itl_slo_ms=50, min_prefill=1, max_prefill=3, min_decode=1, max_decode=3,
-                    max_workers=4, interval_secs=10, stable_intervals=2, cooldown_secs=60)
+                    max_workers=4, interval_secs=10, stable_intervals=2, cooldown_secs=60, scale_down_window_secs=0)
 
 maybe = lambda s: st.none() | s  # noqa: E731
 
@@ -30,12 +30,13 @@ signals = st.fixed_dictionaries({
     "missing": st.sampled_from([(), (), (), ("router",)])})
 
 configs = st.builds(
-    lambda mp, xp, md, xd, cap, stable, cool, up, down: PlannerConfig(
+    lambda mp, xp, md, xd, cap, stable, cool, up, down, window: PlannerConfig(
         ttft_slo_ms=1000, itl_slo_ms=50, min_prefill=mp, max_prefill=mp + xp, min_decode=md, max_decode=md + xd,
         max_workers=0 if cap is None else mp + md + cap, stable_intervals=stable, cooldown_secs=cool,
-        scale_up_ratio=up, scale_down_ratio=up * down),
+        scale_up_ratio=up, scale_down_ratio=up * down, scale_down_window_secs=window),
     st.integers(1, 3), st.integers(0, 3), st.integers(1, 3), st.integers(0, 3), maybe(st.integers(0, 3)),
-    st.integers(1, 3), st.sampled_from([0.0, 15.0, 60.0]), st.floats(0.8, 1.5), st.floats(0.05, 0.5))
+    st.integers(1, 3), st.sampled_from([0.0, 15.0, 60.0]), st.floats(0.8, 1.5), st.floats(0.05, 0.5),
+    st.sampled_from([0.0, 0.0, 30.0, 120.0]))
 
 
 def _run(cfg: PlannerConfig, start: RoleCounts, seq: list[dict], every: float = 10.0):
@@ -170,6 +171,7 @@ def test_a_restarted_planner_resumes_from_the_reported_counts():
     ({"scale_down_ratio": 0.6}, "--planner-scale-down-ratio (0.6) must be at most half --planner-scale-up-ratio"),
     ({"stable_intervals": 0}, "--planner-stable-intervals must be >= 1"),
     ({"cooldown_secs": -1}, "--planner-cooldown-secs must be >= 0"),
+    ({"scale_down_window_secs": -5}, "--planner-scale-down-window-secs must be >= 0"),
     ({"kv_usage_low": 0.9}, "--planner-kv-usage-low (0.9) and --planner-kv-usage-high (0.85)"),
 ])
 def test_bad_configuration_names_the_flag(kw, flag):
@@ -206,7 +208,7 @@ def test_a_starved_prefill_or_a_router_queue_is_not_calm():
     (a backlog so deep that a window passes without a first token once read as calm, and the planner drained a
     prefill worker in the middle of a burst); requests queued in the router keep both roles from shrinking."""
     cfg = PlannerConfig(ttft_slo_ms=300, itl_slo_ms=50, max_prefill=3, max_decode=3, stable_intervals=2,
-                        cooldown_secs=0)
+                        cooldown_secs=0, scale_down_window_secs=0)
     quiet = {"itl_p90_ms": 5.0, "decode_kv_usage": 0.1, "decode_running": 1, "decode_capacity": 64,
              "outstanding_transfers": 0}
     starved = [dict(quiet, prefill_waiting=40)] * 4
@@ -233,3 +235,29 @@ def test_a_worker_added_for_a_steady_load_stays_until_the_load_falls():
         targets.append(cur.prefill)
     assert targets[:2] == [1, 2] and set(targets[2:30]) == {2}  # grown once, kept under the same load
     assert targets[-1] == 1  # the load fell under 0.8 of what one worker carried: drained
+
+
+def test_a_bursty_load_does_not_drain_between_bursts_and_a_lasting_calm_does():
+    """20 s bursts 40 s apart with calm gaps between them (a real trace sped up): with the scale-down window of
+    Kubernetes' HPA (300 s of calm, one worker fewer carrying the window's peak load) the worker the bursts grew
+    stays; without it every gap drains it and the next burst grows it again. A calm of the whole window drains."""
+    def run(window: float) -> list[int]:
+        cfg = dataclasses.replace(CFG, max_workers=0, cooldown_secs=20, scale_down_window_secs=window)
+        planner, cur, out = Planner(cfg), RoleCounts(1, 1), []
+        for i in range(120):  # 10 s apart: 20 minutes
+            burst = i < 80 and i % 4 < 2  # 20 s of burst in every 40 s, then the load ends (last burst: i = 77)
+            offered = 20_000.0 if burst else 2_000.0
+            ttft = (2500.0 if cur.prefill == 1 else 300.0) if burst else 50.0
+            d = planner.decide(Snapshot(at=i * 10.0, current=cur, ttft_p90_ms=ttft, itl_p90_ms=10.0,
+                                        decode_kv_usage=0.1, prefill_tokens_per_s=offered / cur.prefill))
+            cur = d.target
+            out.append(cur.prefill)
+        return out
+
+    without = run(0.0)
+    assert sum(a != b for a, b in zip(without, without[1:])) >= 6  # it flaps with the bursts
+    steady = run(300.0)
+    changes = [i for i, (a, b) in enumerate(zip(steady, steady[1:])) if a != b]
+    assert steady[:2] == [1, 2] and max(steady) == 2 and changes[0] == 0  # one scale-up, at the first burst
+    assert len(changes) == 2 and changes[1] == 77 + 30, changes  # then one drain, 300 s after the last burst
+    assert steady[-1] == 1

@@ -76,7 +76,7 @@ class Recorder:
 
 
 CFG = PlannerConfig(ttft_slo_ms=100, itl_slo_ms=50, max_prefill=3, max_decode=3, stable_intervals=2,
-                    cooldown_secs=0, interval_secs=1)
+                    cooldown_secs=0, interval_secs=1, scale_down_window_secs=0)
 
 
 def _snap(t: float, prefill: int = 1, ttft: float | None = 500.0, missing=()) -> Snapshot:
