@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pd_cluster.engine.assets import DEFAULT_MODEL
-from pd_cluster.engine.model.eplb import EPLBConfig
+from pd_cluster.engine.model.eplb_config import EPLBConfig
 from pd_cluster.engine.parallel.nodes import check_dp, check_nodes
 from pd_cluster.engine.spec.config import SpeculativeConfig
 

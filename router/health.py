@@ -1,6 +1,7 @@
 """Active health checks, ``/server_info`` learning and ``/get_load`` polling: readiness apart from liveness.
 
-**Readiness** (may it take new work?): ``GET /health`` every ``--health-check-interval-secs``; a worker turns
+**Readiness** (may it take new work?): ``GET /health`` every ``--health-check-interval-secs`` (every
+`STARTUP_PROBE_SECS` for a worker never seen ready, until it is); a worker turns
 *not ready* after ``--health-failure-threshold`` misses in a row and ready after ``--health-success-threshold``
 good answers (one for a worker never seen ready). A good answer is a 200 within ``--health-check-timeout-secs``;
 a miss is a non-200 answer (a worker starting, draining or whose engine died answers 503), or a probe (health
@@ -42,6 +43,12 @@ from pd_cluster.router.upstream import Upstreams
 from pd_cluster.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("pd_cluster.router.health")
+
+STARTUP_PROBE_SECS = 0.5
+"""How often a worker never seen ready is checked, whatever ``--health-check-interval-secs`` says (Kubernetes'
+startup probe beside its readiness probe): a starting worker takes work within half a second of answering
+``/health``, not at the next round of checks (up to 5 s later by default, a wait every cold start and every worker
+the planner adds paid). Checking a port that is not listening yet costs one refused connection."""
 
 
 def refused_or_reset(exc: BaseException) -> bool:
@@ -267,12 +274,23 @@ class HealthMonitor:
         await asyncio.gather(*(self.check(w) for w in self.registry.all()))
 
     async def run_checks(self) -> None:
-        """Loop: a health check of every worker each interval."""
+        """Loop: a health check of every worker each interval, and of a worker never seen ready every
+        `STARTUP_PROBE_SECS` until it is."""
+        next_round = 0.0
         while True:
+            now = time.monotonic()
+            full = now >= next_round
+            if full:
+                next_round = now + self.config.interval_secs
             for worker in self.registry.all():
-                self._spawn(self.check(worker))
-            self.on_room()  # a breaker that turned half-open, a worker that turned ready: waiters look again
-            await asyncio.sleep(self.config.interval_secs)
+                if full or not worker.checked:
+                    self._spawn(self.check(worker))
+            if full:
+                self.on_room()  # a breaker that turned half-open, a worker that turned ready: waiters look again
+            wait = next_round - time.monotonic()
+            if any(not w.checked for w in self.registry.all()):
+                wait = min(wait, STARTUP_PROBE_SECS)
+            await asyncio.sleep(max(wait, 0.0))
 
     async def run_load_polls(self) -> None:
         """Loop: ``/get_load`` of each healthy worker whose role's policy uses load."""

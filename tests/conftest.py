@@ -1,9 +1,9 @@
 """Shared test set-up: GPU skipping, shared helpers on the path, and the rule that only `slow` tests start processes.
 
-Test tiers: ``python -m pytest`` runs everything (CI's command); ``python -m pytest -m "not slow"`` is the fast inner
-loop (under 4 minutes on a 2-core CPU with ``-n 2``). The modules whose checks are windows of wall-clock time are
-marked ``exclusive`` (`tests/support/exclusive.py`): in a run split over processes (pytest-xdist,
-``-n 2 --dist loadgroup -m "not exclusive"``), run them alone afterwards (``-m exclusive``). A test that starts a process (a worker, a router, a cluster, a
+Test tiers: ``python -m pytest`` runs everything; ``python -m pytest -m "not slow"`` is the fast inner loop (under 4
+minutes on a 2-core CPU with ``-n 2``). The modules whose checks are windows of wall-clock time are marked
+``exclusive`` (`tests/support/exclusive.py`): CI's command (the README's) runs the rest split over two processes
+(pytest-xdist, ``-n 2 --dist loadgroup -m "not exclusive"``), then these alone (``-m exclusive``). A test that starts a process (a worker, a router, a cluster, a
 tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
 over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
 way of starting a process fail the test.

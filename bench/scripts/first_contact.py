@@ -31,7 +31,7 @@ run yet, so time a step does not use goes to the steps after it. A step that out
 to ``DIR/run.log`` (kept under `LOG_CAP` bytes). Those three files are all the run writes into DIR; a step's
 failure is recorded there and the next step still runs.
 
-``--dry-run`` runs the same steps on any machine at toy sizes on CPU (`tests/bench/test_first_contact_script.py`):
+``--dry-run`` runs the same steps on any machine at toy sizes on CPU (`tests/bench/test_first_contact_dry_run.py`):
 it proves the script starts, writes its files and stays within its budget. Its numbers mean nothing.
 
 Exit status: 0 when every step ended without an error or a failed check (a missed target is a finding), 1

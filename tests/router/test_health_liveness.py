@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from pd_cluster.router.config import CircuitBreakerConfig, HealthConfig, LimitsConfig, Role
-from pd_cluster.router.health import HealthMonitor
+from pd_cluster.router.health import STARTUP_PROBE_SECS, HealthMonitor
 from pd_cluster.router.relay import AttemptFailure
 from pd_cluster.router.supervisor import Supervisor
 from pd_cluster.router.upstream import Upstreams
@@ -149,6 +149,49 @@ async def test_a_worker_that_never_answered_is_starting_not_dead():
     finally:
         await monitor.close()
         await upstreams.close()
+
+
+@pytest.mark.asyncio
+async def test_a_starting_worker_is_checked_every_half_second_until_ready_then_each_interval():
+    """Kubernetes' startup probe: with ``--health-check-interval-secs 30`` a worker that starts listening 1 s after
+    the router is ready within `STARTUP_PROBE_SECS` of it (not 29 s later); once ready it is checked each interval."""
+    w = Worker()
+    url = await w.start()
+    port = w.port
+    await w.stop()  # nothing listens yet (a worker still loading its model)
+    registry = WorkerRegistry(CircuitBreakerConfig())
+    upstreams = Upstreams(LimitsConfig())
+    await upstreams.start()
+    monitor = HealthMonitor(registry, upstreams, HealthConfig(interval_secs=30.0, timeout_secs=TIMEOUT),
+                            lambda role: False)
+    worker = registry.add(url, Role.DECODE, "static")
+    checks: list[float] = []
+    real_check = monitor.check
+
+    async def counted(wk):
+        checks.append(time.monotonic())
+        return await real_check(wk)
+
+    monitor.check = counted
+    loop = asyncio.ensure_future(monitor.run_checks())
+    try:
+        await asyncio.sleep(1.0)
+        assert not worker.healthy and 2 <= len(checks) <= 4, checks  # refused: starting, probed every 0.5 s
+        w.port = port
+        await w.start()
+        up = time.monotonic()
+        while not worker.healthy and time.monotonic() - up < 5:
+            await asyncio.sleep(0.02)
+        assert worker.healthy and time.monotonic() - up <= STARTUP_PROBE_SECS + 0.3
+        n = len(checks)
+        await asyncio.sleep(1.5)
+        assert len(checks) == n  # ready: back to the 30 s interval
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await monitor.close()
+        await upstreams.close()
+        await w.stop()
 
 
 def test_supervisor_fails_a_silent_attempt_only_when_its_worker_shows_no_life():

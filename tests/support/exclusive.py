@@ -1,7 +1,7 @@
 """The test modules that need the machine to themselves: the ``exclusive`` marker.
 
 A run of the suite split over processes (pytest-xdist: ``-n 2 --dist loadgroup -m "not exclusive"``) leaves these
-modules out, to run them alone afterwards (``-m exclusive``); CI runs the whole suite in one process. A module
+modules out, to run them alone afterwards (``-m exclusive``); CI's command (the README's) runs the suite so. A module
 belongs here when what it checks is a window of wall-clock time that a second test process on a 2-core machine
 would eat into: a freeze that must outlast one deadline and not another, CPU hogs that are the load under test, a
 budget or a rate measured against the clock, fault injection under load where a slow peer must not read as a dead
@@ -32,7 +32,7 @@ EXCLUSIVE_MODULES: dict[str, str] = {
     "tests/cluster/test_cluster_load.py": "load leaves no trace: disconnects under load",
     "tests/cluster/test_autoscale.py": "the planner decides from measured latencies of a burst",
     # the clock is the subject
-    "tests/bench/test_first_contact_script.py": "a wall-clock budget shared between steps",
+    "tests/bench/test_first_contact_script.py": "a step stopped at its share of a 16 s budget",
     "tests/bench/test_arrivals.py": "send times of a Poisson process at 50 per second",
     "tests/bench/test_exact_metrics.py": "reported latencies against a fake server's delays",
 }
