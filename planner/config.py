@@ -88,7 +88,7 @@ class PlannerConfig:
             raise bad("stable_intervals", f"must be >= 1, got {self.stable_intervals}")
         for name in ("cooldown_secs", "scale_down_window_secs"):
             if not getattr(self, name) >= 0 or getattr(self, name) == float("inf"):
-                raise bad(name, f"must be >= 0, got {getattr(self, name)}")
+                raise bad(name, f"must be finite and >= 0, got {getattr(self, name)}")
         if not 0 <= self.kv_usage_low < self.kv_usage_high <= 1:
             raise bad("kv_usage_low", f"({self.kv_usage_low}) and --planner-kv-usage-high ({self.kv_usage_high}) "
                       f"must satisfy 0 <= low < high <= 1")

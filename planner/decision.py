@@ -294,7 +294,8 @@ class Planner:
         """Keep `target` within ``--max-workers``. A role brought up to its minimum comes first: the other role
         gives what that needs (down to its own minimum; the minimums fit under the cap). A role that grows by
         pressure takes a worker from the other role when that one is calm, out of its cool-down, not changing
-        and above its minimum (a role switch); else the growth is dropped."""
+        and above its minimum (a role switch); else the growth is dropped. A switch is driven by the growing
+        role's pressure: the giving role's scale-down window and load memory do not hold it."""
         cap = self.config.max_workers
         if not cap or target.total <= max(cap, cur.total):
             return target

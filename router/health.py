@@ -1,7 +1,7 @@
 """Active health checks, ``/server_info`` learning and ``/get_load`` polling: readiness apart from liveness.
 
 **Readiness** (may it take new work?): ``GET /health`` every ``--health-check-interval-secs`` (every
-`STARTUP_PROBE_SECS` for a worker never seen ready, until it is); a worker turns
+`STARTUP_PROBE_SECS` for a worker never seen ready, for up to `STARTUP_PROBE_LIMIT_SECS`); a worker turns
 *not ready* after ``--health-failure-threshold`` misses in a row and ready after ``--health-success-threshold``
 good answers (one for a worker never seen ready). A good answer is a 200 within ``--health-check-timeout-secs``;
 a miss is a non-200 answer (a worker starting, draining or whose engine died answers 503), or a probe (health
@@ -50,6 +50,10 @@ startup probe beside its readiness probe): a starting worker takes work within h
 ``/health``, not at the next round of checks (up to 5 s later by default, a wait every cold start and every worker
 the planner adds paid). Checking a port that is not listening yet costs one refused connection."""
 
+STARTUP_PROBE_LIMIT_SECS = 900.0
+"""How long after its registration a worker never seen ready is probed every `STARTUP_PROBE_SECS` (a big
+checkpoint loads for minutes); past it, at ``--health-check-interval-secs`` like every other worker."""
+
 
 def refused_or_reset(exc: BaseException) -> bool:
     """True when `exc` (from aiohttp or the socket layer) says nothing listens on the worker's port or the worker
@@ -81,6 +85,7 @@ class HealthMonitor:
         self._checking: dict[str, float] = {}  # url -> when its outstanding health check was sent
         self._polling: dict[str, float] = {}   # url -> when its outstanding load poll was sent
         self._missed_at: dict[str, float] = {}  # url -> when a miss was last counted for an outstanding probe
+        self._wrong_role: set[str] = set()  # urls whose /server_info reported another role than registered
         self._timeout = aiohttp.ClientTimeout(total=max(config.timeout_secs, liveness_secs))
         self._tasks: set[asyncio.Task] = set()
         self.on_unhealthy: list[Callable[[Worker], None]] = []  # turned not ready (dead or not)
@@ -217,9 +222,12 @@ class HealthMonitor:
             return True
         role = info.get("role")
         if isinstance(role, str) and role != worker.role.value:
-            log.error("worker reports another role; not used", extra={
-                "worker": worker.url, "registered_role": worker.role.value, "reported_role": role})
+            if worker.url not in self._wrong_role:  # logged once, not at every check
+                self._wrong_role.add(worker.url)
+                log.error("worker reports another role; not used", extra={
+                    "worker": worker.url, "registered_role": worker.role.value, "reported_role": role})
             return False
+        self._wrong_role.discard(worker.url)
         name = info.get("served_model_name") or info.get("model")
         if isinstance(name, str) and name != worker.served_model_name:
             worker.served_model_name = name
@@ -273,6 +281,12 @@ class HealthMonitor:
         """Check every worker once and wait for the answers."""
         await asyncio.gather(*(self.check(w) for w in self.registry.all()))
 
+    def _starting(self, worker: Worker, now: float) -> bool:
+        """Never seen ready, registered under `STARTUP_PROBE_LIMIT_SECS` ago, and not refused for its role: probed
+        every `STARTUP_PROBE_SECS`."""
+        return (not worker.checked and worker.url not in self._wrong_role
+                and now - worker.added_at < STARTUP_PROBE_LIMIT_SECS)
+
     async def run_checks(self) -> None:
         """Loop: a health check of every worker each interval, and of a worker never seen ready every
         `STARTUP_PROBE_SECS` until it is."""
@@ -283,14 +297,12 @@ class HealthMonitor:
             if full:
                 next_round = now + self.config.interval_secs
             for worker in self.registry.all():
-                if full or not worker.checked:
+                if full or self._starting(worker, now):
                     self._spawn(self.check(worker))
             if full:
                 self.on_room()  # a breaker that turned half-open, a worker that turned ready: waiters look again
-            wait = next_round - time.monotonic()
-            if any(not w.checked for w in self.registry.all()):
-                wait = min(wait, STARTUP_PROBE_SECS)
-            await asyncio.sleep(max(wait, 0.0))
+            # wake at least every STARTUP_PROBE_SECS: a worker registered meanwhile (the planner's) is probed then
+            await asyncio.sleep(max(0.0, min(next_round - time.monotonic(), STARTUP_PROBE_SECS)))
 
     async def run_load_polls(self) -> None:
         """Loop: ``/get_load`` of each healthy worker whose role's policy uses load."""

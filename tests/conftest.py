@@ -3,10 +3,10 @@
 Test tiers: ``python -m pytest`` runs everything; ``python -m pytest -m "not slow"`` is the fast inner loop (under 4
 minutes on a 2-core CPU with ``-n 2``). The modules whose checks are windows of wall-clock time are marked
 ``exclusive`` (`tests/support/exclusive.py`): CI's command (the README's) runs the rest split over two processes
-(pytest-xdist, ``-n 2 --dist loadgroup -m "not exclusive"``), then these alone (``-m exclusive``). A test that starts a process (a worker, a router, a cluster, a
-tensor-parallel rank, a script, a ``pip``/``helm``/``git`` call) must be marked ``slow``, and so is one that runs
-over about 5 s: while a test that is not is set up, run or torn down, `process_guard.ProcessGuard` makes every
-way of starting a process fail the test.
+(pytest-xdist, ``-n 2 --dist loadgroup -m "not exclusive"``), then these alone (``-m exclusive``). A test that
+starts a process (a worker, a router, a cluster, a tensor-parallel rank, a script, a ``pip``/``helm``/``git``
+call) must be marked ``slow``, and so is one that runs over about 5 s: while a test that is not is set up, run or
+torn down, `process_guard.ProcessGuard` makes every way of starting a process fail the test.
 
 Clusters several slow modules only read from are shared: `tests/support/shared_clusters.py` (the fixture
 ``pd_1p1d``) starts one for the first test that asks and stops it after the last one.

@@ -112,9 +112,12 @@ def test_the_planner_starts_and_drains_prefill_actors_on_ray(tmp_path):
         stop, records = threading.Event(), []
         t = threading.Thread(target=_load, args=(url, stop, records, 4000), daemon=True)
         t.start()
-        grew = _wait(lambda: len(_prefills(manifest)) == 2 and any(
-            w["url"] == _prefills(manifest)[1]["url"] and w["healthy"]
-            for w in httpx.get(url + "/workers", timeout=10).json()["workers"]), 240)
+        def second_serves() -> bool:
+            prefills = _prefills(manifest)  # read once: a drain may rewrite it between two reads
+            return len(prefills) == 2 and any(w["url"] == prefills[1]["url"] and w["healthy"]
+                                              for w in httpx.get(url + "/workers", timeout=10).json()["workers"])
+
+        grew = _wait(second_serves, 240)
         time.sleep(2)  # a few requests at 2P1D
         stop.set()
         t.join(180)

@@ -170,8 +170,8 @@ def test_a_restarted_planner_resumes_from_the_reported_counts():
     ({"max_workers": 1}, "--max-workers (1) is below --min-prefill + --min-decode (2)"),
     ({"scale_down_ratio": 0.6}, "--planner-scale-down-ratio (0.6) must be at most half --planner-scale-up-ratio"),
     ({"stable_intervals": 0}, "--planner-stable-intervals must be >= 1"),
-    ({"cooldown_secs": -1}, "--planner-cooldown-secs must be >= 0"),
-    ({"scale_down_window_secs": -5}, "--planner-scale-down-window-secs must be >= 0"),
+    ({"cooldown_secs": -1}, "--planner-cooldown-secs must be finite and >= 0"),
+    ({"scale_down_window_secs": -5}, "--planner-scale-down-window-secs must be finite and >= 0"),
     ({"kv_usage_low": 0.9}, "--planner-kv-usage-low (0.9) and --planner-kv-usage-high (0.85)"),
 ])
 def test_bad_configuration_names_the_flag(kw, flag):
@@ -237,19 +237,25 @@ def test_a_worker_added_for_a_steady_load_stays_until_the_load_falls():
     assert targets[-1] == 1  # the load fell under 0.8 of what one worker carried: drained
 
 
-def test_a_bursty_load_does_not_drain_between_bursts_and_a_lasting_calm_does():
+@pytest.mark.parametrize("ttft_at_two, load_known", [
+    (300.0, True),   # the bursts are calm at two workers: the window's peak load keeps the worker
+    (700.0, False),  # the bursts are inside the band at two workers and no load is reported: the calm window does
+])
+def test_a_bursty_load_does_not_drain_between_bursts_and_a_lasting_calm_does(ttft_at_two, load_known):
     """20 s bursts 40 s apart with calm gaps between them (a real trace sped up): with the scale-down window of
     Kubernetes' HPA (300 s of calm, one worker fewer carrying the window's peak load) the worker the bursts grew
-    stays; without it every gap drains it and the next burst grows it again. A calm of the whole window drains."""
+    stays; without it every gap drains it and the next burst grows it again. A calm of the whole window drains.
+    Each case fails with one of the two conditions removed."""
     def run(window: float) -> list[int]:
         cfg = dataclasses.replace(CFG, max_workers=0, cooldown_secs=20, scale_down_window_secs=window)
         planner, cur, out = Planner(cfg), RoleCounts(1, 1), []
         for i in range(120):  # 10 s apart: 20 minutes
             burst = i < 80 and i % 4 < 2  # 20 s of burst in every 40 s, then the load ends (last burst: i = 77)
             offered = 20_000.0 if burst else 2_000.0
-            ttft = (2500.0 if cur.prefill == 1 else 300.0) if burst else 50.0
+            ttft = (2500.0 if cur.prefill == 1 else ttft_at_two) if burst else 50.0
             d = planner.decide(Snapshot(at=i * 10.0, current=cur, ttft_p90_ms=ttft, itl_p90_ms=10.0,
-                                        decode_kv_usage=0.1, prefill_tokens_per_s=offered / cur.prefill))
+                                        decode_kv_usage=0.1,
+                                        prefill_tokens_per_s=offered / cur.prefill if load_known else None))
             cur = d.target
             out.append(cur.prefill)
         return out

@@ -151,47 +151,69 @@ async def test_a_worker_that_never_answered_is_starting_not_dead():
         await upstreams.close()
 
 
-@pytest.mark.asyncio
-async def test_a_starting_worker_is_checked_every_half_second_until_ready_then_each_interval():
-    """Kubernetes' startup probe: with ``--health-check-interval-secs 30`` a worker that starts listening 1 s after
-    the router is ready within `STARTUP_PROBE_SECS` of it (not 29 s later); once ready it is checked each interval."""
+async def _not_listening() -> tuple[Worker, str]:
+    """A worker whose port is known but not listening yet (a worker still loading its model)."""
     w = Worker()
     url = await w.start()
     port = w.port
-    await w.stop()  # nothing listens yet (a worker still loading its model)
+    await w.stop()
+    w.port = port
+    return w, url
+
+
+async def _ready_within(worker, seconds: float) -> float:
+    up = time.monotonic()
+    while not worker.healthy and time.monotonic() - up < seconds:
+        await asyncio.sleep(0.02)
+    return time.monotonic() - up
+
+
+@pytest.mark.asyncio
+async def test_a_starting_worker_is_checked_every_half_second_until_ready_then_each_interval():
+    """Kubernetes' startup probe: with ``--health-check-interval-secs 30`` a worker that starts listening after the
+    router is ready within about `STARTUP_PROBE_SECS` of it (not up to 30 s later), also one registered while
+    the loop sleeps (the planner's); once ready it is checked each interval. A worker that reports another role
+    than it was registered with is not probed fast (its error is logged once)."""
+    a, url_a = await _not_listening()
+    b, url_b = await _not_listening()
+    c = Worker()  # listening, but a decode registered as prefill
+    url_c = await c.start()
     registry = WorkerRegistry(CircuitBreakerConfig())
     upstreams = Upstreams(LimitsConfig())
     await upstreams.start()
     monitor = HealthMonitor(registry, upstreams, HealthConfig(interval_secs=30.0, timeout_secs=TIMEOUT),
                             lambda role: False)
-    worker = registry.add(url, Role.DECODE, "static")
-    checks: list[float] = []
+    first = registry.add(url_a, Role.DECODE, "static")
+    checks: dict[str, int] = {url_a: 0, url_b: 0, url_c: 0}
     real_check = monitor.check
 
     async def counted(wk):
-        checks.append(time.monotonic())
+        checks[wk.url] += 1
         return await real_check(wk)
 
     monitor.check = counted
     loop = asyncio.ensure_future(monitor.run_checks())
     try:
         await asyncio.sleep(1.0)
-        assert not worker.healthy and 2 <= len(checks) <= 4, checks  # refused: starting, probed every 0.5 s
-        w.port = port
-        await w.start()
-        up = time.monotonic()
-        while not worker.healthy and time.monotonic() - up < 5:
-            await asyncio.sleep(0.02)
-        assert worker.healthy and time.monotonic() - up <= STARTUP_PROBE_SECS + 0.3
-        n = len(checks)
-        await asyncio.sleep(1.5)
-        assert len(checks) == n  # ready: back to the 30 s interval
+        assert not first.healthy and 2 <= checks[url_a] <= 4, checks  # refused: starting, probed every 0.5 s
+        await a.start()
+        assert await _ready_within(first, 5) <= STARTUP_PROBE_SECS + 1.5 and first.healthy  # not 29 s
+        n = checks[url_a]
+        second = registry.add(url_b, Role.DECODE, "dynamic")  # while the loop sleeps towards its next round
+        wrong = registry.add(url_c, Role.PREFILL, "dynamic")
+        await asyncio.sleep(1.0)
+        await b.start()
+        assert await _ready_within(second, 5) <= STARTUP_PROBE_SECS + 1.5 and second.healthy
+        await asyncio.sleep(1.0)
+        assert checks[url_a] == n  # ready: back to the 30 s interval
+        assert not wrong.healthy and checks[url_c] == 1, checks  # refused for its role once, then not probed fast
     finally:
         loop.cancel()
         await asyncio.gather(loop, return_exceptions=True)
         await monitor.close()
         await upstreams.close()
-        await w.stop()
+        for w in (a, b, c):
+            await w.stop()
 
 
 def test_supervisor_fails_a_silent_attempt_only_when_its_worker_shows_no_life():
