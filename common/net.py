@@ -8,6 +8,11 @@ import socket
 _RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST = 10000
 
+DEFAULT_DIST_INIT_PORT = 20000
+"""The multi-node rendezvous port taken with ``LWS_LEADER_ADDRESS`` (SGLang's LWS examples' port;
+`pd_cluster.engine.parallel.nodes`). `free_port` never hands it out: a multi-node worker on this host may bind it
+without a flag."""
+
 
 def ephemeral_range() -> tuple[int, int]:
     """The kernel's ephemeral port range ``(low, high)``, inclusive (Linux default 32768-60999)."""
@@ -26,14 +31,14 @@ def free_port(host: str = "127.0.0.1", attempts: int = 200) -> int:
     ``bind(0)`` is itself ephemeral, so between picking it and the server binding it, any
     socket bound to port 0 (UCX opens several TCP listeners per NIXL agent; every outgoing
     connection takes one too) may take it, and the server then fails with "address already in
-    use". Ports below the range are never given out that way. Falls back to ``bind(0)`` when
-    no port in ``[10000, low)`` is free after ``attempts`` tries.
+    use". Ports below the range are never given out that way. Never `DEFAULT_DIST_INIT_PORT`. Falls back to
+    ``bind(0)`` when no port in ``[10000, low)`` is free after ``attempts`` tries.
     """
     low, _ = ephemeral_range()
     if low - _LOWEST > attempts:
         for _ in range(attempts):
             port = random.randrange(_LOWEST, low)
-            if _bindable(host, port):
+            if port != DEFAULT_DIST_INIT_PORT and _bindable(host, port):
                 return port
     with socket.socket() as s:
         s.bind((host, 0))

@@ -3,7 +3,7 @@
 Test tiers: ``python -m pytest`` runs everything; ``python -m pytest -m "not slow"`` is the fast inner loop (under 4
 minutes on a 2-core CPU with ``-n 2``). The modules whose checks are windows of wall-clock time are marked
 ``exclusive`` (`tests/support/exclusive.py`): CI's command (the README's) runs the rest split over two processes
-(pytest-xdist, ``-n 2 --dist loadgroup -m "not exclusive"``), then these alone (``-m exclusive``). A test that
+(pytest-xdist, ``-n 2 --dist loadfile -m "not exclusive"``), then these alone (``-m exclusive``). A test that
 starts a process (a worker, a router, a cluster, a tensor-parallel rank, a script, a ``pip``/``helm``/``git``
 call) must be marked ``slow``, and so is one that runs over about 5 s: while a test that is not is set up, run or
 torn down, `process_guard.ProcessGuard` makes every way of starting a process fail the test.
@@ -32,9 +32,8 @@ answer_processor_without_uname()
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which names a test by its `xdist_group`
 def pytest_collection_modifyitems(config, items):
-    _mark_exclusive_and_groups(items)
+    _mark_exclusive(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -43,20 +42,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _mark_exclusive_and_groups(items) -> None:
-    """Mark the tests of `EXCLUSIVE_MODULES`; give every test its module as `xdist_group`, or the shared cluster's
-    name for every test of a module that takes one, so that under ``-n 2 --dist loadgroup`` a module's fixtures
-    start once and a shared cluster serves all its modules from one process (its last user stops it)."""
-    group: dict[Path, str] = {}
+def _mark_exclusive(items) -> None:
+    """Mark the tests of `EXCLUSIVE_MODULES`. (A run split over processes uses ``--dist loadfile``: a module's tests
+    run in one process, so its module fixtures start once. pytest-xdist's ``loadgroup`` names a test's group by
+    rewriting its node id, which pytest 9.2's node ids no longer take: it split modules over both processes.)"""
     for item in items:
-        for name in SHARED.names:
-            if name in getattr(item, "fixturenames", ()):
-                group[item.path] = name
-    for item in items:
-        module = Path(item.path).resolve().relative_to(ROOT).as_posix()
-        if module in EXCLUSIVE_MODULES:
+        if Path(item.path).resolve().relative_to(ROOT).as_posix() in EXCLUSIVE_MODULES:
             item.add_marker(pytest.mark.exclusive)
-        item.add_marker(pytest.mark.xdist_group(group.get(item.path, module)))
 
 
 def _no_process_unless_slow(item):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-DEFAULT_DIST_INIT_PORT = 20000  # the rendezvous port taken with LWS_LEADER_ADDRESS (SGLang's LWS examples' port)
+from pd_cluster.common.net import DEFAULT_DIST_INIT_PORT  # noqa: F401 (the rendezvous port with LWS_LEADER_ADDRESS)
 LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 LOCAL_JOIN_TIMEOUT_S = 120   # ranks spawned on this host must have started by then
 NODES_JOIN_TIMEOUT_S = 600   # other nodes (pods that may still pull an image) must have joined by then

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from pd_cluster.common.net import ephemeral_range, free_port, port_taken
+from pd_cluster.common.net import DEFAULT_DIST_INIT_PORT, ephemeral_range, free_port, port_taken
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():
@@ -29,6 +29,15 @@ def test_a_port_taken_by_a_listener_is_skipped(monkeypatch):
         assert free_port() == free
     finally:
         taken.close()
+
+
+def test_the_multi_node_rendezvous_port_is_never_handed_out(monkeypatch):
+    """A multi-node worker started with LWS's environment binds port 20000 without a flag: a server given that
+    port by `free_port` (two test processes side by side, one starting a multi-node decode) would take it."""
+    free = free_port()
+    draws = iter([DEFAULT_DIST_INIT_PORT, free])
+    monkeypatch.setattr("pd_cluster.common.net.random.randrange", lambda lo, hi: next(draws))
+    assert free_port() == free
 
 
 def test_port_taken_names_a_listener_and_not_a_closed_port():

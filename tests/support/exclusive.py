@@ -1,6 +1,6 @@
 """The test modules that need the machine to themselves: the ``exclusive`` marker.
 
-A run of the suite split over processes (pytest-xdist: ``-n 2 --dist loadgroup -m "not exclusive"``) leaves these
+A run of the suite split over processes (pytest-xdist: ``-n 2 --dist loadfile -m "not exclusive"``) leaves these
 modules out, to run them alone afterwards (``-m exclusive``); CI's command (the README's) runs the suite so. A module
 belongs here when what it checks is a window of wall-clock time that a second test process on a 2-core machine
 would eat into: a freeze that must outlast one deadline and not another, CPU hogs that are the load under test, a

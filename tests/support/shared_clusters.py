@@ -13,6 +13,8 @@ and create a NIXL agent). Tests that only read from a cluster share one instead 
 `pd_1p1d` is `cluster_util.running_cluster(1, 1)`: the embedded model, `cluster_util.FAST_ENGINE`, the router's
 default flags. The fixture is session-scoped, but the cluster runs only from the first test that asks for it to
 the last one (`SharedClusters.plan` finds it at collection), so its idle processes do not slow the tests after it.
+In a run split over processes (pytest-xdist) each process that runs a user starts its own, and one whose users are
+not the last in collection order keeps it, idle, to the end of its session.
 
 The contract of a test that takes a shared cluster:
 - it only reads: requests, ``/metrics``, ``/get_load``, the router's endpoints. A test that kills, freezes or
