@@ -14,6 +14,7 @@ Clusters several slow modules only read from are shared: `tests/support/shared_c
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -82,4 +83,4 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_collection_finish(session):
-    SHARED.plan(session.items)
+    SHARED.plan(session.items, in_order="PYTEST_XDIST_WORKER" not in os.environ)

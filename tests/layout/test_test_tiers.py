@@ -104,6 +104,17 @@ def test_a_shared_cluster_runs_from_its_first_user_to_its_last():
     shared.close("pd_1p1d")  # the session fixture's own teardown: nothing left to stop
     assert events == ["start", "stop"]
 
+    # a pytest-xdist worker runs modules out of collection order: nothing stops before the session ends
+    events.clear()
+    shared.plan(items, in_order=False)
+    for item in reversed(items):
+        if "pd_1p1d" in item.fixturenames:
+            assert shared.open("pd_1p1d", start) == "cluster"
+        shared.release(item)
+    assert events == ["start"]
+    shared.close("pd_1p1d")
+    assert events == ["start", "stop"]
+
 
 def test_every_exclusive_module_exists_and_is_marked(request):
     from exclusive import EXCLUSIVE_MODULES

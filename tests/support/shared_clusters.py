@@ -13,8 +13,8 @@ and create a NIXL agent). Tests that only read from a cluster share one instead 
 `pd_1p1d` is `cluster_util.running_cluster(1, 1)`: the embedded model, `cluster_util.FAST_ENGINE`, the router's
 default flags. The fixture is session-scoped, but the cluster runs only from the first test that asks for it to
 the last one (`SharedClusters.plan` finds it at collection), so its idle processes do not slow the tests after it.
-In a run split over processes (pytest-xdist) each process that runs a user starts its own, and one whose users are
-not the last in collection order keeps it, idle, to the end of its session.
+In a run split over processes (pytest-xdist) each process that runs a user starts its own and keeps it, idle, to
+the end of its session: a worker runs modules in the order they are sent, not in collection order.
 
 The contract of a test that takes a shared cluster:
 - it only reads: requests, ``/metrics``, ``/get_load``, the router's endpoints. A test that kills, freezes or
@@ -46,9 +46,15 @@ class SharedClusters:
         self._values: dict[str, Any] = {}
         self._last_user: dict[str, str] = {}  # fixture name -> node id of the last test that uses it
 
-    def plan(self, items: Sequence[pytest.Item]) -> None:
-        """Note, for each shared fixture, the last of `items` (the tests about to run, in order) that uses it."""
+    def plan(self, items: Sequence[pytest.Item], in_order: bool = True) -> None:
+        """Note, for each shared fixture, the last of `items` (the tests about to run, in order) that uses it.
+        With `in_order` False (a pytest-xdist worker: it runs the modules it is sent, in the order they come) no
+        test is known to be the last, and each cluster runs until the session ends: stopped after a test that came
+        last only in collection order, it would be gone for a module that runs later (the session fixture's value
+        is kept)."""
         self._last_user = {}
+        if not in_order:
+            return
         for item in items:
             for name in self.names:
                 if name in getattr(item, "fixturenames", ()):
