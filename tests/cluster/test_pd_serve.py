@@ -227,12 +227,20 @@ def test_each_request_counts_once_summed_over_the_workers(pd_serve):
     for prompt, n in zip(PROMPTS, max_tokens):
         usages.append(client.completions.create(model="stories260K", prompt=prompt, max_tokens=n,
                                                 temperature=0).usage)
-    after = scrape()
-    total = lambda name: sum(prom.delta_sum(before[r], after[r], name) for r in workers)  # noqa: E731
     n = len(usages)
+    # The prefill counts its /prefill job when the job's HTTP answer is ready; the decode may already have
+    # received the KV, finished the request and answered the client before that: the counters agree within moments.
+    settle = time.monotonic() + 10
+    while True:
+        after = scrape()
+        prefilled = prom.delta_sum(before["prefill"], after["prefill"], "pd:prefill_requests_total")
+        if prefilled >= n or time.monotonic() > settle:
+            break
+        time.sleep(0.1)
+    total = lambda name: sum(prom.delta_sum(before[r], after[r], name) for r in workers)  # noqa: E731
     assert total("vllm:request_success_total") == n
     assert total("pd:request_success_total") == n
-    assert prom.delta_sum(before["prefill"], after["prefill"], "pd:prefill_requests_total") == n
+    assert prefilled == n
     by_reason = prom.delta_by_label(before["decode"], after["decode"], "vllm:request_success_total",
                                     "finished_reason")
     assert sum(by_reason.values()) == n and set(by_reason) <= {"length", "stop"}
