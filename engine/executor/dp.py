@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 from pd_cluster.common.net import free_port
 from pd_cluster.engine.config import EngineConfig, ParallelConfig
 from pd_cluster.engine.errors import RequestRejected
+from pd_cluster.engine.executor.rank_procs import rank_process
 from pd_cluster.engine.executor.tp import rank_device
 from pd_cluster.engine.model.arch import ArchConfig, check_model_folder
 from pd_cluster.engine.model.generation_config import load_generation_config
@@ -236,12 +237,11 @@ class DPAttentionEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.tokenizer.model_max_length = sys.maxsize
         self.requests: dict[str, DPRequest] = {}
-        ctx = mp.get_context("spawn")
         master = ("127.0.0.1", free_port())
         level = logging.getLogger().getEffectiveLevel()
-        pipes = [ctx.Pipe() for _ in range(self.dp_size)]
-        self.procs = [ctx.Process(target=_rank_main, args=(r, self.dp_size, master, config, pipes[r][1], level),
-                                  daemon=True, name=f"dp-rank-{r}") for r in range(self.dp_size)]
+        pipes = [mp.Pipe() for _ in range(self.dp_size)]
+        self.procs = [rank_process(_rank_main, (r, self.dp_size, master, config, pipes[r][1], level), f"dp-rank-{r}")
+                      for r in range(self.dp_size)]
         for p in self.procs:
             p.start()
         self._conns = [a for a, _ in pipes]

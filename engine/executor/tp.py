@@ -45,6 +45,7 @@ from pd_cluster.common.net import free_port
 from pd_cluster.engine.parallel.group import TPGroup, init_tp_group
 from pd_cluster.engine.parallel.nodes import check_node_gpus, node_ranks
 from pd_cluster.engine.parallel.rendezvous import StoreInbox, StoreOutbox, client_store, host_instance
+from pd_cluster.engine.executor.rank_procs import rank_process
 from pd_cluster.engine.executor.shard import Shard, build_shard
 from pd_cluster.engine.graph import CudaGraphConfig
 from pd_cluster.engine.packed_step import COMMAND_MAGIC, HEADER_LEN, STEP_MAGIC, payload_len
@@ -239,11 +240,10 @@ class TPDriver:
         local = node_ranks(size, nnodes, 0)
         store = host_instance(config) if nnodes > 1 else None  # waits for the other nodes, or raises
         master = None if store is not None else ("127.0.0.1", free_port())
-        ctx = mp.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
-        pipes = [ctx.Pipe(duplex=False) for _ in local[1:]]  # (reader, writer): the side channel
-        self.procs = [ctx.Process(target=_rank_main, args=(r, size, master, config, level, pipes[r - 1][0]),
-                                  daemon=True, name=f"tp-rank-{r}") for r in local[1:]]
+        pipes = [mp.Pipe(duplex=False) for _ in local[1:]]  # (reader, writer): the side channel
+        self.procs = [rank_process(_rank_main, (r, size, master, config, level, pipes[r - 1][0]), f"tp-rank-{r}")
+                      for r in local[1:]]
         for p in self.procs:
             p.start()
         for reader, _ in pipes:
