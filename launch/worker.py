@@ -30,6 +30,7 @@ import uvicorn
 
 from pd_cluster.common.process import exit_now
 from pd_cluster.engine.args import add_engine_args, config_from_args
+from pd_cluster.engine.executor.rank_procs import stop_rank_processes
 from pd_cluster.engine.parallel.nodes import lws_node_args
 from pd_cluster.launch.interpreter import use_triton_interpreter_without_cuda
 from pd_cluster.serving.tools.chat import add_tool_args, tool_settings_from_args
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     DrainedServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                                  access_log=False, timeout_graceful_shutdown=config.timeout_graceful_shutdown)).run()
+    stop_rank_processes()  # gone before this process: whoever waits for its exit finds none of them answering
     exit_now(0)  # the server drained and shut down: skip seconds of interpreter and torch teardown
     return 0  # not reached
 

@@ -1,11 +1,15 @@
 """How an instance starts its rank processes on one host: forked from a forkserver that imported torch once.
 
 Under ``spawn`` every rank is a fresh interpreter that imports torch, the engine and the launching program's main
-module (a worker's: uvicorn, FastAPI, transformers) again: 2-4 s of CPU per rank before it does anything. A
-forkserver (Python's `multiprocessing` ``forkserver`` start method, which PyTorch documents beside ``spawn`` for
-CUDA: the server never touches a device) imports those once and forks every rank from itself. The server starts
-with the first rank of the process's life and serves every later one, so an engine rebuilt in the same process
-(a role switch, a restarted DP rank, the tests) starts its ranks for the cost of a fork and its own set-up.
+module (a worker's: uvicorn, FastAPI, transformers) again. A forkserver (Python's `multiprocessing` ``forkserver``
+start method, which PyTorch documents beside ``spawn`` for CUDA) imports those once and forks every rank from
+itself. On a 2-core machine a spawned TP rank of the embedded model used 2.3 s of CPU before it served, a forked one
+0.4-1.0 s. The server starts with the first rank of the process's life and serves every later one, so an engine
+built again in the same process (as the tests do, many times) starts its ranks for the cost of a fork and their own
+set-up.
+
+The server must never touch a device: nothing it preloads calls into ``torch.cuda`` at import
+(`tests/engine/test_rank_procs.py` checks), so each forked rank initialises CUDA itself, as a spawned one does.
 
 What stays as under ``spawn``:
 
@@ -75,3 +79,19 @@ def _run_with_environment(env: dict[str, str], target: Callable[..., Any], args:
     os.environ.clear()
     os.environ.update(env)
     target(*args)
+
+
+def stop_rank_processes(timeout: float = 10.0) -> list[str]:
+    """SIGKILL the rank processes this process started that still run (`multiprocessing.active_children`), and wait
+    up to `timeout` seconds for each to be gone; returns their names.
+
+    A worker calls it last, after its server drained: the ranks would die anyway (by ``PR_SET_PDEATHSIG`` or their
+    lost group), but only some moments after the worker, so whoever waits for the worker's exit (``pd-serve``,
+    Kubernetes) could still find one answering on its port.
+    """
+    ranks = mp.active_children()
+    for p in ranks:
+        p.kill()
+    for p in ranks:
+        p.join(timeout)
+    return [p.name for p in ranks]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
 import sys
 
 import pytest
@@ -71,3 +72,49 @@ def test_ranks_fork_from_one_server_and_see_the_environment_of_their_start(monke
 def test_without_a_forkserver_ranks_are_spawned(monkeypatch):
     monkeypatch.setattr(rank_procs.mp, "get_all_start_methods", lambda: ["spawn"])
     assert rank_procs.rank_context(report).get_start_method() == "spawn"
+
+
+_SPY = """
+import sys, torch, torch.cuda
+calls = []
+for name in ("is_available", "device_count", "_lazy_init", "init", "current_device", "get_device_capability",
+             "get_device_properties", "mem_get_info", "set_device"):
+    def spy(*a, _o=getattr(torch.cuda, name), _n=name, **k):
+        calls.append(_n)
+        return _o(*a, **k)
+    setattr(torch.cuda, name, spy)
+for mod in sys.argv[1:]:
+    __import__(mod)
+print(",".join(calls))
+"""
+
+
+@pytest.mark.slow
+def test_the_forkserver_preload_touches_no_device():
+    """CUDA must not be initialised in the server before it forks (PyTorch: CUDA and fork do not mix), so importing
+    what it preloads (torch, the rank targets' modules and a worker's main module) calls into ``torch.cuda`` not
+    once."""
+    from pd_cluster.engine.executor import dp, tp
+
+    mods = sorted({*preload_modules(tp._rank_main), *preload_modules(dp._rank_main), "pd_cluster.launch.worker"})
+    done = subprocess.run([sys.executable, "-c", _SPY, *mods], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "", f"torch.cuda called while importing {mods}: {done.stdout}"
+
+
+def sleep_long(seconds: float) -> None:
+    """A rank's target that would outlive the test."""
+    import time
+
+    time.sleep(seconds)
+
+
+@pytest.mark.slow
+def test_stop_rank_processes_leaves_none_running():
+    procs = [rank_process(sleep_long, (600,), f"sleeper-{i}") for i in range(2)]
+    for p in procs:
+        p.start()
+    assert all(p.is_alive() for p in procs)
+    assert sorted(rank_procs.stop_rank_processes(timeout=30)) == ["sleeper-0", "sleeper-1"]
+    assert not any(p.is_alive() for p in procs) and all(p.exitcode == -9 for p in procs)
+    assert rank_procs.stop_rank_processes() == []
