@@ -129,6 +129,38 @@ def _check_valid(name: str, out: dict) -> None:
         assert all(out["text"][o:].startswith(t) for o, t in zip(out["offsets"], out["tokens"]))
 
 
+def migrate_every_stream(cluster, names: list[str], reference: list[dict]) -> str:
+    """Run `names` on one decode of a 1P2D `cluster`, freeze it once every stream relayed a token, add the other
+    back, kill the frozen one; assert every stream equals `reference` and that the router's log shows each one
+    migrating. A round in which a stream ended before the freeze is run again the other way round (at most 3).
+    Returns the URL of the decode the streams moved to."""
+    admin = httpx.Client(base_url=cluster.router_url, timeout=10)
+    serving, spare = "decode-0", "decode-1"
+    for attempt in range(3):
+        tag = f"round{attempt}"
+        spare_url = cluster.by_name(spare).url
+        assert admin.delete("/workers", params={"url": spare_url}).status_code == 200
+        frozen = cluster.by_name(serving).pid
+        faults = (lambda pid=frozen: os.killpg(pid, signal.SIGSTOP),
+                  lambda url=spare_url: admin.post("/workers", json={"url": url, "role": "decode"}
+                                                   ).raise_for_status(),
+                  lambda name=serving: cluster.kill(name))
+        got = asyncio.run(_all(cluster.router_url, names, tag, faults))
+        for name, out, ref in zip(names, got, reference):
+            _check_valid(name, out)
+            for key in ("text", "args", "tokens", "offsets", "finish"):
+                assert out[key] == ref[key], (name, key)
+            assert len(out["ids"]) == 1  # one stream id, migrated or not
+        migrated = _migrated(cluster, tag)
+        if migrated == set(names):
+            return spare_url
+        assert migrated < set(names), migrated
+        cluster.restart(serving)
+        cluster.wait_ready(timeout=120)
+        serving, spare = spare, serving
+    raise AssertionError(f"3 rounds had a stream end before the freeze; the last migrated only {migrated}")
+
+
 def test_streams_that_replay_their_output_migrate_exactly():
     names = list(CASES)
     with running_cluster(1, 2, router_argv=["--upstream-idle-timeout-secs", "5",
@@ -136,31 +168,6 @@ def test_streams_that_replay_their_output_migrate_exactly():
         reference = asyncio.run(_all(cluster.router_url, names, "reference"))
         for name, ref in zip(names, reference):
             _check_valid(name, ref)
-        admin = httpx.Client(base_url=cluster.router_url, timeout=10)
-        serving, spare = "decode-0", "decode-1"
-        for attempt in range(3):
-            tag = f"round{attempt}"
-            spare_url = cluster.by_name(spare).url
-            assert admin.delete("/workers", params={"url": spare_url}).status_code == 200
-            frozen = cluster.by_name(serving).pid
-            faults = (lambda pid=frozen: os.killpg(pid, signal.SIGSTOP),
-                      lambda url=spare_url: admin.post("/workers", json={"url": url, "role": "decode"}
-                                                       ).raise_for_status(),
-                      lambda name=serving: cluster.kill(name))
-            got = asyncio.run(_all(cluster.router_url, names, tag, faults))
-            for name, out in zip(names, got):
-                ref = reference[names.index(name)]
-                _check_valid(name, out)
-                for key in ("text", "args", "tokens", "offsets", "finish"):
-                    assert out[key] == ref[key], (name, key)
-                assert len(out["ids"]) == 1  # one stream id, migrated or not
-            migrated = _migrated(cluster, tag)
-            if migrated == set(names):
-                break
-            assert migrated < set(names), migrated
-            cluster.restart(serving)
-            cluster.wait_ready(timeout=120)
-            serving, spare = spare, serving
-        assert migrated == set(names), f"3 rounds had a stream end before the freeze; the last: {migrated}"
+        migrate_every_stream(cluster, names, reference)
         loads = wait_all_free(cluster, timeout=30)
         assert all(v["num_free_pages"] == v["num_total_pages"] for v in loads.values()), loads
