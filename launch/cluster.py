@@ -3,7 +3,8 @@
 Used by `pd-serve` and by tests that need to kill or restart one worker.
 Children run ``python -m pd_cluster.launch.worker`` / ``python -m pd_cluster.router.main`` on free
 loopback ports; their output is copied to ours with a ``[role-i]`` prefix. Every child gets
-``PR_SET_PDEATHSIG`` (see `pd_cluster.launch.restarts`), so none outlives its launcher.
+``PR_SET_PDEATHSIG`` (see `pd_cluster.launch.restarts`), so none outlives its launcher. Workers are forked from
+a zygote that imported their code once (`pd_cluster.launch.zygote`; ``ClusterSpec.fork_workers``).
 
 `LocalCluster.tend` is one step of supervision (``pd-serve`` calls it twice a second): a process that
 exited is restarted on its port after a backoff, and a restarted worker is registered with the router
@@ -30,8 +31,11 @@ from pd_cluster.launch.kv_store import MASTER_NAME, STORE_NAME, plan_kv_store, w
 from pd_cluster.launch.placement import plan_gpus
 from pd_cluster.launch.cluster_spec import (ADMIN_API_KEY_ENV, API_KEY_ENV, ClusterSpec, internal_key_env,
                                            worker_auth_argv, worker_ports)
+from pd_cluster.launch import zygote
 from pd_cluster.launch.restarts import RestartState, parent_bound_argv
+from pd_cluster.launch.zygote import ForkedProcess
 
+WORKER_ROLES = ("prefill", "decode", "mixed")
 # One thread, alive as long as the process, forks every child (see `LocalCluster._spawn`).
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-spawner")
 
@@ -44,7 +48,7 @@ class Proc:
     role: str
     url: str
     argv: list[str]
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen | ForkedProcess | None = None
     restarts: RestartState = field(default_factory=RestartState)
 
     @property
@@ -143,9 +147,8 @@ class LocalCluster:
                     env[var] = key
         env.update(internal_key_env(self.spec))
         env.update(self.placement.env(p.name))
-        p.popen = _SPAWNER.submit(subprocess.Popen, parent_bound_argv(p.argv), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True,
-                                  errors="replace").result()
+        forked = self.spec.fork_workers and p.role in WORKER_ROLES
+        p.popen = _SPAWNER.submit(_start_child, p.argv, env, forked).result()
         p.restarts.started_at = time.monotonic()
         threading.Thread(target=self._pump, args=(p,), daemon=True).start()
 
@@ -279,7 +282,10 @@ class LocalCluster:
         """Kill one process (tests: a worker dying mid-request)."""
         p = self.by_name(name)
         if p.alive():
-            os.killpg(p.popen.pid, sig)
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:  # it exited a moment ago (a forked worker's exit is reported, not polled)
+                pass
             p.popen.wait(10)
 
     def restart(self, name: str) -> None:
@@ -349,6 +355,16 @@ def wait_or_kill(procs: list[Proc], timeout: float, force: threading.Event | Non
                 pass
 
 
+
+
+def _start_child(argv: list[str], env: dict[str, str], forked: bool) -> subprocess.Popen | ForkedProcess:
+    """Start `argv` bound to this process (runs on the spawner thread): forked from a zygote when `forked` and it
+    can be, else a new interpreter."""
+    child = zygote.spawn(argv, env, parent_bound_argv) if forked else None
+    if child is None:
+        child = subprocess.Popen(parent_bound_argv(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True, text=True, errors="replace")
+    return child
 
 
 def _healthy(client: httpx.Client, p: Proc) -> bool:

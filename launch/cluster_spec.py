@@ -42,6 +42,8 @@ class ClusterSpec:
         role_gpus, num_gpus, tp_size, mem_fraction_given: GPU placement (`pd_cluster.launch.placement`):
             each role's devices (``--prefill-gpus`` ...), the host's device count (0: none, no placement),
             each worker's TP size, and whether ``--mem-fraction-static`` was given.
+        fork_workers: fork the workers from a zygote that imported their code once (`pd_cluster.launch.zygote`)
+            instead of starting a new interpreter for each; the router and the KV store always start anew.
     """
 
     num_prefill: int = 1
@@ -67,6 +69,7 @@ class ClusterSpec:
     mem_fraction_given: bool = False
     shutdown_grace_period_secs: float = 180.0
     kv_store_size: str = "1GiB"
+    fork_workers: bool = True
 
 
 def worker_ports(workers: list[tuple[str, str]], role_ports: dict[str, tuple[int, ...]],

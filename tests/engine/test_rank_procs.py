@@ -93,10 +93,13 @@ print(",".join(calls))
 def test_the_forkserver_preload_touches_no_device():
     """CUDA must not be initialised in the server before it forks (PyTorch: CUDA and fork do not mix), so importing
     what it preloads (torch, the rank targets' modules and a worker's main module) calls into ``torch.cuda`` not
-    once."""
+    once. The same holds for the worker zygote's preload (`pd_cluster.launch.zygote.PRELOAD`)."""
     from pd_cluster.engine.executor import dp, tp
 
-    mods = sorted({*preload_modules(tp._rank_main), *preload_modules(dp._rank_main), "pd_cluster.launch.worker"})
+    from pd_cluster.launch.zygote import PRELOAD
+
+    mods = sorted({*preload_modules(tp._rank_main), *preload_modules(dp._rank_main), "pd_cluster.launch.worker",
+                   *PRELOAD})
     done = subprocess.run([sys.executable, "-c", _SPY, *mods], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "", f"torch.cuda called while importing {mods}: {done.stdout}"
