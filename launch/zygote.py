@@ -129,16 +129,20 @@ class Zygote:
         """Fork ``argv`` = ``[sys.executable, "-m", MODULE, *ARGS]`` with `env` (see `accepts`).
 
         Raises:
-            ValueError: `argv` is not of that form or `env` is not accepted.
-            RuntimeError: the zygote did not answer within a minute or is gone.
+            ValueError: `argv` is not of that form, `env` is not accepted, or this process has no working
+                directory (it was removed).
+            RuntimeError: the zygote did not answer within `_SPAWN_TIMEOUT_S` or is gone.
         """
         if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
             raise ValueError(f"a zygote runs `python -m MODULE`, not {argv[:3]}")
         if not self.accepts(env):
             raise ValueError("the environment differs from the zygote's")
+        try:
+            cwd = os.getcwd()
+        except OSError as e:  # the launcher's directory was removed: only a new interpreter can start there
+            raise ValueError(f"no working directory: {e}") from e
         read_end, write_end = os.pipe()
-        request = {"module": argv[2], "argv": argv, "cwd": os.getcwd(),
-                   "env": {k: env.get(k) for k in PER_CHILD_ENV}}
+        request = {"module": argv[2], "argv": argv, "cwd": cwd, "env": {k: env.get(k) for k in PER_CHILD_ENV}}
         with self._lock:
             try:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [write_end])
@@ -215,7 +219,9 @@ def spawn(argv: list[str], env: dict[str, str], bind_to_parent) -> ForkedProcess
         _ZYGOTES.append(zygote)
     try:
         return zygote.spawn(argv, env)
-    except (RuntimeError, ValueError) as e:
+    except ValueError:  # this command cannot be forked; the zygote is fine
+        return None
+    except RuntimeError as e:
         print(f"pd-serve: starting {argv[2]} without the zygote ({e})", file=sys.stderr, flush=True)
         _ZYGOTES.remove(zygote)
         zygote.close()
@@ -256,13 +262,16 @@ def serve() -> None:
             request = json.loads(data)
             try:
                 pid = _fork(request, fds[0], closing=(sock.fileno(), wake_r, wake_w, sel))
+                reply = {"pid": pid}
             except OSError as e:
-                sock.send(json.dumps({"error": repr(e)}).encode())
-            else:
-                sock.send(json.dumps({"pid": pid}).encode())
+                reply = {"error": repr(e)}
             finally:
                 for fd in fds:
                     os.close(fd)
+            try:
+                sock.send(json.dumps(reply).encode())
+            except OSError:  # the launcher is gone
+                os._exit(0)
 
 
 def _report_exits(sock: socket.socket) -> None:
@@ -273,7 +282,10 @@ def _report_exits(sock: socket.socket) -> None:
             return
         if pid == 0:
             return
-        sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        try:
+            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+        except OSError:  # the launcher is gone
+            os._exit(0)
 
 
 def _fork(request: dict, out_fd: int, closing: tuple) -> int:

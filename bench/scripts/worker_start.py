@@ -44,7 +44,7 @@ def one_round(fork: bool) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     rows = []
