@@ -3,8 +3,8 @@
 Used by `pd-serve` and by tests that need to kill or restart one worker.
 Children run ``python -m pd_cluster.launch.worker`` / ``python -m pd_cluster.router.main`` on free
 loopback ports; their output is copied to ours with a ``[role-i]`` prefix. Every child gets
-``PR_SET_PDEATHSIG`` (see `pd_cluster.launch.restarts`), so none outlives its launcher. Workers are forked from
-a zygote that imported their code once (`pd_cluster.launch.zygote`; ``ClusterSpec.fork_workers``).
+``PR_SET_PDEATHSIG`` (see `pd_cluster.launch.restarts`), so none outlives its launcher. With ``ClusterSpec.fork_workers``
+(``pd-serve --fork-workers``) workers are forked from a zygote that imported their code once (`pd_cluster.launch.zygote`).
 
 `LocalCluster.tend` is one step of supervision (``pd-serve`` calls it twice a second): a process that
 exited is restarted on its port after a backoff, and a restarted worker is registered with the router

@@ -1,7 +1,7 @@
 """How long a `LocalCluster` (``pd-serve``) takes to start its workers, forked from the zygote or not.
 
 Starts a 1P1D cluster of the embedded model ``--rounds`` times with each way of starting workers (the zygote of
-`pd_cluster.launch.zygote`, then a new interpreter per worker, ``--no-fork-workers``), and prints one table: the
+`pd_cluster.launch.zygote`, ``--fork-workers``, then a new interpreter per worker, the default), and prints one table: the
 time from `LocalCluster.start` to every worker healthy and the router ready, each worker's CPU seconds at that
 moment (psutil), and the zygote's CPU seconds (its one-time import). The first forked round includes the zygote's
 import; later rounds reuse it, as a restart or a second cluster of the same launcher does.

@@ -115,3 +115,39 @@ def test_a_launcher_with_another_environment_gets_another_zygote_and_the_idle_on
     finally:
         for z in zygote._ZYGOTES:
             z.close()
+
+
+def test_a_cluster_with_forked_workers_serves_exactly_and_restarts_a_killed_worker_forked(monkeypatch):
+    """`ClusterSpec.fork_workers` end to end: a 1P1D `LocalCluster` whose workers are forked answers with the
+    offline engine's greedy text, and a SIGKILLed decode worker, reported by its zygote, is forked again by `tend`
+    and serves again."""
+    import httpx
+    from cluster_util import running_cluster
+
+    from pd_cluster.engine import LLM, SamplingParams
+
+    monkeypatch.setattr(zygote, "_ZYGOTES", [])
+    prompt = "Once upon a time, there was a little"
+    want = LLM().generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].text
+    body = {"model": "stories260K", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    try:
+        with running_cluster(1, 1, fork_workers=True) as cluster:
+            assert all(isinstance(p.popen, ForkedProcess) for p in cluster.procs)
+            assert not isinstance(cluster.router.popen, ForkedProcess)  # the router starts anew
+            ask = lambda: httpx.post(cluster.router_url + "/v1/completions", json=body, timeout=60)  # noqa: E731
+            assert ask().json()["choices"][0]["text"] == want
+            decode = cluster.by_name("decode-0")
+            old = decode.pid
+            cluster.kill("decode-0")
+            assert decode.popen.returncode == -signal.SIGKILL
+            deadline = time.monotonic() + 60
+            while decode.pid == old or not cluster._answers(decode):
+                cluster.tend()
+                assert time.monotonic() < deadline, "the killed decode was not started again within 60 s"
+                time.sleep(0.2)
+            assert isinstance(decode.popen, ForkedProcess) and decode.restarts.total == 1
+            cluster.wait_ready(timeout=60)
+            assert ask().json()["choices"][0]["text"] == want
+    finally:
+        for z in zygote._ZYGOTES:
+            z.close()
