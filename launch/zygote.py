@@ -133,7 +133,7 @@ class Zygote:
                 directory (it was removed).
             RuntimeError: the zygote did not answer within `_SPAWN_TIMEOUT_S` or is gone.
         """
-        if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        if not _runs_a_module(argv):
             raise ValueError(f"a zygote runs `python -m MODULE`, not {argv[:3]}")
         if not self.accepts(env):
             raise ValueError("the environment differs from the zygote's")
@@ -198,6 +198,11 @@ class Zygote:
             self.proc.wait(10)
 
 
+def _runs_a_module(argv: list[str]) -> bool:
+    """True for ``[sys.executable, "-m", MODULE, *ARGS]``, the one form of command a zygote forks."""
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m"
+
+
 _ZYGOTES: list[Zygote] = []  # used only from the launcher's spawner thread
 
 
@@ -208,7 +213,7 @@ def spawn(argv: list[str], env: dict[str, str], bind_to_parent) -> ForkedProcess
     Call from one long-lived thread (see `Zygote`). A zygote whose environment no longer matches the launcher's is
     closed once none of its children runs.
     """
-    if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+    if not _runs_a_module(argv):
         return None
     zygote = next((z for z in _ZYGOTES if z.accepts(env)), None)
     if zygote is None:
