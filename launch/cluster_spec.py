@@ -42,10 +42,9 @@ class ClusterSpec:
         role_gpus, num_gpus, tp_size, mem_fraction_given: GPU placement (`pd_cluster.launch.placement`):
             each role's devices (``--prefill-gpus`` ...), the host's device count (0: none, no placement),
             each worker's TP size, and whether ``--mem-fraction-static`` was given.
-        fork_workers: fork the workers from a zygote that imported their code once (`pd_cluster.launch.zygote`)
-            instead of starting a new interpreter for each (off by default: a cold start under heavy CPU
-            starvation was 4.4 times slower forked, cause not found; `docs/perf/worker-start.md`); the router and
-            the KV store always start anew.
+        fork_workers: fork the workers from a zygote that imported their code once (`pd_cluster.launch.zygote`;
+            the default) instead of starting a new interpreter for each (`docs/perf/worker-start.md`); the router
+            and the KV store always start anew.
     """
 
     num_prefill: int = 1
@@ -71,7 +70,7 @@ class ClusterSpec:
     mem_fraction_given: bool = False
     shutdown_grace_period_secs: float = 180.0
     kv_store_size: str = "1GiB"
-    fork_workers: bool = False
+    fork_workers: bool = True
 
 
 def worker_ports(workers: list[tuple[str, str]], role_ports: dict[str, tuple[int, ...]],

@@ -68,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the router's log lines: text, as the workers write theirs (default), or one JSON object "
                         "per line (the Helm chart's default, for log collectors)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=False,
-                   help="fork the workers from a process that imported their code once (on a 2-core CPU machine a "
-                        "worker used 1.1-1.8 s of CPU until ready instead of 5.0-5.2; but a cold start under heavy "
-                        "CPU starvation was 4.4x slower, docs/perf/worker-start.md); default: a new interpreter each")
+    p.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=True,
+                   help="fork the workers, and their restarts, from a process that imported their code once (the "
+                        "default; on a 2-core CPU machine a worker used 1.1-1.8 s of CPU until ready instead of "
+                        "5.0-5.2, docs/perf/worker-start.md); --no-fork-workers: a new interpreter each")
     p.add_argument("--manifest", help="write the processes' URLs and PIDs to this JSON file once ready")
     p.add_argument("--ray-address", default=None,
                    help="run the roles as Ray actors on this cluster ('local' starts one here)")

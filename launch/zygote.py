@@ -6,12 +6,18 @@ which pulls in ``torch.distributed.tensor``), FastAPI and the engine took 3 to 6
 workers pays that each time. Android's zygote and multiprocessing's forkserver answer the same cost the same
 way: one process imports once, then forks a child per command.
 
-`Zygote` is that process for `LocalCluster` (``pd-serve``). It is started like any child of the launcher (bound
+`Zygote` is the launcher's handle on that process (whose code is `pd_cluster.launch.zygote_process`) for
+`LocalCluster` (``pd-serve``). It is started like any child of the launcher (bound
 to it by ``PR_SET_PDEATHSIG``), imports `PRELOAD`, and waits on a Unix socket. For each command it forks; the
 child starts a new session (``setsid``: its process group is its own, as with ``start_new_session``), asks for
 ``PR_SET_PDEATHSIG`` against the zygote, puts the launcher's pipe on its stdout and stderr, and runs the
 command's module as ``python -m`` would. The zygote reaps its children and reports each exit status, so a
 `ForkedProcess` answers ``poll``/``wait``/``returncode`` as a `subprocess.Popen` does.
+
+A fork request waits for as long as the zygote makes progress: the first one waits for the preload, which takes
+3.5 s of CPU on an idle 2-core machine and minutes under CPU starvation. A zygote whose CPU time stops advancing
+for `STALL_S` (stopped, or blocked) is killed, and the launcher starts that worker as a new interpreter and the
+next ones from a new zygote.
 
 What a fork cannot change, the zygote is chosen by: a child's environment must equal its zygote's but for
 `PER_CHILD_ENV` (libraries read the environment when they are imported; Triton reads ``TRITON_INTERPRET`` when a
@@ -29,22 +35,20 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from queue import Empty, Queue
 
-from pd_cluster.common.process import exit_now
+from pd_cluster.launch.zygote_process import MAX_MESSAGE, PRELOAD, TITLE_ROOM
 
-# Imported once by the zygote. No kernel module (see the module docstring), and nothing that asks torch.cuda about
-# the device at import (xgrammar does: `tests/engine/test_rank_procs.py` checks the list).
-PRELOAD = ("pd_cluster.launch.worker", "torch.distributed.tensor", "transformers.models.llama.configuration_llama",
-           "transformers.models.auto.tokenization_auto", "nixl._api")
+__all__ = ["PRELOAD", "ForkedProcess", "Zygote", "spawn", "STALL_S"]
+
 # The only environment entries a child may have different from its zygote's (set after the fork).
 PER_CHILD_ENV = frozenset({"CUDA_VISIBLE_DEVICES"})
-_MAX_MESSAGE = 1 << 20
-_SPAWN_TIMEOUT_S = 120.0  # the first fork waits for the preload
-_PR_SET_PDEATHSIG = 1
-# Blank room at the end of the zygote's command line: a child writes its own command there (`_set_title`), which
-# shows in ps; a longer one is cut. The environment's memory, which follows, is left as it is.
-_TITLE_ROOM = 4096
+# A fork request waits as long as the zygote makes progress: the first one waits for its preload, which took over
+# 120 s under CPU starvation (12 busy loops on 2 cores). It gives up once the zygote's CPU time has not advanced for
+# this long: it is stopped or stuck, not slow ("slow is not dead").
+STALL_S = 30.0
+_POLL_S = 0.5
 
 
 class ForkedProcess:
@@ -104,8 +108,8 @@ class Zygote:
         wraps an argv so that the child dies with this process (`pd_cluster.launch.restarts.parent_bound_argv`)."""
         self.env = dict(env)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = bind_to_parent([sys.executable, "-c", "from pd_cluster.launch.zygote import serve; serve()",
-                               str(theirs.fileno()), " " * _TITLE_ROOM])
+        argv = bind_to_parent([sys.executable, "-c", "from pd_cluster.launch.zygote_process import serve; serve()",
+                               str(theirs.fileno()), " " * TITLE_ROOM])
         self.proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                                      start_new_session=True)
         theirs.close()
@@ -131,7 +135,8 @@ class Zygote:
         Raises:
             ValueError: `argv` is not of that form, `env` is not accepted, or this process has no working
                 directory (it was removed).
-            RuntimeError: the zygote did not answer within `_SPAWN_TIMEOUT_S` or is gone.
+            RuntimeError: the zygote is gone, or made no progress (its CPU time did not advance) for `STALL_S`
+                before it answered; it is then killed.
         """
         if not _runs_a_module(argv):
             raise ValueError(f"a zygote runs `python -m MODULE`, not {argv[:3]}")
@@ -146,10 +151,11 @@ class Zygote:
         with self._lock:
             try:
                 socket.send_fds(self._sock, [json.dumps(request).encode()], [write_end])
-                reply = self._replies.get(timeout=_SPAWN_TIMEOUT_S)
-            except (OSError, Empty) as e:
+                reply = self._reply()
+            except (OSError, RuntimeError) as e:
                 os.close(read_end)
                 self.alive = False
+                self.proc.kill()
                 raise RuntimeError(f"the worker zygote did not fork: {e!r}") from e
             finally:
                 os.close(write_end)
@@ -160,10 +166,30 @@ class Zygote:
         reply.args = argv
         return reply
 
+    def _reply(self) -> ForkedProcess | str:
+        """The zygote's answer to the request just sent, waited for while the zygote makes progress.
+
+        Raises:
+            RuntimeError: it exited, or its CPU time did not advance for `STALL_S`.
+        """
+        last, since = _cpu_ticks(self.proc.pid), time.monotonic()
+        while True:
+            try:
+                return self._replies.get(timeout=_POLL_S)
+            except Empty:
+                pass
+            if self.proc.poll() is not None or not self.alive:
+                raise RuntimeError(f"the zygote exited ({self.proc.returncode})")
+            now, ticks = time.monotonic(), _cpu_ticks(self.proc.pid)
+            if ticks != last:
+                last, since = ticks, now
+            elif now - since >= STALL_S:
+                raise RuntimeError(f"the zygote made no progress for {STALL_S:.0f} s")
+
     def _read(self) -> None:
         while True:
             try:
-                data = self._sock.recv(_MAX_MESSAGE)
+                data = self._sock.recv(MAX_MESSAGE)
             except OSError:
                 data = b""
             if not data:
@@ -196,6 +222,16 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of `pid` in clock ticks (``/proc/PID/stat``), None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _runs_a_module(argv: list[str]) -> bool:
@@ -231,157 +267,3 @@ def spawn(argv: list[str], env: dict[str, str], bind_to_parent) -> ForkedProcess
         _ZYGOTES.remove(zygote)
         zygote.close()
         return None
-
-
-# ---- the zygote process ----------------------------------------------------------------------------------------
-def serve() -> None:
-    """The zygote's main loop (``argv[1]``: its socket's file descriptor). Single-threaded, so a fork is safe."""
-    import importlib
-    import selectors
-
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a child imports what it needs itself
-            pass
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj == wake_r:
-                os.read(wake_r, 4096)
-                _report_exits(sock)
-                continue
-            try:
-                data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 4)
-            except OSError:
-                data, fds = b"", []
-            if not data:  # the launcher is gone
-                os._exit(0)
-            request = json.loads(data)
-            try:
-                pid = _fork(request, fds[0], closing=(sock.fileno(), wake_r, wake_w, sel))
-                reply = {"pid": pid}
-            except OSError as e:
-                reply = {"error": repr(e)}
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            try:
-                sock.send(json.dumps(reply).encode())
-            except OSError:  # the launcher is gone
-                os._exit(0)
-
-
-def _report_exits(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        try:
-            sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-        except OSError:  # the launcher is gone
-            os._exit(0)
-
-
-def _fork(request: dict, out_fd: int, closing: tuple) -> int:
-    parent = os.getpid()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        os.setsid()
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent:  # the zygote died before the prctl
-            os._exit(1)
-        *fds, sel = closing
-        sel.close()
-        signal.set_wakeup_fd(-1)
-        for fd in fds:
-            os.close(fd)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # as a new interpreter has them
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_fd, 1)
-        os.dup2(out_fd, 2)
-        os.close(devnull)
-        os.close(out_fd)
-        for key, value in request["env"].items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        _set_title(request["argv"])
-        os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]
-        sys.argv = [request["argv"][0], *request["argv"][3:]]
-        code = _run_as_main(request["module"])
-    except BaseException:  # the child never returns into the zygote's loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        exit_now(code)
-
-
-def _set_title(argv: list[str]) -> None:
-    """Show the command the child runs in ``ps`` and ``/proc/PID/cmdline`` (where the zygote's own would be), in
-    the room of the zygote's command line only (``SPT_NOENV``): ``/proc/PID/environ`` stays the environment the
-    child has."""
-    try:
-        os.environ["SPT_NOENV"] = "1"
-        import setproctitle
-
-        setproctitle.setproctitle(" ".join(argv))
-    except ImportError:
-        pass
-    finally:
-        os.environ.pop("SPT_NOENV", None)
-
-
-def _run_as_main(module: str) -> int:
-    """Run `module` as ``python -m`` does and end as the interpreter would; returns the exit code."""
-    import atexit
-    import runpy
-
-    try:
-        runpy._run_module_as_main(module, alter_argv=True)
-        code = 0
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except KeyboardInterrupt:  # as the interpreter ends then: by the signal
-        threading._shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        code = 128 + signal.SIGINT
-    threading._shutdown()  # what interpreter exit does: wait for non-daemon threads, then run atexit
-    atexit._run_exitfuncs()
-    return code
-

@@ -102,7 +102,8 @@ def run_load(url: str, reqs: list[SampledRequest], plan: ArrivalPlan, spans, a: 
 def spec(a: argparse.Namespace, prefill: int, decode: int) -> ClusterSpec:
     return ClusterSpec(num_prefill=prefill, num_decode=decode, router_port=free_port(), engine_argv=list(ENGINE),
                        log_level="warning", echo=False, router_argv=["--health-check-interval-secs", "1"],
-                       internal_api_key=secrets.token_urlsafe(24))  # as pd-serve: a new decode worker takes any prefill
+                       internal_api_key=secrets.token_urlsafe(24),  # as pd-serve: a new decode worker takes any prefill
+                       fork_workers=a.fork_workers)
 
 
 def run_static(a: argparse.Namespace, prefill: int, decode: int, work) -> dict:
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["autoscale", "1P3D", "2P2D", "3P1D"], action="append",
                    help="run only these clusters (repeatable; default: all four)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=ClusterSpec.fork_workers,
+                   help="start workers forked from the zygote, as pd-serve does by default (--no-fork-workers: "
+                        "a new interpreter each)")
     a = p.parse_args(argv)
     work = workload(a)
     print(f"load: {work[1].kind}; SLOs: TTFT {a.ttft_slo_ms:g} ms, TPOT {a.itl_slo_ms:g} ms; {len(work[0])} requests")

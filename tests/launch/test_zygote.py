@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,65 @@ def test_children_die_with_their_zygote(monkeypatch):
         assert not z.alive
     finally:
         z.close()
+
+
+def test_a_zygote_slow_to_preload_is_waited_for_while_its_cpu_time_advances(monkeypatch):
+    """Slow is not dead: a zygote kept stopped 80% of the time for 8 s (it gets at most 1.6 s of CPU, less than
+    its preload takes) answers a fork request that waited four times the stall bound, and stays in use."""
+    monkeypatch.chdir(CHILD_DIR)
+    monkeypatch.setattr(zygote, "STALL_S", 2.0)
+    z = Zygote(dict(os.environ, PYTHONUNBUFFERED="1", PD_ZYGOTE_TEST="slow"), parent_bound_argv)
+    stop = threading.Event()
+
+    def throttle() -> None:
+        until = time.monotonic() + 8.0
+        while time.monotonic() < until and not stop.is_set():
+            os.kill(z.proc.pid, signal.SIGSTOP)
+            time.sleep(0.4)
+            os.kill(z.proc.pid, signal.SIGCONT)
+            time.sleep(0.1)
+
+    throttler = threading.Thread(target=throttle, daemon=True)
+    try:
+        started = time.monotonic()
+        throttler.start()
+        child = _child(z, "report", "x")
+        waited = time.monotonic() - started
+        got = json.loads(child.stdout.readline())
+        assert child.wait(60) == 0
+        assert waited >= 4 * zygote.STALL_S, waited
+        assert got["ppid"] == z.proc.pid and got["preloaded"] and got["marker"] == "slow"
+        assert z.alive and z.proc.poll() is None
+    finally:
+        stop.set()
+        throttler.join()
+        os.kill(z.proc.pid, signal.SIGCONT)
+        z.close()
+
+
+def test_a_stopped_zygote_is_killed_after_the_stall_bound_and_the_worker_starts_anew(monkeypatch):
+    """A zygote that makes no progress (SIGSTOPped before its preload) is given up once its CPU time has not
+    advanced for `STALL_S`: `spawn` answers None (the launcher then starts the worker as a new interpreter) within
+    the bound plus a poll, and the zygote is killed and forgotten."""
+    monkeypatch.chdir(CHILD_DIR)
+    monkeypatch.setattr(zygote, "_ZYGOTES", [])
+    monkeypatch.setattr(zygote, "STALL_S", 2.0)
+    made: list[Zygote] = []
+
+    class StoppedAtBirth(Zygote):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            os.kill(self.proc.pid, signal.SIGSTOP)
+            made.append(self)
+
+    monkeypatch.setattr(zygote, "Zygote", StoppedAtBirth)
+    started = time.monotonic()
+    got = zygote.spawn([sys.executable, "-m", "zygote_child", "exit", "0"], dict(os.environ), parent_bound_argv)
+    waited = time.monotonic() - started
+    assert got is None
+    assert zygote.STALL_S <= waited < zygote.STALL_S + 5, waited
+    assert len(made) == 1 and zygote._ZYGOTES == [] and not made[0].alive
+    assert made[0].proc.wait(10) == -signal.SIGKILL
 
 
 def test_a_launcher_with_another_environment_gets_another_zygote_and_the_idle_one_ends(monkeypatch):
