@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.common import FP8_E4M3_MAX, next_pow2
-from pd_cluster.engine.attention.triton.primitives import grouped_tile, row_max
+from pd_cluster.engine.attention.triton.primitives import gemm_tile, row_max
 
 FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 WHOLE_ROW = 1 << 30  # a GROUP_K / A_GROUP_K for a scale that spans every column
@@ -136,13 +136,7 @@ def _fp8_gemm_kernel(A, B, C, AS, BS, BIAS, M, N, K,
                      A_FP8: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # C = sum over K tiles of (A_tile @ B_tile^T) * a_scale[m] * b_scale[n], then + bias
-    pid = tl.program_id(0)
-    num_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_mask, col_mask = rows < M, cols < N
+    rows, cols, row_mask, col_mask = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = A + rows[:, None] * stride_am + ks[None, :]
     b_ptrs = B + cols[None, :] * stride_bn + ks[:, None]

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from pd_cluster.engine.attention.triton.fp8_gemm import interpreting
-from pd_cluster.engine.attention.triton.primitives import grouped_tile, int4_tile
+from pd_cluster.engine.attention.triton.primitives import gemm_tile, int4_tile
 
 WHOLE_ROW = 1 << 30  # GROUP_SIZE of a checkpoint with one group per row
 
@@ -47,13 +47,7 @@ def _int4_gemm_kernel(A, QW, SC, ZR, GIDX, C, BIAS, M, N, K,
                       GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
                       SCALE_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = (M + BLOCK_M - 1) // BLOCK_M
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    row_mask, col_mask = rows < M, cols < N
+    rows, cols, row_mask, col_mask = gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ks = tl.arange(0, BLOCK_K)
     shifts = ((ks % 8) * 4)[:, None]
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)

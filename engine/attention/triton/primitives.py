@@ -61,6 +61,18 @@ def grouped_tile(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of an [M, N] GEMM (`grouped_tile` order): its rows [BLOCK_M] and columns
+    [BLOCK_N] as int64 indices, and their masks (``rows < M``, ``cols < N``)."""
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m, num_n, GROUP_M)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
 def int4_tile(QW, SC, ZR, GIDX, stride_qk, stride_sg, k, k_mask, cols, mask, GROUP_SIZE: tl.constexpr,
               HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr):
     """[BLOCK_K, BLOCK_N] float32 values ``(q - z[g]) * s[g]`` of int4 weights in the engine's layout
