@@ -295,27 +295,32 @@ class Planner:
         gives what that needs (down to its own minimum; the minimums fit under the cap). A role that grows by
         pressure takes a worker from the other role when that one is calm, out of its cool-down, not changing
         and above its minimum (a role switch); else the growth is dropped. A switch is driven by the growing
-        role's pressure: the giving role's scale-down window and load memory do not hold it."""
+        role's pressure: the giving role's scale-down window and load memory do not hold it. Workers a role
+        still being changed (`Snapshot.pending`) brings up count against the cap, and that role gives none."""
         cap = self.config.max_workers
-        if not cap or target.total <= max(cap, cur.total):
+        pend = snap.pending
+        changing = {r: pend is not None and pend.get(r) != cur.get(r) for r in ROLES}
+        # workers a held role is still bringing up count against the cap: they serve soon
+        held = sum(max(0, pend.get(r) - cur.get(r)) for r in ROLES if changing[r] and target.get(r) == cur.get(r))
+        if not cap or target.total + held <= max(cap, cur.total + held):
             return target
         forced = {r: cur.get(r) < self._bounds(r)[0] for r in ROLES}
         grown = sorted((r for r in ROLES if target.get(r) > cur.get(r)),
                        key=lambda r: (not forced[r], -pressure[r].peak))
         for role in grown:
-            if target.total <= cap:
+            if target.total + held <= cap:
                 break
             other = "decode" if role == "prefill" else "prefill"
             lo = self._bounds(other)[0]
             if forced[role]:
-                give = min(target.total - cap, target.get(other) - lo)
+                give = min(target.total + held - cap, target.get(other) - lo)
                 if give > 0:
                     target = target.with_(other, target.get(other) - give)
                     reasons.append(f"{other} -{give} (to {role}, below --min-{role}): at --max-workers {cap}")
                 continue
             calm = (pressure[other].calm and not pressure[other].up
                     and snap.at - self._roles[other].changed_at >= self.config.cooldown_secs)
-            if calm and target.get(other) == cur.get(other) and target.get(other) > lo:
+            if calm and not changing[other] and target.get(other) == cur.get(other) and target.get(other) > lo:
                 target = target.with_(other, target.get(other) - 1)
                 reasons.append(f"{other} -1 (to {role}, a role switch): at --max-workers {cap} and {other} is calm")
             else:

@@ -153,6 +153,33 @@ def test_a_role_still_changing_holds_while_the_other_decides():
     assert any("prefill: holding until the last change (1 -> 2)" in r for r in d.reasons)
 
 
+def test_workers_still_starting_count_against_the_cap():
+    """A prefill start under way (1P2D now, 2P2D soon, at the cap of 4): decode under pressure gets no fifth worker,
+    and the changing prefill gives none to it."""
+    hot = {"itl_p90_ms": 200.0, "decode_kv_usage": 0.5, "pending": RoleCounts(2, 2)}
+    d = _run(dataclasses.replace(CFG, cooldown_secs=0), RoleCounts(1, 2), [hot] * 2)[-1]
+    assert d.target == RoleCounts(1, 2), d
+    assert any("decode: no room at --max-workers 4" in r for r in d.reasons), d.reasons
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs, st.integers(1, 4), st.integers(1, 4), st.integers(0, 2), st.integers(0, 2),
+       st.lists(signals, min_size=1, max_size=12))
+def test_a_target_and_the_workers_under_way_stay_under_the_cap(cfg, p, d, dp, dd, seq):
+    """With starts still under way (`Snapshot.pending`), a held role's coming workers and the other role's
+    target together stay under ``--max-workers``."""
+    planner, cur = Planner(cfg), RoleCounts(p, d)
+    pend = RoleCounts(p + dp, d + dd)
+    for i, sig in enumerate(seq):
+        dec = planner.decide(Snapshot(at=10.0 * i, current=cur, **dict(sig, pending=pend)))
+        inside = cfg.min_prefill <= p <= cfg.max_prefill and cfg.min_decode <= d <= cfg.max_decode
+        if dec.action == "frozen" or not cfg.max_workers or pend.total > cfg.max_workers or not inside:
+            continue  # (a count below its minimum is restored first, as in the test above)
+        soon = sum(max(dec.target.get(r), pend.get(r)) if dec.target.get(r) == cur.get(r) else dec.target.get(r)
+                   for r in ("prefill", "decode"))
+        assert soon <= cfg.max_workers, dec
+
+
 def test_a_restarted_planner_resumes_from_the_reported_counts():
     hot = {"ttft_p90_ms": 3000.0, "decode_kv_usage": 0.5}
     first = _run(CFG, RoleCounts(1, 1), [hot] * 2)[-1].target
