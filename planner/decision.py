@@ -79,8 +79,9 @@ class Snapshot:
         decode_kv_usage: the decode workers' mean KV usage (0..1).
         decode_running, decode_capacity: requests running on the decode workers, and the most they may run
             (their ``max_running_requests`` summed).
-        outstanding_transfers: KV transfers posted and not complete (prefill pushes in flight and decode
-            requests waiting for their KV).
+        outstanding_transfers: KV transfers whose prompt is computed and whose pages have not reached decode
+            (`planner.scrape.owed_transfers`: requests still queued or computing on a prefill worker are
+            prefill's backlog, not counted here).
         prefill_waiting: requests queued or computing on the prefill workers. With some waiting and no TTFT,
             queue-time or backlog sample in the window (nothing reached its first token), prefill is not calm: a
             prefill so far behind that nothing finishes is starved, not idle.

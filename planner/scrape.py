@@ -11,7 +11,8 @@ One scrape reads, over HTTP:
   ``pd_router_queue_depth`` (requests waiting in the router);
 * each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
   prefill's ``num_prefill_inflight_queue_reqs`` and a decode's ``num_decode_transfer_queue_reqs``: the outstanding
-  KV transfers) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
+  KV transfers, of which those whose prompt is still queued or computing on a prefill worker are prefill's
+  backlog, `owed_transfers`) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
   the prompt throughput, and with the queue-time count the mean prompt length).
 
 Percentiles are taken over the window between two scrapes from the difference of the cumulative histogram
@@ -126,6 +127,20 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
     return histogram_quantile(q, sorted(buckets.items()))
 
 
+def owed_transfers(prefill: list[WorkerView], decode: list[WorkerView], computing: int) -> int:
+    """KV transfers whose prompt is computed but whose pages have not reached their decode worker yet.
+
+    A decode worker reserves pages and hands its ticket to the prefill worker before the prompt is computed
+    (``docs/architecture.md``, hop 2), so its ``num_decode_transfer_queue_reqs`` (and the prefill side's
+    ``num_prefill_inflight_queue_reqs``) also count requests still waiting or computing on the prefill workers
+    (`computing`: their queued and running requests): that is prefill's backlog, not decode's. What is left once
+    those are taken out waits on the push or on decode. Each transfer is counted on both sides; the larger side
+    is taken, as the two are read at slightly different times."""
+    on_prefill = sum(w.load.get("num_prefill_inflight_queue_reqs", 0) for w in prefill)
+    on_decode = sum(w.load.get("num_decode_transfer_queue_reqs", 0) for w in decode)
+    return max(0, max(on_prefill, on_decode) - computing)
+
+
 def _bearer(key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -227,8 +242,7 @@ class MetricsSource:
         backlog = round(waiting * prompt_tokens / finished) if finished else None
         cap = sum(w.load.get("max_running_requests", 0) for w in decode)
         queued = gauge_total(router_text, ROUTER_QUEUE)
-        transfers = sum(w.load.get("num_prefill_inflight_queue_reqs", 0) for w in prefill)
-        transfers += sum(w.load.get("num_decode_transfer_queue_reqs", 0) for w in decode)
+        transfers = owed_transfers(prefill, decode, waiting)
         return replace(
             snap, ttft_p90_ms=_ms(ttft), itl_p90_ms=_ms(itl), queue_time_p90_ms=_ms(quantile(self.q, queue)),
             prefill_backlog_tokens=backlog, prefill_tokens_per_s=per_worker_tps or None,

@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_cluster.planner.config import PlannerConfig
 from pd_cluster.planner.decision import RoleCounts, Snapshot
 from pd_cluster.planner.runner import PlannerMetrics, PlannerRunner
-from pd_cluster.planner.scrape import ClusterView, histogram_buckets, quantile, window
+from pd_cluster.planner.scrape import (ClusterView, MetricsSource, WorkerView, histogram_buckets, owed_transfers, quantile,
+                                      window)
 
 BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
@@ -161,3 +162,20 @@ def test_a_step_that_raises_does_not_end_the_loop():
         runner.stop()
         t.join(5)
     assert len(errors) == 1 and len(runner.decisions) >= 3 and not math.isnan(runner.decisions[-1].at)
+
+
+def test_transfers_waiting_on_the_prefill_are_its_backlog_not_decode_pressure():
+    """A decode worker reserves pages before the prompt is computed: its waiting transfers include the prefill's
+    queue. Only the rest (computed, not delivered) is decode's; each transfer counts once, not once per side."""
+    def worker(role: str, **load) -> WorkerView:
+        return WorkerView(id=role, url="http://127.0.0.1:1", role=role, healthy=True, load=load)
+
+    prefill = [worker("prefill", num_queue_reqs=40, num_running_reqs=8, num_prefill_inflight_queue_reqs=50)]
+    decode = [worker("decode", num_decode_transfer_queue_reqs=50)]
+    assert owed_transfers(prefill, decode, computing=48) == 2
+    snap = MetricsSource("http://127.0.0.1:1")._signals(Snapshot(at=0.0, current=RoleCounts(1, 1)), "",
+                                                        prefill + decode, {}, 0.0)
+    assert snap.outstanding_transfers == 2 and snap.prefill_waiting == 48
+    stuck = [worker("decode", num_decode_transfer_queue_reqs=30)]
+    idle = [worker("prefill", num_queue_reqs=0, num_running_reqs=0, num_prefill_inflight_queue_reqs=30)]
+    assert owed_transfers(idle, stuck, computing=0) == 30
