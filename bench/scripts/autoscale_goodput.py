@@ -117,7 +117,7 @@ def run_static(a: argparse.Namespace, prefill: int, decode: int, work) -> dict:
 
 
 def add_planner_bench_args(p: argparse.ArgumentParser) -> None:
-    """The SLOs, the planner's pace and the request timeout of the autoscale benchmarks."""
+    """The SLOs, the planner's pace, the request timeout and how workers start, of the autoscale benchmarks."""
     p.add_argument("--ttft-slo-ms", type=float, default=300.0)
     p.add_argument("--itl-slo-ms", type=float, default=50.0)
     p.add_argument("--planner-interval", type=float, default=1.0)
@@ -125,6 +125,9 @@ def add_planner_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner-scale-down-window", type=float, default=PlannerConfig().scale_down_window_secs,
                    help="pd-serve's --planner-scale-down-window-secs (seconds of calm before a role shrinks)")
     p.add_argument("--request-timeout", type=float, default=120.0)
+    p.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=ClusterSpec.fork_workers,
+                   help="start workers forked from the zygote, as pd-serve does by default (--no-fork-workers: "
+                        "a new interpreter each)")
 
 
 def planner_config(a: argparse.Namespace, max_prefill: int, max_decode: int, max_workers: int = 0):
@@ -187,9 +190,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["autoscale", "1P3D", "2P2D", "3P1D"], action="append",
                    help="run only these clusters (repeatable; default: all four)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fork-workers", action=argparse.BooleanOptionalAction, default=ClusterSpec.fork_workers,
-                   help="start workers forked from the zygote, as pd-serve does by default (--no-fork-workers: "
-                        "a new interpreter each)")
     a = p.parse_args(argv)
     work = workload(a)
     print(f"load: {work[1].kind}; SLOs: TTFT {a.ttft_slo_ms:g} ms, TPOT {a.itl_slo_ms:g} ms; {len(work[0])} requests")

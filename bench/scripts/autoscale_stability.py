@@ -53,7 +53,7 @@ def workload(a: argparse.Namespace):
     return reqs, ArrivalPlan(tuple(times), kind)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--minutes", type=float, default=10.0)
@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-decode", type=int, default=2)
     add_planner_bench_args(p)
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     reqs, plan = workload(a)
     print(f"load: {len(reqs)} requests, {plan.kind}", flush=True)
     config = planner_config(a, a.max_prefill, a.max_decode)

@@ -18,3 +18,13 @@ def test_the_trace_is_sped_up_looped_and_fits_the_model():
     assert 2000 < len(reqs) < 3000 and reqs[0].prompt == reqs[1000].prompt
     assert abs(times[1000] - 131.0) < 1.0
     assert max(r.prompt_len + r.output_len for r in reqs) <= 384 + 1 + 64 < 512  # BOS included
+
+
+def test_its_flags_make_the_cluster_spec_it_starts():
+    """The script builds its cluster with the goodput script's `spec` from its own flags (a flag that `spec` reads
+    and this parser lacks broke the script once)."""
+    for argv, forked in (([], True), (["--no-fork-workers"], False)):
+        a = script.build_parser().parse_args(argv)
+        cluster = script.spec(a, 1, 1)
+        assert (cluster.num_prefill, cluster.num_decode, cluster.fork_workers) == (1, 1, forked)
+        assert script.planner_config(a, a.max_prefill, a.max_decode).max_decode == 2
