@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 
+from pd_cluster.bench.arrival import steps_count
 from pd_cluster.bench.config import (BenchConfig, DatasetConfig, LengthScaling, LoadConfig, ReportConfig,
                           ServerMetricsConfig, TargetConfig)
 from pd_cluster.bench.datasets import DATASET_NAMES
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=float, default=None,
                    help="req/s, or inf (default: trace timestamps for traces, else inf)")
+    a.add_argument("--rate-steps", nargs="+", default=None, metavar="RATE:SECS",
+                   help="a load that changes: RATE req/s for SECS seconds, then the next step (e.g. 4:60 16:60 "
+                        "8:60); round(RATE*SECS) requests each, with --burstiness; sets --num-prompts")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     a.add_argument("--trace-speedup", type=float, default=1.0, help="divide trace inter-arrivals by this")
     a.add_argument("--max-concurrency", type=int, default=None)
@@ -74,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--metric-percentiles", default="50,90,99")
     r.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs, e.g. ttft:500 tpot:50 e2el:3000")
+    r.add_argument("--goodput-window", type=float, default=None, metavar="SECS",
+                   help="also report goodput per window of SECS seconds of send time (with --rate-steps and "
+                        "--goodput, per step by default)")
     r.add_argument("--save-result", action="store_true")
     r.add_argument("--result-dir", default=".")
     r.add_argument("--result-filename", default=None)
@@ -112,6 +120,34 @@ def parse_goodput(items: list[str] | None) -> tuple[tuple[str, float], ...]:
         if not sep:
             raise ValueError(f"--goodput: expected METRIC:MS, got {item!r}")
     return tuple(out)
+
+
+def parse_rate_steps(items: list[str] | None) -> tuple[tuple[float, float], ...]:
+    """``["4:60", "16:30"]`` -> ``((4.0, 60.0), (16.0, 30.0))`` (req/s, seconds). Raises ``ValueError``."""
+    out = []
+    for item in items or []:
+        rate, sep, secs = item.partition(":")
+        try:
+            out.append((float(rate), float(secs)))
+        except ValueError:
+            raise ValueError(f"--rate-steps: expected RATE:SECS, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--rate-steps: expected RATE:SECS, got {item!r}")
+        if not (0 < out[-1][0] < math.inf and 0 < out[-1][1] < math.inf):
+            raise ValueError(f"--rate-steps: {item} needs a finite rate > 0 req/s and seconds > 0")
+    return tuple(out)
+
+
+def steps_num_prompts(ns: argparse.Namespace, steps: tuple[tuple[float, float], ...]) -> int | None:
+    """The number of prompts: the steps' requests with ``--rate-steps`` (which ``--num-prompts`` may repeat but
+    not contradict), else ``--num-prompts``. Raises ``ValueError``."""
+    if not steps:
+        return ns.num_prompts
+    n = steps_count(steps)
+    if ns.num_prompts is not None and ns.num_prompts != n:
+        raise ValueError(f"--num-prompts {ns.num_prompts} conflicts with --rate-steps, which sends {n} requests "
+                         f"(round(RATE*SECS) per step); leave --num-prompts out")
+    return n
 
 
 def resolve_generic_lengths(ns: argparse.Namespace) -> None:
@@ -172,21 +208,22 @@ def to_config(ns: argparse.Namespace) -> BenchConfig:
         request_timeout_s=ns.request_timeout, ignore_eos=ns.ignore_eos, temperature=ns.temperature,
         extra_body=extra)
     scaling = LengthScaling(ns.input_len_scale, ns.output_len_scale, ns.max_input_len, ns.max_output_len)
+    steps = parse_rate_steps(ns.rate_steps)
     dataset = DatasetConfig(
-        name=ns.dataset_name, path=ns.dataset_path, num_prompts=ns.num_prompts, seed=ns.seed,
+        name=ns.dataset_name, path=ns.dataset_path, num_prompts=steps_num_prompts(ns, steps), seed=ns.seed,
         random_input_len=ns.random_input_len, random_output_len=ns.random_output_len,
         random_range_ratio=ns.random_range_ratio, random_prefix_len=ns.random_prefix_len,
         sharegpt_output_len=ns.sharegpt_output_len, gsp_num_groups=ns.gsp_num_groups,
         gsp_prompts_per_group=ns.gsp_prompts_per_group, gsp_system_prompt_len=ns.gsp_system_prompt_len,
         gsp_question_len=ns.gsp_question_len, gsp_output_len=ns.gsp_output_len,
         trace_block_size=ns.trace_block_size, scaling=scaling)
-    load = LoadConfig(request_rate=ns.request_rate, burstiness=ns.burstiness, trace_speedup=ns.trace_speedup,
+    load = LoadConfig(request_rate=ns.request_rate, rate_steps=steps, burstiness=ns.burstiness, trace_speedup=ns.trace_speedup,
                       max_concurrency=ns.max_concurrency, duration_s=ns.duration,
                       warmup_requests=ns.warmup_requests, seed=ns.seed)
     report = ReportConfig(
         metric_percentiles=_floats(ns.metric_percentiles, "--metric-percentiles"),
         percentile_metrics=tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip()),
-        goodput=parse_goodput(ns.goodput), save_result=ns.save_result or ns.plot, result_dir=ns.result_dir,
+        goodput=parse_goodput(ns.goodput), goodput_window_s=ns.goodput_window, save_result=ns.save_result or ns.plot, result_dir=ns.result_dir,
         result_filename=ns.result_filename, save_detailed=ns.save_detailed, plot=ns.plot,
         disable_tqdm=ns.disable_tqdm, metadata=tuple(meta))
     server = ServerMetricsConfig(enabled=not ns.no_server_metrics,

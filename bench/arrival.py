@@ -6,6 +6,9 @@
   variation is ``1/sqrt(b)``), as in ``vllm bench serve``. Like vLLM, the gaps
   are rescaled so that their sum is exactly ``(n - 1) / r``: the offered rate
   is then exact for every seed, and the shape of the process is unchanged.
+* rate steps (``--rate-steps RATE:SECS ...``): one such process per step, for that step's seconds, one step
+  after the other: ``round(RATE * SECS)`` requests in each, the first at the step's start (a load that
+  changes, to watch an autoscaler react; DistServe's and Dynamo's planners are judged on such loads).
 * trace: the trace's own timestamps divided by ``--trace-speedup``.
 """
 
@@ -59,3 +62,32 @@ def trace_plan(timestamps: list[float], speedup: float) -> ArrivalPlan:
         raise ValueError("trace timestamps are not sorted")
     times = (t - t[0]) / speedup
     return ArrivalPlan(tuple(times.tolist()), f"trace timestamps, speedup x{speedup:g}")
+
+
+def steps_count(steps: tuple[tuple[float, float], ...]) -> int:
+    """Requests a rate-steps plan sends: ``round(rate * secs)`` per ``(rate, secs)`` step (at least 1 each)."""
+    return sum(max(1, round(rate * secs)) for rate, secs in steps)
+
+
+def steps_plan(steps: tuple[tuple[float, float], ...], burstiness: float, seed: int) -> ArrivalPlan:
+    """Send times of `rate_plan` processes one after the other: step ``i`` (``(rate req/s, secs)``) sends
+    ``round(rate * secs)`` requests (at least 1) from its start, which is the sum of the earlier steps' seconds.
+    Its gaps are rescaled as `rate_plan`'s, so a step's requests all fall inside it."""
+    times: list[float] = []
+    start = 0.0
+    for i, (rate, secs) in enumerate(steps):
+        n = max(1, round(rate * secs))
+        times += [start + t for t in rate_plan(n, rate, burstiness, seed + i).times]
+        start += secs
+    kind = "Poisson" if burstiness == 1.0 else f"gamma (burstiness {burstiness:g})"
+    return ArrivalPlan(tuple(times), "rate steps " + ", ".join(f"{r:g} req/s x {s:g} s" for r, s in steps)
+                       + f", {kind}")
+
+
+def step_windows(steps: tuple[tuple[float, float], ...]) -> list[tuple[float, float]]:
+    """Each step's ``(start, end)`` in seconds from the run's start."""
+    out, start = [], 0.0
+    for _, secs in steps:
+        out.append((start, start + secs))
+        start += secs
+    return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from pd_cluster.bench import compare, results
 from pd_cluster.bench.args import build_parser, to_config
-from pd_cluster.bench.arrival import ArrivalPlan, rate_plan, trace_plan
+from pd_cluster.bench.arrival import ArrivalPlan, rate_plan, step_windows, steps_plan, trace_plan
 from pd_cluster.bench.config import BenchConfig
 from pd_cluster.bench.datasets import TRACE_DATASETS, Dataset, load_dataset
 from pd_cluster.bench.metrics import count_output_tokens, summarize
@@ -22,8 +22,12 @@ from pd_cluster.bench.tokenizer import load_tokenizer, resolve_tokenizer_name
 
 
 def arrival_plan(cfg: BenchConfig, ds: Dataset) -> ArrivalPlan:
-    """Trace timestamps for trace datasets unless ``--request-rate`` is given; else rate arrivals."""
+    """``--rate-steps`` when given; trace timestamps for trace datasets unless ``--request-rate`` is given; else
+    rate arrivals."""
     load = cfg.load
+    if load.rate_steps:  # a dataset that yields fewer prompts than the steps' count ends the run early
+        plan = steps_plan(load.rate_steps, load.burstiness, load.seed)
+        return ArrivalPlan(plan.times[:len(ds.requests)], plan.kind)
     if load.request_rate is None and cfg.dataset.name in TRACE_DATASETS:
         return trace_plan([r.timestamp or 0.0 for r in ds.requests], load.trace_speedup)
     rate = load.request_rate if load.request_rate is not None else float("inf")
@@ -73,7 +77,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     if out.warmup_sent and out.warmup_failed == out.warmup_sent:
         raise RuntimeError(f"all {out.warmup_sent} warm-up requests failed: {out.warmup_errors[:3]}")
     count_output_tokens(out.records, tok)
-    summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
+    summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0, goodput_window_spans(cfg, plan))
     if scraper is not None:
         from pd_cluster.bench.server_metrics import mean_accepted_length, prefix_cache_hit_rate
 
@@ -87,6 +91,17 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.report.save_result:
         _save(cfg, result, out, info)
     return result
+
+
+def goodput_window_spans(cfg: BenchConfig, plan: ArrivalPlan) -> list[tuple[float, float]] | None:
+    """The windows of send time goodput is reported for: ``--goodput-window`` seconds each over the plan's send
+    times, else the ``--rate-steps``; None without either."""
+    size = cfg.report.goodput_window_s
+    if size is None:
+        return step_windows(cfg.load.rate_steps) if cfg.load.rate_steps else None
+    end = max(plan.times, default=0.0)
+    count = max(1, int(end // size) + 1)
+    return [(i * size, (i + 1) * size) for i in range(count)]
 
 
 def _info(cfg: BenchConfig, target, ds: Dataset, plan: ArrivalPlan, tok_name: str, out: RunOutput) -> dict:
@@ -110,7 +125,7 @@ def _config_dict(cfg: BenchConfig, info: dict) -> dict[str, Any]:
 
 def _save(cfg: BenchConfig, result: dict, out: RunOutput, info: dict) -> None:
     rep = cfg.report
-    rate = "trace" if info["arrivals"].startswith("trace") else (
+    rate = "trace" if info["arrivals"].startswith("trace") else "steps" if cfg.load.rate_steps else (
         "inf" if cfg.load.request_rate is None else f"{cfg.load.request_rate:g}")
     name = rep.result_filename or results.default_filename(
         cfg.dataset.name, rate, cfg.load.max_concurrency, info["model"], datetime.now())

@@ -118,9 +118,11 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """How requests arrive. ``request_rate`` None: trace timestamps for traces, else inf."""
+    """How requests arrive. ``request_rate`` None: trace timestamps for traces, else inf; ``rate_steps``:
+    ``(rate req/s, seconds)`` phases one after the other (`bench.arrival.steps_plan`), instead of one rate."""
 
     request_rate: float | None = None
+    rate_steps: tuple[tuple[float, float], ...] = ()
     burstiness: float = 1.0
     trace_speedup: float = 1.0
     max_concurrency: int | None = None
@@ -131,6 +133,11 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if self.request_rate is not None and not (self.request_rate > 0):
             raise ValueError("--request-rate must be > 0 (or inf)")
+        if self.rate_steps and self.request_rate is not None:
+            raise ValueError("--rate-steps and --request-rate: give one (the steps set each phase's rate)")
+        for rate, secs in self.rate_steps:
+            if not (0 < rate < math.inf and 0 < secs < math.inf):
+                raise ValueError(f"--rate-steps: {rate:g}:{secs:g} needs a finite rate > 0 req/s and seconds > 0")
         if not self.burstiness > 0:
             raise ValueError("--burstiness must be > 0")
         if not self.trace_speedup > 0:
@@ -152,6 +159,7 @@ class ReportConfig:
     metric_percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
     goodput: tuple[tuple[str, float], ...] = ()
+    goodput_window_s: float | None = None
     save_result: bool = False
     result_dir: str = "."
     result_filename: str | None = None
@@ -170,6 +178,11 @@ class ReportConfig:
         for m, v in self.goodput:
             if m not in GOODPUT_METRICS or not v > 0:
                 raise ValueError(f"--goodput: bad SLO {m}:{v} (metrics {GOODPUT_METRICS}, ms > 0)")
+        if self.goodput_window_s is not None:
+            if not 0 < self.goodput_window_s < math.inf:
+                raise ValueError(f"--goodput-window must be > 0 seconds, got {self.goodput_window_s:g}")
+            if not self.goodput:
+                raise ValueError("--goodput-window needs --goodput (the SLOs a request must meet to be good)")
 
 
 @dataclass(frozen=True)

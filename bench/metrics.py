@@ -67,6 +67,21 @@ def goodput(records: list[RequestRecord], slos_ms: tuple[tuple[str, float], ...]
             "goodput_share": good / len(records) if records else 0.0}
 
 
+def goodput_windows(records: list[RequestRecord], slos_ms: tuple[tuple[str, float], ...],
+                    windows: list[tuple[float, float]]) -> list[dict[str, Any]]:
+    """`goodput` per window of planned send time: for each ``(start, end)`` (seconds from the run's start), the
+    requests due in ``[start, end)`` (the last window also takes those due at its end), how many were good, and
+    good requests per second of the window (DistServe's goodput, per phase of a load that changes)."""
+    out = []
+    for i, (start, end) in enumerate(windows):
+        last = i == len(windows) - 1
+        part = [r for r in records if start <= r.planned < end or (last and r.planned == end)]
+        g = goodput(part, slos_ms, end - start)
+        out.append({"start_s": start, "end_s": end, "requests": len(part), "good_requests": g["good_requests"],
+                    "request_goodput": g["request_goodput"]})
+    return out
+
+
 def token_times(records: list[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
     """Arrival time (s from start) and token count of every content event of completed requests."""
     times, counts = [], []
@@ -127,8 +142,10 @@ def client_health(out: RunOutput, rate_is_inf: bool) -> dict[str, Any]:
     return h
 
 
-def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool) -> dict[str, Any]:
-    """The flat summary dict printed to the console and saved as JSON (see module docstring)."""
+def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool,
+              windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
+    """The flat summary dict printed to the console and saved as JSON (see module docstring); with SLOs and
+    `windows`, also ``goodput_windows`` (`goodput_windows`)."""
     recs = out.records
     ok = [r for r in recs if r.success]
     dur = out.duration_s
@@ -154,5 +171,7 @@ def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool) -> dict[str,
     for name in cfg.percentile_metrics:
         s.update(latency_stats(series[name], cfg.metric_percentiles, name))
     s.update(goodput(recs, cfg.goodput, dur))
+    if cfg.goodput and windows:
+        s["goodput_windows"] = goodput_windows(recs, cfg.goodput, windows)
     s["client"] = client_health(out, rate_is_inf)
     return s

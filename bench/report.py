@@ -54,6 +54,9 @@ def format_summary(s: dict[str, Any], info: dict[str, Any], percentiles: tuple[f
         slos = " ".join(f"{k}:{v:g}" for k, v in s["goodput_slos_ms"].items())
         lines += [_row("Goodput SLOs (ms):", slos), _row("Request goodput (req/s):", s["request_goodput"]),
                   _row("Requests meeting the SLOs (%):", 100.0 * s["goodput_share"])]
+        for w in s.get("goodput_windows", []):
+            lines.append(_row(f"  sent {w['start_s']:g}-{w['end_s']:g} s (good/sent {w['good_requests']}/"
+                              f"{w['requests']}), req/s:", w["request_goodput"]))
     for m in metrics:
         title, short = _TITLES[m]
         lines.append(_rule(title))

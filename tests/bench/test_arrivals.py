@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from pd_cluster.bench.arrival import gamma_gaps, rate_plan, trace_plan
+from pd_cluster.bench.arrival import gamma_gaps, rate_plan, step_windows, steps_count, steps_plan, trace_plan
 from bench_testkit import bench, measure
 
 
@@ -89,3 +89,18 @@ def test_trace_plan_divides_gaps_by_the_speedup():
     assert plan.times == (0.0, 1.0, 1.0, 3.0)
     with pytest.raises(ValueError):
         trace_plan([1.0, 0.0], 1.0)
+
+
+def test_rate_steps_send_each_steps_count_inside_the_step():
+    steps = ((4.0, 10.0), (16.0, 5.0), (0.25, 2.0))  # the last rounds to 0.5 -> at least 1 request
+    plan = steps_plan(steps, 1.0, seed=3)
+    assert steps_count(steps) == 40 + 80 + 1 == len(plan.times)
+    t = np.asarray(plan.times)
+    assert np.all(np.diff(t) >= 0)
+    first, second, third = t[:40], t[40:120], t[120:]
+    assert first[0] == 0.0 and first[-1] == pytest.approx(39 / 4.0) and first[-1] < 10.0
+    assert second[0] == 10.0 and second[-1] == pytest.approx(10.0 + 79 / 16.0) and second[-1] < 15.0
+    assert third.tolist() == [15.0]
+    assert step_windows(steps) == [(0.0, 10.0), (10.0, 15.0), (15.0, 17.0)]
+    assert plan.kind.startswith("rate steps 4 req/s x 10 s, 16 req/s x 5 s")
+    assert steps_plan(steps, 1.0, seed=3).times == plan.times != steps_plan(steps, 1.0, seed=4).times

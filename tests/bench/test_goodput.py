@@ -1,13 +1,14 @@
-"""Acceptance 4: goodput against a hand-computed set of records."""
+"""Acceptance 4: goodput against a hand-computed set of records; goodput per window of send time and per step of a
+`--rate-steps` load."""
 
 from __future__ import annotations
 
 import pytest
 from bench_testkit import bench
 
-from pd_cluster.bench.args import parse_goodput
+from pd_cluster.bench.args import build_parser, parse_goodput, to_config
 from pd_cluster.bench.client import RequestRecord
-from pd_cluster.bench.metrics import goodput
+from pd_cluster.bench.metrics import goodput, goodput_windows
 
 
 def _rec(i, ok, ttft, latency, out):
@@ -60,3 +61,53 @@ def test_goodput_end_to_end_splits_on_the_fakes_ttft(fake_factory):
     assert tight["good_requests"] == 0 and tight["goodput_share"] == 0.0
     assert loose["good_requests"] == 40 and loose["goodput_share"] == 1.0
     assert loose["request_goodput"] == pytest.approx(40 / loose["duration_s"])
+
+
+def test_goodput_per_window_of_send_time():
+    recs = [RequestRecord(i, prompt_len=10, max_tokens=4, planned=p, sent=p, success=True, ttft=ttft,
+                          latency=ttft + 0.03, output_tokens=4)
+            for i, (p, ttft) in enumerate([(0.0, 0.1), (1.5, 0.9), (2.0, 0.1), (3.9, 0.2), (4.0, 0.05)])]
+    w = goodput_windows(recs, parse_goodput(["ttft:250"]), [(0.0, 2.0), (2.0, 4.0)])
+    # [0, 2): 2 sent, 1 good; [2, 4]: 3 sent (4.0 is the last window's end), all good
+    assert [(x["requests"], x["good_requests"]) for x in w] == [(2, 1), (3, 3)]
+    assert [x["request_goodput"] for x in w] == [pytest.approx(0.5), pytest.approx(1.5)]
+
+
+def test_rate_steps_and_window_flags_are_checked_and_named():
+    def cfg(*flags):
+        return to_config(build_parser().parse_args(list(flags)))
+
+    c = cfg("--rate-steps", "4:10", "16:5", "--goodput", "ttft:300", "--goodput-window", "5")
+    assert c.load.rate_steps == ((4.0, 10.0), (16.0, 5.0)) and c.dataset.num_prompts == 120
+    assert c.report.goodput_window_s == 5.0
+    assert cfg("--rate-steps", "4:10", "--num-prompts", "40").dataset.num_prompts == 40
+    for flags, message in ((("--rate-steps", "4:10", "--num-prompts", "50"), "--num-prompts 50 conflicts"),
+                           (("--rate-steps", "4:10", "--request-rate", "3"), "--rate-steps and --request-rate"),
+                           (("--rate-steps", "4"), "--rate-steps: expected RATE:SECS"),
+                           (("--rate-steps", "0:10"), "--rate-steps: 0:10"),
+                           (("--rate-steps", "inf:10"), "--rate-steps: inf:10"),
+                           (("--goodput-window", "5"), "--goodput-window needs --goodput"),
+                           (("--goodput", "ttft:300", "--goodput-window", "0"), "--goodput-window must be > 0")):
+        with pytest.raises(ValueError, match=message):
+            cfg(*flags)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_rate_steps_report_goodput_per_step_end_to_end(fake_factory):
+    """pd-bench against the fake server: two steps, 20 requests in 0.4 s then 40 in 0.2 s; every one meets a
+    loose TTFT SLO, so each step's goodput is its rate, and none meets a TTFT target below the fake's 60 ms."""
+    fake = fake_factory("--ttft-ms", "60", "--itl-ms", "1", "--num-tokens", "4")
+    flags = ["--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4", "--rate-steps",
+             "50:0.4", "200:0.2", "--no-server-metrics"]
+    s = bench(fake.url, *flags, "--goodput", "ttft:5000")["summary"]
+    assert s["completed"] == 60 and s["good_requests"] == 60
+    w = s["goodput_windows"]
+    assert [(x["start_s"], x["end_s"], x["requests"], x["good_requests"]) for x in w] == \
+        [(0.0, 0.4, 20, 20), (0.4, pytest.approx(0.6), 40, 40)]
+    assert w[0]["request_goodput"] == pytest.approx(50.0) and w[1]["request_goodput"] == pytest.approx(200.0)
+    tight = bench(fake.url, *flags, "--goodput", "ttft:40", "--goodput-window", "0.3")["summary"]
+    w = tight["goodput_windows"]
+    assert [(x["start_s"], x["end_s"]) for x in w] == [(0.0, 0.3), (0.3, 0.6)]
+    assert 0 < w[0]["requests"] < 20 and w[0]["requests"] + w[1]["requests"] == 60  # step 1 spans 0-0.38 s
+    assert [x["good_requests"] for x in w] == [0, 0]
