@@ -14,7 +14,7 @@ from pd_cluster.bench.args import build_parser, to_config
 from pd_cluster.bench.arrival import ArrivalPlan, rate_plan, step_windows, steps_plan, trace_plan
 from pd_cluster.bench.config import BenchConfig
 from pd_cluster.bench.datasets import TRACE_DATASETS, Dataset, load_dataset
-from pd_cluster.bench.metrics import count_output_tokens, summarize
+from pd_cluster.bench.metrics import count_output_tokens, goodput_windows, summarize
 from pd_cluster.bench.preflight import context_length, context_warning, list_models
 from pd_cluster.bench.report import format_summary
 from pd_cluster.bench.runner import Runner, RunOutput
@@ -77,7 +77,10 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     if out.warmup_sent and out.warmup_failed == out.warmup_sent:
         raise RuntimeError(f"all {out.warmup_sent} warm-up requests failed: {out.warmup_errors[:3]}")
     count_output_tokens(out.records, tok)
-    summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0, goodput_window_spans(cfg, plan))
+    summary = summarize(out, cfg.report, max(plan.times, default=0.0) == 0.0)
+    windows = goodput_window_spans(cfg, plan)
+    if cfg.report.goodput and windows:
+        summary["goodput_windows"] = goodput_windows(out.records, cfg.report.goodput, windows)
     if scraper is not None:
         from pd_cluster.bench.server_metrics import mean_accepted_length, prefix_cache_hit_rate
 

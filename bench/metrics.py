@@ -142,10 +142,8 @@ def client_health(out: RunOutput, rate_is_inf: bool) -> dict[str, Any]:
     return h
 
 
-def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool,
-              windows: list[tuple[float, float]] | None = None) -> dict[str, Any]:
-    """The flat summary dict printed to the console and saved as JSON (see module docstring); with SLOs and
-    `windows`, also ``goodput_windows`` (`goodput_windows`)."""
+def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool) -> dict[str, Any]:
+    """The flat summary dict printed to the console and saved as JSON (see module docstring)."""
     recs = out.records
     ok = [r for r in recs if r.success]
     dur = out.duration_s
@@ -171,7 +169,5 @@ def summarize(out: RunOutput, cfg: ReportConfig, rate_is_inf: bool,
     for name in cfg.percentile_metrics:
         s.update(latency_stats(series[name], cfg.metric_percentiles, name))
     s.update(goodput(recs, cfg.goodput, dur))
-    if cfg.goodput and windows:
-        s["goodput_windows"] = goodput_windows(recs, cfg.goodput, windows)
     s["client"] = client_health(out, rate_is_inf)
     return s

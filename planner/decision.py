@@ -299,10 +299,7 @@ class Planner:
         role's pressure: the giving role's scale-down window and load memory do not hold it. Workers a role
         still being changed (`Snapshot.pending`) brings up count against the cap, and that role gives none."""
         cap = self.config.max_workers
-        pend = snap.pending
-        changing = {r: pend is not None and pend.get(r) != cur.get(r) for r in ROLES}
-        # workers a held role is still bringing up count against the cap: they serve soon
-        held = sum(max(0, pend.get(r) - cur.get(r)) for r in ROLES if changing[r] and target.get(r) == cur.get(r))
+        changing, held = _coming(snap.pending, cur, target)
         if not cap or target.total + held <= max(cap, cur.total + held):
             return target
         forced = {r: cur.get(r) < self._bounds(r)[0] for r in ROLES}
@@ -328,3 +325,13 @@ class Planner:
                 target = target.with_(role, cur.get(role))
                 reasons.append(f"{role}: no room at --max-workers {cap} ({other} is not calm enough to give a worker)")
         return target
+
+
+def _coming(pending: RoleCounts | None, cur: RoleCounts, target: RoleCounts) -> tuple[dict[str, bool], int]:
+    """Which roles a connector is still changing, and the workers the held ones among them are still bringing up
+    (they serve soon, so they count against ``--max-workers``)."""
+    if pending is None:
+        return dict.fromkeys(ROLES, False), 0
+    changing = {r: pending.get(r) != cur.get(r) for r in ROLES}
+    held = sum(max(0, pending.get(r) - cur.get(r)) for r in ROLES if changing[r] and target.get(r) == cur.get(r))
+    return changing, held
