@@ -217,15 +217,15 @@ def to_config(ns: argparse.Namespace) -> BenchConfig:
         gsp_prompts_per_group=ns.gsp_prompts_per_group, gsp_system_prompt_len=ns.gsp_system_prompt_len,
         gsp_question_len=ns.gsp_question_len, gsp_output_len=ns.gsp_output_len,
         trace_block_size=ns.trace_block_size, scaling=scaling)
-    load = LoadConfig(request_rate=ns.request_rate, rate_steps=steps, burstiness=ns.burstiness, trace_speedup=ns.trace_speedup,
-                      max_concurrency=ns.max_concurrency, duration_s=ns.duration,
+    load = LoadConfig(request_rate=ns.request_rate, rate_steps=steps, burstiness=ns.burstiness,
+                      trace_speedup=ns.trace_speedup, max_concurrency=ns.max_concurrency, duration_s=ns.duration,
                       warmup_requests=ns.warmup_requests, seed=ns.seed)
     report = ReportConfig(
         metric_percentiles=_floats(ns.metric_percentiles, "--metric-percentiles"),
         percentile_metrics=tuple(m.strip() for m in ns.percentile_metrics.split(",") if m.strip()),
-        goodput=parse_goodput(ns.goodput), goodput_window_s=ns.goodput_window, save_result=ns.save_result or ns.plot, result_dir=ns.result_dir,
-        result_filename=ns.result_filename, save_detailed=ns.save_detailed, plot=ns.plot,
-        disable_tqdm=ns.disable_tqdm, metadata=tuple(meta))
+        goodput=parse_goodput(ns.goodput), goodput_window_s=ns.goodput_window,
+        save_result=ns.save_result or ns.plot, result_dir=ns.result_dir, result_filename=ns.result_filename,
+        save_detailed=ns.save_detailed, plot=ns.plot, disable_tqdm=ns.disable_tqdm, metadata=tuple(meta))
     server = ServerMetricsConfig(enabled=not ns.no_server_metrics,
                                  worker_metrics_urls=tuple(ns.worker_metrics_url),
                                  poll_interval_s=ns.metrics_poll_interval,

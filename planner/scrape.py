@@ -12,8 +12,9 @@ One scrape reads, over HTTP:
 * each serving worker's ``GET /get_load`` (running and queued requests, KV usage, ``max_running_requests``, a
   prefill's ``num_prefill_inflight_queue_reqs`` and a decode's ``num_decode_transfer_queue_reqs``: the outstanding
   KV transfers, of which those whose prompt is still queued or computing on a prefill worker are prefill's
-  backlog, `owed_transfers`) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and ``vllm:prompt_tokens_total``: the queue-time p90,
-  the prompt throughput, and with the queue-time count the mean prompt length).
+  backlog, `owed_transfers`) and ``GET /metrics`` (``vllm:request_queue_time_seconds`` and
+  ``vllm:prompt_tokens_total``: the queue-time p90, the prompt throughput, and with the queue-time count the mean
+  prompt length).
 
 Percentiles are taken over the window between two scrapes from the difference of the cumulative histogram
 buckets, interpolated inside a bucket as Prometheus' ``histogram_quantile`` does; a counter that went down (a

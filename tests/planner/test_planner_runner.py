@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd_cluster.planner.config import PlannerConfig
 from pd_cluster.planner.decision import RoleCounts, Snapshot
 from pd_cluster.planner.runner import PlannerMetrics, PlannerRunner
-from pd_cluster.planner.scrape import (ClusterView, MetricsSource, WorkerView, histogram_buckets, owed_transfers, quantile,
-                                      window)
+from pd_cluster.planner.scrape import (ClusterView, MetricsSource, WorkerView, histogram_buckets, owed_transfers,
+                                      quantile, window)
 
 BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
