@@ -1,4 +1,4 @@
-"""Ending a server process quickly once it has shut down."""
+"""Ending a server process quickly once it has shut down; reading a process's CPU time."""
 
 from __future__ import annotations
 
@@ -23,3 +23,26 @@ def exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User + system CPU time of `pid` (all its threads) in clock ticks, from fields 14 and 15 of
+    ``/proc/PID/stat`` (proc(5)); None where it cannot be read (the process is gone, or no procfs)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the command name, in parentheses, may hold spaces
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """`cpu_ticks` in seconds.
+
+    Raises:
+        ProcessLookupError: the CPU time of `pid` cannot be read.
+    """
+    ticks = cpu_ticks(pid)
+    if ticks is None:
+        raise ProcessLookupError(f"cannot read the CPU time of process {pid}")
+    return ticks / os.sysconf("SC_CLK_TCK")

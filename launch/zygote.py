@@ -38,6 +38,7 @@ import threading
 import time
 from queue import Empty, Queue
 
+from pd_cluster.common.process import cpu_ticks
 from pd_cluster.launch.zygote_process import MAX_MESSAGE, PRELOAD, TITLE_ROOM
 
 __all__ = ["PRELOAD", "ForkedProcess", "Zygote", "spawn", "STALL_S"]
@@ -172,7 +173,7 @@ class Zygote:
         Raises:
             RuntimeError: it exited, or its CPU time did not advance for `STALL_S`.
         """
-        last, since = _cpu_ticks(self.proc.pid), time.monotonic()
+        last, since = cpu_ticks(self.proc.pid), time.monotonic()
         while True:
             try:
                 return self._replies.get(timeout=_POLL_S)
@@ -180,7 +181,7 @@ class Zygote:
                 pass
             if self.proc.poll() is not None or not self.alive:
                 raise RuntimeError(f"the zygote exited ({self.proc.returncode})")
-            now, ticks = time.monotonic(), _cpu_ticks(self.proc.pid)
+            now, ticks = time.monotonic(), cpu_ticks(self.proc.pid)
             if ticks != last:
                 last, since = ticks, now
             elif now - since >= STALL_S:
@@ -222,16 +223,6 @@ class Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-
-
-def _cpu_ticks(pid: int) -> int | None:
-    """User + system CPU time of `pid` in clock ticks (``/proc/PID/stat``), None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _runs_a_module(argv: list[str]) -> bool:

@@ -18,6 +18,7 @@ import time
 
 from pd_cluster.bench.fake_process import FakeServerProcess
 from pd_cluster.bench.http_client import HttpPool
+from pd_cluster.common.process import cpu_seconds
 
 
 class _Sink:
@@ -29,12 +30,6 @@ class _Sink:
 
     def on_body(self, data: bytes, now: float) -> None:
         pass
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def drive(url: str, n: int, concurrency: int, stream: bool, tokens: int) -> tuple[float, int]:
@@ -68,9 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     with FakeServerProcess(["--ttft-ms", "0", "--itl-ms", "0", "--num-tokens", str(a.num_tokens)]) as fake:
         asyncio.run(drive(fake.url, 200, a.concurrency, False, a.num_tokens))  # warm up
         for stream in (False, True):
-            c0 = proc_cpu_seconds(fake.proc.pid)
+            c0 = cpu_seconds(fake.proc.pid)
             rate, bad = asyncio.run(drive(fake.url, a.requests, a.concurrency, stream, a.num_tokens))
-            cpu = proc_cpu_seconds(fake.proc.pid) - c0
+            cpu = cpu_seconds(fake.proc.pid) - c0
             rows.append(("streamed" if stream else "non-streamed", a.requests, bad, rate,
                          cpu / a.requests * 1e6, a.requests / cpu if cpu else float("inf")))
     print(f"fake server, {a.num_tokens} tokens per answer, concurrency {a.concurrency}; "

@@ -47,6 +47,7 @@ from pd_cluster.bench.datasets import load_dataset
 from pd_cluster.bench.scripts.cpu_hogs import cpu_hogs, load_average
 from pd_cluster.bench.tokenizer import load_tokenizer
 from pd_cluster.common.net import free_port
+from pd_cluster.common.process import cpu_seconds
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "engine" / "assets" / "stories260K"
 PROMPTS = ["Once upon a time", "The little dog ran to the park and", "Lily wanted to bake a cake for her mom, so she",
@@ -283,12 +284,6 @@ def run_connections(args: argparse.Namespace, run: int, workdir: Path) -> dict:
             "failures": sorted({str(r["detail"]) for r in recs if r["outcome"] == "failed"})[:5]}
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_many_prompts(args: argparse.Namespace, run: int, workdir: Path) -> list[dict]:
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(args.num_prompts)]
     body = {"model": "stories260K", "prompt": prompts, "echo": True, "max_tokens": 1, "temperature": 0}
@@ -300,12 +295,12 @@ def run_many_prompts(args: argparse.Namespace, run: int, workdir: Path) -> list[
             serve.wait_ready()
             workers = json.loads(serve.manifest.read_text())["workers"]
             for k in range(1, args.repeat + 1):
-                before = {w["name"]: _cpu_seconds(w["pid"]) for w in workers}
+                before = {w["name"]: cpu_seconds(w["pid"]) for w in workers}
                 load = load_average()
                 t = time.monotonic()
                 r = httpx.post(serve.url + "/v1/completions", json=body, timeout=900)
                 took = time.monotonic() - t
-                cpu = {w["name"]: round(_cpu_seconds(w["pid"]) - before[w["name"]], 1) for w in workers}
+                cpu = {w["name"]: round(cpu_seconds(w["pid"]) - before[w["name"]], 1) for w in workers}
                 choices = sorted(r.json().get("choices", []), key=lambda c: c["index"]) if r.status_code == 200 else []
                 rows.append({"run": f"{run}.{k}", "load": f"{load:.0f}", "prompts": len(prompts),
                              "status": r.status_code, "seconds": round(took, 1),

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from pd_cluster.common.process import cpu_ticks as process_cpu_ticks
+
 MODEL = "stories260K"
 
 
@@ -38,12 +40,10 @@ def cpu_ticks(pid: int) -> int:
     tree, todo, total = _children(), [pid], 0
     while todo:
         p = todo.pop()
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
+        ticks = process_cpu_ticks(p)
+        if ticks is None:
             continue
+        total += ticks
         todo.extend(tree.get(p, ()))
     return total
 
